@@ -1,0 +1,1 @@
+"""vLLM glue: the SPEEDSFI backend class, its metadata builder and its impl."""

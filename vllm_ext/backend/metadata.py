@@ -1,0 +1,114 @@
+"""The SPEEDSFI metadata builder: a thin layer over vLLM's common metadata plus the step's per-request
+state (``StepState``, published by ``vllm_ext.runner_hooks``). One metadata object per KV-cache group
+and step, read by every layer of the group: the packed per-step descriptor of the SFI design.
+
+On CUDA the dense path delegates to vLLM's Triton backend, so its builder runs too and its metadata
+rides along (``delegate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import (AttentionCGSupport, AttentionMetadataBuilder,
+                                       CommonAttentionMetadata)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from vllm_ext import metrics, runner_hooks
+from vllm_ext.backend.startup import resolve_config
+from vllm_ext.request_state import StepState
+
+
+@dataclass
+class SpeedSfiMetadata:
+    num_actual_tokens: int          # tokens including padding
+    num_reqs: int                   # rows including padding
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor   # [num_reqs + 1]
+    seq_lens: torch.Tensor          # [num_reqs], current queries included
+    block_table: torch.Tensor       # [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor      # [num_actual_tokens], -1 = do not store
+    num_decodes: int                # decode rows come first
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    step: StepState
+    # host copies for the CPU path (None on CUDA, where nothing may synchronise)
+    query_start_loc_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
+    delegate: Any = None            # TritonAttentionMetadata on CUDA
+
+
+def _dense_delegate_builder_cls():
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
+
+    return TritonAttentionMetadataBuilder
+
+
+class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # All methods off: exactly the Triton delegate, whose graphs vLLM already trusts. With a
+        # method on, attention runs eagerly between graph pieces until the method's kernels are
+        # proven capture-safe on a GPU.
+        cfg = resolve_config(vllm_config)
+        if cfg.any_enabled or not current_platform.is_cuda_alike():
+            return AttentionCGSupport.NEVER
+        return _dense_delegate_builder_cls().get_cudagraph_support(vllm_config, kv_cache_spec)
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.config = resolve_config(vllm_config)
+        self._init_reorder_batch_threshold(1)        # V1 runner: decodes first
+        self._on_cpu = torch.device(device).type == "cpu"
+        self._delegate = None
+        if not self._on_cpu:
+            self._delegate = _dense_delegate_builder_cls()(kv_cache_spec, layer_names, vllm_config,
+                                                           device)
+
+    def _step(self, cm: CommonAttentionMetadata) -> StepState:
+        step = runner_hooks.current_step()
+        if step is None:
+            raise RuntimeError("SPEEDSFI: the model runner published no step state. SPEEDSFI runs on "
+                               "vLLM's V1 model runner with vllm_ext's hooks (do not set "
+                               "VLLM_USE_V2_MODEL_RUNNER=1).")
+        if step.num_rows != cm.num_reqs:
+            raise RuntimeError(f"SPEEDSFI: step state has {step.num_rows} rows but the batch has "
+                               f"{cm.num_reqs}; vllm_ext's runner hooks do not match this vLLM")
+        return step
+
+    def _build(self, cm: CommonAttentionMetadata, delegate) -> SpeedSfiMetadata:
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = \
+            split_decodes_and_prefills(cm, decode_threshold=1)
+        md = SpeedSfiMetadata(
+            num_actual_tokens=cm.num_actual_tokens, num_reqs=cm.num_reqs,
+            max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
+            query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
+            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
+            step=self._step(cm), delegate=delegate)
+        if self._on_cpu:
+            md.query_start_loc_host = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+            md.seq_lens_host = cm.seq_lens[: cm.num_reqs].tolist()
+        metrics.bump("builder.build")
+        return md
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> SpeedSfiMetadata:
+        delegate = None
+        if self._delegate is not None:
+            delegate = self._delegate.build(common_prefix_len, common_attn_metadata, fast_build)
+        return self._build(common_attn_metadata, delegate)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
+        delegate = None
+        if self._delegate is not None:
+            delegate = self._delegate.build_for_cudagraph_capture(common_attn_metadata)
+        return self._build(common_attn_metadata, delegate)

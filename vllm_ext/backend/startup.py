@@ -1,0 +1,70 @@
+"""Start-up checks: the ``speedsfi`` configuration against the served model and the engine's features.
+
+Runs in the worker while the model is built (the first SPEEDSFI layer), before weights load and
+before KV-cache profiling, so a bad configuration stops start-up with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_ext.config import ConfigError, SpeedSfiConfig
+
+logger = logging.getLogger("vllm_ext")
+
+# Methods whose implementation is present in this build. Enabling one that is not stops start-up:
+# an enabled method never silently runs densely.
+IMPLEMENTED_METHODS: frozenset[str] = frozenset()
+
+_cache: dict[int, SpeedSfiConfig] = {}
+
+
+def resolve_config(vllm_config) -> SpeedSfiConfig:
+    """The validated configuration for this engine (parsed once per ``VllmConfig``)."""
+    key = id(vllm_config)
+    cfg = _cache.get(key)
+    if cfg is None:
+        cfg = SpeedSfiConfig.from_additional_config(vllm_config.additional_config)
+        check_engine(cfg, vllm_config)
+        _cache.clear()                      # one engine per process at a time; keep no stale entries
+        _cache[key] = cfg
+        logger.info("vllm_ext: SPEEDSFI configuration: %s", _describe(cfg))
+    return cfg
+
+
+def _describe(cfg: SpeedSfiConfig) -> str:
+    parts = [name for name in ("sfi", "speed", "critiprefill") if getattr(cfg, name).enabled]
+    return (f"methods on: {', '.join(parts)}" if parts else "all methods off (dense)") + \
+        (f" (preset {cfg.preset})" if cfg.preset else "")
+
+
+def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    num_layers = model_config.get_total_num_hidden_layers()
+    cfg.validate_for_model(num_layers=num_layers, max_model_len=model_config.max_model_len)
+
+    for name in ("sfi", "speed", "critiprefill"):
+        if getattr(cfg, name).enabled and name not in IMPLEMENTED_METHODS:
+            raise ConfigError(f"speedsfi.{name}.enabled: {name} is not available in vllm-speedsfi "
+                              f"yet; remove it or set it to false")
+
+    if getattr(model_config, "use_mla", False):
+        raise ConfigError("SPEEDSFI does not support MLA models (DeepSeek-style latent attention)")
+    if model_config.is_encoder_decoder:
+        raise ConfigError("SPEEDSFI does not support encoder-decoder models")
+    if vllm_config.use_v2_model_runner:
+        raise ConfigError("SPEEDSFI runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+    if getattr(parallel, "use_ubatching", False):
+        raise ConfigError("SPEEDSFI does not support dual-batch overlap (--enable-dbo)")
+    if parallel.decode_context_parallel_size > 1 or \
+            getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        raise ConfigError("SPEEDSFI does not support decode/prefill context parallelism")
+    if cfg.any_enabled and vllm_config.speculative_config is not None:
+        raise ConfigError("speedsfi: SFI, SPEED and CritiPrefill do not support speculative decoding")
+    if cfg.speed.enabled:
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise ConfigError("speedsfi.speed.enabled: SPEED needs --no-enable-prefix-caching (the "
+                              "upper layers hold no prompt KV that a cache hit could reuse)")
+        if parallel.pipeline_parallel_size > 1:
+            raise ConfigError("speedsfi.speed.enabled: SPEED does not support pipeline parallelism")

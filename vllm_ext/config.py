@@ -1,0 +1,322 @@
+"""The one typed, validated configuration object of the plugin.
+
+Read from ``--additional-config '{"speedsfi": {...}}'`` (or ``LLM(additional_config=...)``), optionally
+starting from a named YAML preset (``{"speedsfi": {"preset": "sfi"}}``, a file in ``configs/``) or a
+preset path; explicit fields override the preset. Field names and defaults are those of
+``ALGORITHMS.md``. Every method is off unless enabled.
+
+This module imports neither vLLM nor torch: the kernels' machines and the config tests use it as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+CONFIG_KEY = "speedsfi"
+PRESET_DIRS = (
+    Path(__file__).resolve().parent / "presets",      # installed package (symlink to configs/ in the repo)
+    Path(__file__).resolve().parent.parent / "configs",
+)
+
+
+class ConfigError(ValueError):
+    """A bad ``speedsfi`` configuration. The message names the field and says why."""
+
+
+def _positive(name: str, v: float) -> None:
+    if not v > 0:
+        raise ConfigError(f"speedsfi.{name} must be > 0, got {v!r}")
+
+
+def _non_negative(name: str, v: float) -> None:
+    if not v >= 0:
+        raise ConfigError(f"speedsfi.{name} must be >= 0, got {v!r}")
+
+
+def _in_unit(name: str, v: float, *, closed_low: bool = True) -> None:
+    ok = (0 <= v <= 1) if closed_low else (0 < v <= 1)
+    if not ok:
+        raise ConfigError(f"speedsfi.{name} must be in {'[' if closed_low else '('}0, 1], got {v!r}")
+
+
+@dataclass(frozen=True)
+class SfiConfig:
+    """SFI, slow-fast inference (ALGORITHMS.md §1)."""
+
+    enabled: bool = False
+    k: int = 2048                      # selected tokens per KV head
+    k_min: int = 32                    # the selector never returns fewer (when the allowed set has them)
+    n_sink: int = 4
+    n_recent: int = 256
+    refresh: int = 32                  # a slow step at least every `refresh` decode steps
+    w_prefill: int = 16                # prefill evidence window (last prompt queries)
+    schedule: Literal["boundary", "periodic", "always_slow"] = "boundary"
+    trigger_chars: tuple[str, ...] = (".", "?", "!", ";", "\n", "。", "？", "！")
+    min_boundary_gap: int = 0          # optional guard: min decode steps between boundary refreshes (0 = off)
+    # evidence and prior
+    alpha: float = 0.5
+    gamma_k: float = 0.5
+    pos_power: float = 1.8
+    pos_eta: float = 0.4
+    pos_beta: float = -math.log(0.6) / 0.9
+    w_k: float = 1.0
+    w_pos: float = 0.7
+    # fusion and refinement
+    lambda_max: float = 0.02
+    nms_radius: int = 16
+    mu: float = 0.5
+    cross_head_temperature: float = 2.0
+    lam_x: float = 0.35
+    eps: float = 1e-12
+    # system
+    max_requests: int | None = None    # requests holding SFI state at once; None = min(max_num_seqs, 32)
+    dual_stream: bool = True           # selector + gather on a side stream (CUDA); False = serial
+
+    def validate(self) -> None:
+        for name in ("k", "refresh", "w_prefill"):
+            _positive(f"sfi.{name}", getattr(self, name))
+        for name in ("k_min", "n_sink", "n_recent", "min_boundary_gap", "nms_radius", "mu", "lam_x",
+                     "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):
+            _non_negative(f"sfi.{name}", getattr(self, name))
+        if self.k_min > self.k:
+            raise ConfigError(f"speedsfi.sfi.k_min ({self.k_min}) must be <= sfi.k ({self.k})")
+        _in_unit("sfi.alpha", self.alpha, closed_low=False)
+        _in_unit("sfi.lambda_max", self.lambda_max)
+        _positive("sfi.pos_power", self.pos_power)
+        _positive("sfi.cross_head_temperature", self.cross_head_temperature)
+        _positive("sfi.eps", self.eps)
+        if self.max_requests is not None:
+            _positive("sfi.max_requests", self.max_requests)
+        if self.schedule == "boundary" and not self.trigger_chars:
+            raise ConfigError("speedsfi.sfi.trigger_chars must not be empty with schedule 'boundary'")
+        for c in self.trigger_chars:
+            if not isinstance(c, str) or len(c) != 1:
+                raise ConfigError(f"speedsfi.sfi.trigger_chars: each entry must be one character, got {c!r}")
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """SPEED, shallow prefill / deep decode (ALGORITHMS.md §2)."""
+
+    enabled: bool = False
+    l_cut: int | None = None           # lower layers 0..l_cut-1; None = 3/4 of the model's layers
+    anchor: Literal["bos", "none"] = "bos"
+    variant: Literal["speed", "self_only"] = "speed"
+
+    def validate(self) -> None:
+        if self.l_cut is not None:
+            _positive("speed.l_cut", self.l_cut)
+
+    def resolved_l_cut(self, num_layers: int) -> int:
+        return self.l_cut if self.l_cut is not None else max(1, (3 * num_layers) // 4)
+
+
+@dataclass(frozen=True)
+class CritiPrefillConfig:
+    """CritiPrefill, segment-wise criticality for prefill (ALGORITHMS.md §3)."""
+
+    enabled: bool = False
+    segment_size: int = 512
+    block_size: int = 32
+    budget: int = 1024                 # keys per query segment
+    alpha: float = 0.25
+    fusion: Literal["paper", "ema"] = "paper"
+    score: Literal["paper", "code"] = "paper"
+    min_len: int = 4096                # shorter prompts prefill densely
+    dense_layers: tuple[int, ...] = (0,)
+
+    def validate(self) -> None:
+        for name in ("segment_size", "block_size", "budget"):
+            _positive(f"critiprefill.{name}", getattr(self, name))
+        _non_negative("critiprefill.min_len", self.min_len)
+        _in_unit("critiprefill.alpha", self.alpha)
+        if self.budget % self.block_size:
+            raise ConfigError(f"speedsfi.critiprefill.budget ({self.budget}) must be a multiple of "
+                              f"critiprefill.block_size ({self.block_size})")
+        for layer in self.dense_layers:
+            _non_negative("critiprefill.dense_layers[]", layer)
+
+
+@dataclass(frozen=True)
+class SpeedSfiConfig:
+    sfi: SfiConfig = field(default_factory=SfiConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    critiprefill: CritiPrefillConfig = field(default_factory=CritiPrefillConfig)
+    preset: str | None = None
+
+    @property
+    def any_enabled(self) -> bool:
+        return self.sfi.enabled or self.speed.enabled or self.critiprefill.enabled
+
+    def validate(self) -> None:
+        self.sfi.validate()
+        self.speed.validate()
+        self.critiprefill.validate()
+
+    def validate_for_model(self, *, num_layers: int, max_model_len: int | None = None) -> None:
+        """Checks that need the served model; called at engine start-up."""
+        if self.speed.enabled:
+            l_cut = self.speed.resolved_l_cut(num_layers)
+            if l_cut > num_layers:
+                raise ConfigError(f"speedsfi.speed.l_cut ({l_cut}) must be <= the model's number of "
+                                  f"layers ({num_layers})")
+        for layer in self.critiprefill.dense_layers:
+            if self.critiprefill.enabled and layer >= num_layers:
+                raise ConfigError(f"speedsfi.critiprefill.dense_layers: layer {layer} does not exist "
+                                  f"(the model has {num_layers} layers)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> "SpeedSfiConfig":
+        """Build from the ``speedsfi`` mapping (preset first, then explicit fields); validates."""
+        raw = dict(raw or {})
+        if not isinstance(raw, dict):
+            raise ConfigError(f"speedsfi: expected a mapping, got {type(raw).__name__}")
+        preset = raw.pop("preset", None)
+        merged: dict[str, Any] = {}
+        if preset is not None:
+            if not isinstance(preset, str):
+                raise ConfigError(f"speedsfi.preset must be a preset name or a path, got {preset!r}")
+            merged = load_preset(preset)
+        _deep_update(merged, raw)
+        cfg = _build(cls, merged, "speedsfi")
+        cfg = dataclasses.replace(cfg, preset=preset)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> "SpeedSfiConfig":
+        section = (additional_config or {}).get(CONFIG_KEY)
+        return cls.from_dict(section)
+
+    def with_overrides(self, overrides: Mapping[str, Any] | None) -> "SpeedSfiConfig":
+        """Per-request overrides (``SamplingParams.extra_args["speedsfi"]``), validated like the global config."""
+        if not overrides:
+            return self
+        if "preset" in overrides:
+            raise ConfigError("speedsfi.preset cannot be overridden per request")
+        base = self.to_dict()
+        base.pop("preset", None)
+        _deep_update(base, dict(overrides))
+        cfg = _build(SpeedSfiConfig, base, "speedsfi")
+        cfg = dataclasses.replace(cfg, preset=self.preset)
+        cfg.validate()
+        return cfg
+
+
+def preset_names() -> list[str]:
+    names = set()
+    for d in PRESET_DIRS:
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    import yaml
+
+    path = Path(os.path.expanduser(name_or_path))
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = next((d / f"{name_or_path}.yaml" for d in PRESET_DIRS if (d / f"{name_or_path}.yaml").is_file()),
+                    None)
+        if path is None:
+            raise ConfigError(f"speedsfi.preset: no preset named {name_or_path!r} and no such YAML file; "
+                              f"known presets: {', '.join(preset_names()) or '(none)'}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"speedsfi.preset {path}: expected a mapping at the top level")
+    data = data.get(CONFIG_KEY, data)
+    if "preset" in data:
+        raise ConfigError(f"speedsfi.preset {path}: presets cannot name other presets")
+    return data
+
+
+def _deep_update(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
+    for key, value in src.items():
+        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
+            _deep_update(dst[key], value)
+        else:
+            dst[key] = value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Strict conversion of a JSON/YAML value to an annotated field type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{where}: expected one of {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+    if origin is tuple:
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        if isinstance(value, str) and item_tp is str:
+            return tuple(value)        # "?!." -> ("?", "!", ".")
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return tuple(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    raise TypeError(f"unhandled config type {tp} at {where}")  # a bug in this module, not user input
+
+
+def _build(cls: type, raw: Any, where: str):
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(fields))})"
+            raise ConfigError(f"{where}.{key}: unknown field{hint}")
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+    return cls(**kwargs)

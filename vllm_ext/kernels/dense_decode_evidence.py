@@ -1,0 +1,466 @@
+"""SFI slow step: dense paged decode attention plus the selector's evidence, and the dense baseline.
+
+``dense_decode_with_evidence`` computes, per batch row (one decode query per row):
+
+* ``out``: dense causal attention of each query head over all ``seq_lens[r]`` cached positions;
+* ``log_evidence [R, Hkv, max_len]`` (fp32): for each KV head ``h``, the power-mean pooled evidence
+  of its G query heads over the allowed set ``A = [allowed_lo[r], allowed_hi[r])`` (clamped to
+  ``[0, min(seq_len, max_len))``)::
+
+      p_g(j)   = softmax_{j in A}(q_g . k_j * scale)
+      log f(j) = (logsumexp_g(alpha * log p_g(j)) - log G) / alpha      (alpha > 0)
+      log f(j) = mean_g log p_g(j)                                         (alpha == 0, geometric)
+
+  un-normalised; ``-inf`` at every column of ``[0, max_len)`` outside ``A`` (the whole row of an
+  active request is written).
+
+One pass over K/V (split-K, online softmax) writes the partial outputs, the raw scores of the G
+heads into a scratch ``[R, Hq, max_len]`` fp32 and per-split LSEs over ``A``; a cheap second pass
+over the scores (``Hq * 4`` bytes per position instead of ``2 * Hkv * D * dtype`` bytes of KV) turns
+them into the evidence. ``max_len = log_evidence.shape[-1]`` must be ``>= max(seq_lens)`` for the
+evidence to cover the whole history (positions beyond it are attended to but get no evidence).
+
+``paged_decode`` is the same kernel without evidence: the strong dense paged decode used as the
+benchmark baseline and as the CUDA dense path.
+
+``prefill_evidence`` is the prefill-end variant: ``W`` query rows per request (the last W prompt
+queries), each with its own causal limit ``query_positions``, pooled into one ``G * W`` power mean
+(``log(G * W_valid)`` normaliser, where ``W_valid`` counts queries with position ``>= 0``). It is a
+chunked PyTorch implementation on every device (runs once per request at the end of its prefill).
+
+A row is active iff ``row_mask[r] != 0`` (when given) and ``seq_lens[r] > 0``; inactive rows are
+untouched (``out`` and ``log_evidence``). No host synchronisation; pass a workspace to avoid
+allocation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ext.kernels.merge_state import launch_merge_states
+from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, interpret_mode,
+                                           next_pow2, use_triton)
+from vllm_ext.kernels.two_segment_decode import (LOG2E, _configs, active_rows,
+                                                 batched_masked_attention, default_num_splits,
+                                                 gather_paged_rows)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from vllm_ext.kernels.two_segment_decode import (_load_group_q, _load_kv_rows,
+                                                     _online_update, _paged_row_offsets, _scores,
+                                                     _store_state)
+
+    @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT", "EVIDENCE"])
+    @triton.jit
+    def _dense_split_kernel(
+        Q, KV, BT, SEQ, LO, HI, MASK, PO, PLSE, PLSEA, SC, OUT,
+        s_q_r, s_q_h, s_q_d,
+        s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+        s_bt_r, s_bt_b,
+        s_po_r, s_po_s, s_po_h, s_po_d,
+        s_pl_r, s_pl_s, s_pl_h,
+        s_pa_r, s_pa_s, s_pa_h,
+        s_sc_r, s_sc_h, s_sc_j,
+        s_o_r, s_o_h, s_o_d,
+        MAX_LEN, qk_scale,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+        F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        split = tl.program_id(2)
+        if HAS_MASK:
+            if tl.load(MASK + row).to(tl.int32) == 0:
+                return
+        seq_len = tl.load(SEQ + row)
+        if seq_len <= 0:
+            return
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+
+        q = _load_group_q(Q, row, h, s_q_r, s_q_h, s_q_d, G, BLOCK_G, D, BLOCK_D)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_g = tl.arange(0, BLOCK_G)
+        gm = offs_g < G
+        heads = h * G + offs_g
+        if EVIDENCE:
+            lo = tl.maximum(tl.load(LO + row), 0)
+            hi = tl.minimum(tl.minimum(tl.load(HI + row), seq_len), MAX_LEN)
+            ma_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            la_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+            sc_base = SC + row.to(tl.int64) * s_sc_r + heads[:, None].to(tl.int64) * s_sc_h
+
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + offs_n
+            valid = pos < end
+            rowoff = _paged_row_offsets(BT, row, pos, valid, s_bt_r, s_bt_b, h,
+                                        s_kv_b, s_kv_h, s_kv_n, PAGE)
+            k, v = _load_kv_rows(KV, rowoff, valid, s_kv_c, D, BLOCK_D)
+            s = _scores(q, k, qk_scale, F32_DOT)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            if EVIDENCE:
+                tl.store(sc_base + pos[None, :].to(tl.int64) * s_sc_j, s,
+                         mask=gm[:, None] & (valid & (pos < MAX_LEN))[None, :])
+                in_a = valid & (pos >= lo) & (pos < hi)
+                sa = tl.where(in_a[None, :], s, float("-inf"))
+                ma_new = tl.maximum(ma_i, tl.max(sa, 1))
+                ma_safe = tl.where(ma_new == float("-inf"), 0.0, ma_new)
+                la_i = la_i * tl.exp2(ma_i - ma_safe) + tl.sum(tl.exp2(sa - ma_safe[:, None]), 1)
+                ma_i = ma_new
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
+
+        _store_state(acc, m_i, l_i, row, h, split, PO, PLSE, OUT,
+                     s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
+                     s_o_r, s_o_h, s_o_d, G, BLOCK_G, D, BLOCK_D, DIRECT)
+        if EVIDENCE:
+            # per-split LSE over A, in log2 units (internal scratch)
+            ma_safe = tl.where(ma_i == float("-inf"), 0.0, ma_i)
+            lsea = tl.where(la_i > 0, ma_safe + tl.log2(la_i), float("-inf"))
+            tl.store(PLSEA + row.to(tl.int64) * s_pa_r + split * s_pa_s + heads * s_pa_h, lsea,
+                     mask=gm)
+
+    @triton.jit
+    def _evidence_kernel(
+        SEQ, LO, HI, MASK, PLSEA, SC, EV,
+        s_pa_r, s_pa_s, s_pa_h,
+        s_sc_r, s_sc_h, s_sc_j,
+        s_ev_r, s_ev_h, s_ev_j,
+        MAX_LEN, alpha, log_g,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr, HAS_MASK: tl.constexpr, GEOMETRIC: tl.constexpr,
+        BLOCK_J: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        jb = tl.program_id(2)
+        if HAS_MASK:
+            if tl.load(MASK + row).to(tl.int32) == 0:
+                return
+        seq_len = tl.load(SEQ + row)
+        if seq_len <= 0:
+            return
+        lo = tl.maximum(tl.load(LO + row), 0)
+        hi = tl.minimum(tl.minimum(tl.load(HI + row), seq_len), MAX_LEN)
+        offs_g = tl.arange(0, BLOCK_G)
+        gm = offs_g < G
+        heads = h * G + offs_g
+        offs_j = jb * BLOCK_J + tl.arange(0, BLOCK_J)
+        jm = offs_j < MAX_LEN
+        in_a = (offs_j >= lo) & (offs_j < hi)
+        ev_ptr = EV + row.to(tl.int64) * s_ev_r + h * s_ev_h + offs_j.to(tl.int64) * s_ev_j
+        if (jb * BLOCK_J >= hi) | ((jb + 1) * BLOCK_J <= lo):
+            tl.store(ev_ptr, tl.full([BLOCK_J], float("-inf"), tl.float32), mask=jm)
+        else:
+            # merge the per-split LSEs over A (log2 units)
+            offs_s = tl.arange(0, BLOCK_S)
+            pa = tl.load(PLSEA + row.to(tl.int64) * s_pa_r + offs_s[None, :] * s_pa_s
+                         + heads[:, None] * s_pa_h,
+                         mask=gm[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"))
+            pm = tl.max(pa, 1)
+            pm_safe = tl.where(pm == float("-inf"), 0.0, pm)
+            lse_a = pm_safe + tl.log2(tl.sum(tl.exp2(pa - pm_safe[:, None]), 1))   # [BG]
+            lse_a = tl.where(gm, lse_a, 0.0)
+            m2 = gm[:, None] & (in_a & jm)[None, :]
+            s = tl.load(SC + row.to(tl.int64) * s_sc_r + heads[:, None].to(tl.int64) * s_sc_h
+                        + offs_j[None, :].to(tl.int64) * s_sc_j, mask=m2, other=0.0)
+            logp = (s - lse_a[:, None]) * 0.6931471805599453           # natural log p_g(j)
+            if GEOMETRIC:
+                lf = tl.sum(tl.where(gm[:, None], logp, 0.0), 0) / G
+            else:
+                a = tl.where(gm[:, None], alpha * logp, float("-inf"))
+                am = tl.max(a, 0)
+                am_safe = tl.where(am == float("-inf"), 0.0, am)
+                lse = am_safe + tl.log(tl.sum(tl.exp(a - am_safe[None, :]), 0))
+                lf = (lse - log_g) / alpha
+            lf = tl.where(in_a, lf, float("-inf"))
+            tl.store(ev_ptr, lf, mask=jm)
+
+
+def _interp_meta() -> dict:
+    return {"BLOCK_N": 32} if interpret_mode() else {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Workspace
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class DenseWorkspace:
+    """Scratch of the dense split-K decode (``scores``/``partial_lse_allowed`` only with evidence)."""
+    partial_out: torch.Tensor          # [R, S, Hq, D] fp32
+    partial_lse: torch.Tensor          # [R, S, Hq] fp32
+    partial_lse_allowed: torch.Tensor | None = None   # [R, S, Hq] fp32 (log2 units)
+    scores: torch.Tensor | None = None                # [R, Hq, max_len] fp32 (log2 units)
+
+    def fits(self, num_rows, num_heads, head_size, num_splits, max_len=None) -> bool:
+        po = self.partial_out
+        ok = (po.shape[0] >= num_rows and po.shape[1] >= num_splits and po.shape[2] == num_heads
+              and po.shape[3] == head_size)
+        if max_len is not None:
+            ok = ok and self.scores is not None and self.scores.shape[2] >= max_len \
+                and self.partial_lse_allowed is not None
+        return ok
+
+
+def dense_decode_workspace(num_rows: int, num_heads: int, head_size: int, num_splits: int,
+                           device, *, max_len: int | None = None) -> DenseWorkspace:
+    """Allocate once. ``max_len`` (the evidence length) adds the evidence scratch."""
+    s = max(int(num_splits), 1)
+    ws = DenseWorkspace(
+        torch.empty((num_rows, s, num_heads, head_size), dtype=torch.float32, device=device),
+        torch.empty((num_rows, s, num_heads), dtype=torch.float32, device=device))
+    if max_len is not None:
+        ws.partial_lse_allowed = torch.empty((num_rows, s, num_heads), dtype=torch.float32,
+                                             device=device)
+        ws.scores = torch.empty((num_rows, num_heads, max_len), dtype=torch.float32, device=device)
+    return ws
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton launcher
+# ----------------------------------------------------------------------------------------------
+
+def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, num_splits,
+                  workspace, allowed_lo=None, allowed_hi=None, log_evidence=None, alpha=0.5):
+    num_rows, hq, d = query.shape
+    hkv = kv_cache.shape[1]
+    assert kv_cache.shape[-1] == 2 * d and hq % hkv == 0
+    g = hq // hkv
+    if num_rows == 0:
+        return out
+    evidence = log_evidence is not None
+    max_len = log_evidence.shape[-1] if evidence else 0
+    if num_splits is None:
+        num_splits = default_num_splits(num_rows, hkv, block_table.shape[1] * kv_cache.shape[2],
+                                        query.device)
+    num_splits = int(num_splits)
+    direct = num_splits == 1
+    need_ws = (not direct) or evidence
+    if need_ws and (workspace is None
+                    or not workspace.fits(num_rows, hq, d, num_splits,
+                                          max_len if evidence else None)):
+        workspace = dense_decode_workspace(num_rows, hq, d, num_splits, query.device,
+                                           max_len=max_len if evidence else None)
+    if direct:
+        po, pl, po_st, pl_st = out, out, (0, 0, 0, 0), (0, 0, 0)
+    else:
+        po = workspace.partial_out[:num_rows, :num_splits]
+        pl = workspace.partial_lse[:num_rows, :num_splits]
+        po_st, pl_st = po.stride(), pl.stride()
+    if evidence:
+        pa = workspace.partial_lse_allowed[:num_rows, :num_splits]
+        sc = workspace.scores[:num_rows]
+        pa_st, sc_st = pa.stride(), sc.stride()
+        lo, hi = allowed_lo, allowed_hi
+    else:
+        pa, sc, pa_st, sc_st = out, out, (0, 0, 0), (0, 0, 0)
+        lo = hi = seq_lens
+    has_mask = row_mask is not None
+    mask_arg = row_mask if has_mask else seq_lens
+    _dense_split_kernel[(num_rows, hkv, num_splits)](
+        query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, po, pl, pa, sc, out,
+        *query.stride(), *kv_cache.stride(), *block_table.stride(),
+        *po_st, *pl_st, *pa_st, *sc_st, *out.stride(),
+        max_len, float(scale) * LOG2E,
+        G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
+        PAGE=kv_cache.shape[2], NUM_SPLITS=num_splits, HAS_MASK=has_mask,
+        F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, EVIDENCE=evidence, **_interp_meta())
+    if not direct:
+        launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens)
+    if evidence:
+        block_j = 128 if max_len >= 128 else max(16, next_pow2(max_len))
+        geometric = float(alpha) == 0.0
+        _evidence_kernel[(num_rows, hkv, triton.cdiv(max_len, block_j))](
+            seq_lens, allowed_lo, allowed_hi, mask_arg, pa, sc, log_evidence,
+            *pa_st, *sc_st, *log_evidence.stride(),
+            max_len, float(alpha) if not geometric else 1.0, math.log(g),
+            G=g, BLOCK_G=next_pow2(g), NUM_SPLITS=num_splits,
+            BLOCK_S=next_pow2(num_splits), HAS_MASK=has_mask, GEOMETRIC=geometric,
+            BLOCK_J=block_j)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Public ops
+# ----------------------------------------------------------------------------------------------
+
+def paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=None, *,
+                 num_splits=None, workspace=None):
+    """Dense paged decode (one query per row over all ``seq_lens[r]`` positions), split-K."""
+    if not use_triton(query):
+        return paged_decode_torch(query, kv_cache, block_table, seq_lens, scale, out, row_mask,
+                                  num_splits=num_splits, workspace=workspace)
+    return _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask,
+                         num_splits, workspace)
+
+
+def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
+                               scale, out, log_evidence, row_mask=None, alpha=0.5, *,
+                               num_splits=None, workspace=None):
+    """Slow-step decode: dense ``out`` and ``log_evidence [R, Hkv, max_len]`` (see module doc)."""
+    if not use_triton(query):
+        return dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
+                                                allowed_hi, scale, out, log_evidence, row_mask,
+                                                alpha, num_splits=num_splits, workspace=workspace)
+    assert log_evidence.dtype == torch.float32
+    assert log_evidence.shape[:2] == (query.shape[0], kv_cache.shape[1])
+    return _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask,
+                         num_splits, workspace, allowed_lo, allowed_hi, log_evidence, alpha)
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch twins
+# ----------------------------------------------------------------------------------------------
+
+def _dense_scores_torch(query, kv_cache, block_table, length, scale):
+    """Positions ``[0, length)`` of every row: K/V gathered and fp32 scores ``[R, Hq, length]``."""
+    r, hq, d = query.shape
+    pos = torch.arange(length, device=query.device)[None, :].expand(r, length)
+    k, v = gather_paged_rows(kv_cache, block_table, pos)
+    hkv = k.shape[1]
+    q = query.float().reshape(r, hkv, hq // hkv, d)
+    s = torch.einsum("rhgd,rhnd->rhgn", q, k.float()).reshape(r, hq, length) * scale
+    return s, k, v
+
+
+def paged_decode_torch(query, kv_cache, block_table, seq_lens, scale, out, row_mask=None, *,
+                       num_splits=None, workspace=None):
+    del num_splits, workspace
+    r = query.shape[0]
+    if r == 0:
+        return out
+    length = block_table.shape[1] * kv_cache.shape[2]
+    pos = torch.arange(length, device=query.device)[None, :].expand(r, length)
+    k, v = gather_paged_rows(kv_cache, block_table, pos)
+    mask = pos < seq_lens.long()[:, None]
+    o, _ = batched_masked_attention(query, k, v, mask, scale)
+    act = active_rows(seq_lens, row_mask)
+    out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
+    return out
+
+
+def _pool_evidence(logp: torch.Tensor, in_a: torch.Tensor, alpha: float, n_rows: torch.Tensor
+                   ) -> torch.Tensor:
+    """``logp [R, Hkv, M, L]`` (M pooled rows per KV head, ``-inf`` where p = 0 or invalid) ->
+    power-mean log evidence ``[R, Hkv, L]``; ``n_rows`` ``[R]`` is the count M actually pooled."""
+    lognr = torch.log(n_rows.float().clamp_min(1.0))[:, None, None]
+    if alpha == 0.0:
+        lf = logp.sum(dim=2) / n_rows.float().clamp_min(1.0)[:, None, None]
+    else:
+        lf = (torch.logsumexp(alpha * logp, dim=2) - lognr) / alpha
+    return torch.where(in_a, lf, torch.full_like(lf, float("-inf")))
+
+
+def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
+                                     allowed_hi, scale, out, log_evidence, row_mask=None,
+                                     alpha=0.5, *, num_splits=None, workspace=None):
+    """PyTorch twin of :func:`dense_decode_with_evidence` (fp32, no host sync, no row loop)."""
+    del num_splits, workspace
+    r, hq, d = query.shape
+    if r == 0:
+        return out
+    hkv = kv_cache.shape[1]
+    g = hq // hkv
+    max_len = log_evidence.shape[-1]
+    length = max(block_table.shape[1] * kv_cache.shape[2], 1)
+    s, k, v = _dense_scores_torch(query, kv_cache, block_table, length, scale)   # [R, Hq, L]
+    seq = seq_lens.long()
+    pos = torch.arange(length, device=query.device)
+    vis = pos[None, :] < seq[:, None]                                              # [R, L]
+    sm = s.masked_fill(~vis[:, None, :], float("-inf"))
+    lse = torch.logsumexp(sm, dim=-1, keepdim=True)
+    p = torch.exp(sm - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+    p = torch.where(vis[:, None, :], p, torch.zeros_like(p))
+    o = torch.einsum("rhgn,rhnd->rhgd", p.reshape(r, hkv, g, length), v.float()).reshape(r, hq, d)
+
+    lo = allowed_lo.long().clamp_min(0)
+    hi = torch.minimum(torch.minimum(allowed_hi.long(), seq), torch.full_like(seq, max_len))
+    jpos = torch.arange(max_len, device=query.device)
+    in_a = (jpos[None, :] >= lo[:, None]) & (jpos[None, :] < hi[:, None])           # [R, max_len]
+    n = min(max_len, length)
+    sa = torch.full((r, hq, max_len), float("-inf"), device=query.device)
+    sa[:, :, :n] = s[:, :, :n]
+    sa = sa.masked_fill(~in_a[:, None, :], float("-inf"))
+    lse_a = torch.logsumexp(sa, dim=-1, keepdim=True)
+    logp = sa - torch.where(torch.isinf(lse_a), torch.zeros_like(lse_a), lse_a)
+    logp = logp.reshape(r, hkv, g, max_len)
+    ev = _pool_evidence(logp, in_a[:, None, :], float(alpha),
+                        torch.full((r,), g, device=query.device))
+    act = active_rows(seq_lens, row_mask)
+    out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
+    log_evidence.copy_(torch.where(act[:, None, None], ev, log_evidence))
+    return out
+
+
+def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
+                           scale, log_evidence, query_positions, row_mask=None, alpha=0.5, *,
+                           chunk=4096):
+    """Prefill-end evidence from ``W`` queries per row (see module doc).
+
+    ``query_rows [R, W, Hq, D]``; ``query_positions [R, W]`` int (absolute position of each query;
+    it attends to positions ``<= position``; ``< 0`` = padding query, excluded from the pool).
+    Writes ``log_evidence [R, Hkv, max_len]`` for active rows. Chunked over positions (two passes,
+    K read twice, no ``[R, W*Hq, max_len]`` scratch). No host sync.
+    """
+    r, w, hq, d = query_rows.shape
+    if r == 0:
+        return log_evidence
+    dev = query_rows.device
+    hkv = kv_cache.shape[1]
+    g = hq // hkv
+    max_len = log_evidence.shape[-1]
+    seq = seq_lens.long()
+    qpos = query_positions.long()                                             # [R, W]
+    qvalid = qpos >= 0
+    lo = allowed_lo.long().clamp_min(0)
+    hi = torch.minimum(torch.minimum(allowed_hi.long(), seq), torch.full_like(seq, max_len))
+    q = query_rows.float().reshape(r, w, hkv, g, d)
+
+    def chunk_logits(j0, j1):
+        jpos = torch.arange(j0, j1, device=dev)
+        pos = jpos[None, :].expand(r, j1 - j0)
+        k, _ = gather_paged_rows(kv_cache, block_table, pos)                  # [R, Hkv, n, D]
+        s = torch.einsum("rwhgd,rhnd->rhwgn", q, k.float()) * scale           # [R, Hkv, W, G, n]
+        in_a = (jpos[None, :] >= lo[:, None]) & (jpos[None, :] < hi[:, None])  # [R, n]
+        causal = jpos[None, None, :] <= qpos[:, :, None]                        # [R, W, n]
+        vis = in_a[:, None, :] & causal & qvalid[:, :, None]                    # [R, W, n]
+        s = s.masked_fill(~vis[:, None, :, None, :], float("-inf"))
+        return s, in_a
+
+    # pass 1: LSE over A ∩ causal, per (row, KV head, query, head)
+    lse = torch.full((r, hkv, w, g), float("-inf"), device=dev)
+    for j0 in range(0, max_len, chunk):
+        s, _ = chunk_logits(j0, min(max_len, j0 + chunk))
+        lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    n_pool = qvalid.sum(dim=1) * g                                              # [R]
+    act = active_rows(seq_lens, row_mask)
+    # pass 2: pooled evidence
+    for j0 in range(0, max_len, chunk):
+        j1 = min(max_len, j0 + chunk)
+        s, in_a = chunk_logits(j0, j1)
+        logp = s - lse_safe[..., None]                                          # [R, Hkv, W, G, n]
+        logp = logp.reshape(r, hkv, w * g, j1 - j0)
+        ev = _pool_evidence(logp, in_a[:, None, :], float(alpha), n_pool)
+        cur = log_evidence[:, :, j0:j1]
+        cur.copy_(torch.where(act[:, None, None], ev, cur))
+    return log_evidence
+
+
+def prefill_evidence(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, scale,
+                     log_evidence, query_positions, row_mask=None, alpha=0.5, *, chunk=4096):
+    """Prefill-end evidence (PyTorch on every device; see :func:`prefill_evidence_torch`)."""
+    return prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_lo,
+                                  allowed_hi, scale, log_evidence, query_positions, row_mask, alpha,
+                                  chunk=chunk)

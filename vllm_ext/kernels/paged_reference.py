@@ -1,0 +1,106 @@
+"""PyTorch reference for vLLM's paged KV cache: views, writes and dense causal attention.
+
+The cache of one layer is vLLM 0.32's logical view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+(K in ``[..., :D]``, V in ``[..., D:]``) with whatever physical strides the resolved ``KVCacheLayout``
+gives. Everything here indexes through that view, so every layout works.
+
+This is the CPU build's dense path and the reference every kernel test compares with. It runs a
+Python loop over requests (CPU only; the CUDA path never runs it on a hot path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def split_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, N, 2D]`` -> K and V views ``[B, H, N, D]`` each (no copy)."""
+    d = kv_cache.shape[-1] // 2
+    return kv_cache[..., :d], kv_cache[..., d:]
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value`` ``[T, H, D]`` at ``slot_mapping`` (``block * block_size + offset``).
+
+    Slots ``< 0`` (vLLM's ``PAD_SLOT_ID``) are skipped; only the first ``len(slot_mapping)`` tokens
+    are written (vLLM pads ``key``/``value`` beyond the actual tokens).
+    """
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    block_size = kv_cache.shape[2]
+    d = kv_cache.shape[-1] // 2
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots = slots[keep]
+    blk, off = slots // block_size, slots % block_size
+    kv_cache[blk, :, off, :d] = key[:n][keep].to(kv_cache.dtype)
+    kv_cache[blk, :, off, d:] = value[:n][keep].to(kv_cache.dtype)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one request at token ``positions`` -> ``[H, len(positions), D]`` each."""
+    block_size = kv_cache.shape[2]
+    pos = positions.long()
+    blocks = block_table_row.long()[pos // block_size]
+    k_cache, v_cache = split_kv(kv_cache)
+    k = k_cache[blocks, :, pos % block_size]          # [n, H, D]
+    v = v_cache[blocks, :, pos % block_size]
+    return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def attention_over(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in fp32, GQA by head grouping.
+
+    query ``[n_q, Hq, D]``, k/v ``[Hkv, n_k, D]``, mask ``[n_q, n_k]`` (True = visible) or ``[n_q, Hq, n_k]``.
+    Returns (out ``[n_q, Hq, D]`` fp32, lse ``[n_q, Hq]`` fp32; ``-inf`` lse where nothing is visible,
+    with a zero output there).
+    """
+    n_q, hq, d = query.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    q = query.float().reshape(n_q, hkv, g, d).permute(1, 2, 0, 3)          # [Hkv, G, n_q, D]
+    s = torch.einsum("hgqd,hkd->hgqk", q, k.float()) * scale               # [Hkv, G, n_q, n_k]
+    if mask is not None:
+        if mask.dim() == 2:
+            m = mask[None, None]
+        else:
+            m = mask.reshape(n_q, hkv, g, -1).permute(1, 2, 0, 3)
+        s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                        # [Hkv, G, n_q]
+    p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+    p = torch.nan_to_num(p, nan=0.0)
+    out = torch.einsum("hgqk,hkd->hgqd", p, v.float())
+    return (out.permute(2, 0, 1, 3).reshape(n_q, hq, -1),
+            lse.permute(2, 0, 1).reshape(n_q, hq))
+
+
+def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                          query_start_loc: list[int], seq_lens: list[int], scale: float,
+                          output: torch.Tensor, *, sliding_window: int | None = None,
+                          query_chunk: int = 1024) -> torch.Tensor:
+    """Causal attention of each request's queries over its whole paged history.
+
+    ``query_start_loc`` (``num_reqs + 1``) and ``seq_lens`` (``num_reqs``, the current queries
+    included) are host lists. Request ``i``'s queries sit at positions
+    ``seq_lens[i] - q_len .. seq_lens[i] - 1``. Rows with no query (padding) are skipped; the output
+    rows of padded tokens beyond ``query_start_loc[-1]`` are left as they are.
+    """
+    for i, seq_len in enumerate(seq_lens):
+        qs, qe = query_start_loc[i], query_start_loc[i + 1]
+        if qe <= qs or seq_len <= 0:
+            continue
+        k, v = gather_kv(kv_cache, block_table[i], torch.arange(seq_len, device=kv_cache.device))
+        kpos = torch.arange(seq_len, device=query.device)
+        for c0 in range(qs, qe, query_chunk):
+            c1 = min(qe, c0 + query_chunk)
+            qpos = torch.arange(seq_len - (qe - c0), seq_len - (qe - c1), device=query.device)
+            mask = kpos[None, :] <= qpos[:, None]
+            if sliding_window is not None:
+                mask &= kpos[None, :] > qpos[:, None] - sliding_window
+            out, _ = attention_over(query[c0:c1], k, v, scale, mask)
+            output[c0:c1] = out.to(output.dtype)
+    return output

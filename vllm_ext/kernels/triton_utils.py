@@ -1,0 +1,114 @@
+"""Triton availability and dispatch between a Triton kernel and its PyTorch twin.
+
+Rules (shared by every kernel module):
+- ``triton`` is imported guarded: where it is missing, ``HAS_TRITON`` is False, the kernel modules
+  still import and every op runs its PyTorch twin.
+- A Triton kernel runs when the tensors are on CUDA, or when ``TRITON_INTERPRET=1`` is set (CPU
+  interpreter, used by the tests). Otherwise the PyTorch twin runs.
+- ``TRITON_INTERPRET`` must be set before the kernel modules are imported: ``@triton.jit`` decides
+  at decoration time whether a function is interpreted.
+- Under the interpreter, ``tl.dot`` on bf16 operands returns garbage (Triton 3.6 and 3.9), so the
+  kernels take an ``F32_DOT`` constexpr from :func:`dot_in_fp32` and cast their operands to fp32.
+- Autotuning is for CUDA only: :func:`autotune` returns a plain pass-through under the interpreter,
+  where the kernel is launched with the first config's meta-parameters.
+
+Nothing here imports vLLM or needs CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+try:  # guarded: the package must import where triton is missing
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only where triton is absent
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+_FORCE_TORCH_ENV = "SPEEDSFI_FORCE_TORCH_KERNELS"
+
+
+def has_triton() -> bool:
+    """True when ``import triton`` works in this process."""
+    return HAS_TRITON
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def use_triton(device: torch.device | torch.Tensor | str | None) -> bool:
+    """Whether an op on ``device`` (or on a tensor's device) should run its Triton kernel.
+
+    Triton when triton imports and either the device is CUDA or the interpreter is on.
+    ``SPEEDSFI_FORCE_TORCH_KERNELS=1`` forces the PyTorch twins (debugging, benchmarks' smoke mode).
+    """
+    if not HAS_TRITON:
+        return False
+    if os.environ.get(_FORCE_TORCH_ENV, "0") not in ("", "0"):
+        return False
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        return True
+    return interpret_mode()
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether a kernel must cast ``tl.dot`` operands of ``dtype`` to fp32.
+
+    fp32 caches always dot in fp32 (IEEE precision). Under the interpreter every dtype is cast (its
+    bf16 dot is wrong; fp16 is cast too so both half types follow one code path).
+    """
+    return dtype == torch.float32 or interpret_mode()
+
+
+def autotune(configs: list, key: list[str], **kwargs: Any) -> Callable:
+    """``triton.autotune`` on CUDA; identity under the interpreter (it would run every config)."""
+    if not HAS_TRITON or interpret_mode():
+        def deco(fn):
+            return fn
+        return deco
+    return triton.autotune(configs=configs, key=key, **kwargs)
+
+
+def next_pow2(n: int) -> int:
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def num_sms(device: torch.device | None) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); a fixed small number elsewhere."""
+    if device is not None and torch.device(device).type == "cuda":
+        idx = torch.device(device).index
+        if idx is None:
+            idx = torch.cuda.current_device()
+        return _cuda_sms(idx)
+    return 4
+
+
+_SM_CACHE: dict[int, int] = {}
+
+
+def _cuda_sms(idx: int) -> int:
+    if idx not in _SM_CACHE:
+        _SM_CACHE[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_CACHE[idx]
+
+
+def as_row_mask(row_mask: torch.Tensor | None, num_rows: int, device: torch.device) -> torch.Tensor:
+    """The row mask as a bool tensor (all-True when ``None``). Allocates only when ``None`` or not bool."""
+    if row_mask is None:
+        return torch.ones(num_rows, dtype=torch.bool, device=device)
+    if row_mask.dtype != torch.bool:
+        return row_mask != 0
+    return row_mask

@@ -1,0 +1,389 @@
+"""SFI fast-step decode: attention over the compact segment plus the recent window read in place.
+
+For each batch row ``r`` and KV head ``h`` the G query heads of the group attend to
+
+* segment 1, the compact segment ``compact_kv[slot_idx[r], h, :compact_len[slot_idx[r]]]``
+  (sink + selected entries, contiguous), and
+* segment 2, the recent window, positions ``[recent_start[r], seq_lens[r])`` read in place from
+  the paged cache through ``block_table``.
+
+The two are disjoint by construction; the result is softmax attention over their union.
+
+Kernel: split-K over the virtual concatenation ``compact ++ recent`` (``num_splits`` chunks per
+(row, KV head)); each program walks its share of the compact part and then of the paged part with
+an online softmax, the G query heads padded to a 16-row ``tl.dot`` tile so each KV entry is loaded
+once per group. Partial ``(out, lse)`` pairs are merged by log-sum-exp (``merge_state``'s reduce);
+with ``num_splits == 1`` the kernel writes ``out`` directly.
+
+Conventions: ``kv_cache`` is vLLM's logical ``[num_blocks, Hkv, block_size, 2*D]`` view with any
+strides; ``compact_kv`` is ``[num_slots, Hkv, capacity, 2*D]`` (any strides too). A row is active
+iff ``row_mask[r] != 0`` (when given) and ``seq_lens[r] > 0``; inactive rows are left untouched.
+No host synchronisation; pass a :func:`two_segment_workspace` to avoid allocation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ext.kernels.merge_state import launch_merge_states
+from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, interpret_mode,
+                                           next_pow2, num_sms, use_triton)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared Triton building blocks (also used by dense_decode_evidence)
+# ----------------------------------------------------------------------------------------------
+
+def _configs():
+    if not HAS_TRITON:
+        return []
+    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+            if not (bn == 128 and w == 4)]
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _load_group_q(Q, row, h, s_q_r, s_q_h, s_q_d,
+                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        qm = (offs_g < G)[:, None] & (offs_d < D)[None, :]
+        q = tl.load(Q + row.to(tl.int64) * s_q_r + (h * G + offs_g)[:, None] * s_q_h
+                    + offs_d[None, :] * s_q_d, mask=qm, other=0.0)
+        return q
+
+    @triton.jit
+    def _scores(q, k, qk_scale, F32_DOT: tl.constexpr):
+        """``q [BG, BD]`` x ``k [BN, BD]`` -> scaled scores ``[BG, BN]`` (log2 units)."""
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k))
+        return s * qk_scale
+
+    @triton.jit
+    def _online_update(s, v, m_i, l_i, acc, F32_DOT: tl.constexpr):
+        """One online-softmax step. ``s [BG, BN]`` log2-unit scores (-inf = invisible)."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        corr = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * corr + tl.sum(p, 1)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            acc = acc * corr[:, None] + pv
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * corr[:, None])
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _store_state(acc, m_i, l_i, row, h, split, PO, PLSE, OUT,
+                     s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
+                     s_o_r, s_o_h, s_o_d,
+                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                     BLOCK_D: tl.constexpr, DIRECT: tl.constexpr):
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        gm = offs_g < G
+        om = gm[:, None] & (offs_d < D)[None, :]
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        o = acc * inv[:, None]
+        heads = h * G + offs_g
+        if DIRECT:
+            tl.store(OUT + row.to(tl.int64) * s_o_r + heads[:, None] * s_o_h + offs_d[None, :] * s_o_d,
+                     o.to(OUT.dtype.element_ty), mask=om)
+        else:
+            base = row.to(tl.int64) * s_po_r + split * s_po_s
+            tl.store(PO + base + heads[:, None] * s_po_h + offs_d[None, :] * s_po_d, o, mask=om)
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            lse = tl.where(l_i > 0, (m_safe + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+            tl.store(PLSE + row.to(tl.int64) * s_pl_r + split * s_pl_s + heads * s_pl_h, lse, mask=gm)
+
+    @triton.jit
+    def _paged_row_offsets(BT, row, pos, valid, s_bt_r, s_bt_b, h, s_kv_b, s_kv_h, s_kv_n,
+                           PAGE: tl.constexpr):
+        blk = tl.load(BT + row.to(tl.int64) * s_bt_r + (pos // PAGE) * s_bt_b, mask=valid, other=0)
+        return blk.to(tl.int64) * s_kv_b + h * s_kv_h + (pos % PAGE).to(tl.int64) * s_kv_n
+
+    @triton.jit
+    def _load_kv_rows(KV, rowoff, valid, s_kv_c, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        offs_d = tl.arange(0, BLOCK_D)
+        lm = valid[:, None] & (offs_d < D)[None, :]
+        k = tl.load(KV + rowoff[:, None] + offs_d[None, :] * s_kv_c, mask=lm, other=0.0)
+        v = tl.load(KV + rowoff[:, None] + (offs_d[None, :] + D) * s_kv_c, mask=lm, other=0.0)
+        return k, v
+
+    @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT"])
+    @triton.jit
+    def _two_segment_kernel(
+        Q, KV, BT, SEQ, RSTART, CKV, CLEN, SLOT, MASK, PO, PLSE, OUT,
+        s_q_r, s_q_h, s_q_d,
+        s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+        s_bt_r, s_bt_b,
+        s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c,
+        s_po_r, s_po_s, s_po_h, s_po_d,
+        s_pl_r, s_pl_s, s_pl_h,
+        s_o_r, s_o_h, s_o_d,
+        CAP, qk_scale,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+        F32_DOT: tl.constexpr, DIRECT: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        split = tl.program_id(2)
+        if HAS_MASK:
+            if tl.load(MASK + row).to(tl.int32) == 0:
+                return
+        seq_len = tl.load(SEQ + row)
+        if seq_len <= 0:
+            return
+        slot = tl.load(SLOT + row)
+        clen = tl.load(CLEN + tl.maximum(slot, 0))
+        clen = tl.minimum(tl.maximum(clen, 0), CAP)
+        clen = tl.where(slot < 0, 0, clen)
+        rstart = tl.minimum(tl.maximum(tl.load(RSTART + row), 0), seq_len)
+        total = clen + (seq_len - rstart)
+        chunk = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(start + chunk, total)
+
+        q = _load_group_q(Q, row, h, s_q_r, s_q_h, s_q_d, G, BLOCK_G, D, BLOCK_D)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        # segment 1: compact entries [start, min(end, clen))
+        c_end = tl.minimum(end, clen)
+        cbase = tl.maximum(slot, 0).to(tl.int64) * s_ckv_s + h * s_ckv_h
+        for n0 in range(start, c_end, BLOCK_N):
+            idx = n0 + offs_n
+            valid = idx < c_end
+            rowoff = cbase + idx.to(tl.int64) * s_ckv_n
+            k, v = _load_kv_rows(CKV, rowoff, valid, s_ckv_c, D, BLOCK_D)
+            s = _scores(q, k, qk_scale, F32_DOT)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
+
+        # segment 2: recent window, virtual indices [max(start, clen), end) -> positions
+        p_begin = tl.maximum(start, clen)
+        for n0 in range(p_begin, end, BLOCK_N):
+            idx = n0 + offs_n
+            valid = idx < end
+            pos = rstart + (idx - clen)
+            rowoff = _paged_row_offsets(BT, row, pos, valid, s_bt_r, s_bt_b, h,
+                                        s_kv_b, s_kv_h, s_kv_n, PAGE)
+            k, v = _load_kv_rows(KV, rowoff, valid, s_kv_c, D, BLOCK_D)
+            s = _scores(q, k, qk_scale, F32_DOT)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
+
+        _store_state(acc, m_i, l_i, row, h, split, PO, PLSE, OUT,
+                     s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
+                     s_o_r, s_o_h, s_o_d, G, BLOCK_G, D, BLOCK_D, DIRECT)
+
+
+def _interp_meta() -> dict:
+    # Under the interpreter autotune is off: pass the meta-parameters explicitly.
+    return {"BLOCK_N": 32} if interpret_mode() else {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Workspace and split heuristic
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class SplitWorkspace:
+    """Scratch of a split-K decode: partial outputs ``[R, S, Hq, D]`` and LSEs ``[R, S, Hq]`` (fp32)."""
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+    @property
+    def num_splits(self) -> int:
+        return self.partial_out.shape[1]
+
+    def fits(self, num_rows: int, num_heads: int, head_size: int, num_splits: int) -> bool:
+        po = self.partial_out
+        return (po.shape[0] >= num_rows and po.shape[1] >= num_splits and po.shape[2] == num_heads
+                and po.shape[3] == head_size)
+
+
+def default_num_splits(num_rows: int, num_kv_heads: int, est_len: int,
+                       device: torch.device | str | None, *, min_per_split: int = 256,
+                       max_splits: int = 32) -> int:
+    """Split count from shapes only (CUDA-graph stable): enough programs for ~2 waves of the GPU,
+    at least ``min_per_split`` entries per split."""
+    progs = max(1, num_rows * num_kv_heads)
+    want = max(1, -(-2 * num_sms(device) // progs))
+    useful = max(1, -(-int(est_len) // min_per_split))
+    return int(max(1, min(want, useful, max_splits)))
+
+
+def two_segment_workspace(num_rows: int, num_heads: int, head_size: int, num_splits: int,
+                          device: torch.device | str) -> SplitWorkspace:
+    """Allocate once: scratch for :func:`two_segment_decode` with up to ``num_rows`` rows."""
+    s = max(int(num_splits), 1)
+    return SplitWorkspace(
+        torch.empty((num_rows, s, num_heads, head_size), dtype=torch.float32, device=device),
+        torch.empty((num_rows, s, num_heads), dtype=torch.float32, device=device))
+
+
+def _est_recent(kv_cache: torch.Tensor, block_table: torch.Tensor, max_recent: int | None) -> int:
+    if max_recent is not None:
+        return int(max_recent)
+    return int(block_table.shape[1]) * int(kv_cache.shape[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# Public op
+# ----------------------------------------------------------------------------------------------
+
+def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
+                       compact_len, slot_idx, scale, out, row_mask=None, *, num_splits=None,
+                       max_recent=None, workspace=None):
+    """Fast-step decode attention (see module doc). Writes ``out [R, Hq, D]`` in place and returns it.
+
+    ``num_splits``: split-K count (default from shapes: :func:`default_num_splits` with the compact
+    capacity plus ``max_recent`` entries). ``max_recent``: a host-side bound on the recent window
+    length (default ``max_blocks * block_size``); it only sizes the split heuristic and the PyTorch
+    twin's gather. ``workspace``: a :class:`SplitWorkspace` (from :func:`two_segment_workspace`).
+    """
+    if not use_triton(query):
+        return two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_start,
+                                        compact_kv, compact_len, slot_idx, scale, out, row_mask,
+                                        num_splits=num_splits, max_recent=max_recent,
+                                        workspace=workspace)
+    num_rows, hq, d = query.shape
+    hkv = kv_cache.shape[1]
+    assert kv_cache.shape[-1] == 2 * d and compact_kv.shape[-1] == 2 * d
+    assert hq % hkv == 0, "query heads must be a multiple of KV heads"
+    assert compact_kv.shape[1] == hkv
+    g = hq // hkv
+    if num_rows == 0:
+        return out
+    if num_splits is None:
+        num_splits = default_num_splits(num_rows, hkv,
+                                        compact_kv.shape[2] + _est_recent(kv_cache, block_table,
+                                                                          max_recent),
+                                        query.device)
+    num_splits = int(num_splits)
+    direct = num_splits == 1
+    if direct:
+        po, pl = out, out  # unused pointers
+        po_strides, pl_strides = (0, 0, 0, 0), (0, 0, 0)
+    else:
+        if workspace is None or not workspace.fits(num_rows, hq, d, num_splits):
+            workspace = two_segment_workspace(num_rows, hq, d, num_splits, query.device)
+        po = workspace.partial_out[:num_rows, :num_splits]
+        pl = workspace.partial_lse[:num_rows, :num_splits]
+        po_strides, pl_strides = po.stride(), pl.stride()
+    has_mask = row_mask is not None
+    grid = (num_rows, hkv, num_splits)
+    _two_segment_kernel[grid](
+        query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len, slot_idx,
+        row_mask if has_mask else seq_lens, po, pl, out,
+        *query.stride(), *kv_cache.stride(), *block_table.stride(), *compact_kv.stride(),
+        *po_strides, *pl_strides, *out.stride(),
+        compact_kv.shape[2], float(scale) * LOG2E,
+        G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
+        PAGE=kv_cache.shape[2], NUM_SPLITS=num_splits, HAS_MASK=has_mask,
+        F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, **_interp_meta())
+    if not direct:
+        launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch twin
+# ----------------------------------------------------------------------------------------------
+
+def gather_paged_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of every row at ``positions [R, N]`` (any value; out-of-range ones are clamped, the
+    caller masks them) -> ``[R, Hkv, N, D]`` each, in the cache dtype. No host sync."""
+    bs = kv_cache.shape[2]
+    d = kv_cache.shape[-1] // 2
+    nb = kv_cache.shape[0]
+    mb = block_table.shape[1]
+    pos = positions.long().clamp_min(0)
+    bidx = (pos // bs).clamp_max(max(mb - 1, 0))
+    blocks = torch.gather(block_table.long(), 1, bidx).clamp(0, max(nb - 1, 0))   # [R, N]
+    ent = kv_cache[blocks, :, pos % bs]                                          # [R, N, H, 2D]
+    ent = ent.permute(0, 2, 1, 3)                                                # [R, H, N, 2D]
+    return ent[..., :d], ent[..., d:]
+
+
+def batched_masked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 attention per row. query ``[R, Hq, D]``, k/v ``[R, Hkv, N, D]``, mask ``[R, N]`` or
+    ``[R, Hq, N]`` (True = visible) -> (out ``[R, Hq, D]``, lse ``[R, Hq]``); rows with nothing
+    visible give zeros and ``-inf``."""
+    r, hq, d = query.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    q = query.float().reshape(r, hkv, g, d)
+    s = torch.einsum("rhgd,rhnd->rhgn", q, k.float()) * scale                # [R, Hkv, G, N]
+    if mask.dim() == 2:
+        m = mask[:, None, None, :]
+    else:
+        m = mask.reshape(r, hkv, g, -1)
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                         # [R, Hkv, G]
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - lse_safe.unsqueeze(-1))
+    p = torch.where(m, p, torch.zeros_like(p))
+    o = torch.einsum("rhgn,rhnd->rhgd", p, v.float())
+    return o.reshape(r, hq, d), lse.reshape(r, hq)
+
+
+def active_rows(seq_lens: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
+    act = seq_lens > 0
+    if row_mask is not None:
+        act = act & (row_mask != 0).to(act.device)
+    return act
+
+
+def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
+                             compact_len, slot_idx, scale, out, row_mask=None, *, num_splits=None,
+                             max_recent=None, workspace=None):
+    """PyTorch twin of :func:`two_segment_decode` (fp32 math, no host sync, no Python row loop)."""
+    del num_splits, workspace
+    num_rows, hq, d = query.shape
+    if num_rows == 0:
+        return out
+    dev = query.device
+    cap = compact_kv.shape[2]
+    seq = seq_lens.long()
+    slot = slot_idx.long()
+    slot_c = slot.clamp(0, compact_kv.shape[0] - 1)
+    clen = compact_len.long()[slot_c].clamp(0, cap)
+    clen = torch.where(slot < 0, torch.zeros_like(clen), clen)
+    ckv = compact_kv[slot_c]                                                  # [R, Hkv, C, 2D]
+    ck, cv = ckv[..., :d], ckv[..., d:]
+    cmask = torch.arange(cap, device=dev)[None, :] < clen[:, None]            # [R, C]
+
+    w = _est_recent(kv_cache, block_table, max_recent)
+    rstart = torch.minimum(recent_start.long().clamp_min(0), seq)
+    pos = rstart[:, None] + torch.arange(w, device=dev)[None, :]              # [R, W]
+    rmask = pos < seq[:, None]
+    rk, rv = gather_paged_rows(kv_cache, block_table, pos)
+
+    k = torch.cat([ck.to(rk.dtype), rk], dim=2)
+    v = torch.cat([cv.to(rv.dtype), rv], dim=2)
+    mask = torch.cat([cmask, rmask], dim=1)
+    o, _ = batched_masked_attention(query, k, v, mask, scale)
+    act = active_rows(seq_lens, row_mask)
+    out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
+    return out

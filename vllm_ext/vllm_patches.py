@@ -1,0 +1,85 @@
+"""The few places where vLLM 0.32 needs to be told about SPEEDSFI. Each patch is narrow, idempotent,
+inert unless SPEEDSFI is the selected backend, and covered by a contract test
+(``tests/test_vllm_contract.py``) that fails loudly when the internals it relies on move.
+
+1. ``CpuPlatform.get_attn_backend_cls`` ignores the selected backend on the CPU build; honour ours
+   (after the same ``validate_configuration`` check the CUDA platform runs).
+2. ``VllmConfig._get_v2_model_runner_unsupported_features``: the request-state adapter exists for the
+   V1 model runner only (the one the CPU build runs, so the one CI proves), so SPEEDSFI makes vLLM pick
+   the V1 runner on CUDA too, with vLLM's own log line saying why.
+3. ``GPUModelRunner._update_states`` / ``_build_attention_metadata`` (V1 runner; the CPU runner is a
+   subclass): the per-request state hooks of ``vllm_ext.runner_hooks``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_PATCHED_ATTR = "_speedsfi_patched"
+
+
+def install() -> None:
+    _patch_cpu_selector()
+    _patch_v2_runner_opt_out()
+    from vllm_ext import runner_hooks
+
+    runner_hooks.install()
+
+
+def is_speedsfi_selected(vllm_config) -> bool:
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    from vllm_ext import BACKEND_NAME
+
+    return backend is not None and getattr(backend, "name", None) == BACKEND_NAME
+
+
+def _patch_cpu_selector() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    plat_cls = type(current_platform)
+    original = plat_cls.get_attn_backend_cls
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+    original_func = original.__func__
+
+    @functools.wraps(original_func)
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        from vllm_ext import BACKEND_NAME
+
+        if selected_backend is None or selected_backend.name != BACKEND_NAME:
+            return original_func(cls, selected_backend, attn_selector_config, num_heads)
+        backend_cls = selected_backend.get_class()
+        reasons = backend_cls.validate_configuration(device_capability=None,
+                                                     **attn_selector_config._asdict())
+        if reasons:
+            raise ValueError(f"Selected backend {selected_backend.name} is not valid for this "
+                             f"configuration. Reason: {reasons}")
+        from vllm.logger import init_logger
+
+        init_logger(__name__).info_once("Using %s backend (vllm_ext) on the CPU platform.",
+                                        selected_backend.name)
+        return selected_backend.get_path()
+
+    setattr(get_attn_backend_cls, _PATCHED_ATTR, True)
+    plat_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def _patch_v2_runner_opt_out() -> None:
+    from vllm.config import VllmConfig
+
+    original = VllmConfig._get_v2_model_runner_unsupported_features
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(original)
+    def _get_v2_model_runner_unsupported_features(self):
+        unsupported = list(original(self))
+        if is_speedsfi_selected(self):
+            unsupported.append("the SPEEDSFI attention backend (vllm_ext's request-state adapter "
+                               "targets the V1 model runner)")
+        return unsupported
+
+    setattr(_get_v2_model_runner_unsupported_features, _PATCHED_ATTR, True)
+    VllmConfig._get_v2_model_runner_unsupported_features = _get_v2_model_runner_unsupported_features
