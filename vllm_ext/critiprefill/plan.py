@@ -20,6 +20,8 @@ part is implicit. Rows ``s >= num_segments_i`` are padding (never read by the ke
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +60,12 @@ class CritiPrefillPlan:
     @property
     def width(self) -> int:
         return self.sel_blocks.shape[-1]
+
+    def to(self, device) -> "CritiPrefillPlan":
+        """A copy with every tensor on ``device``."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def _chunk_geometry(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, segment_size: int):
@@ -113,8 +121,10 @@ def segment_query_representatives(query: torch.Tensor, query_start_loc: torch.Te
     src = query if query.dtype in (torch.float16, torch.bfloat16, torch.float32) else query.float()
     qmax = torch.zeros((n_rows + 1, hq, d), dtype=src.dtype, device=dev)
     qmin = torch.zeros((n_rows + 1, hq, d), dtype=src.dtype, device=dev)
-    qmax.index_reduce_(0, row, src, "amax", include_self=False)
-    qmin.index_reduce_(0, row, src, "amin", include_self=False)
+    with warnings.catch_warnings():          # "index_reduce() is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        qmax.index_reduce_(0, row, src, "amax", include_self=False)
+        qmin.index_reduce_(0, row, src, "amin", include_self=False)
     return (qmax[:n_rows].float().reshape(r, max_segments, hq, d),
             qmin[:n_rows].float().reshape(r, max_segments, hq, d))
 
@@ -169,10 +179,12 @@ def build_plan(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         scores = fusion(scores)
 
     sel = select_blocks(scores, seg_start_block, topk)                       # [R, S, Hkv, 1 + topk]
+    row_ok = torch.arange(s_max, device=dev)[None, :] < nseg[:, None]       # [R, S] rows of this chunk
+    sel = torch.where(row_ok[:, :, None, None], sel, -1)
     num_sel = (sel >= 0).sum(dim=-1).to(torch.int32)
     plen = seq if prompt_lens is None else prompt_lens.to(dev).long()
     final_seg = torch.div(plen - 1, sq, rounding_mode="floor")
-    dense = (plen[:, None] < cfg.min_len) | (seg_abs == final_seg[:, None])
+    dense = ((plen[:, None] < cfg.min_len) | (seg_abs == final_seg[:, None])) & row_ok
     return CritiPrefillPlan(
         segment_size=sq, block_size=bk, topk=topk, sel_blocks=sel, num_sel=num_sel, dense=dense,
         first_segment=first.to(torch.int32), num_segments=nseg.to(torch.int32), all_dense=False,

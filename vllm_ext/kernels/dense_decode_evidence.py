@@ -42,7 +42,7 @@ import torch
 
 from vllm_ext.kernels.merge_state import launch_merge_states
 from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, interpret_mode,
-                                           next_pow2, use_triton)
+                                           launch_meta, next_pow2, use_triton)
 from vllm_ext.kernels.two_segment_decode import (LOG2E, _configs, active_rows,
                                                  batched_masked_attention, default_num_splits,
                                                  gather_paged_rows)
@@ -67,9 +67,9 @@ if HAS_TRITON:
         s_pa_r, s_pa_s, s_pa_h,
         s_sc_r, s_sc_h, s_sc_j,
         s_o_r, s_o_h, s_o_d,
-        MAX_LEN, qk_scale,
+        MAX_LEN, qk_scale, NUM_SPLITS,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+        PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -126,7 +126,7 @@ if HAS_TRITON:
         if EVIDENCE:
             # per-split LSE over A, in log2 units (internal scratch)
             ma_safe = tl.where(ma_i == float("-inf"), 0.0, ma_i)
-            lsea = tl.where(la_i > 0, ma_safe + tl.log2(la_i), float("-inf"))
+            lsea = tl.where(la_i > 0, ma_safe + tl.log2(tl.where(la_i > 0, la_i, 1.0)), float("-inf"))
             tl.store(PLSEA + row.to(tl.int64) * s_pa_r + split * s_pa_s + heads * s_pa_h, lsea,
                      mask=gm)
 
@@ -136,8 +136,8 @@ if HAS_TRITON:
         s_pa_r, s_pa_s, s_pa_h,
         s_sc_r, s_sc_h, s_sc_j,
         s_ev_r, s_ev_h, s_ev_j,
-        MAX_LEN, alpha, log_g,
-        G: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        MAX_LEN, alpha, log_g, NUM_SPLITS,
+        G: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_S: tl.constexpr, HAS_MASK: tl.constexpr, GEOMETRIC: tl.constexpr,
         BLOCK_J: tl.constexpr,
     ):
@@ -169,7 +169,7 @@ if HAS_TRITON:
                          mask=gm[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"))
             pm = tl.max(pa, 1)
             pm_safe = tl.where(pm == float("-inf"), 0.0, pm)
-            lse_a = pm_safe + tl.log2(tl.sum(tl.exp2(pa - pm_safe[:, None]), 1))   # [BG]
+            lse_a = pm_safe + tl.log2(tl.maximum(tl.sum(tl.exp2(pa - pm_safe[:, None]), 1), 1e-30))
             lse_a = tl.where(gm, lse_a, 0.0)
             m2 = gm[:, None] & (in_a & jm)[None, :]
             s = tl.load(SC + row.to(tl.int64) * s_sc_r + heads[:, None].to(tl.int64) * s_sc_h
@@ -188,7 +188,7 @@ if HAS_TRITON:
 
 
 def _interp_meta() -> dict:
-    return {"BLOCK_N": 32} if interpret_mode() else {}
+    return launch_meta({"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 32})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,9 +272,9 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
         query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, po, pl, pa, sc, out,
         *query.stride(), *kv_cache.stride(), *block_table.stride(),
         *po_st, *pl_st, *pa_st, *sc_st, *out.stride(),
-        max_len, float(scale) * LOG2E,
+        max_len, float(scale) * LOG2E, num_splits,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
-        PAGE=kv_cache.shape[2], NUM_SPLITS=num_splits, HAS_MASK=has_mask,
+        PAGE=kv_cache.shape[2], HAS_MASK=has_mask,
         F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, EVIDENCE=evidence, **_interp_meta())
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens)
@@ -284,8 +284,8 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
         _evidence_kernel[(num_rows, hkv, triton.cdiv(max_len, block_j))](
             seq_lens, allowed_lo, allowed_hi, mask_arg, pa, sc, log_evidence,
             *pa_st, *sc_st, *log_evidence.stride(),
-            max_len, float(alpha) if not geometric else 1.0, math.log(g),
-            G=g, BLOCK_G=next_pow2(g), NUM_SPLITS=num_splits,
+            max_len, float(alpha) if not geometric else 1.0, math.log(g), num_splits,
+            G=g, BLOCK_G=next_pow2(g),
             BLOCK_S=next_pow2(num_splits), HAS_MASK=has_mask, GEOMETRIC=geometric,
             BLOCK_J=block_j)
     return out

@@ -52,7 +52,7 @@ if HAS_TRITON:
         wa = tl.exp(sa - m_safe)
         wb = tl.exp(sb - m_safe)
         tot = wa + wb
-        inv = tl.where(tot > 0, 1.0 / tot, 0.0)
+        inv = tl.where(tot > 0, 1.0 / tl.where(tot > 0, tot, 1.0), 0.0)
         offs = tl.arange(0, BLOCK_D)
         dm = offs < D
         va = tl.load(VA + n * s_va_n + h * s_va_h + offs * s_va_d, mask=dm, other=0.0).to(tl.float32)
@@ -60,7 +60,7 @@ if HAS_TRITON:
         vo = (va * wa + vb * wb) * inv
         tl.store(VO + n * s_vo_n + h * s_vo_h + offs * s_vo_d, vo.to(VO.dtype.element_ty), mask=dm)
         if WRITE_LSE:
-            so = tl.where(tot > 0, m_safe + tl.log(tot), float("-inf"))
+            so = tl.where(tot > 0, m_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf"))
             tl.store(SO + n * s_so_n + h * s_so_h, so)
 
     @triton.jit
@@ -98,12 +98,12 @@ if HAS_TRITON:
             acc = acc * corr + tl.sum(w[:, None] * v, 0)
             l_i = l_i * corr + tl.sum(w, 0)
             m_i = m_new
-        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         tl.store(VO + n * s_vo_n + h * s_vo_h + offs_d * s_vo_d,
                  (acc * inv).to(VO.dtype.element_ty), mask=dm)
         if WRITE_LSE:
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-            so = tl.where(l_i > 0, m_safe + tl.log(l_i), float("-inf"))
+            so = tl.where(l_i > 0, m_safe + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             tl.store(SO + n * s_so_n + h * s_so_h, so)
 
 

@@ -33,6 +33,17 @@ except Exception:  # pragma: no cover - exercised only where triton is absent
     HAS_TRITON = False
 
 _FORCE_TORCH_ENV = "SPEEDSFI_FORCE_TORCH_KERNELS"
+# Kernels are decorated (interpreted or compiled) when their module is imported, which happens right
+# after this module is imported; CPU dispatch to Triton needs the interpreter on at that time.
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def _autotune_at_import() -> bool:
+    return (HAS_TRITON and not _INTERPRET_AT_IMPORT
+            and os.environ.get("SPEEDSFI_AUTOTUNE", "1") != "0")
+
+
+_AUTOTUNE_AT_IMPORT = _autotune_at_import()
 
 
 def has_triton() -> bool:
@@ -60,7 +71,7 @@ def use_triton(device: torch.device | torch.Tensor | str | None) -> bool:
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         return True
-    return interpret_mode()
+    return _INTERPRET_AT_IMPORT and interpret_mode()
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -72,9 +83,26 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or interpret_mode()
 
 
+def autotune_enabled() -> bool:
+    """Autotuning is on for CUDA unless ``SPEEDSFI_AUTOTUNE=0`` (tests set it to bound compile time)
+    and always off under the interpreter. Read when the kernel modules are imported."""
+    return HAS_TRITON and not interpret_mode() and os.environ.get("SPEEDSFI_AUTOTUNE", "1") != "0"
+
+
+def launch_meta(default: dict[str, Any], interpret: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Meta-parameters a launcher passes explicitly: none when autotuned (the autotuner picks them),
+    ``interpret`` under the interpreter, else ``default`` (autotune disabled on CUDA)."""
+    if interpret_mode():
+        return dict(interpret if interpret is not None else default)
+    if _AUTOTUNE_AT_IMPORT:
+        return {}
+    return dict(default)
+
+
 def autotune(configs: list, key: list[str], **kwargs: Any) -> Callable:
-    """``triton.autotune`` on CUDA; identity under the interpreter (it would run every config)."""
-    if not HAS_TRITON or interpret_mode():
+    """``triton.autotune`` on CUDA; identity under the interpreter (it would run every config) and
+    when ``SPEEDSFI_AUTOTUNE=0``."""
+    if not autotune_enabled():
         def deco(fn):
             return fn
         return deco

@@ -97,7 +97,7 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         gm = offs_g < G
         om = gm[:, None] & (offs_d < D)[None, :]
-        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         o = acc * inv[:, None]
         heads = h * G + offs_g
         if DIRECT:
@@ -107,7 +107,7 @@ if HAS_TRITON:
             base = row.to(tl.int64) * s_po_r + split * s_po_s
             tl.store(PO + base + heads[:, None] * s_po_h + offs_d[None, :] * s_po_d, o, mask=om)
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-            lse = tl.where(l_i > 0, (m_safe + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+            lse = tl.where(l_i > 0, (m_safe + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
             tl.store(PLSE + row.to(tl.int64) * s_pl_r + split * s_pl_s + heads * s_pl_h, lse, mask=gm)
 
     @triton.jit
@@ -135,9 +135,9 @@ if HAS_TRITON:
         s_po_r, s_po_s, s_po_h, s_po_d,
         s_pl_r, s_pl_s, s_pl_h,
         s_o_r, s_o_h, s_o_d,
-        CAP, qk_scale,
+        CAP, qk_scale, NUM_SPLITS,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+        PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -196,8 +196,8 @@ if HAS_TRITON:
 
 
 def _interp_meta() -> dict:
-    # Under the interpreter autotune is off: pass the meta-parameters explicitly.
-    return {"BLOCK_N": 32} if interpret_mode() else {}
+    # Autotune off (interpreter, SPEEDSFI_AUTOTUNE=0): pass the meta-parameters explicitly.
+    return launch_meta({"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 32})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,9 +296,9 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
         row_mask if has_mask else seq_lens, po, pl, out,
         *query.stride(), *kv_cache.stride(), *block_table.stride(), *compact_kv.stride(),
         *po_strides, *pl_strides, *out.stride(),
-        compact_kv.shape[2], float(scale) * LOG2E,
+        compact_kv.shape[2], float(scale) * LOG2E, num_splits,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
-        PAGE=kv_cache.shape[2], NUM_SPLITS=num_splits, HAS_MASK=has_mask,
+        PAGE=kv_cache.shape[2], HAS_MASK=has_mask,
         F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, **_interp_meta())
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens)

@@ -1,0 +1,49 @@
+"""Helpers to run real vLLM engines (the CPU build) in tests."""
+
+from __future__ import annotations
+
+import os
+import random
+from contextlib import contextmanager
+
+PROMPT_LENGTHS = (5, 37, 300, 17, 129)
+
+
+def random_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
+
+
+@contextmanager
+def engine(model: str, backend: str, *, multiprocessing: bool = False, **kwargs):
+    """An ``LLM`` on the CPU build with test-sized settings; torn down on exit."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    from vllm import LLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    settings = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+                    kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=128, block_size=32,
+                    attention_backend=backend)
+    settings.update(kwargs)
+    llm = LLM(model=model, **settings)
+    try:
+        yield llm
+    finally:
+        del llm
+        cleanup_dist_env_and_memory()
+
+
+def greedy(llm, prompts: list[list[int]], max_tokens: int = 64, **params) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def model_runner(llm):
+    """The in-process V1 model runner (VLLM_ENABLE_V1_MULTIPROCESSING=0 only)."""
+    executor = llm.llm_engine.model_executor
+    worker = executor.driver_worker
+    worker = getattr(worker, "worker", worker)
+    return worker.model_runner

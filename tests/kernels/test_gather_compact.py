@@ -1,0 +1,92 @@
+"""gather_compact vs its twin and vs explicit per-(row, head) gathers through paged_reference."""
+
+import pytest
+import torch
+
+from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, case_id, cuda_only,
+                            make_sfi_rows, row_lengths)
+from vllm_ext.kernels.gather_compact import gather_compact, gather_compact_torch
+from vllm_ext.kernels.paged_reference import gather_kv
+
+GARBAGE = 77.0
+
+
+def _expected(rows, i, h, use_seq):
+    L = int(rows.seq_lens[i])
+    ns = min(rows.n_sink, L) if use_seq else rows.n_sink
+    m = int(rows.n_sel[i])
+    pos = list(range(ns)) + rows.selected[i, h, :m].tolist()
+    k, v = gather_kv(rows.kv_cache, rows.block_table[i], torch.tensor(pos, device=DEVICE))
+    return torch.cat([k[h], v[h]], dim=-1), ns + m
+
+
+def _run(case, seed, use_seq=True):
+    g, d, bs, layout, dtn = case
+    lens, act = row_lengths(bs)
+    if not use_seq:   # without seq_lens every row is taken as at least n_sink long
+        lens = [max(n, 4) for n in lens]
+    rows = make_sfi_rows(seq_lens=lens, active=act, g=g, hkv=2, d=d, bs=bs, dtype=DTYPES[dtn],
+                         layout=layout, k=12, n_recent=20, seed=seed, build_compact=False)
+    results = []
+    for fn in (gather_compact, gather_compact_torch):
+        ckv = torch.full_like(rows.compact_kv, GARBAGE)
+        clen = torch.full_like(rows.compact_len, -5)
+        fn(rows.kv_cache, rows.block_table, rows.slot_idx, rows.selected, rows.n_sel, rows.n_sink,
+           ckv, clen, rows.row_mask, seq_lens=rows.seq_lens if use_seq else None)
+        touched = set()
+        for i in range(len(lens)):
+            s = int(rows.slot_idx[i])
+            if not act[i] or (use_seq and lens[i] <= 0):
+                continue
+            touched.add(s)
+            for h in range(rows.kv_cache.shape[1]):
+                exp, n = _expected(rows, i, h, use_seq)
+                assert int(clen[s]) == n, f"{fn.__name__} row {i}: compact_len {int(clen[s])} != {n}"
+                assert torch.equal(ckv[s, h, :n].cpu(), exp.cpu()), f"{fn.__name__} row {i} head {h}"
+                assert torch.all(ckv[s, h, n:] == GARBAGE), f"{fn.__name__} wrote past compact_len"
+        for s in range(ckv.shape[0]):
+            if s not in touched:
+                assert torch.all(ckv[s] == GARBAGE) and int(clen[s]) == -5, f"slot {s} touched"
+        results.append((ckv, clen))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=case_id)
+def test_gather_compact_fast_grid(case):
+    _run(case, seed=FAST_CASES.index(case))
+
+
+def test_gather_compact_without_seq_lens():
+    _run((4, 64, 16, "LBNHC", "fp16"), seed=3, use_seq=False)
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("case", FULL_GRID, ids=case_id)
+def test_gather_compact_full_grid(case):
+    _run(case, seed=5)
+
+
+def test_gather_compact_clamps_and_shared_padded_slot():
+    """n_sel larger than the capacity allows is clamped; a padded row (slot -1 / masked) sharing a
+    slot index with an active row never clobbers it; short requests clamp the sink."""
+    d, bs = 64, 16
+    rows = make_sfi_rows(seq_lens=[2, 60, 60], active=[True, True, False], g=1, hkv=2, d=d, bs=bs,
+                         dtype=torch.float32, layout="LBHNC", k=12, n_recent=4, seed=4,
+                         build_compact=False)
+    slot_idx = torch.tensor([1, 0, 0], dtype=torch.int32, device=DEVICE)   # row 2 (masked) shares 0
+    cap = 10                                                                 # < 4 + 12
+    for fn in (gather_compact, gather_compact_torch):
+        ckv = torch.full((3, 2, cap, 2 * d), GARBAGE, device=DEVICE)
+        clen = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+        n_sel = torch.tensor([0, 12, 12], dtype=torch.int32, device=DEVICE)
+        fn(rows.kv_cache, rows.block_table, slot_idx, rows.selected, n_sel, 4, ckv, clen,
+           rows.row_mask, seq_lens=rows.seq_lens)
+        assert clen.tolist() == [10, 2, 0], fn.__name__
+        for h in range(2):
+            pos = list(range(4)) + rows.selected[1, h, :6].tolist()
+            k, v = gather_kv(rows.kv_cache, rows.block_table[1], torch.tensor(pos, device=DEVICE))
+            assert torch.equal(ckv[0, h], torch.cat([k[h], v[h]], -1)), fn.__name__
+            k, v = gather_kv(rows.kv_cache, rows.block_table[0], torch.arange(2, device=DEVICE))
+            assert torch.equal(ckv[1, h, :2], torch.cat([k[h], v[h]], -1)), fn.__name__
+            assert torch.all(ckv[1, h, 2:] == GARBAGE)

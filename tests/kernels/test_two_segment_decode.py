@@ -1,0 +1,139 @@
+"""two_segment_decode (SFI fast step) vs its PyTorch twin and vs a dense-mask reference over the
+explicit index set S ∪ M_h ∪ R_t."""
+
+import pytest
+import torch
+
+from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, HAS_CUDA, SENTINEL,
+                            assert_close_out, case_id, cuda_only, make_sfi_rows,
+                            reference_dense_attention, reference_sparse_attention, row_lengths)
+from vllm_ext.kernels.gather_compact import gather_compact
+from vllm_ext.kernels.two_segment_decode import (two_segment_decode, two_segment_decode_torch,
+                                                 two_segment_workspace)
+
+
+def _run_case(case, num_splits, seed=0, k=12, n_recent=20):
+    g, d, bs, layout, dtn = case
+    dtype = DTYPES[dtn]
+    lens, act = row_lengths(bs)
+    rows = make_sfi_rows(seq_lens=lens, active=act, g=g, hkv=2, d=d, bs=bs, dtype=dtype,
+                         layout=layout, k=k, n_recent=n_recent, seed=seed)
+    out = torch.full_like(rows.query, SENTINEL)
+    two_segment_decode(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
+                       rows.recent_start, rows.compact_kv, rows.compact_len, rows.slot_idx,
+                       rows.scale, out, rows.row_mask, num_splits=num_splits)
+    twin = torch.full_like(rows.query, SENTINEL)
+    two_segment_decode_torch(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
+                             rows.recent_start, rows.compact_kv, rows.compact_len, rows.slot_idx,
+                             rows.scale, twin, rows.row_mask)
+    ref = reference_sparse_attention(rows)
+    for i, r in enumerate(ref):
+        if r is None:   # padded row: untouched by both
+            assert torch.all(out[i] == SENTINEL), f"row {i} (padded) was written"
+            assert torch.all(twin[i] == SENTINEL), f"row {i} (padded) was written by the twin"
+            continue
+        assert_close_out(out[i], r, dtype, f"kernel row {i} (len {lens[i]})")
+        assert_close_out(twin[i], r, dtype, f"twin row {i} (len {lens[i]})")
+        assert_close_out(out[i], twin[i].float(), dtype, f"kernel vs twin row {i}")
+    return rows, out
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=case_id)
+def test_two_segment_fast_grid(case):
+    idx = FAST_CASES.index(case)
+    _run_case(case, num_splits=(1, 3, 2)[idx % 3], seed=idx)
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("case", FULL_GRID, ids=case_id)
+def test_two_segment_full_grid(case, num_splits):
+    _run_case(case, num_splits=num_splits, seed=7, k=40, n_recent=37)
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_two_segment_default_splits_and_long_rows():
+    # long rows, the default split heuristic and autotuned tiles
+    case = (4, 128, 16, "LBNHC", "bf16")
+    g, d, bs, layout, dtn = case
+    lens = [3000, 1777, 257, 1]
+    rows = make_sfi_rows(seq_lens=lens, active=[True] * 4, g=g, hkv=8, d=d, bs=bs,
+                         dtype=DTYPES[dtn], layout=layout, k=300, n_recent=256, seed=3)
+    out = torch.full_like(rows.query, SENTINEL)
+    two_segment_decode(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
+                       rows.recent_start, rows.compact_kv, rows.compact_len, rows.slot_idx,
+                       rows.scale, out, rows.row_mask)
+    for i, r in enumerate(reference_sparse_attention(rows)):
+        assert_close_out(out[i], r, DTYPES[dtn], f"row {i}")
+
+
+def test_two_segment_sparse_differs_from_dense():
+    """The sparse result must not equal dense attention when positions are dropped (guards against
+    a kernel that silently reads the whole history)."""
+    case = (4, 64, 16, "LBHNC", "fp32")
+    rows, out = _run_case(case, num_splits=2, seed=11, k=3, n_recent=8)
+    dense = reference_dense_attention(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
+                                      rows.scale)
+    i = 5  # length 101: 4 sink + 3 selected + 8 recent out of 101
+    assert (out[i].float() - dense[i]).abs().max() > 1e-2
+
+
+def test_two_segment_full_compact_equals_dense():
+    """Sink + selected covering all of A: the fast step is exactly dense attention."""
+    g, d, bs = 4, 64, 16
+    lens, act = [1, 15, 16, 17, 53], [True] * 5
+    rows = make_sfi_rows(seq_lens=lens, active=act, g=g, hkv=2, d=d, bs=bs, dtype=torch.float32,
+                         layout="LBNHC", k=64, n_recent=9, seed=5)
+    out = torch.zeros_like(rows.query)
+    two_segment_decode(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
+                       rows.recent_start, rows.compact_kv, rows.compact_len, rows.slot_idx,
+                       rows.scale, out, None, num_splits=3)
+    dense = reference_dense_attention(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
+                                      rows.scale)
+    for i in range(len(lens)):
+        torch.testing.assert_close(out[i].cpu(), dense[i].cpu(), atol=2e-5, rtol=2e-5)
+
+
+def test_two_segment_with_gather_compact_and_workspace():
+    """Fast step end to end: gather_compact builds the compact segment from the selection, then
+    two_segment_decode (with a preallocated workspace, int8 row mask) matches the reference."""
+    g, d, bs = 8, 64, 32
+    lens, act = row_lengths(bs)
+    rows = make_sfi_rows(seq_lens=lens, active=act, g=g, hkv=2, d=d, bs=bs, dtype=torch.float16,
+                         layout="LBNHC", k=12, n_recent=20, seed=9, build_compact=False)
+    ckv = torch.full_like(rows.compact_kv, 50.0)
+    clen = torch.zeros_like(rows.compact_len)
+    gather_compact(rows.kv_cache, rows.block_table, rows.slot_idx, rows.selected, rows.n_sel,
+                   rows.n_sink, ckv, clen, rows.row_mask, seq_lens=rows.seq_lens)
+    ws = two_segment_workspace(len(lens) + 2, rows.query.shape[1], d, 4, DEVICE)
+    out = torch.full_like(rows.query, SENTINEL)
+    mask8 = rows.row_mask.to(torch.int8)
+    two_segment_decode(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
+                       rows.recent_start, ckv, clen, rows.slot_idx, rows.scale, out, mask8,
+                       num_splits=3, workspace=ws)
+    for i, r in enumerate(reference_sparse_attention(rows)):
+        if r is None:
+            assert torch.all(out[i] == SENTINEL)
+        else:
+            assert_close_out(out[i], r, torch.float16, f"row {i}")
+
+
+def test_two_segment_empty_batch():
+    q = torch.zeros(0, 4, 64, device=DEVICE)
+    kv = torch.zeros(2, 1, 16, 128, device=DEVICE)
+    out = torch.zeros(0, 4, 64, device=DEVICE)
+    i32 = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    two_segment_decode(q, kv, torch.zeros(0, 1, dtype=torch.int32, device=DEVICE), i32, i32,
+                       torch.zeros(1, 1, 8, 128, device=DEVICE), torch.zeros(1, dtype=torch.int32,
+                                                                             device=DEVICE),
+                       i32, 0.125, out)
+    assert out.shape == (0, 4, 64)
+
+
+def test_fast_cases_cover_every_value():
+    for pos, values in enumerate([(1, 4, 8), (64, 128), (16, 32), ("LBNHC", "LBHNC"),
+                                  ("fp32", "fp16", "bf16")]):
+        assert {c[pos] for c in FAST_CASES} == set(values)
+    assert HAS_CUDA or DEVICE.type == "cpu"

@@ -1,0 +1,129 @@
+"""The Triton selector against its PyTorch twin (interpreted on CPU, compiled on CUDA)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_ext.config import SfiConfig
+from vllm_ext.kernels import sfi_selector as K
+from vllm_ext.sfi import selector as S
+
+pytestmark = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
+
+KSEL = 64
+CFG = dataclasses.replace(SfiConfig(), k=KSEL)
+
+
+def make(rows, heads, n_rows, length, device, *, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    ev = (torch.randn(rows, heads, n_rows, length, generator=g) * 2.5).to(dtype).to(device)
+    norms = (torch.rand(rows, heads, length, generator=g) * 4.0 + 0.05).to(dtype).to(device)
+    return ev, norms
+
+
+def bounds(length, device):
+    """Rows: all of [0, L); a sink-to-recent range; a single position; an empty set."""
+    lo = [0, min(4, length), length - 1, min(4, length)]
+    hi = [length, max(min(4, length), length - min(length // 4, 256)), length, min(4, length)]
+    return torch.tensor(lo, device=device), torch.tensor(hi, device=device)
+
+
+def compare(ev, norms, lo, hi, cfg, k, *, k_cap=None, check_scores=True):
+    if check_scores:
+        s_ref, lam_ref = S.selector_scores(ev, norms, lo, hi, cfg)
+        s_tri, lam_tri = K.selector_scores_triton(ev, norms, lo, hi, cfg)
+        fin = torch.isfinite(s_ref)
+        assert torch.equal(fin, torch.isfinite(s_tri))
+        assert torch.equal(torch.isneginf(s_ref), torch.isneginf(s_tri))
+        torch.testing.assert_close(s_tri[fin], s_ref[fin], atol=2e-4, rtol=2e-5)
+        torch.testing.assert_close(lam_tri, lam_ref, atol=1e-6, rtol=1e-4)
+    sel_ref, n_ref = S.select(ev, norms, lo, hi, cfg, k, k_cap=k_cap)
+    sel_tri, n_tri = K.select_triton(ev, norms, lo, hi, cfg, k, k_cap=k_cap)
+    assert sel_tri.dtype == torch.int32 and n_tri.dtype == torch.int32
+    assert torch.equal(n_tri, n_ref)
+    # equal as sets; both come sorted ascending and padded with -1, so equal as tensors
+    assert torch.equal(sel_tri, sel_ref), (sel_tri, sel_ref)
+    return sel_tri, n_tri
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+@pytest.mark.parametrize("length", [1, KSEL - 1, KSEL, KSEL + 1, 300, 1000])
+def test_matches_twin(heads, length, device):
+    if heads == 8 and length in (KSEL - 1, 300):
+        pytest.skip("covered by the neighbouring sizes (interpreter time)")
+    ev, norms = make(4, heads, 4, length, device, seed=heads * 1000 + length)
+    lo, hi = bounds(length, device)
+    compare(ev, norms, lo, hi, CFG, KSEL)
+
+
+@pytest.mark.parametrize("n_rows,dtype", [(1, torch.float32), (32, torch.float32), (4, torch.bfloat16),
+                                          (3, torch.float16)])
+def test_evidence_rows_and_dtypes(n_rows, dtype, device):
+    ev, norms = make(2, 4, n_rows, 200, device, seed=n_rows, dtype=dtype)
+    lo, hi = torch.tensor([4, 0], device=device), torch.tensor([180, 200], device=device)
+    compare(ev, norms, lo, hi, CFG, KSEL)
+
+
+def test_pooled_and_strided_evidence(device):
+    ev, norms = make(2, 4, 3, 150, device, seed=5)
+    lo, hi = torch.tensor([4, 10], device=device), torch.tensor([140, 90], device=device)
+    pooled = ev[:, :, 0]                                    # 3-D, non-contiguous view
+    compare(pooled, norms, lo, hi, CFG, KSEL)
+    strided = ev.transpose(2, 3).contiguous().transpose(2, 3)   # last axis not unit-stride
+    norms_t = norms.transpose(0, 1).contiguous().transpose(0, 1)
+    compare(strided, norms_t, lo, hi, CFG, KSEL)
+
+
+def test_masked_evidence_and_zero_norms(device):
+    ev, norms = make(2, 4, 4, 120, device, seed=9)
+    ev[0, :, :, :30] = float("-inf")                        # no row sees the start of A
+    ev[1, :, 1:, :] = float("-inf")                         # only one row of four sees anything
+    ev[1, 2] = float("-inf")                                # a head with no evidence at all
+    norms[0, :, 50:55] = 0.0
+    lo, hi = torch.tensor([4, 4], device=device), torch.tensor([100, 110], device=device)
+    compare(ev, norms, lo, hi, CFG, KSEL)
+
+
+@pytest.mark.parametrize("over", [dict(mu=0.0), dict(lam_x=0.0), dict(lambda_max=0.0), dict(lambda_max=1.0),
+                                  dict(nms_radius=0), dict(nms_radius=3, mu=1.0),
+                                  dict(alpha=1.0, cross_head_temperature=0.5, lam_x=0.9)])
+def test_config_variants(over, device):
+    ev, norms = make(2, 4, 2, 160, device, seed=len(over))
+    lo, hi = torch.tensor([4, 0], device=device), torch.tensor([150, 160], device=device)
+    compare(ev, norms, lo, hi, dataclasses.replace(CFG, **over), KSEL)
+
+
+def test_ties_lower_position_wins(device):
+    length = 100
+    ev = torch.zeros(2, 4, 2, length, device=device)       # uniform evidence
+    norms = torch.ones(2, 4, length, device=device)
+    lo, hi = torch.tensor([4, 0], device=device), torch.tensor([90, 100], device=device)
+    flat = dataclasses.replace(CFG, w_k=0.0, w_pos=0.0, mu=0.0, lam_x=0.0)   # every score equal
+    sel, n = compare(ev, norms, lo, hi, flat, 10)
+    assert sel[0, :, :10].tolist() == [list(range(4, 14))] * 4
+    assert sel[1, :, :10].tolist() == [list(range(0, 10))] * 4
+    compare(ev, norms, lo, hi, CFG, 10)                     # the prior breaks the ties
+    quant = (torch.randn(2, 4, 2, length, generator=torch.Generator().manual_seed(1)) * 2).round().to(device)
+    compare(quant, norms, lo, hi, dataclasses.replace(flat, lambda_max=0.0), 17)   # many exact ties
+
+
+def test_per_row_k_and_k_min(device):
+    ev, norms = make(3, 4, 2, 300, device, seed=2)
+    lo = torch.tensor([4, 4, 4], device=device)
+    hi = torch.tensor([290, 290, 40], device=device)
+    cfg = dataclasses.replace(CFG, k=100, k_min=20)
+    compare(ev, norms, lo, hi, cfg, torch.tensor([100, 5, 70], device=device), check_scores=False)
+    compare(ev, norms, lo, hi, cfg, torch.tensor([1, 250, 33], device=device), k_cap=128, check_scores=False)
+    compare(ev, norms, lo, hi, cfg, 7, check_scores=False)
+    sel, n = compare(ev, norms, lo, hi, cfg, 2000, check_scores=False)    # wider than L: all of A
+    assert sel.shape[-1] == 2000 and n.tolist() == [286, 286, 36]
+
+
+def test_dispatch(device):
+    ev, norms = make(1, 2, 1, 50, device)
+    lo, hi = torch.tensor([0], device=device), torch.tensor([50], device=device)
+    assert K.use_triton(norms)
+    a = K.select(ev, norms, lo, hi, CFG, 10)
+    b = S.select(ev, norms, lo, hi, CFG, 10)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -1,0 +1,336 @@
+"""Block-sparse paged prefill attention for CritiPrefill (chunked-prefill aware, GQA-native).
+
+Public function (Triton on CUDA / under ``TRITON_INTERPRET=1``, else the ``*_torch`` twin of the same
+signature):
+
+``block_sparse_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, plan, scale, *, output=None)``
+    ``query`` ``[T, Hq, D]``; ``kv_cache`` ``[pages, Hkv, page_size, 2D]`` (vLLM's logical view, any
+    strides, K = ``[..., :D]``, V = ``[..., D:]``); ``block_table`` int32 ``[R, max_pages]``;
+    ``query_start_loc`` int ``[R + 1]``; ``seq_lens`` int ``[R]`` (the chunk included; its K/V are
+    already in the cache); ``plan``: a :class:`vllm_ext.critiprefill.plan.CritiPrefillPlan` (or any
+    object with its fields) built for the same batch; ``scale``: softmax scale.
+    Each query at absolute position ``p`` in segment ``j`` (start ``s0 = j * segment_size``) attends to
+
+    - every key ``< s0`` when ``plan.dense[i, j - first_segment_i]``, else the keys of the plan's
+      selected criticality blocks (``sel_blocks[i, j - first, h, :num_sel]``, blocks of
+      ``plan.block_size`` keys, all ``< s0``), per KV head ``h``;
+    - its segment's own keys ``s0 .. p`` (exact causal mask).
+
+    Softmax in fp32 (online, exp2), fp32 accumulation; ``output`` ``[T, Hq, D]`` (default: new, the
+    query's dtype) gets rows ``query_start_loc[0]:query_start_loc[R]``; other rows are untouched.
+
+The plan's criticality block size is independent of the page size (16, 32, 64 ... either a whole
+number of pages or a divisor of one): every key is addressed through the block table.
+
+The Triton kernel runs one program per (query tile, KV head): a tile is ``BLOCK_Q`` consecutive
+query positions of one request inside one segment (tiles are aligned to absolute positions;
+``BLOCK_Q`` divides the segment size) times the ``G`` query heads of the KV head, so K/V are loaded
+once per group. The tile list is built on the device (no host sync); the grid is the host bound
+``ceil(T / BLOCK_Q) + R`` and surplus programs exit at once. Imports neither vLLM nor CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vllm_ext.kernels.paged_reference import attention_over, gather_kv
+from vllm_ext.kernels.triton_utils import HAS_TRITON, dot_in_fp32, next_pow2, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _bsp_prefill_kernel(
+            Q, KV, BT, QSL, SEQ, TILE_REQ, TILE_POS, SEL, NSEL, DENSE, O,
+            s_q_t, s_q_h, s_q_d,
+            s_kv_p, s_kv_h, s_kv_n, s_kv_d,
+            s_bt_r, s_bt_p,
+            s_sel_r, s_sel_s, s_sel_h, s_sel_w,
+            s_ns_r, s_ns_s, s_ns_h,
+            s_dn_r, s_dn_s,
+            s_o_t, s_o_h, s_o_d,
+            qk_scale,                      # softmax scale * log2(e)
+            G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+            D: tl.constexpr, D_PAD: tl.constexpr,
+            PAGE: tl.constexpr, BK: tl.constexpr, BK_PAD: tl.constexpr, SEG: tl.constexpr,
+            F32_DOT: tl.constexpr):
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.load(TILE_REQ + pid)
+        if r < 0:
+            return
+        p0 = tl.load(TILE_POS + pid).to(tl.int64)           # first absolute position of the tile
+        r64 = r.to(tl.int64)
+        h64 = h.to(tl.int64)
+        qs = tl.load(QSL + r64).to(tl.int64)
+        qe = tl.load(QSL + r64 + 1).to(tl.int64)
+        seq = tl.load(SEQ + r64).to(tl.int64)
+        ctx = seq - (qe - qs)
+        seg = p0 // SEG
+        seg_start = seg * SEG
+        s_local = seg - ctx // SEG
+
+        M: tl.constexpr = BLOCK_Q * G_PAD
+        rows = tl.arange(0, M)
+        qi = rows // G_PAD
+        g = rows % G_PAD
+        qpos = p0 + qi
+        row_ok = (qpos >= ctx) & (qpos < seq) & (g < G)
+        tok = qs + qpos - ctx
+        head = h64 * G + g
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        q = tl.load(Q + tok[:, None] * s_q_t + head[:, None] * s_q_h + offs_d[None, :] * s_q_d,
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        if F32_DOT:
+            q = q.to(tl.float32)
+
+        m_i = tl.full((M,), -1.0e30, tl.float32)
+        l_i = tl.zeros((M,), tl.float32)
+        acc = tl.zeros((M, D_PAD), tl.float32)
+
+        offs_n = tl.arange(0, BK_PAD)
+        bt_row = BT + r64 * s_bt_r
+        kv_head = KV + h64 * s_kv_h
+
+        # ---- keys before the segment: selected blocks, or all of them (dense)
+        dense = tl.load(DENSE + r64 * s_dn_r + s_local * s_dn_s) != 0
+        sel_row = SEL + r64 * s_sel_r + s_local * s_sel_s + h64 * s_sel_h
+        n_sel = tl.load(NSEL + r64 * s_ns_r + s_local * s_ns_s + h64 * s_ns_h)
+        if dense:
+            n_iter = tl.cdiv(seg_start, BK_PAD)
+        else:
+            n_iter = n_sel.to(tl.int64)
+        for i in range(0, n_iter):
+            if dense:
+                kpos = i * BK_PAD + offs_n
+                kok = kpos < seg_start
+            else:
+                blk = tl.load(sel_row + i * s_sel_w).to(tl.int64)
+                kpos = blk * BK + offs_n
+                kok = offs_n < BK
+            page = tl.load(bt_row + (kpos // PAGE) * s_bt_p, mask=kok, other=0).to(tl.int64)
+            kv_off = page * s_kv_p + (kpos % PAGE) * s_kv_n
+            kptr = kv_head + kv_off[:, None] + offs_d[None, :] * s_kv_d
+            lm = kok[:, None] & dmask[None, :]
+            k = tl.load(kptr, mask=lm, other=0.0)
+            v = tl.load(kptr + D * s_kv_d, mask=lm, other=0.0)
+            if F32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(kok[None, :], qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if F32_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        # ---- the segment's own keys: seg_start .. end of the tile, exact causal mask
+        k_end = tl.minimum(p0 + BLOCK_Q, seq)
+        n_diag = tl.cdiv(k_end - seg_start, BK_PAD)
+        for j in range(0, n_diag):
+            kpos = seg_start + j * BK_PAD + offs_n
+            kok = kpos < k_end
+            page = tl.load(bt_row + (kpos // PAGE) * s_bt_p, mask=kok, other=0).to(tl.int64)
+            kv_off = page * s_kv_p + (kpos % PAGE) * s_kv_n
+            kptr = kv_head + kv_off[:, None] + offs_d[None, :] * s_kv_d
+            lm = kok[:, None] & dmask[None, :]
+            k = tl.load(kptr, mask=lm, other=0.0)
+            v = tl.load(kptr + D * s_kv_d, mask=lm, other=0.0)
+            if F32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            vis = kok[None, :] & (kpos[None, :] <= qpos[:, None])
+            qk = tl.where(vis, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if F32_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        tl.store(O + tok[:, None] * s_o_t + head[:, None] * s_o_h + offs_d[None, :] * s_o_d,
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _check(query: torch.Tensor, kv_cache: torch.Tensor, plan) -> tuple[int, int, int]:
+    t, hq, d = query.shape
+    hkv = kv_cache.shape[1]
+    if kv_cache.shape[-1] != 2 * d:
+        raise ValueError(f"kv_cache last dim {kv_cache.shape[-1]} != 2 * head_size {2 * d}")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if plan.segment_size % plan.block_size:
+        raise ValueError("plan.segment_size must be a multiple of plan.block_size")
+    return t, hq, hkv
+
+
+def _tile_q(segment_size: int, g_pad: int, target_rows: int = 128) -> int:
+    """Largest power-of-two query count per tile with ``BLOCK_Q * G_PAD <= target_rows`` dividing the segment."""
+    bq = max(1, target_rows // g_pad)
+    bq = 1 << (bq.bit_length() - 1)
+    while bq > 1 and segment_size % bq:
+        bq //= 2
+    return bq
+
+
+def tile_table(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_q: int,
+               num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per program: (request, first absolute position) of each query tile; ``-1`` request = no work.
+
+    Tiles cover positions ``[ctx_i, seq_len_i)`` aligned to multiples of ``block_q``. Length is the
+    host bound ``ceil(num_tokens / block_q) + R``.
+    """
+    r = seq_lens.shape[0]
+    dev = seq_lens.device
+    qsl = query_start_loc.long()
+    seq = seq_lens.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    ctx = seq - q_lens
+    t_first = torch.div(ctx, block_q, rounding_mode="floor")
+    t_end = torch.div(seq + block_q - 1, block_q, rounding_mode="floor")
+    n_t = torch.where(q_lens > 0, t_end - t_first, 0)
+    cum = torch.cumsum(n_t, 0)
+    bound = -(-max(num_tokens, 1) // block_q) + r
+    pid = torch.arange(bound, device=dev)
+    req = torch.searchsorted(cum, pid, right=True)
+    ok = req < r
+    req_c = req.clamp_max(max(r - 1, 0))
+    tile = t_first[req_c] + pid - (cum[req_c] - n_t[req_c])
+    tile_req = torch.where(ok, req_c, -1).to(torch.int32)
+    tile_pos = torch.where(ok, tile * block_q, 0).to(torch.int64)
+    return tile_req, tile_pos
+
+
+# ------------------------------------------------------------------------------------------- triton
+def block_sparse_prefill_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan, scale: float, *,
+                                output: torch.Tensor | None = None) -> torch.Tensor:
+    t, hq, hkv = _check(query, kv_cache, plan)
+    d = query.shape[-1]
+    if output is None:
+        output = torch.empty_like(query)
+    r = seq_lens.shape[0]
+    if r == 0 or t == 0:
+        return output
+    g = hq // hkv
+    g_pad = next_pow2(g)
+    bq = _tile_q(plan.segment_size, g_pad)
+    if bq * g_pad < 16:                                  # tl.dot needs M >= 16
+        g_pad = 16 // bq
+    tile_req, tile_pos = tile_table(query_start_loc, seq_lens, bq, t)
+    dense = plan.dense
+    if dense.dtype == torch.bool:
+        dense = dense.view(torch.uint8) if dense.is_contiguous() else dense.to(torch.uint8)
+    sel, nsel = plan.sel_blocks, plan.num_sel
+    bk = plan.block_size
+    d_pad = max(16, next_pow2(d))
+    grid = (tile_req.shape[0], hkv)
+    _bsp_prefill_kernel[grid](
+        query, kv_cache, block_table, query_start_loc, seq_lens, tile_req, tile_pos, sel, nsel, dense, output,
+        query.stride(0), query.stride(1), query.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0), block_table.stride(1),
+        sel.stride(0), sel.stride(1), sel.stride(2), sel.stride(3),
+        nsel.stride(0), nsel.stride(1), nsel.stride(2),
+        dense.stride(0), dense.stride(1),
+        output.stride(0), output.stride(1), output.stride(2),
+        float(scale) * math.log2(math.e),
+        G=g, G_PAD=g_pad, BLOCK_Q=bq, D=d, D_PAD=d_pad,
+        PAGE=kv_cache.shape[2], BK=bk, BK_PAD=max(16, next_pow2(bk)), SEG=plan.segment_size,
+        F32_DOT=dot_in_fp32(kv_cache.dtype) or dot_in_fp32(query.dtype),
+        num_warps=4 if bq * g_pad * d_pad <= 128 * 64 else 8, num_stages=2,
+    )
+    return output
+
+
+# -------------------------------------------------------------------------------------------- torch
+def block_sparse_prefill_torch(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan, scale: float, *,
+                               output: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch twin: per (request, segment), all KV heads at once, gathering only the visible keys."""
+    t, hq, hkv = _check(query, kv_cache, plan)
+    if output is None:
+        output = torch.empty_like(query)
+    g = hq // hkv
+    sq, bk = plan.segment_size, plan.block_size
+    dev = query.device
+    qsl = query_start_loc.tolist()
+    seqs = seq_lens.tolist()
+    dense_all = plan.dense.tolist()
+    sel_cpu = plan.sel_blocks
+    nsel_cpu = plan.num_sel
+    offs = torch.arange(bk, device=dev)
+    for i, seq in enumerate(seqs):
+        qs, qe = qsl[i], qsl[i + 1]
+        if qe <= qs:
+            continue
+        ctx = seq - (qe - qs)
+        k_all, v_all = gather_kv(kv_cache, block_table[i], torch.arange(seq, device=kv_cache.device))
+        first = ctx // sq
+        for j in range(first, (seq - 1) // sq + 1):
+            s_local = j - first
+            s0 = j * sq
+            p_lo, p_hi = max(ctx, s0), min(seq, s0 + sq)         # this chunk's queries of segment j
+            rows = slice(qs + p_lo - ctx, qs + p_hi - ctx)
+            qpos = torch.arange(p_lo, p_hi, device=dev)
+            diag = torch.arange(s0, p_hi, device=dev)
+            diag_mask = diag[None, :] <= qpos[:, None]              # [n_q, n_diag]
+            if dense_all[i][s_local]:
+                kpos = torch.arange(0, p_hi, device=dev)
+                mask = kpos[None, :] <= qpos[:, None]
+                out, _ = attention_over(query[rows], k_all[:, :p_hi], v_all[:, :p_hi], scale, mask)
+            else:
+                w = int(nsel_cpu[i, s_local].max().item())
+                blocks = sel_cpu[i, s_local, :, :w].long()           # [Hkv, w]
+                ok = blocks >= 0
+                pos = (blocks.clamp_min(0)[..., None] * bk + offs).reshape(hkv, w * bk)
+                okp = ok[..., None].expand(hkv, w, bk).reshape(hkv, w * bk)
+                hidx = torch.arange(hkv, device=dev)[:, None]
+                k = torch.cat([k_all[hidx, pos], k_all[:, s0:p_hi]], dim=1)   # [Hkv, w*bk + n_diag, D]
+                v = torch.cat([v_all[hidx, pos], v_all[:, s0:p_hi]], dim=1)
+                n_q = p_hi - p_lo
+                sel_mask = okp[None, :, :].expand(n_q, hkv, w * bk)
+                dm = diag_mask[:, None, :].expand(n_q, hkv, diag.shape[0])
+                mask = torch.cat([sel_mask, dm], dim=2)                       # [n_q, Hkv, n_k]
+                mask = mask[:, :, None, :].expand(n_q, hkv, g, mask.shape[-1]).reshape(n_q, hq, -1)
+                out = _attention_per_kv_head(query[rows], k, v, scale, mask)
+            output[rows] = out.to(output.dtype)
+    return output
+
+
+def _attention_per_kv_head(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           mask: torch.Tensor) -> torch.Tensor:
+    out, _ = attention_over(query, k, v, scale, mask)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- dispatch
+def block_sparse_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan, scale: float, *,
+                         output: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-sparse paged prefill (see the module docstring)."""
+    if use_triton(query):
+        return block_sparse_prefill_triton(query, kv_cache, block_table, query_start_loc, seq_lens, plan,
+                                           scale, output=output)
+    return block_sparse_prefill_torch(query, kv_cache, block_table, query_start_loc, seq_lens, plan,
+                                      scale, output=output)

@@ -1,0 +1,168 @@
+"""SFI compact segment: copy sink + selected KV entries from the paged cache into a contiguous buffer.
+
+``gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, compact_kv, compact_len,
+row_mask=None, *, seq_lens=None)`` writes, for each active row ``r`` (slot ``s = slot_idx[r]``) and
+KV head ``h``::
+
+    compact_kv[s, h, i]            = kv_cache entry of position i                     (i < ns)
+    compact_kv[s, h, ns + i]       = kv_cache entry of position selected[r, h, i]     (i < nsel)
+    compact_len[s]                 = ns + nsel
+
+with ``ns = min(n_sink, seq_lens[r])`` (``n_sink`` when ``seq_lens`` is not given) and
+``nsel = clamp(n_sel[r], 0, min(K, capacity - ns))``. Entries of ``selected`` at index ``>= nsel``
+are unused (conventionally ``-1``); an entry ``< 0`` (or ``>= seq_lens[r]`` when given) inside the
+first ``nsel`` is a caller error: it is skipped, leaving that compact entry as it was.
+
+A row is active iff ``row_mask[r] != 0`` (when given), ``slot_idx[r] >= 0`` and, when ``seq_lens``
+is given, ``seq_lens[r] > 0``; inactive rows touch nothing. Compact entries past ``compact_len``
+keep stale values (the decode kernel never reads them). No host sync, no allocation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_compact_kernel(
+        KV, BT, SLOT, SEL, NSEL, CKV, CLEN, MASK, SEQ,
+        s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+        s_bt_r, s_bt_b,
+        s_sel_r, s_sel_h, s_sel_k,
+        s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c,
+        N_SINK, K, CAP,
+        C2: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_SEQ: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        eb = tl.program_id(2)
+        if HAS_MASK:
+            if tl.load(MASK + row).to(tl.int32) == 0:
+                return
+        slot = tl.load(SLOT + row)
+        if slot < 0:
+            return
+        ns = N_SINK
+        if HAS_SEQ:
+            seq_len = tl.load(SEQ + row)
+            if seq_len <= 0:
+                return
+            ns = tl.minimum(ns, seq_len)
+        ns = tl.minimum(ns, CAP)
+        nsel = tl.minimum(tl.maximum(tl.load(NSEL + row), 0), tl.minimum(K, CAP - ns))
+        if (h == 0) & (eb == 0):
+            tl.store(CLEN + slot, ns + nsel)
+        e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+        is_sink = e < ns
+        si = e - ns
+        is_sel = (e >= ns) & (si < nsel)
+        sel = tl.load(SEL + row.to(tl.int64) * s_sel_r + h * s_sel_h + si * s_sel_k,
+                      mask=is_sel, other=-1)
+        pos = tl.where(is_sink, e, sel)
+        valid = (is_sink | is_sel) & (pos >= 0)
+        if HAS_SEQ:
+            valid = valid & (pos < seq_len)
+        blk = tl.load(BT + row.to(tl.int64) * s_bt_r + (pos // PAGE) * s_bt_b, mask=valid, other=0)
+        src = blk.to(tl.int64) * s_kv_b + h * s_kv_h + (pos % PAGE).to(tl.int64) * s_kv_n
+        dst = slot.to(tl.int64) * s_ckv_s + h * s_ckv_h + e.to(tl.int64) * s_ckv_n
+        offs_c = tl.arange(0, BLOCK_C)
+        for c0 in range(0, C2, BLOCK_C):
+            c = c0 + offs_c
+            m = valid[:, None] & (c < C2)[None, :]
+            x = tl.load(KV + src[:, None] + c[None, :] * s_kv_c, mask=m)
+            tl.store(CKV + dst[:, None] + c[None, :] * s_ckv_c, x.to(CKV.dtype.element_ty), mask=m)
+
+
+def gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, compact_kv,
+                   compact_len, row_mask=None, *, seq_lens=None):
+    """Build each active row's compact segment (see module doc). Returns ``compact_kv``."""
+    if not use_triton(kv_cache):
+        return gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sink,
+                                    compact_kv, compact_len, row_mask, seq_lens=seq_lens)
+    num_rows = slot_idx.shape[0]
+    hkv = kv_cache.shape[1]
+    assert compact_kv.shape[1] == hkv and compact_kv.shape[-1] == kv_cache.shape[-1]
+    assert selected.shape[:2] == (num_rows, hkv)
+    if num_rows == 0:
+        return compact_kv
+    k = selected.shape[2]
+    cap = compact_kv.shape[2]
+    c2 = kv_cache.shape[-1]
+    block_e = 32
+    n_ent = min(cap, int(n_sink) + k)
+    grid = (num_rows, hkv, max(1, triton.cdiv(n_ent, block_e)))
+    _gather_compact_kernel[grid](
+        kv_cache, block_table, slot_idx, selected, n_sel, compact_kv, compact_len,
+        row_mask if row_mask is not None else slot_idx,
+        seq_lens if seq_lens is not None else slot_idx,
+        *kv_cache.stride(), *block_table.stride(), *selected.stride(), *compact_kv.stride(),
+        int(n_sink), k, cap,
+        C2=c2, BLOCK_C=min(next_pow2(c2), 256), PAGE=kv_cache.shape[2],
+        HAS_MASK=row_mask is not None, HAS_SEQ=seq_lens is not None, BLOCK_E=block_e)
+    return compact_kv
+
+
+def gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, compact_kv,
+                         compact_len, row_mask=None, *, seq_lens=None):
+    """PyTorch twin of :func:`gather_compact` (no host sync, no row loop)."""
+    num_rows = slot_idx.shape[0]
+    if num_rows == 0:
+        return compact_kv
+    dev = kv_cache.device
+    hkv = kv_cache.shape[1]
+    bs = kv_cache.shape[2]
+    cap = compact_kv.shape[2]
+    k = selected.shape[2]
+    n_ent = min(cap, int(n_sink) + k)
+    slot = slot_idx.long()
+    act = slot >= 0
+    if row_mask is not None:
+        act = act & (row_mask != 0).to(dev)
+    ns = torch.full((num_rows,), int(n_sink), dtype=torch.long, device=dev)
+    if seq_lens is not None:
+        seq = seq_lens.long()
+        act = act & (seq > 0)
+        ns = torch.minimum(ns, seq)
+    ns = ns.clamp(max=cap)
+    nsel = torch.minimum(n_sel.long().clamp_min(0), (cap - ns).clamp_max(k))          # [R]
+    e = torch.arange(n_ent, device=dev)                                               # [E]
+    is_sink = e[None, :] < ns[:, None]                                                # [R, E]
+    si = (e[None, :] - ns[:, None])
+    is_sel = (si >= 0) & (si < nsel[:, None])
+    sel = torch.gather(selected.long(), 2,
+                       si.clamp(0, max(k - 1, 0))[:, None, :].expand(num_rows, hkv, n_ent))
+    pos = torch.where(is_sink[:, None, :], e[None, None, :].expand(num_rows, hkv, n_ent), sel)
+    valid = (is_sink | is_sel)[:, None, :] & (pos >= 0) & act[:, None, None]           # [R, H, E]
+    if seq_lens is not None:
+        valid = valid & (pos < seq_lens.long()[:, None, None])
+    p = pos.clamp_min(0)
+    bidx = (p // bs).clamp_max(block_table.shape[1] - 1)
+    blk = torch.gather(block_table.long()[:, None, :].expand(num_rows, hkv, -1), 2, bidx)
+    blk = blk.clamp(0, kv_cache.shape[0] - 1)
+    heads = torch.arange(hkv, device=dev)[None, :, None].expand_as(blk)
+    src = kv_cache[blk, heads, p % bs]                                                # [R, H, E, 2D]
+    # Rows sharing a slot (an inactive padded row beside the slot's active row) must write identical
+    # values, since index_put_ leaves the order of duplicate writes undefined: every row writes the
+    # result of its slot's owner (the highest active row index mapped to it), or the current content.
+    s_idx = slot.clamp(0, compact_kv.shape[0] - 1)
+    rows = torch.arange(num_rows, device=dev)
+    owner = torch.full((compact_kv.shape[0],), -1, dtype=torch.long, device=dev)
+    owner = owner.scatter_reduce(0, s_idx, torch.where(act, rows, torch.full_like(rows, -1)),
+                                 reduce="amax")
+    o = owner[s_idx]                                                                   # [R]
+    has_o = o >= 0
+    oc = o.clamp_min(0)
+    harange = torch.arange(hkv, device=dev)[None, :]
+    cur = compact_kv[s_idx[:, None], harange][:, :, :n_ent]                             # [R, H, E, 2D]
+    new = torch.where(valid[..., None], src.to(compact_kv.dtype), cur)
+    final = torch.where(has_o[:, None, None, None], new[oc], cur)
+    compact_kv[s_idx[:, None], harange, :n_ent] = final
+    new_len = (ns + nsel).to(compact_len.dtype)
+    compact_len[s_idx] = torch.where(has_o, new_len[oc], compact_len[s_idx])
+    return compact_kv

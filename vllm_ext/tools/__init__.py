@@ -1,0 +1,1 @@
+"""Tools shipped with the package: tiny offline checkpoints, the demo."""
