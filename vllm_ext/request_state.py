@@ -164,6 +164,9 @@ class RequestStateTable:
                    row_is_decode: np.ndarray | None) -> StepState:
         """Publish the step's rows. ``row_req_ids`` is the runner's row order; ``input_ids`` and
         ``query_start_loc`` are the step's device buffers (None for a dummy step)."""
+        if num_rows > self.max_reqs:
+            raise RuntimeError(f"vllm_ext: a step with {num_rows} rows exceeds the {self.max_reqs} "
+                               f"request slots (max_num_seqs)")
         self._apply_resets()
         real = input_ids is not None
         slots = self._row_slot.np

@@ -138,3 +138,24 @@ def test_padding_tokens_do_not_change_the_plan():
     b.query[-7:] = 50.0
     pa, pb = _plan(a, c, max_query_len=200), _plan(b, c, max_query_len=200)
     assert torch.equal(pa.sel_blocks, pb.sel_blocks) and torch.equal(pa.dense, pb.dense)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_plan_and_kernel_never_sync_with_the_host():
+    from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill
+
+    c = cfg(segment_size=128, block_size=32, budget=128)
+    b = make_batch([1500, 700], [600, 700], hq=8, hkv=2, d=64, page=16, dtype=torch.bfloat16, device="cuda")
+    fusion = LayerFusion()
+    args = (b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens)
+    build_plan(*args, c, layer_idx=1, fusion=fusion, max_seq_len=1536, max_query_len=700)   # warm-up / compile
+    block_sparse_prefill(*args, build_plan(*args, c, layer_idx=2, max_seq_len=1536), 0.125)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = build_plan(*args, c, layer_idx=2, fusion=fusion, max_seq_len=1536, max_query_len=700)
+        block_sparse_prefill(*args, plan, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

@@ -29,6 +29,9 @@ def engine(model: str, backend: str, *, multiprocessing: bool = False, **kwargs)
     try:
         yield llm
     finally:
+        # Shut down explicitly: a shutdown left to garbage collection could run while the next
+        # engine of the process is up and tear down its distributed state.
+        llm.llm_engine.engine_core.shutdown()
         del llm
         cleanup_dist_env_and_memory()
 

@@ -17,6 +17,7 @@ if os.environ.get("SPEEDSFI_TRITON_INTERPRET") == "1" or not torch.cuda.is_avail
 def pytest_configure(config):
     # The interpreter evaluates both sides of tl.where with numpy (log(0) on masked lanes).
     config.addinivalue_line("filterwarnings", "ignore::RuntimeWarning:triton.runtime.interpreter")
+    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:triton.runtime.interpreter")
 
 
 @pytest.fixture

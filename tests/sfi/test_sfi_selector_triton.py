@@ -29,7 +29,7 @@ def bounds(length, device):
     return torch.tensor(lo, device=device), torch.tensor(hi, device=device)
 
 
-def compare(ev, norms, lo, hi, cfg, k, *, k_cap=None, check_scores=True):
+def compare(ev, norms, lo, hi, cfg, k, *, k_cap=None, check_scores=True, check_lam=True):
     if check_scores:
         s_ref, lam_ref = S.selector_scores(ev, norms, lo, hi, cfg)
         s_tri, lam_tri = K.selector_scores_triton(ev, norms, lo, hi, cfg)
@@ -37,7 +37,8 @@ def compare(ev, norms, lo, hi, cfg, k, *, k_cap=None, check_scores=True):
         assert torch.equal(fin, torch.isfinite(s_tri))
         assert torch.equal(torch.isneginf(s_ref), torch.isneginf(s_tri))
         torch.testing.assert_close(s_tri[fin], s_ref[fin], atol=2e-4, rtol=2e-5)
-        torch.testing.assert_close(lam_tri, lam_ref, atol=1e-6, rtol=1e-4)
+        if check_lam:                                       # ill-conditioned (and irrelevant) when f == r
+            torch.testing.assert_close(lam_tri, lam_ref, atol=1e-6, rtol=1e-4)
     sel_ref, n_ref = S.select(ev, norms, lo, hi, cfg, k, k_cap=k_cap)
     sel_tri, n_tri = K.select_triton(ev, norms, lo, hi, cfg, k, k_cap=k_cap)
     assert sel_tri.dtype == torch.int32 and n_tri.dtype == torch.int32
@@ -100,12 +101,12 @@ def test_ties_lower_position_wins(device):
     norms = torch.ones(2, 4, length, device=device)
     lo, hi = torch.tensor([4, 0], device=device), torch.tensor([90, 100], device=device)
     flat = dataclasses.replace(CFG, w_k=0.0, w_pos=0.0, mu=0.0, lam_x=0.0)   # every score equal
-    sel, n = compare(ev, norms, lo, hi, flat, 10)
+    sel, n = compare(ev, norms, lo, hi, flat, 10, check_lam=False)
     assert sel[0, :, :10].tolist() == [list(range(4, 14))] * 4
     assert sel[1, :, :10].tolist() == [list(range(0, 10))] * 4
-    compare(ev, norms, lo, hi, CFG, 10)                     # the prior breaks the ties
+    compare(ev, norms, lo, hi, CFG, 10, check_lam=False)    # the prior breaks the ties (lam* = 0/0-ish)
     quant = (torch.randn(2, 4, 2, length, generator=torch.Generator().manual_seed(1)) * 2).round().to(device)
-    compare(quant, norms, lo, hi, dataclasses.replace(flat, lambda_max=0.0), 17)   # many exact ties
+    compare(quant, norms, lo, hi, dataclasses.replace(flat, lambda_max=0.0), 17, check_lam=False)   # many ties
 
 
 def test_per_row_k_and_k_min(device):

@@ -30,7 +30,7 @@ import torch
 
 from vllm_ext.kernels.merge_state import launch_merge_states
 from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, interpret_mode,
-                                           next_pow2, num_sms, use_triton)
+                                           launch_meta, next_pow2, num_sms, use_triton)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453

@@ -1,0 +1,93 @@
+"""The speedsfi configuration: defaults from ALGORITHMS.md, presets, strict parsing, clear errors."""
+
+import math
+
+import pytest
+
+from vllm_ext.config import (ConfigError, SpeedSfiConfig, load_preset, preset_names)
+
+
+def test_defaults_match_algorithms_md():
+    cfg = SpeedSfiConfig.from_dict(None)
+    assert not cfg.any_enabled
+    s = cfg.sfi
+    assert (s.k, s.k_min, s.n_sink, s.n_recent, s.refresh, s.w_prefill) == (2048, 32, 4, 256, 32, 16)
+    assert (s.alpha, s.gamma_k, s.pos_power, s.pos_eta, s.w_k, s.w_pos) == (0.5, 0.5, 1.8, 0.4, 1.0, 0.7)
+    assert s.pos_beta == pytest.approx(-math.log(0.6) / 0.9) and s.pos_beta == pytest.approx(0.5676, abs=1e-4)
+    assert (s.lambda_max, s.nms_radius, s.mu, s.cross_head_temperature, s.lam_x) == (0.02, 16, 0.5, 2.0, 0.35)
+    assert set(s.trigger_chars) == {".", "?", "!", ";", "\n", "。", "？", "！"}
+    c = cfg.critiprefill
+    assert (c.segment_size, c.block_size, c.budget, c.alpha, c.min_len) == (512, 32, 1024, 0.25, 4096)
+    assert cfg.speed.resolved_l_cut(32) == 24 and cfg.speed.anchor == "bos"
+
+
+def test_explicit_fields_override_preset():
+    cfg = SpeedSfiConfig.from_dict({"preset": "sfi", "sfi": {"k": 512}})
+    assert cfg.sfi.enabled and cfg.sfi.k == 512 and cfg.sfi.n_recent == 256 and cfg.preset == "sfi"
+
+
+def test_every_shipped_preset_parses():
+    names = preset_names()
+    assert {"dense", "sfi", "speed", "critiprefill", "all"} <= set(names)
+    for name in names:
+        SpeedSfiConfig.from_dict({"preset": name})
+    assert not SpeedSfiConfig.from_dict({"preset": "dense"}).any_enabled
+
+
+def test_preset_by_path(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("speedsfi:\n  sfi: {enabled: true, k: 64, n_recent: 8}\n")
+    cfg = SpeedSfiConfig.from_dict({"preset": str(p)})
+    assert cfg.sfi.k == 64 and cfg.sfi.n_recent == 8
+    assert load_preset(str(p))["sfi"]["k"] == 64
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"sfi": {"n_recnt": 3}}, "speedsfi.sfi.n_recnt: unknown field (did you mean 'n_recent'?)"),
+    ({"sfii": {}}, "speedsfi.sfii: unknown field"),
+    ({"sfi": {"k": "big"}}, "speedsfi.sfi.k: expected an integer"),
+    ({"sfi": {"k": 2.5}}, "speedsfi.sfi.k: expected an integer"),
+    ({"sfi": {"enabled": "yes"}}, "speedsfi.sfi.enabled: expected true or false"),
+    ({"sfi": {"n_recent": -1}}, "speedsfi.sfi.n_recent must be >= 0"),
+    ({"sfi": {"k": 0}}, "speedsfi.sfi.k must be > 0"),
+    ({"sfi": {"k": 16, "k_min": 32}}, "speedsfi.sfi.k_min (32) must be <= sfi.k (16)"),
+    ({"sfi": {"schedule": "sometimes"}}, "speedsfi.sfi.schedule: expected one of"),
+    ({"sfi": {"alpha": 0}}, "speedsfi.sfi.alpha must be in (0, 1]"),
+    ({"sfi": {"lambda_max": float("nan")}}, "speedsfi.sfi.lambda_max: expected a finite number"),
+    ({"sfi": {"trigger_chars": ["..", "?"]}}, "speedsfi.sfi.trigger_chars: each entry must be one character"),
+    ({"speed": {"l_cut": 0}}, "speedsfi.speed.l_cut must be > 0"),
+    ({"speed": {"anchor": "eos"}}, "speedsfi.speed.anchor: expected one of 'bos', 'none'"),
+    ({"critiprefill": {"budget": 100}}, "must be a multiple of critiprefill.block_size"),
+    ({"critiprefill": {"dense_layers": [0, "one"]}}, "speedsfi.critiprefill.dense_layers[1]: expected an integer"),
+    ({"preset": "no-such-preset"}, "speedsfi.preset: no preset named 'no-such-preset'"),
+    ({"sfi": 3}, "speedsfi.sfi: expected a mapping"),
+])
+def test_bad_input_names_the_field(raw, field):
+    with pytest.raises(ConfigError) as e:
+        SpeedSfiConfig.from_dict(raw)
+    assert field in str(e.value)
+
+
+def test_model_dependent_checks():
+    cfg = SpeedSfiConfig.from_dict({"speed": {"enabled": True, "l_cut": 30}})
+    cfg.validate_for_model(num_layers=32)
+    with pytest.raises(ConfigError, match=r"speedsfi.speed.l_cut \(30\) must be <= the model's number of layers \(24\)"):
+        cfg.validate_for_model(num_layers=24)
+    cfg = SpeedSfiConfig.from_dict({"critiprefill": {"enabled": True, "dense_layers": [0, 40]}})
+    with pytest.raises(ConfigError, match="dense_layers: layer 40 does not exist"):
+        cfg.validate_for_model(num_layers=32)
+
+
+def test_per_request_overrides_are_validated():
+    base = SpeedSfiConfig.from_dict({"preset": "sfi"})
+    assert base.with_overrides({"sfi": {"k": 128}}).sfi.k == 128
+    assert base.with_overrides({"sfi": {"enabled": False}}).sfi.enabled is False
+    assert base.with_overrides(None) is base
+    with pytest.raises(ConfigError, match="speedsfi.sfi.kk: unknown field"):
+        base.with_overrides({"sfi": {"kk": 1}})
+    with pytest.raises(ConfigError, match="cannot be overridden per request"):
+        base.with_overrides({"preset": "dense"})
+
+
+def test_trigger_chars_accepts_a_string():
+    assert SpeedSfiConfig.from_dict({"sfi": {"trigger_chars": ".?"}}).sfi.trigger_chars == (".", "?")

@@ -1,0 +1,89 @@
+"""RequestStateTable: stable slots, per-step row views, resets on reuse (no vLLM needed)."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ext.request_state import RequestStateTable
+
+
+def _step(table, rows, tokens_per_row, last_tokens, decode, num_rows=None):
+    """rows: req ids in row order; builds input_ids / query_start_loc like the runner does."""
+    qsl = np.concatenate([[0], np.cumsum(tokens_per_row)]).astype(np.int32)
+    input_ids = torch.zeros(int(qsl[-1]) + 3, dtype=torch.int32)
+    for i, tok in enumerate(last_tokens):
+        input_ids[qsl[i + 1] - 1] = tok
+    return table.begin_step(list(rows), len(rows), num_rows or len(rows), input_ids,
+                            torch.from_numpy(qsl), np.array(decode, dtype=bool))
+
+
+def test_slots_are_stable_while_rows_move():
+    t = RequestStateTable(max_reqs=4, device="cpu")
+    t.sync_membership([], {"a": (10, None), "b": (20, None)})
+    sa, sb = t.slot_of["a"], t.slot_of["b"]
+    assert sa != sb
+    s1 = _step(t, ["a", "b"], [10, 20], [7, 8], [False, False])
+    assert s1.row_slot.tolist() == [sa, sb] and s1.row_last_token.tolist() == [7, 8]
+    s2 = _step(t, ["b", "a"], [1, 1], [5, 6], [True, True])           # rows swapped
+    assert s2.row_slot.tolist() == [sb, sa]
+    assert s2.row_prompt_len.tolist() == [20, 10]
+    assert s2.row_last_token.tolist() == [5, 6]
+
+
+def test_steps_since_slow_counts_decode_steps_and_resets_on_reuse():
+    t = RequestStateTable(max_reqs=2, device="cpu")
+    t.sync_membership([], {"a": (3, None)})
+    _step(t, ["a"], [3], [1], [False])                     # prefill: not counted
+    for _ in range(5):
+        _step(t, ["a"], [1], [1], [True])
+    slot = t.slot_of["a"]
+    assert int(t.steps_since_slow[slot]) == 5 and int(t.decode_steps[slot]) == 5
+    gen = int(t.generation[slot])
+    t.sync_membership(["a"], {})                            # finished
+    assert "a" not in t.slot_of
+    t.sync_membership([], {"c": (9, None)})                 # slot handed out again
+    assert t.slot_of["c"] == slot
+    s = _step(t, ["c"], [9], [2], [False])
+    assert int(t.steps_since_slow[slot]) == 0 and int(t.generation[slot]) == gen + 1
+    assert s.row_prompt_len.tolist() == [9]
+    assert not bool(t.has_selection[slot])
+
+
+def test_resumed_request_gets_fresh_state():
+    t = RequestStateTable(max_reqs=2, device="cpu")
+    t.sync_membership([], {"a": (4, None)})
+    for _ in range(3):
+        _step(t, ["a"], [1], [1], [True])
+    t.sync_membership(["a"], {"a": (4, None)})              # preempted and resumed in one step
+    assert t.counters.reset_on_resume == 1
+    _step(t, ["a"], [6], [1], [False])
+    assert int(t.steps_since_slow[t.slot_of["a"]]) == 0
+
+
+def test_leaving_the_batch_frees_the_slot_and_padding_uses_scratch():
+    t = RequestStateTable(max_reqs=4, device="cpu")
+    t.sync_membership([], {"a": (4, None), "b": (4, None), "x": (1, None), "y": (1, None)})
+    with pytest.raises(RuntimeError, match="no free request slot"):
+        t.acquire("c", 1)
+    t.sync_membership([], {"a": (4, None), "b": (4, None)})
+    t.sync_membership([], {"b": (4, None)})                 # "a" preempted / unscheduled
+    assert set(t.slot_of) == {"b"}
+    s = _step(t, ["b"], [1], [3], [True], num_rows=4)        # padded to 4 rows
+    assert s.row_slot.tolist()[1:] == [t.scratch_slot] * 3
+    assert s.row_last_token.tolist()[1:] == [0, 0, 0]
+    assert s.row_is_decode.tolist() == [1, 0, 0, 0]
+
+
+def test_dummy_step_touches_no_request():
+    t = RequestStateTable(max_reqs=2, device="cpu")
+    t.sync_membership([], {"a": (4, None)})
+    before = t.steps_since_slow.clone()
+    s = t.begin_step([], 0, 2, None, None, None)
+    assert not s.is_real and s.row_slot.tolist() == [t.scratch_slot] * 2
+    assert torch.equal(before, t.steps_since_slow)
+
+
+def test_overrides_are_kept_per_slot():
+    t = RequestStateTable(max_reqs=2, device="cpu")
+    t.sync_membership([], {"a": (4, {"sfi": {"k": 8}}), "b": (4, None)})
+    assert t.overrides[t.slot_of["a"]] == {"sfi": {"k": 8}} and t.overrides[t.slot_of["b"]] is None
