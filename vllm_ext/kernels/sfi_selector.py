@@ -310,7 +310,7 @@ def selector_scores_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: 
     lam = torch.empty((rows, heads), dtype=torch.float32, device=device)
     if rows == 0 or heads == 0 or length == 0:
         return out, lam.zero_()
-    r_pad = _next_pow2(n_rows) if pool else 1
+    r_pad = max(2, _next_pow2(n_rows)) if pool else 2
     block_l = max(16, min(1024, 4096 // r_pad))
     _fuse_kernel[(rows * heads,)](
         evidence, s_ev[0], s_ev[1], s_ev[2], s_ev[3],
@@ -320,7 +320,7 @@ def selector_scores_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: 
         float(cfg.gamma_k), float(cfg.w_k), float(cfg.w_pos), float(cfg.pos_power), float(cfg.pos_eta),
         float(cfg.pos_beta), float(cfg.lambda_max), float(cfg.eps),
         POOL=pool, R_PAD=r_pad, BLOCK_L=block_l)
-    h_pad = _next_pow2(heads)
+    h_pad = max(2, _next_pow2(heads))
     block_r = max(16, min(256, 2048 // h_pad))
     do_nms = cfg.nms_radius > 0 and cfg.mu != 0.0
     do_x = heads > 2 and cfg.lam_x != 0.0

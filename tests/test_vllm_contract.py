@@ -1,0 +1,97 @@
+"""Contract tests: the vLLM 0.32 internals vllm_ext relies on. When one of these fails after a vLLM
+upgrade, the matching hook in vllm_ext/vllm_patches.py or vllm_ext/runner_hooks.py must move with it."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _params(fn):
+    return list(inspect.signature(fn).parameters)
+
+
+def test_pinned_version():
+    import vllm
+
+    import vllm_ext
+
+    assert vllm.__version__.split("+")[0] == vllm_ext.SUPPORTED_VLLM
+
+
+def test_v1_runner_methods_we_wrap():
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert issubclass(CPUModelRunner, GPUModelRunner)   # the CPU build runs the V1 runner
+    assert _params(GPUModelRunner._update_states)[:2] == ["self", "scheduler_output"]
+    params = _params(GPUModelRunner._build_attention_metadata)
+    assert params[:4] == ["self", "num_tokens", "num_reqs", "max_query_len"]
+    for name in ("num_reqs_padded", "for_cudagraph_capture", "num_scheduled_tokens"):
+        assert name in params
+    src = inspect.getsource(GPUModelRunner.execute_model)
+    assert "num_scheduled_tokens=scheduler_output.num_scheduled_tokens" in src
+    assert "self.synchronize_input_prep()" in src
+
+
+def test_runner_state_we_read():
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    assert "finished_req_ids" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}
+    assert {"sampling_params", "num_computed_tokens"} <= {f.name for f in dataclasses.fields(CachedRequestState)}
+    assert "num_prompt_tokens" in inspect.getsource(CachedRequestState)
+    src = inspect.getsource(InputBatch.__init__)
+    for attr in ("self.num_prompt_tokens =", "self.num_computed_tokens_cpu =", "self._req_ids"):
+        assert attr in src
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    init = inspect.getsource(GPUModelRunner.__init__)
+    for attr in ("self.input_ids =", "self.query_start_loc =", "self.max_num_reqs ="):
+        assert attr in init
+
+
+def test_config_and_platform_hooks():
+    from vllm.config import VllmConfig
+    from vllm.platforms.cpu import CpuPlatform
+
+    assert callable(VllmConfig._get_v2_model_runner_unsupported_features)
+    assert isinstance(inspect.getattr_static(VllmConfig, "use_v2_model_runner"), property)
+    assert "_get_v2_model_runner_unsupported_features" in inspect.getsource(
+        inspect.getattr_static(VllmConfig, "use_v2_model_runner").fget)
+    assert _params(CpuPlatform.get_attn_backend_cls) == ["selected_backend", "attn_selector_config",
+                                                          "num_heads"]
+
+
+def test_backend_api_shapes():
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder
+    from vllm.v1.attention.backends.registry import register_backend
+
+    assert _params(AttentionImpl.forward)[:8] == ["self", "layer", "query", "key", "value", "kv_cache",
+                                                  "attn_metadata", "output"]
+    assert _params(AttentionMetadataBuilder.build)[:3] == ["self", "common_prefix_len", "common_attn_metadata"]
+    assert _params(register_backend)[:2] == ["backend", "class_path"]
+    src = inspect.getsource(Attention.__init__)
+    # positional impl arguments, in this order, and the enum lookup by get_name()
+    assert "num_heads,\n            head_size,\n            scale,\n            num_kv_heads,\n            " \
+           "alibi_slopes,\n            sliding_window,\n            kv_cache_dtype," in src
+    assert "AttentionBackendEnum[self.attn_backend.get_name()]" in src
+
+
+def test_speedsfi_forces_the_v1_runner(tiny_models):
+    """With SPEEDSFI selected, VllmConfig lists it among the V2 runner's unsupported features."""
+    import vllm_ext
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_ext.register()
+    args = EngineArgs(model=tiny_models["qwen3"], attention_backend="SPEEDSFI", max_model_len=256,
+                      enforce_eager=True)
+    cfg = args.create_engine_config()
+    assert any("SPEEDSFI" in f for f in cfg._get_v2_model_runner_unsupported_features())
+    assert cfg.use_v2_model_runner is False
+    other = EngineArgs(model=tiny_models["qwen3"], max_model_len=256, enforce_eager=True).create_engine_config()
+    assert not any("SPEEDSFI" in f for f in other._get_v2_model_runner_unsupported_features())
