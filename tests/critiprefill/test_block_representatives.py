@@ -83,3 +83,46 @@ def test_twin_dispatch_without_triton(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_block_representatives_cuda_grid(page, bk, layout, dtype):
     _run(page, bk, layout, dtype, seqs=[1, 511, 512, 513, 4097, 3000], hkv=4, d=128)
+
+
+# ------------------------------------------------------------------------------- query side
+from vllm_ext.kernels.block_representatives import (  # noqa: E402
+    query_segment_representatives,
+    query_segment_representatives_torch,
+    query_segment_representatives_triton,
+)
+
+
+def query_reference(b, sq, s_max):
+    r = len(b.seq_list)
+    hq, d = b.query.shape[1:]
+    out = torch.zeros(2, r, s_max, hq, d)
+    qsl = b.query_start_loc.cpu().tolist()
+    for i, seq in enumerate(b.seq_list):
+        ctx = seq - b.q_lens[i]
+        q = b.query[qsl[i]:qsl[i + 1]].cpu().float()
+        for s in range(s_max):
+            j = ctx // sq + s
+            lo, hi = max(ctx, j * sq), min(seq, (j + 1) * sq)
+            if lo < hi:
+                out[0, i, s] = q[lo - ctx:hi - ctx].amax(0)
+                out[1, i, s] = q[lo - ctx:hi - ctx].amin(0)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_segment_representatives(dtype):
+    # mid-segment chunk start, single-token chunk, segment boundaries +-1, padding rows with garbage
+    seqs, qls = [300, 97, 129, 64], [100, 1, 129, 63]
+    b = make_batch(seqs, qls, hq=4, hkv=2, d=64, page=16, dtype=dtype, pad_tokens=5)
+    b.query[-5:] = 1e4
+    ref = query_reference(b, 64, 4)
+    twin = query_segment_representatives_torch(b.query, b.query_start_loc, b.seq_lens, 64, 4)
+    assert torch.equal(twin, ref)
+    if HAS_TRITON:
+        bd = make_batch(seqs, qls, hq=4, hkv=2, d=64, page=16, dtype=dtype, pad_tokens=5, device=DEV)
+        bd.query[-5:] = 1e4
+        tri = query_segment_representatives_triton(bd.query, bd.query_start_loc, bd.seq_lens, 64, 4)
+        assert torch.equal(tri.cpu(), ref)
+        assert torch.equal(query_segment_representatives(bd.query, bd.query_start_loc, bd.seq_lens, 64, 4).cpu(),
+                           ref)

@@ -21,7 +21,6 @@ part is implicit. Rows ``s >= num_segments_i`` are padding (never read by the ke
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,7 @@ from vllm_ext.critiprefill.criticality import (
     criticality_scores,
     select_blocks,
 )
-from vllm_ext.kernels.block_representatives import block_representatives
+from vllm_ext.kernels.block_representatives import block_representatives, query_segment_representatives
 
 # Elements of the largest transient score tensor (fp32) per scoring step; the segment axis is chunked
 # so that ``R * C * Hq * 4 * NB`` stays under it.
@@ -106,27 +105,8 @@ def dense_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_kv_hea
 def segment_query_representatives(query: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                                   segment_size: int, max_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``Qmax, Qmin`` fp32 ``[R, S, Hq, D]`` of each request's chunk segments (0 on padding rows)."""
-    r = seq_lens.shape[0]
-    t, hq, d = query.shape
-    dev = query.device
-    qsl, _, _, ctx, first, _ = _chunk_geometry(query_start_loc, seq_lens, segment_size)
-    tok = torch.arange(t, device=dev)
-    req = torch.searchsorted(qsl[1:].contiguous(), tok, right=True)   # request of each token row
-    in_batch = req < r
-    req_c = req.clamp_max(max(r - 1, 0))
-    pos = ctx[req_c] + tok - qsl[req_c]
-    seg_local = torch.div(pos, segment_size, rounding_mode="floor") - first[req_c]
-    n_rows = r * max_segments
-    row = torch.where(in_batch, req_c * max_segments + seg_local, n_rows)   # padding rows -> dump row
-    src = query if query.dtype in (torch.float16, torch.bfloat16, torch.float32) else query.float()
-    qmax = torch.zeros((n_rows + 1, hq, d), dtype=src.dtype, device=dev)
-    qmin = torch.zeros((n_rows + 1, hq, d), dtype=src.dtype, device=dev)
-    with warnings.catch_warnings():          # "index_reduce() is in beta"
-        warnings.simplefilter("ignore", UserWarning)
-        qmax.index_reduce_(0, row, src, "amax", include_self=False)
-        qmin.index_reduce_(0, row, src, "amin", include_self=False)
-    return (qmax[:n_rows].float().reshape(r, max_segments, hq, d),
-            qmin[:n_rows].float().reshape(r, max_segments, hq, d))
+    reps = query_segment_representatives(query, query_start_loc, seq_lens, segment_size, max_segments)
+    return reps[0], reps[1]
 
 
 def build_plan(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

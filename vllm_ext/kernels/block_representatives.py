@@ -1,6 +1,6 @@
 """Per key block element-wise max / min of K, read from vLLM's paged KV cache (CritiPrefill's ``Kmax, Kmin``).
 
-Public function (Triton on CUDA / under ``TRITON_INTERPRET=1``, else the ``*_torch`` twin of the same
+Public functions (Triton on CUDA / under ``TRITON_INTERPRET=1``, else the ``*_torch`` twin of the same
 signature):
 
 ``block_representatives(kv_cache, block_table, seq_lens, block_size, num_blocks, *, out=None)``
@@ -13,10 +13,20 @@ signature):
     the keys ``[b*Bk, min((b+1)*Bk, seq_len))`` of block ``b``. A partial last block covers the keys
     that exist; blocks with no key (``b*Bk >= seq_len``) are 0 (they are never candidates).
 
+``query_segment_representatives(query, query_start_loc, seq_lens, segment_size, max_segments, *, out=None)``
+    The query side (``Qmax, Qmin``) of a batch of prefill chunks: request ``i``'s queries (token rows
+    ``query_start_loc[i]:query_start_loc[i+1]`` of ``query [T, Hq, D]``, positions
+    ``seq_len_i - q_len_i .. seq_len_i - 1``) grouped by absolute segment ``p // segment_size``;
+    row ``s`` of request ``i`` is segment ``(seq_len_i - q_len_i) // segment_size + s``.
+    Returns ``out`` fp32 ``[2, R, max_segments, Hq, D]`` (max, min); rows without a query are 0.
+    Token rows after ``query_start_loc[R]`` (padding) are ignored.
+
 No host synchronisation. Imports neither vLLM nor CUDA.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -57,6 +67,46 @@ if HAS_TRITON:
         o = OUT + r.to(tl.int64) * s_o_r + b.to(tl.int64) * s_o_b + h.to(tl.int64) * s_o_h + offs_d
         tl.store(o, kmax, mask=dmask)
         tl.store(o + s_o_w, kmin, mask=dmask)
+
+    @triton.jit
+    def _query_reps_kernel(Q, QSL, SEQ, OUT,
+                           s_q_t, s_q_h, s_q_d,
+                           s_o_w, s_o_r, s_o_s, s_o_h,
+                           S_MAX, SEG,
+                           D: tl.constexpr, D_PAD: tl.constexpr, TOK: tl.constexpr):
+        row = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        r = (row // S_MAX).to(tl.int64)
+        s = (row % S_MAX).to(tl.int64)
+        qs = tl.load(QSL + r).to(tl.int64)
+        qe = tl.load(QSL + r + 1).to(tl.int64)
+        seq = tl.load(SEQ + r).to(tl.int64)
+        ctx = seq - (qe - qs)
+        seg = ctx // SEG + s
+        p_lo = tl.maximum(ctx, seg * SEG)
+        p_hi = tl.minimum(seq, seg * SEG + SEG)
+        offs_t = tl.arange(0, TOK)
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        mx = tl.full((TOK, D_PAD), float("-inf"), tl.float32)
+        mn = tl.full((TOK, D_PAD), float("inf"), tl.float32)
+        for t0 in range(p_lo, p_hi, TOK):
+            pos = t0 + offs_t
+            ok = pos < p_hi
+            tok = qs + pos - ctx
+            m2 = ok[:, None] & dmask[None, :]
+            x = tl.load(Q + tok[:, None] * s_q_t + h * s_q_h + offs_d[None, :] * s_q_d, mask=m2, other=0.0)
+            x = x.to(tl.float32)
+            mx = tl.maximum(mx, tl.where(m2, x, float("-inf")))
+            mn = tl.minimum(mn, tl.where(m2, x, float("inf")))
+        vmax = tl.max(mx, axis=0)
+        vmin = tl.min(mn, axis=0)
+        has = p_hi > p_lo
+        vmax = tl.where(has, vmax, 0.0)
+        vmin = tl.where(has, vmin, 0.0)
+        o = OUT + r * s_o_r + s * s_o_s + h * s_o_h + offs_d
+        tl.store(o, vmax, mask=dmask)
+        tl.store(o + s_o_w, vmin, mask=dmask)
 
 
 def _alloc_out(kv_cache: torch.Tensor, num_reqs: int, num_blocks: int,
@@ -123,3 +173,77 @@ def block_representatives(kv_cache: torch.Tensor, block_table: torch.Tensor, seq
     if use_triton(kv_cache):
         return block_representatives_triton(kv_cache, block_table, seq_lens, block_size, num_blocks, out=out)
     return block_representatives_torch(kv_cache, block_table, seq_lens, block_size, num_blocks, out=out)
+
+
+# ------------------------------------------------------------------------------ query representatives
+def _alloc_qout(query: torch.Tensor, num_reqs: int, max_segments: int, out: torch.Tensor | None) -> torch.Tensor:
+    shape = (2, num_reqs, max_segments, query.shape[1], query.shape[2])
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=query.device)
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out must be fp32 {shape} with a unit last stride, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def query_segment_representatives_torch(query: torch.Tensor, query_start_loc: torch.Tensor,
+                                        seq_lens: torch.Tensor, segment_size: int, max_segments: int, *,
+                                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch twin of :func:`query_segment_representatives` (``index_reduce``, no host sync)."""
+    r = seq_lens.shape[0]
+    t, hq, d = query.shape
+    out = _alloc_qout(query, r, max_segments, out)
+    if r == 0:
+        return out
+    dev = query.device
+    qsl = query_start_loc.to(dev).long()
+    seq = seq_lens.to(dev).long()
+    ctx = seq - (qsl[1:] - qsl[:-1])
+    first = torch.div(ctx, segment_size, rounding_mode="floor")
+    tok = torch.arange(t, device=dev)
+    req = torch.searchsorted(qsl[1:].contiguous(), tok, right=True)   # request of each token row
+    in_batch = req < r
+    req_c = req.clamp_max(r - 1)
+    pos = ctx[req_c] + tok - qsl[req_c]
+    seg_local = torch.div(pos, segment_size, rounding_mode="floor") - first[req_c]
+    n_rows = r * max_segments
+    row = torch.where(in_batch, req_c * max_segments + seg_local, n_rows)   # padding rows -> dump row
+    src = query if query.dtype in (torch.float16, torch.bfloat16, torch.float32) else query.float()
+    qmax = torch.zeros((n_rows + 1, hq, d), dtype=src.dtype, device=dev)
+    qmin = torch.zeros((n_rows + 1, hq, d), dtype=src.dtype, device=dev)
+    with warnings.catch_warnings():          # "index_reduce() is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        qmax.index_reduce_(0, row, src, "amax", include_self=False)
+        qmin.index_reduce_(0, row, src, "amin", include_self=False)
+    out[0] = qmax[:n_rows].reshape(r, max_segments, hq, d)
+    out[1] = qmin[:n_rows].reshape(r, max_segments, hq, d)
+    return out
+
+
+def query_segment_representatives_triton(query: torch.Tensor, query_start_loc: torch.Tensor,
+                                         seq_lens: torch.Tensor, segment_size: int, max_segments: int, *,
+                                         out: torch.Tensor | None = None) -> torch.Tensor:
+    r = seq_lens.shape[0]
+    t, hq, d = query.shape
+    out = _alloc_qout(query, r, max_segments, out)
+    if r == 0 or max_segments == 0:
+        return out
+    grid = (r * max_segments, hq)
+    _query_reps_kernel[grid](
+        query, query_start_loc, seq_lens, out,
+        query.stride(0), query.stride(1), query.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+        max_segments, segment_size,
+        D=d, D_PAD=max(16, next_pow2(d)), TOK=32,
+    )
+    return out
+
+
+def query_segment_representatives(query: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                                  segment_size: int, max_segments: int, *,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per (request, chunk segment) max / min of the queries (see the module docstring)."""
+    if use_triton(query):
+        return query_segment_representatives_triton(query, query_start_loc, seq_lens, segment_size,
+                                                    max_segments, out=out)
+    return query_segment_representatives_torch(query, query_start_loc, seq_lens, segment_size,
+                                               max_segments, out=out)

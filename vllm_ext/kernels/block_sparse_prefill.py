@@ -55,7 +55,7 @@ if HAS_TRITON:
             qk_scale,                      # softmax scale * log2(e)
             G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
             D: tl.constexpr, D_PAD: tl.constexpr,
-            PAGE: tl.constexpr, BK: tl.constexpr, BK_PAD: tl.constexpr, SEG: tl.constexpr,
+            PAGE: tl.constexpr, BK: tl.constexpr, BK_PAD: tl.constexpr, NPI: tl.constexpr, SEG: tl.constexpr,
             F32_DOT: tl.constexpr):
         pid = tl.program_id(0)
         h = tl.program_id(1)
@@ -92,26 +92,32 @@ if HAS_TRITON:
         l_i = tl.zeros((M,), tl.float32)
         acc = tl.zeros((M, D_PAD), tl.float32)
 
-        offs_n = tl.arange(0, BK_PAD)
+        # key tiles of BLOCK_N = NPI * BK_PAD keys: NPI selected blocks per step (contiguous keys when dense)
+        BLOCK_N: tl.constexpr = NPI * BK_PAD
+        offs_n = tl.arange(0, BLOCK_N)
+        slot_in = offs_n // BK_PAD
+        within = offs_n % BK_PAD
         bt_row = BT + r64 * s_bt_r
         kv_head = KV + h64 * s_kv_h
 
         # ---- keys before the segment: selected blocks, or all of them (dense)
         dense = tl.load(DENSE + r64 * s_dn_r + s_local * s_dn_s) != 0
         sel_row = SEL + r64 * s_sel_r + s_local * s_sel_s + h64 * s_sel_h
-        n_sel = tl.load(NSEL + r64 * s_ns_r + s_local * s_ns_s + h64 * s_ns_h)
+        n_sel = tl.load(NSEL + r64 * s_ns_r + s_local * s_ns_s + h64 * s_ns_h).to(tl.int64)
         if dense:
-            n_iter = tl.cdiv(seg_start, BK_PAD)
+            n_iter = tl.cdiv(seg_start, BLOCK_N)
         else:
-            n_iter = n_sel.to(tl.int64)
+            n_iter = tl.cdiv(n_sel, NPI)
         for i in range(0, n_iter):
             if dense:
-                kpos = i * BK_PAD + offs_n
+                kpos = i * BLOCK_N + offs_n
                 kok = kpos < seg_start
             else:
-                blk = tl.load(sel_row + i * s_sel_w).to(tl.int64)
-                kpos = blk * BK + offs_n
-                kok = offs_n < BK
+                slot = i * NPI + slot_in
+                sok = slot < n_sel
+                blk = tl.load(sel_row + slot * s_sel_w, mask=sok, other=0).to(tl.int64)
+                kpos = blk * BK + within
+                kok = sok & (within < BK)
             page = tl.load(bt_row + (kpos // PAGE) * s_bt_p, mask=kok, other=0).to(tl.int64)
             kv_off = page * s_kv_p + (kpos % PAGE) * s_kv_n
             kptr = kv_head + kv_off[:, None] + offs_d[None, :] * s_kv_d
@@ -137,9 +143,9 @@ if HAS_TRITON:
 
         # ---- the segment's own keys: seg_start .. end of the tile, exact causal mask
         k_end = tl.minimum(p0 + BLOCK_Q, seq)
-        n_diag = tl.cdiv(k_end - seg_start, BK_PAD)
+        n_diag = tl.cdiv(k_end - seg_start, BLOCK_N)
         for j in range(0, n_diag):
-            kpos = seg_start + j * BK_PAD + offs_n
+            kpos = seg_start + j * BLOCK_N + offs_n
             kok = kpos < k_end
             page = tl.load(bt_row + (kpos // PAGE) * s_bt_p, mask=kok, other=0).to(tl.int64)
             kv_off = page * s_kv_p + (kpos % PAGE) * s_kv_n
@@ -224,7 +230,10 @@ def tile_table(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_q: i
 # ------------------------------------------------------------------------------------------- triton
 def block_sparse_prefill_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan, scale: float, *,
-                                output: torch.Tensor | None = None) -> torch.Tensor:
+                                output: torch.Tensor | None = None, block_n: int = 64, tile_rows: int = 128,
+                                num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+    """Triton path. ``block_n``: keys per inner step (``block_n // block_size`` selected blocks at once);
+    ``tile_rows``: query rows (queries x group heads) per program."""
     t, hq, hkv = _check(query, kv_cache, plan)
     d = query.shape[-1]
     if output is None:
@@ -234,7 +243,7 @@ def block_sparse_prefill_triton(query: torch.Tensor, kv_cache: torch.Tensor, blo
         return output
     g = hq // hkv
     g_pad = next_pow2(g)
-    bq = _tile_q(plan.segment_size, g_pad)
+    bq = _tile_q(plan.segment_size, g_pad, tile_rows)
     if bq * g_pad < 16:                                  # tl.dot needs M >= 16
         g_pad = 16 // bq
     tile_req, tile_pos = tile_table(query_start_loc, seq_lens, bq, t)
@@ -244,6 +253,10 @@ def block_sparse_prefill_triton(query: torch.Tensor, kv_cache: torch.Tensor, blo
     sel, nsel = plan.sel_blocks, plan.num_sel
     bk = plan.block_size
     d_pad = max(16, next_pow2(d))
+    bk_pad = max(16, next_pow2(bk))
+    npi = max(1, block_n // bk_pad)
+    if num_warps is None:
+        num_warps = 4 if bq * g_pad * d_pad <= 128 * 64 else 8
     grid = (tile_req.shape[0], hkv)
     _bsp_prefill_kernel[grid](
         query, kv_cache, block_table, query_start_loc, seq_lens, tile_req, tile_pos, sel, nsel, dense, output,
@@ -256,9 +269,9 @@ def block_sparse_prefill_triton(query: torch.Tensor, kv_cache: torch.Tensor, blo
         output.stride(0), output.stride(1), output.stride(2),
         float(scale) * math.log2(math.e),
         G=g, G_PAD=g_pad, BLOCK_Q=bq, D=d, D_PAD=d_pad,
-        PAGE=kv_cache.shape[2], BK=bk, BK_PAD=max(16, next_pow2(bk)), SEG=plan.segment_size,
+        PAGE=kv_cache.shape[2], BK=bk, BK_PAD=bk_pad, NPI=npi, SEG=plan.segment_size,
         F32_DOT=dot_in_fp32(kv_cache.dtype) or dot_in_fp32(query.dtype),
-        num_warps=4 if bq * g_pad * d_pad <= 128 * 64 else 8, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return output
 
