@@ -54,6 +54,9 @@ def _parse(argv):
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--no-dense-ours", action="store_true", help="skip the all-dense run of our kernel")
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler table of the plan (last length)")
+    p.add_argument("--block-n", type=int, default=64, help="keys per inner step of the Triton kernel")
+    p.add_argument("--tile-rows", type=int, default=128, help="query rows (queries x group heads) per program")
     return p.parse_args(argv)
 
 
@@ -65,9 +68,14 @@ def main(argv=None) -> dict:
 
     from vllm_ext.config import CritiPrefillConfig
     from vllm_ext.critiprefill import LayerFusion, build_plan, dense_plan
-    from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill
+    from vllm_ext.kernels import block_sparse_prefill as bsp
 
     smoke = args.smoke
+    if smoke:
+        block_sparse_prefill = bsp.block_sparse_prefill
+    else:
+        def block_sparse_prefill(*a, **kw):
+            return bsp.block_sparse_prefill_triton(*a, block_n=args.block_n, tile_rows=args.tile_rows, **kw)
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --smoke for the CPU smoke mode")
     dev = torch.device("cpu" if smoke else "cuda")
@@ -178,6 +186,15 @@ def main(argv=None) -> dict:
             block_sparse_prefill(q, kv_cache, block_table, qsl, seq, p, scale, output=out)
 
         t_total = timeit(total_fn)
+        if args.profile and n == lengths[-1]:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
+            with profile(activities=acts) as prof:
+                total_fn()
+                if not smoke:
+                    torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total" if smoke else "self_cuda_time_total",
+                                            row_limit=25))
         live = plan.num_sel[0, :plan.num_segments[0].item()].float()
         dense_rows = plan.dense[0, :plan.num_segments[0].item()]
         keys_sparse = (live.mean(-1) * cfg.block_size).tolist()
@@ -211,6 +228,7 @@ def main(argv=None) -> dict:
                    page_size=page, requests=1, chunked=False),
         config=dict(segment_size=cfg.segment_size, block_size=cfg.block_size, budget=cfg.budget,
                     score=cfg.score, fusion=cfg.fusion, alpha=cfg.alpha),
+        kernel_params=None if smoke else dict(block_n=args.block_n, tile_rows=args.tile_rows),
         timing=dict(iters=iters, warmup=warmup, statistic="median",
                     clock="perf_counter" if smoke else "CUDA events"),
         results=rows)

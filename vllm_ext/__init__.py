@@ -30,9 +30,11 @@ def register() -> None:
         register_backend(BACKEND_NAME, BACKEND_PATH)
     _pickle_member_by_reference(AttentionBackendEnum[BACKEND_NAME])
 
-    from vllm_ext import vllm_patches
+    from vllm_ext import metrics, vllm_patches
 
     vllm_patches.install()
+    metrics.ensure_trace_dir()
+    metrics.register_prometheus_collector()
     _registered = True
 
 

@@ -1,10 +1,13 @@
-"""Per-process counters of the SPEEDSFI backend.
+"""Counters of the SPEEDSFI backend, per process, and their way to vLLM's ``/metrics`` endpoint.
 
 Counters are plain host integers bumped where the host already decides something (once per layer
-call or per step, never per token). ``VLLM_EXT_TRACE_DIR`` (the ``VLLM_`` prefix makes Ray forward it)
-makes every process write its counters to ``$VLLM_EXT_TRACE_DIR/trace-<pid>.json`` at most every
-``VLLM_EXT_TRACE_INTERVAL_S`` seconds (default 0: on every update; for tests and the demo), so a
-test or the demo can prove which backend ran inside the worker processes.
+call or per step, never per token). Every process writes its counters to
+``$VLLM_EXT_TRACE_DIR/trace-<pid>.json`` at most every ``VLLM_EXT_TRACE_INTERVAL_S`` seconds. The
+first process that registers the plugin (the API server or the offline driver) picks a fresh
+directory when none is set (1 s interval); engine cores and workers inherit it (the ``VLLM_`` prefix
+makes Ray forward it too). A Prometheus collector registered in every process sums the directory on
+scrape, so vLLM's own ``/metrics`` shows ``speedsfi_events_total{event=...}``. Tests and the demo set
+the directory and an interval of 0 to read exact counts.
 """
 
 from __future__ import annotations
@@ -62,6 +65,57 @@ def _maybe_flush() -> None:
     with open(tmp, "w") as f:
         json.dump(snapshot(), f)
     os.replace(tmp, path)
+
+
+def ensure_trace_dir() -> str:
+    """Give this process tree a counters directory unless one is set (inherited by children)."""
+    d = os.environ.get("VLLM_EXT_TRACE_DIR")
+    if not d:
+        import tempfile
+
+        d = tempfile.mkdtemp(prefix="vllm_ext-stats-")
+        os.environ["VLLM_EXT_TRACE_DIR"] = d
+        os.environ.setdefault("VLLM_EXT_TRACE_INTERVAL_S", "1")
+    return d
+
+
+def totals(trace_dir: str | None = None) -> dict[str, int]:
+    """Counters summed over every process writing to ``trace_dir`` (this one included)."""
+    trace_dir = trace_dir or os.environ.get("VLLM_EXT_TRACE_DIR")
+    merged: Counter = Counter()
+    traces = read_traces(trace_dir) if trace_dir else {}
+    traces[os.getpid()] = snapshot()
+    for counts in traces.values():
+        merged.update(counts)
+    return dict(merged)
+
+
+class PrometheusCollector:
+    """``speedsfi_events_total{event}``: every counter, summed over the engine's processes."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily("speedsfi_events", "SPEEDSFI backend events (vllm_ext)",
+                                     labels=["event"])
+        for key, value in sorted(totals().items()):
+            family.add_metric([key], value)
+        yield family
+
+
+_collector_registered = False
+
+
+def register_prometheus_collector() -> None:
+    global _collector_registered
+    if _collector_registered:
+        return
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    REGISTRY.register(PrometheusCollector())
+    _collector_registered = True
 
 
 def read_traces(trace_dir: str) -> dict[int, dict[str, int]]:

@@ -13,3 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests/critiprefill/helpers.py
+
+
+def pytest_configure(config):
+    # numpy's deprecation inside triton's interpreter (one per interpreted scalar); noise only
+    config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")

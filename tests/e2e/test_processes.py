@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def trace_dir(tmp_path, monkeypatch):
     d = str(tmp_path / "trace")
     monkeypatch.setenv("VLLM_EXT_TRACE_DIR", d)
+    monkeypatch.setenv("VLLM_EXT_TRACE_INTERVAL_S", "0")
     return d
 
 
@@ -59,3 +60,4 @@ def test_vllm_serve_answers_an_openai_client(tiny_models, capsys):
     assert rc == 0, out
     assert "[demo] answer (8 tokens" in out
     assert '"forward.dense_torch"' in out
+    assert 'speedsfi_events_total{event="forward.dense_torch"}' in out     # vLLM's /metrics

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     port = _free_port()
     trace_dir = os.path.join(work, "trace")
-    env = dict(os.environ, VLLM_EXT_TRACE_DIR=trace_dir)
+    env = dict(os.environ, VLLM_EXT_TRACE_DIR=trace_dir, VLLM_EXT_TRACE_INTERVAL_S="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     cmd = _vllm_cli() + ["serve", model, "--attention-backend", "speedsfi", "--host", "127.0.0.1",
@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         text = resp.choices[0].text
         print(f"[demo] prompt: {args.prompt!r}")
         print(f"[demo] answer ({resp.usage.completion_tokens} tokens in {dt:.2f} s): {text!r}")
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            exported = [line for line in r.read().decode().splitlines()
+                        if line.startswith("speedsfi_events_total")]
+        print("[demo] /metrics: " + ("; ".join(exported) or "(no speedsfi_events_total lines)"))
     except Exception:
         _stop(proc)
         with open(log_path) as f:

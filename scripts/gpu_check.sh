@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# What a lent GPU must show, in at most two device calls (each well under 10 minutes):
+#
+#   scripts/gpu_check.sh tests    # 1: kernel, SFI and CritiPrefill tests natively on CUDA
+#   scripts/gpu_check.sh bench    # 2: the benchmarks -> JSON + PNG (GPU name in every JSON)
+#   scripts/gpu_check.sh          # both in one call
+#
+# Results go to ${RESULTS:-${OUT:-bench/results}}/ (pytest log, JUnit XML, bench JSON/PNG/logs).
+# BUNDLE=/path/results.tar.gz also packs that folder into one file (the device tool returns at most
+# 8 files per call). Needs python3 with torch + triton (+ pytest, matplotlib); no vLLM.
+# Exit status: non-zero if the tests failed or a bench crashed (every step still runs).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+what=${1:-all}
+PY=${PYTHON:-python3}
+RESULTS=${RESULTS:-${OUT:-bench/results}}
+mkdir -p "$RESULTS"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+
+"$PY" - <<'EOF' | tee "$RESULTS/gpu_info.txt"
+import torch, triton
+print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
+print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NONE")
+EOF
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "[gpu_check] no CUDA device visible: nothing to check" >&2
+  exit 2
+fi
+
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  dirs=()
+  for d in tests/kernels tests/sfi tests/critiprefill; do [ -d "$d" ] && dirs+=("$d"); done
+  xdist=()
+  if "$PY" -c 'import xdist' 2>/dev/null; then xdist=(-n "${GPU_CHECK_WORKERS:-8}"); fi
+  echo "[gpu_check] pytest ${dirs[*]} -m 'not e2e' on CUDA"
+  # Fixed kernel tiles in the tests (autotuning every tested shape would mostly measure compiles);
+  # the benchmarks below run autotuned.
+  SPEEDSFI_AUTOTUNE=0 timeout "${GPU_CHECK_TEST_TIMEOUT:-420}" "$PY" -m pytest "${dirs[@]}" \
+      -m "not e2e" -q "${xdist[@]}" -p no:randomly --junitxml="$RESULTS/gpu_tests.xml" \
+      2>&1 | tee "$RESULTS/gpu_tests.log" | tail -n 25
+  rc=${PIPESTATUS[0]}
+  echo "[gpu_check] tests exit status $rc"
+  [ "$rc" -ne 0 ] && status=1
+fi
+
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  benches=(bench/bench_fast_step.py bench/bench_bandwidth.py bench/bench_selector.py
+           bench/bench_model_step.py)
+  [ -f bench/bench_critiprefill.py ] && benches+=(bench/bench_critiprefill.py)
+  for b in "${benches[@]}"; do
+    name=$(basename "$b" .py)
+    echo "[gpu_check] $b"
+    timeout "${GPU_CHECK_BENCH_TIMEOUT:-300}" "$PY" "$b" --out "$RESULTS" 2>&1 \
+        | tee "$RESULTS/$name.log" | grep -v '^\[bench\] wrote' | tail -n 40
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ]; then echo "[gpu_check] $b failed ($rc)"; status=1; fi
+  done
+fi
+
+if [ -n "${BUNDLE:-}" ]; then
+  tar czf "$BUNDLE" -C "$RESULTS" . && echo "[gpu_check] bundled $RESULTS into $BUNDLE"
+fi
+echo "[gpu_check] done: status $status (results in $RESULTS)"
+exit $status
