@@ -24,6 +24,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
+from vllm_ext import metrics
+from vllm_ext.config import ConfigError, SpeedSfiConfig
+
 
 class PinnedStaging:
     """A host buffer (pinned when the device is CUDA) and its device twin; copies are non-blocking.
@@ -60,6 +63,8 @@ class StepState:
     row_is_decode_np: np.ndarray
     table: "RequestStateTable"
     step_id: int
+    seq_lens: torch.Tensor | None = None   # int32 [num_rows] (device), the current tokens included
+    sfi: Any = None                        # vllm_ext.sfi.step_plan.SfiStep when SFI is configured
 
 
 @dataclass
@@ -70,8 +75,15 @@ class SlotCounters:
 
 
 class RequestStateTable:
-    def __init__(self, max_reqs: int, device: torch.device | str):
+    def __init__(self, max_reqs: int, device: torch.device | str, *,
+                 config: SpeedSfiConfig | None = None, sfi_capacity: int = 0,
+                 trigger_lut: torch.Tensor | None = None):
         device = torch.device(device)
+        self.config = config or SpeedSfiConfig()
+        # SFI: compact-segment slots are fewer than request slots (memory cap); requests without one
+        # decode densely and are counted.
+        self.sfi_enabled = self.config.sfi.enabled and sfi_capacity > 0
+        self.trigger_lut = trigger_lut
         self.device = device
         self.max_reqs = max_reqs
         self.scratch_slot = max_reqs                    # padded rows point here
@@ -85,6 +97,13 @@ class RequestStateTable:
         self.has_selection = torch.zeros(n, dtype=torch.bool, device=device)
         self.prompt_len_np = np.zeros(n, dtype=np.int32)
         self.overrides: dict[int, Mapping[str, Any] | None] = {}
+        self.sfi_slot_of = torch.full((n,), -1, **i32)
+        self.sfi_on = torch.zeros(n, dtype=torch.bool, device=device)
+        self.sfi_k = torch.zeros(n, **i32)
+        self.sel_count = torch.zeros(n, **i32)
+        self.sfi_stats = torch.zeros(8, dtype=torch.int64, device=device)
+        self._sfi_free: list[int] = list(range(sfi_capacity - 1, -1, -1))
+        self._sfi_slot_host: dict[int, int] = {}
         # per-row buffers
         self._row_slot = PinnedStaging(max_reqs, torch.int32, device)
         self._row_is_decode = PinnedStaging(max_reqs, torch.int32, device)
@@ -96,7 +115,10 @@ class RequestStateTable:
         # slot resets staged on the host, applied on the device at the next step
         self._reset = PinnedStaging(n, torch.int64, device)
         self._reset_prompt_len = PinnedStaging(n, torch.int32, device)
-        self._pending_resets: dict[int, int] = {}
+        self._reset_sfi_slot = PinnedStaging(n, torch.int32, device)
+        self._reset_sfi_k = PinnedStaging(n, torch.int32, device)
+        self._reset_sfi_on = PinnedStaging(n, torch.bool, device)
+        self._pending_resets: dict[int, tuple[int, int, int, bool]] = {}
         # host bookkeeping
         self.slot_of: dict[str, int] = {}
         self._free: list[int] = list(range(max_reqs - 1, -1, -1))   # pop() hands out slot 0 first
@@ -110,6 +132,9 @@ class RequestStateTable:
         if slot is not None:
             self._free.append(slot)
             self.overrides.pop(slot, None)
+            sfi_slot = self._sfi_slot_host.pop(slot, None)
+            if sfi_slot is not None:
+                self._sfi_free.append(sfi_slot)
             self._pending_resets.pop(slot, None)
             self.counters.released += 1
 
@@ -123,9 +148,37 @@ class RequestStateTable:
         self.slot_of[req_id] = slot
         self.prompt_len_np[slot] = prompt_len
         self.overrides[slot] = overrides
-        self._pending_resets[slot] = prompt_len
+        sfi_slot, sfi_on, sfi_k = self._sfi_assignment(slot, overrides)
+        self._pending_resets[slot] = (prompt_len, sfi_slot, sfi_k, sfi_on)
         self.counters.acquired += 1
         return slot
+
+    def _sfi_assignment(self, slot: int, overrides: Mapping[str, Any] | None) -> tuple[int, bool, int]:
+        cfg = self.config
+        if overrides:
+            try:
+                cfg = cfg.with_overrides(overrides)
+            except ConfigError as e:
+                metrics.fallback("request_override_invalid", "ignoring a request's speedsfi override: %s", e)
+                cfg = self.config
+        if not cfg.sfi.enabled:
+            return -1, False, 0
+        if not self.sfi_enabled:
+            metrics.fallback("sfi_not_configured", "a request enabled SFI but the engine was started "
+                             "without it (no compact buffers); it decodes densely")
+            return -1, False, 0
+        k = cfg.sfi.k
+        if k > self.config.sfi.k:
+            metrics.fallback("sfi_k_clamped", "a request asked for sfi.k=%d above the engine's %d "
+                             "(the compact buffers' size); using %d", k, self.config.sfi.k, self.config.sfi.k)
+            k = self.config.sfi.k
+        if not self._sfi_free:
+            metrics.fallback("sfi_capacity", "all %d SFI compact slots are in use (speedsfi.sfi."
+                             "max_requests); further requests decode densely", len(self._sfi_slot_host))
+            return -1, False, k
+        sfi_slot = self._sfi_free.pop()
+        self._sfi_slot_host[slot] = sfi_slot
+        return sfi_slot, True, k
 
     def sync_membership(self, reset_req_ids: Iterable[str],
                         live: Mapping[str, tuple[int, Mapping[str, Any] | None]]) -> None:
@@ -149,10 +202,18 @@ class RequestStateTable:
             return
         n = len(self._pending_resets)
         self._reset.np[:n] = list(self._pending_resets.keys())
-        self._reset_prompt_len.np[:n] = list(self._pending_resets.values())
+        values = list(self._pending_resets.values())
+        self._reset_prompt_len.np[:n] = [v[0] for v in values]
+        self._reset_sfi_slot.np[:n] = [v[1] for v in values]
+        self._reset_sfi_k.np[:n] = [v[2] for v in values]
+        self._reset_sfi_on.np[:n] = [v[3] for v in values]
         self._pending_resets.clear()
         idx = self._reset.copy_to_device(n)
         self.prompt_len.index_copy_(0, idx, self._reset_prompt_len.copy_to_device(n))
+        self.sfi_slot_of.index_copy_(0, idx, self._reset_sfi_slot.copy_to_device(n))
+        self.sfi_k.index_copy_(0, idx, self._reset_sfi_k.copy_to_device(n))
+        self.sfi_on.index_copy_(0, idx, self._reset_sfi_on.copy_to_device(n))
+        self.sel_count.index_fill_(0, idx, 0)
         self.steps_since_slow.index_fill_(0, idx, 0)
         self.decode_steps.index_fill_(0, idx, 0)
         self.has_selection.index_fill_(0, idx, False)
@@ -161,7 +222,8 @@ class RequestStateTable:
     # ------------------------------------------------------------------ per step
     def begin_step(self, row_req_ids: list[str | None], num_reqs: int, num_rows: int,
                    input_ids: torch.Tensor | None, query_start_loc: torch.Tensor | None,
-                   row_is_decode: np.ndarray | None) -> StepState:
+                   row_is_decode: np.ndarray | None,
+                   seq_lens: torch.Tensor | None = None) -> StepState:
         """Publish the step's rows. ``row_req_ids`` is the runner's row order; ``input_ids`` and
         ``query_start_loc`` are the step's device buffers (None for a dummy step)."""
         if num_rows > self.max_reqs:
@@ -184,20 +246,34 @@ class RequestStateTable:
         row_prompt_len = self._row_prompt_len[:num_rows]
         torch.index_select(self.prompt_len, 0, row_slot, out=row_prompt_len)
         row_last_token = self._row_last_token[:num_rows]
+        row_last_token[num_reqs:].fill_(0)
+        sfi_step = None
         if real and num_reqs:
             last_idx = self._last_idx[:num_reqs]
             torch.sub(query_start_loc[1:num_reqs + 1], 1, out=last_idx)
             torch.index_select(input_ids, 0, last_idx, out=row_last_token[:num_reqs])
             # one more decode step for every decode row (padded rows land in the scratch slot)
-            self.steps_since_slow.index_add_(0, row_slot, row_is_decode)
             self.decode_steps.index_add_(0, row_slot, row_is_decode)
-        row_last_token[num_reqs:].fill_(0)
+            counted = row_is_decode
+            if self.sfi_enabled and seq_lens is not None:
+                from vllm_ext.sfi.step_plan import plan_step
+
+                sfi_step = plan_step(self.config.sfi, row_slot=row_slot, row_last_token=row_last_token,
+                                     row_is_decode=row_is_decode, seq_lens=seq_lens[:num_rows],
+                                     sfi_slot_of=self.sfi_slot_of, sfi_on=self.sfi_on, sfi_k=self.sfi_k,
+                                     steps_since_slow=self.steps_since_slow,
+                                     has_selection=self.has_selection, sel_count=self.sel_count,
+                                     trigger_lut=self.trigger_lut, stats=self.sfi_stats)
+                # the SFI schedule owns the counter of its sparse rows
+                counted = row_is_decode * (~sfi_step.row_sparse)
+            self.steps_since_slow.index_add_(0, row_slot, counted.to(torch.int32))
         step = StepState(num_reqs=num_reqs, num_rows=num_rows, is_real=real, row_slot=row_slot,
                          row_prompt_len=row_prompt_len, row_last_token=row_last_token,
                          row_is_decode=row_is_decode, row_slot_np=slots[:num_rows],
                          row_prompt_len_np=self._row_prompt_len_np[:num_rows],
                          row_is_decode_np=self._row_is_decode.np[:num_rows], table=self,
-                         step_id=next(self._step_ids))
+                         step_id=next(self._step_ids),
+                         seq_lens=None if seq_lens is None else seq_lens[:num_rows], sfi=sfi_step)
         if self.recorder is not None and real:
             self.recorder.append(self.snapshot(step, row_req_ids))
         return step
@@ -213,6 +289,8 @@ class RequestStateTable:
                 "is_decode": bool(step.row_is_decode[row]),
                 "steps_since_slow": int(self.steps_since_slow[slots[row]]),
                 "generation": int(self.generation[slots[row]]),
+                "mode": ("dense" if step.sfi is None or not bool(step.sfi.row_sparse[row]) else
+                         "slow" if bool(step.sfi.row_slow[row]) else "fast"),
             }
             for row in range(step.num_reqs)
         }

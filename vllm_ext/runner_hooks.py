@@ -30,10 +30,43 @@ def table_of(runner) -> RequestStateTable | None:
     if table is False:
         from vllm_ext.vllm_patches import is_speedsfi_selected
 
-        table = (RequestStateTable(runner.max_num_reqs, runner.device)
-                 if is_speedsfi_selected(runner.vllm_config) else None)
+        table = _make_table(runner) if is_speedsfi_selected(runner.vllm_config) else None
         runner.__dict__[_TABLE_ATTR] = table
     return table
+
+
+def sfi_capacity(vllm_config) -> int:
+    """Requests that can hold SFI compact state at once (``speedsfi.sfi.max_requests``)."""
+    from vllm_ext.backend.startup import resolve_config
+
+    cfg = resolve_config(vllm_config).sfi
+    if not cfg.enabled:
+        return 0
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
+    return min(cfg.max_requests or min(max_seqs, 32), max_seqs)
+
+
+def _make_table(runner) -> RequestStateTable:
+    from vllm_ext.backend.startup import resolve_config
+
+    cfg = resolve_config(runner.vllm_config)
+    lut = None
+    if cfg.sfi.enabled:
+        from vllm_ext.sfi.triggers import trigger_lut, trigger_token_ids
+
+        model_config = runner.vllm_config.model_config
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        tokenizer = cached_tokenizer_from_config(model_config)
+        ids = trigger_token_ids(tokenizer, cfg.sfi.trigger_chars)
+        lut = trigger_lut(ids, model_config.get_vocab_size(), runner.device)
+        import logging
+
+        logging.getLogger("vllm_ext").info("vllm_ext: SFI trigger set: %d of %d vocabulary ids end in "
+                                           "%r", len(ids), model_config.get_vocab_size(),
+                                           "".join(cfg.sfi.trigger_chars))
+    return RequestStateTable(runner.max_num_reqs, runner.device, config=cfg,
+                             sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut)
 
 
 def _live_requests(runner) -> dict:
@@ -69,7 +102,7 @@ def _publish_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool
         is_decode = (batch.num_computed_tokens_cpu[:num_reqs]
                      >= batch.num_prompt_tokens[:num_reqs])
         _current_step = table.begin_step(batch.req_ids, num_reqs, num_rows, runner.input_ids.gpu,
-                                         runner.query_start_loc.gpu, is_decode)
+                                         runner.query_start_loc.gpu, is_decode, runner.seq_lens)
     else:
         _current_step = table.begin_step([], 0, num_rows, None, None, None)
 

@@ -43,13 +43,32 @@ class SpeedSfiImpl(AttentionImpl):
         self.attn_type = attn_type
         self.sliding_window = None
         self.kv_sharing_target_layer_name = None
-        self.config = resolve_config(get_current_vllm_config())
+        vllm_config = get_current_vllm_config()
+        self.config = resolve_config(vllm_config)
+        self._max_rows = vllm_config.scheduler_config.max_num_seqs
+        self._max_len = vllm_config.model_config.max_model_len
+        from vllm_ext.runner_hooks import sfi_capacity
+
+        self._sfi_capacity = sfi_capacity(vllm_config)
+        self._sfi_layer = None
+        self._sfi_scratch = None
         self._dense = None
         if not current_platform.is_cpu():
             from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
             self._dense = TritonAttentionImpl(num_heads, head_size, scale, self.num_kv_heads, None,
                                               None, kv_cache_dtype, None, attn_type, None)
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        # Runs before vLLM profiles memory: what is allocated here comes out of its budget.
+        if self._sfi_capacity:
+            from vllm_ext.sfi.decode import SfiLayerBuffers
+
+            device = _device()
+            self._sfi_layer = SfiLayerBuffers(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
+                                              self.head_size, act_dtype, device)
+            self._sfi_scratch = _shared_scratch(self._max_rows, self.num_heads, self.num_kv_heads,
+                                                self.head_size, self._max_len, act_dtype, device)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: SpeedSfiMetadata | None, output: torch.Tensor,
@@ -60,14 +79,48 @@ class SpeedSfiImpl(AttentionImpl):
         if attn_metadata is None:                     # profiling run
             return output.fill_(0)
         md = attn_metadata
+        sfi = md.step.sfi if self._sfi_layer is not None and md.num_decodes else None
         if self._dense is not None:
-            metrics.bump("forward.dense_triton")
             self._dense.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
-            return self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
-        metrics.bump("forward.dense_torch")
+            if sfi is None:
+                metrics.bump("forward.dense_triton")
+                return self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
+            return self._forward_sfi_cuda(layer, query, key, value, kv_cache, md, output, sfi)
         paged_reference.write_kv(kv_cache, key, value, md.slot_mapping)
+        metrics.bump("forward.dense_torch")
         paged_reference.dense_paged_attention(query, kv_cache, md.block_table, md.query_start_loc_host,
                                               md.seq_lens_host, self.scale, output)
+        if sfi is not None:
+            # The dense output above is the slow rows' output and the reference for dense rows
+            # (bit-identical to all-off); fast rows are overwritten.
+            from vllm_ext.sfi.decode import sfi_decode
+
+            metrics.bump("forward.sfi_decode")
+            nd = md.num_decodes
+            sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
+                       self.config.sfi, self._sfi_layer, self._sfi_scratch, self.scale, output[:nd],
+                       dense_done=True)
+        return output
+
+    def _forward_sfi_cuda(self, layer, query, key, value, kv_cache, md, output, sfi):
+        from vllm_ext.kernels.dense_decode_evidence import paged_decode
+        from vllm_ext.sfi.decode import sfi_decode
+
+        metrics.bump("forward.sfi_decode")
+        nd = md.num_decodes
+        if md.num_prefills:
+            # Mixed batch: the delegate computes every row densely; SFI then refreshes / overwrites.
+            self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
+            sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
+                       self.config.sfi, self._sfi_layer, self._sfi_scratch, self.scale,
+                       output[:nd], dense_done=True)
+            return output
+        # Pure decode: dense rows, slow rows (dense + evidence) and fast rows, each masked on the device.
+        dense_rows = ~sfi.row_sparse[:nd]
+        paged_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], self.scale,
+                     output[:nd], row_mask=dense_rows)
+        sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi, self.config.sfi,
+                   self._sfi_layer, self._sfi_scratch, self.scale, output[:nd], dense_done=False)
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -76,6 +129,27 @@ class SpeedSfiImpl(AttentionImpl):
             self._dense.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         else:
             paged_reference.write_kv(kv_cache, key, value, slot_mapping)
+
+
+def _device() -> torch.device:
+    if current_platform.is_cpu():
+        return torch.device("cpu")
+    return torch.device(current_platform.device_type, torch.accelerator.current_device_index())
+
+
+_scratch: dict[tuple, object] = {}
+
+
+def _shared_scratch(max_rows, num_heads, num_kv_heads, head_size, max_len, dtype, device):
+    """One evidence / key-norm scratch per device and shape, shared by every layer."""
+    from vllm_ext.sfi.decode import SfiScratch
+
+    key = (device, max_rows, num_heads, num_kv_heads, head_size, max_len, dtype)
+    if key not in _scratch:
+        _scratch.clear()
+        _scratch[key] = SfiScratch.allocate(max_rows, num_heads, num_kv_heads, head_size, max_len,
+                                            dtype, device)
+    return _scratch[key]
 
 
 def _refuse_unsupported(alibi_slopes, sliding_window, logits_soft_cap, attn_type,

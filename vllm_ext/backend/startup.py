@@ -14,7 +14,7 @@ logger = logging.getLogger("vllm_ext")
 
 # Methods whose implementation is present in this build. Enabling one that is not stops start-up:
 # an enabled method never silently runs densely.
-IMPLEMENTED_METHODS: frozenset[str] = frozenset()
+IMPLEMENTED_METHODS: frozenset[str] = frozenset({"sfi"})
 
 _cache: dict[int, SpeedSfiConfig] = {}
 

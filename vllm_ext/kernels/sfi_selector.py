@@ -58,7 +58,7 @@ if HAS_TRITON:
     def _log_prior(offs, lo, den, kn, gamma_k, w_k, w_pos, pos_power, pos_eta, pos_beta, eps):
         u = (offs - lo).to(tl.float32) / den
         u = tl.minimum(tl.maximum(u, 0.0), 1.0)
-        up = tl.where(u > 0, tl.exp(pos_power * tl.log(tl.maximum(u, 1e-38))), 0.0)
+        up = tl.where(u > 0, tl.exp(pos_power * tl.log(tl.maximum(u, 1e-30))), 0.0)
         log_delta = -pos_beta * up + pos_eta * tl.log(tl.maximum(1.0 - u, eps))
         log_pi = -gamma_k * tl.log(tl.maximum(kn, eps))
         return w_k * log_pi + w_pos * log_delta
@@ -100,7 +100,7 @@ if HAS_TRITON:
                 safe = tl.where(nm == ninf, 0.0, nm)
                 s_row = s_row * tl.exp(m_row - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
                 m_row = nm
-            lse_r = tl.where(s_row > 0, m_row + tl.log(tl.maximum(s_row, 1e-38)), ninf)
+            lse_r = tl.where(s_row > 0, m_row + tl.log(tl.maximum(s_row, 1e-30)), ninf)
 
         # ---- pass B: log f (unnormalised) to the workspace; fusion statistics. Two running maxima
         # (of log f and log r) and five rescaled sums give Z_f, Z_r and the normalised |f|^2, |r|^2, <f,r>.
@@ -122,7 +122,7 @@ if HAS_TRITON:
                 ym = tl.max(y, axis=0)
                 ys = tl.where(ym == ninf, 0.0, ym)
                 ps = tl.sum(tl.exp(y - ys[None, :]), axis=0)
-                lf = tl.where(ps > 0, (ys + tl.log(tl.maximum(ps, 1e-38)) - log_R) * inv_alpha, ninf)
+                lf = tl.where(ps > 0, (ys + tl.log(tl.maximum(ps, 1e-30)) - log_R) * inv_alpha, ninf)
             else:
                 lf = tl.load(ev_base + offs * s_ev_l, mask=lm, other=ninf).to(tl.float32)
             lf = tl.where(lm, lf, ninf)
@@ -147,16 +147,16 @@ if HAS_TRITON:
             m_r = nm_r
         has_f = s_f > 0
         has_r = s_r > 0
-        z_f = tl.where(has_f, m_f + tl.log(tl.maximum(s_f, 1e-38)), ninf)
-        z_r = tl.where(has_r, m_r + tl.log(tl.maximum(s_r, 1e-38)), ninf)
-        ff = tl.where(has_f, s_ff / tl.maximum(s_f * s_f, 1e-38), 0.0)
-        rr = tl.where(has_r, s_rr / tl.maximum(s_r * s_r, 1e-38), 0.0)
-        fr = tl.where(has_f & has_r, s_fr / tl.maximum(s_f * s_r, 1e-38), 0.0)
+        z_f = tl.where(has_f, m_f + tl.log(tl.maximum(s_f, 1e-30)), ninf)
+        z_r = tl.where(has_r, m_r + tl.log(tl.maximum(s_r, 1e-30)), ninf)
+        ff = tl.where(has_f, s_ff / tl.maximum(s_f * s_f, 1e-30), 0.0)
+        rr = tl.where(has_r, s_rr / tl.maximum(s_r * s_r, 1e-30), 0.0)
+        fr = tl.where(has_f & has_r, s_fr / tl.maximum(s_f * s_r, 1e-30), 0.0)
         lam = (ff - fr) / tl.maximum(ff - 2.0 * fr + rr, eps)
         lam = tl.minimum(tl.maximum(lam, 0.0), lambda_max)
         tl.store(lam_ptr + pid, lam)
-        coef_f = tl.where(has_f & (lam < 1.0), tl.log(tl.maximum(1.0 - lam, 1e-38)) - z_f, ninf)
-        coef_r = tl.where(has_r & (lam > 0.0), tl.log(tl.maximum(lam, 1e-38)) - z_r, ninf)
+        coef_f = tl.where(has_f & (lam < 1.0), tl.log(tl.maximum(1.0 - lam, 1e-30)) - z_f, ninf)
+        coef_r = tl.where(has_r & (lam > 0.0), tl.log(tl.maximum(lam, 1e-30)) - z_r, ninf)
 
         tl.debug_barrier()    # pass C reads what other threads of this program wrote in pass B
         # ---- pass C: fused log s = logaddexp(log(1-lam) + log f, log(lam) + log r), in place

@@ -1,0 +1,107 @@
+"""Every benchmark runs in --smoke mode (tiny sizes, CPU, PyTorch twins) and writes its JSON with the
+fields the GPU run reports; the plots are written too. Proves the bench logic without a GPU."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"speedsfi_bench_{name}", BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _run(name, tmp_path, monkeypatch):
+    # parse_args sets SPEEDSFI_FORCE_TORCH_KERNELS; keep it scoped to this test
+    monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "1")
+    mod = _load(name)
+    mod.main(["--smoke", "--out", str(tmp_path)])
+    return mod
+
+
+def _json(tmp_path, name):
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert data["env"]["gpu"], "every JSON names the GPU"
+    assert data["smoke"] is True
+    return data
+
+
+def _png(tmp_path, name):
+    p = tmp_path / f"{name}.png"
+    assert p.exists() and p.stat().st_size > 1000
+
+
+def test_bench_fast_step_smoke(tmp_path, monkeypatch):
+    _run("bench_fast_step", tmp_path, monkeypatch)
+    d = _json(tmp_path, "fast_step")
+    assert "FlashInfer" in d["baseline"]
+    rs = d["retention_sweep"]
+    assert [r["fraction_pct"] for r in rs["rows"]] == [1.6, 3.1, 6.25, 12.5, 25.0, 50.0, 100.0]
+    for r in rs["rows"]:
+        for key in ("sparse_ms", "dense_ms", "speedup", "sparse_gbps", "retained_tokens",
+                    "sparse_best_splits"):
+            assert r[key] > 0, key
+        assert r["retained_tokens"] == r["sink"] + r["selected"] + r["recent"]
+    assert rs["anchor_paper_kernel_speedup"]["1.6"] == pytest.approx(10.67)
+    full = rs["rows"][-1]
+    assert full["retained_tokens"] == rs["ctx"] and full["max_abs_err_vs_dense"] < 1e-4
+    assert [r["ctx"] for r in d["context_sweep"]["rows"]] == [256, 512]
+    assert d["copy_bandwidth"]["copy_gbps_rw"] > 0
+    _png(tmp_path, "fast_step_retention")
+    _png(tmp_path, "fast_step_context")
+
+
+def test_bench_bandwidth_smoke(tmp_path, monkeypatch):
+    _run("bench_bandwidth", tmp_path, monkeypatch)
+    d = _json(tmp_path, "bandwidth")
+    names = " ".join(r["kernel"] for r in d["rows"])
+    for k in ("paged_decode", "two_segment_decode", "dense_decode_with_evidence", "gather_compact",
+              "merge_states"):
+        assert k in names
+    for r in d["rows"]:
+        assert r["bytes"] > 0 and r["ms"] > 0 and r["fraction_of_floor"] > 0
+    _png(tmp_path, "bandwidth")
+
+
+def test_bench_selector_smoke(tmp_path, monkeypatch):
+    _run("bench_selector", tmp_path, monkeypatch)
+    d = _json(tmp_path, "selector")
+    assert isinstance(d["selector_available"], bool)
+    for r in d["rows"]:
+        assert r["gather_ms"] > 0 and r["dense_with_evidence_ms"] > 0
+        if d["selector_available"]:
+            assert r["selector_ms"] > 0 and "maintenance_ms" in r
+        else:
+            assert d["selector_skip_reason"]
+    _png(tmp_path, "selector")
+
+
+def test_bench_model_step_smoke(tmp_path, monkeypatch):
+    _run("bench_model_step", tmp_path, monkeypatch)
+    d = _json(tmp_path, "model_step")
+    assert "model-shaped" in d["label"]
+    rows = d["models"]["tiny"]["rows"]
+    assert [r["ctx"] for r in rows] == [128, 256]
+    for r in rows:
+        for key in ("dense_ms", "sfi_fast_ms", "sfi_slow_ms", "sfi_amortized_ms", "speedup_fast",
+                    "dense_tok_per_s"):
+            assert r[key] > 0, key
+    _png(tmp_path, "model_step")
+
+
+def test_gpu_check_script_lists_every_bench():
+    text = (Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh").read_text()
+    for b in ("bench_fast_step.py", "bench_bandwidth.py", "bench_selector.py", "bench_model_step.py",
+              "bench_critiprefill.py", 'not e2e', "tests/kernels", "tests/sfi", "tests/critiprefill"):
+        assert b in text, b

@@ -1,0 +1,105 @@
+"""SFI decode for one layer: slow rows refresh their compact segment, fast rows read it.
+
+Torch-level orchestration of the kernels (each dispatches to Triton on CUDA and to its PyTorch twin
+elsewhere); no vLLM import, no host synchronisation: every row decision is a device mask from the
+step plan (``vllm_ext.sfi.step_plan``).
+
+Buffers:
+- per layer (``SfiLayerBuffers``): the compact segment ``[capacity, Hkv, n_sink + k, 2*D]`` (sink +
+  selected K|V, contiguous per request and KV head) and its length per compact slot;
+- shared by the layers of a device (``SfiScratch``): the slow step's pooled log-evidence and key norms
+  ``[max_rows, Hkv, max_len]`` fp32.
+Both are allocated once, before vLLM profiles memory, so they come out of its budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ext.config import SfiConfig
+from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence
+from vllm_ext.kernels.gather_compact import gather_compact
+from vllm_ext.kernels.sfi_selector import select
+from vllm_ext.kernels.two_segment_decode import two_segment_decode
+from vllm_ext.sfi.step_plan import SfiStep
+
+
+class SfiLayerBuffers:
+    def __init__(self, capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.compact_kv = torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k, 2 * head_size,
+                                      dtype=dtype, device=device)
+        self.compact_len = torch.zeros(capacity, dtype=torch.int32, device=device)
+
+    @staticmethod
+    def nbytes(capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
+               dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem + capacity * 4
+
+
+@dataclass
+class SfiScratch:
+    log_evidence: torch.Tensor      # fp32 [max_rows, Hkv, max_len]
+    key_norms: torch.Tensor         # fp32 [max_rows, Hkv, max_len]
+    slow_out: torch.Tensor          # [max_rows, Hq, D]: the evidence pass's output where it is not needed
+
+    @classmethod
+    def allocate(cls, max_rows: int, num_heads: int, num_kv_heads: int, head_size: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device) -> "SfiScratch":
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(max_rows, num_kv_heads, max_len, **f32),
+                   torch.empty(max_rows, num_kv_heads, max_len, **f32),
+                   torch.empty(max_rows, num_heads, head_size, dtype=dtype, device=device))
+
+    def fits(self, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+        return (self.log_evidence.shape[1] == num_kv_heads and self.slow_out.shape[1:] ==
+                (num_heads, head_size))
+
+
+def key_norms(kv_cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [rows, Hkv, L] = ||k_j||`` for positions ``j < L`` (entries past a row's history are
+    whatever the cache holds there; the selector masks them)."""
+    rows, hkv, length = out.shape
+    block_size = kv_cache.shape[2]
+    d = kv_cache.shape[-1] // 2
+    pos = torch.arange(length, device=kv_cache.device)
+    nblk = min(block_table.shape[1], (length + block_size - 1) // block_size)
+    pos = pos[: nblk * block_size]
+    blocks = block_table[:rows, pos // block_size].long()                   # [rows, L']
+    k = kv_cache[..., :d][blocks, :, pos % block_size]                      # [rows, L', Hkv, D]
+    out[:, :, : pos.shape[0]] = torch.linalg.vector_norm(k.float(), dim=-1).transpose(1, 2)
+    out[:, :, pos.shape[0]:] = 1.0
+    return out
+
+
+def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, plan: SfiStep, cfg: SfiConfig, layer: SfiLayerBuffers,
+               scratch: SfiScratch, scale: float, out: torch.Tensor, *,
+               dense_done: bool) -> torch.Tensor:
+    """SFI for the decode rows ``0..R-1`` (one query each; ``query``/``out`` are ``[R, Hq, D]``).
+
+    ``dense_done``: ``out`` already holds dense attention for every row (then slow rows only add the
+    evidence, and fast rows are overwritten). Otherwise the slow rows' dense output is written here
+    and the caller computes the rows that are neither slow nor fast.
+    """
+    rows = query.shape[0]
+    slow = plan.row_slow[:rows]
+    fast = plan.row_fast[:rows]
+    sfi_slot = plan.row_sfi_slot[:rows]
+    evidence = scratch.log_evidence[:rows]
+    slow_out = scratch.slow_out[:rows] if dense_done else out
+    dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, plan.allowed_lo[:rows],
+                               plan.allowed_hi[:rows], scale, slow_out, evidence, row_mask=slow,
+                               alpha=cfg.alpha)
+    norms = key_norms(kv_cache, block_table[:rows], scratch.key_norms[:rows])
+    selected, n_sel = select(evidence, norms, plan.allowed_lo[:rows], plan.allowed_hi[:rows], cfg,
+                             plan.row_k[:rows], k_cap=cfg.k)
+    gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink, layer.compact_kv,
+                   layer.compact_len, row_mask=slow, seq_lens=seq_lens)
+    two_segment_decode(query, kv_cache, block_table, seq_lens, plan.recent_start[:rows],
+                       layer.compact_kv, layer.compact_len, sfi_slot, scale, out, row_mask=fast,
+                       max_recent=cfg.n_recent)
+    return out
