@@ -22,6 +22,8 @@ from collections import Counter
 COUNTS: Counter = Counter()
 _lock = threading.Lock()
 _last_flush = 0.0
+_last_log = time.monotonic()
+_providers: dict[str, "callable"] = {}
 _logged_once: set[str] = set()
 logger = logging.getLogger("vllm_ext")
 
@@ -30,16 +32,47 @@ def bump(key: str, n: int = 1) -> None:
     with _lock:
         COUNTS[key] += n
     _maybe_flush()
+    _maybe_log()
+
+
+def add_provider(name: str, fn) -> None:
+    """``fn() -> dict[str, int]``: counters kept elsewhere (e.g. on the device), merged into
+    ``snapshot()``. Reading device counters synchronises, so it happens only when counters are
+    flushed (at most every ``VLLM_EXT_TRACE_INTERVAL_S``) or logged, never per step."""
+    _providers[name] = fn
 
 
 def snapshot() -> dict[str, int]:
     with _lock:
-        return dict(COUNTS)
+        out = dict(COUNTS)
+    for fn in list(_providers.values()):
+        out.update(fn())
+    return out
+
+
+def summary(counts: dict[str, int]) -> str:
+    slow, fast = counts.get("sfi.slow_steps", 0), counts.get("sfi.fast_steps", 0)
+    ctx = counts.get("sfi.fast_context_tokens", 0)
+    retained = counts.get("sfi.fast_retained_tokens", 0) / ctx if ctx else float("nan")
+    fallbacks = {k[9:]: v for k, v in counts.items() if k.startswith("fallback.")}
+    return (f"SFI slow steps {slow}, fast steps {fast}, dense decode rows "
+            f"{counts.get('sfi.dense_rows', 0)}, mean retained fraction {retained:.3f}; "
+            f"fallbacks {fallbacks or 'none'}")
+
+
+def _maybe_log() -> None:
+    global _last_log
+    now = time.monotonic()
+    if not _providers or now - _last_log < float(os.environ.get("VLLM_EXT_LOG_INTERVAL_S", "30")):
+        return
+    _last_log = now
+    logger.info("vllm_ext: %s", summary(snapshot()))
 
 
 def reset() -> None:
     with _lock:
         COUNTS.clear()
+    _providers.clear()
 
 
 def fallback(key: str, message: str, *args) -> None:

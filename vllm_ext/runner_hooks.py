@@ -65,8 +65,23 @@ def _make_table(runner) -> RequestStateTable:
         logging.getLogger("vllm_ext").info("vllm_ext: SFI trigger set: %d of %d vocabulary ids end in "
                                            "%r", len(ids), model_config.get_vocab_size(),
                                            "".join(cfg.sfi.trigger_chars))
-    return RequestStateTable(runner.max_num_reqs, runner.device, config=cfg,
-                             sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut)
+    table = RequestStateTable(runner.max_num_reqs, runner.device, config=cfg,
+                              sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut)
+    if table.sfi_enabled:
+        from vllm_ext import metrics
+        from vllm_ext.sfi import step_plan
+
+        names = {step_plan.STAT_SLOW: "sfi.slow_steps", step_plan.STAT_FAST: "sfi.fast_steps",
+                 step_plan.STAT_DENSE: "sfi.dense_rows",
+                 step_plan.STAT_RETAINED: "sfi.fast_retained_tokens",
+                 step_plan.STAT_CONTEXT: "sfi.fast_context_tokens"}
+
+        def sfi_counters(stats=table.sfi_stats) -> dict[str, int]:
+            values = stats.tolist()
+            return {name: values[i] for i, name in names.items()}
+
+        metrics.add_provider("sfi", sfi_counters)
+    return table
 
 
 def _live_requests(runner) -> dict:

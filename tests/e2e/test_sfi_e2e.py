@@ -1,0 +1,95 @@
+"""SFI inside the real engine (CPU build, PyTorch twins of the kernels)."""
+
+import pytest
+
+from tests.e2e.engine import engine, greedy, model_runner, random_prompts
+from vllm_ext.runner_hooks import table_of
+from vllm_ext.sfi.step_plan import STAT_CONTEXT, STAT_DENSE, STAT_FAST, STAT_RETAINED, STAT_SLOW
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PROMPTS = random_prompts(lengths=(300, 40, 200), seed=3)
+SMALL = {"enabled": True, "k": 8, "k_min": 4, "n_sink": 4, "n_recent": 16, "refresh": 8}
+
+
+def _run(model, sfi=None, max_tokens=40, params=None, **kwargs):
+    from vllm import SamplingParams
+
+    extra = {"speedsfi": {"sfi": sfi}} if sfi is not None else {}
+    with engine(model, "SPEEDSFI", additional_config=extra, **kwargs) as llm:
+        table = table_of(model_runner(llm))
+        table.recorder = []
+        if params is None:
+            tokens = greedy(llm, PROMPTS, max_tokens=max_tokens)
+        else:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+        stats = table.sfi_stats.tolist()
+        records = table.recorder
+    return tokens, stats, records
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(tiny_models):
+    return _run(tiny_models["qwen3"], None)[0]
+
+
+def test_budget_covering_the_context_is_exactly_dense(tiny_models, dense_tokens):
+    tokens, stats, _ = _run(tiny_models["qwen3"], {"enabled": True, "k": 1024})
+    assert tokens == dense_tokens
+    assert stats[STAT_FAST] == stats[STAT_SLOW] == 0 and stats[STAT_DENSE] > 0
+
+
+def test_small_budget_runs_fast_steps_with_the_configured_retention(tiny_models, dense_tokens):
+    tokens, stats, records = _run(tiny_models["qwen3"], SMALL)
+    assert stats[STAT_FAST] > stats[STAT_SLOW] > 0
+    assert tokens != dense_tokens                      # the comparison is sensitive
+    # every fast row keeps n_sink + k + n_recent of its t tokens (|A| > k for every row here)
+    views = [v for step in records for v in step.values() if v["mode"] == "fast"]
+    assert len(views) == stats[STAT_FAST]
+    assert stats[STAT_RETAINED] == len(views) * (4 + 8 + 16)
+    fraction = stats[STAT_RETAINED] / stats[STAT_CONTEXT]
+    assert 0.05 < fraction < 0.5
+    from vllm_ext import metrics
+
+    counts = metrics.snapshot()             # what the logs and /metrics report
+    assert counts["sfi.fast_steps"] == stats[STAT_FAST] and counts["sfi.slow_steps"] == stats[STAT_SLOW]
+    assert f"mean retained fraction {fraction:.3f}" in metrics.summary(counts)
+
+
+def test_periodic_schedule_refreshes_every_r_steps(tiny_models):
+    sfi = dict(SMALL, schedule="periodic", refresh=5)
+    _, stats, records = _run(tiny_models["qwen3"], sfi, max_tokens=30)
+    by_req = {}
+    for step in records:
+        for req, v in step.items():
+            if v["is_decode"]:
+                by_req.setdefault(req, []).append(v["mode"])
+    for modes in by_req.values():
+        sparse = [m for m in modes if m != "dense"]
+        assert sparse[0] == "slow"                     # no selection yet
+        slow_at = [i for i, m in enumerate(sparse) if m == "slow"]
+        assert slow_at == list(range(0, len(sparse), 5))
+
+
+def test_always_slow_schedule_equals_dense(tiny_models, dense_tokens):
+    tokens, stats, _ = _run(tiny_models["qwen3"], dict(SMALL, schedule="always_slow"))
+    assert tokens == dense_tokens and stats[STAT_FAST] == 0 and stats[STAT_SLOW] > 0
+
+
+def test_per_request_override_and_capacity_fallback(tiny_models, dense_tokens):
+    from vllm import SamplingParams
+
+    from vllm_ext import metrics
+
+    metrics.reset()
+    # max_requests=1: one request holds the only compact slot, the others decode densely (counted)
+    tokens, stats, records = _run(tiny_models["qwen3"], dict(SMALL, max_requests=1))
+    assert metrics.snapshot().get("fallback.sfi_capacity", 0) >= 2
+    sparse_reqs = {r for step in records for r, v in step.items() if v["mode"] != "dense"}
+    assert len(sparse_reqs) == 1
+    # a request that turns SFI off decodes exactly like dense
+    off = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                         extra_args={"speedsfi": {"sfi": {"enabled": False}}})
+    tokens, stats, _ = _run(tiny_models["qwen3"], SMALL, params=off)
+    assert tokens == dense_tokens and stats[STAT_FAST] == 0
