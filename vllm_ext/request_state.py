@@ -104,6 +104,7 @@ class RequestStateTable:
         self.sfi_stats = torch.zeros(8, dtype=torch.int64, device=device)
         self._sfi_free: list[int] = list(range(sfi_capacity - 1, -1, -1))
         self._sfi_slot_host: dict[int, int] = {}
+        self._sfi_k_host: dict[int, int] = {}
         # per-row buffers
         self._row_slot = PinnedStaging(max_reqs, torch.int32, device)
         self._row_is_decode = PinnedStaging(max_reqs, torch.int32, device)
@@ -178,6 +179,7 @@ class RequestStateTable:
             return -1, False, k
         sfi_slot = self._sfi_free.pop()
         self._sfi_slot_host[slot] = sfi_slot
+        self._sfi_k_host[slot] = k
         return sfi_slot, True, k
 
     def sync_membership(self, reset_req_ids: Iterable[str],
@@ -223,9 +225,12 @@ class RequestStateTable:
     def begin_step(self, row_req_ids: list[str | None], num_reqs: int, num_rows: int,
                    input_ids: torch.Tensor | None, query_start_loc: torch.Tensor | None,
                    row_is_decode: np.ndarray | None,
-                   seq_lens: torch.Tensor | None = None) -> StepState:
+                   seq_lens: torch.Tensor | None = None,
+                   host_geometry: tuple[np.ndarray, np.ndarray] | None = None) -> StepState:
         """Publish the step's rows. ``row_req_ids`` is the runner's row order; ``input_ids`` and
-        ``query_start_loc`` are the step's device buffers (None for a dummy step)."""
+        ``query_start_loc`` are the step's device buffers (None for a dummy step);
+        ``host_geometry`` = (host ``query_start_loc [num_reqs + 1]``, tokens computed before this
+        step ``[num_reqs]``), exact for prefill rows, used to find the prefills that end here."""
         if num_rows > self.max_reqs:
             raise RuntimeError(f"vllm_ext: a step with {num_rows} rows exceeds the {self.max_reqs} "
                                f"request slots (max_num_seqs)")
@@ -266,6 +271,8 @@ class RequestStateTable:
                                      trigger_lut=self.trigger_lut, stats=self.sfi_stats)
                 # the SFI schedule owns the counter of its sparse rows
                 counted = row_is_decode * (~sfi_step.row_sparse)
+                if host_geometry is not None:
+                    sfi_step.prefill_end = self._plan_prefill_end(num_reqs, host_geometry)
             self.steps_since_slow.index_add_(0, row_slot, counted.to(torch.int32))
         step = StepState(num_reqs=num_reqs, num_rows=num_rows, is_real=real, row_slot=row_slot,
                          row_prompt_len=row_prompt_len, row_last_token=row_last_token,
@@ -277,6 +284,36 @@ class RequestStateTable:
         if self.recorder is not None and real:
             self.recorder.append(self.snapshot(step, row_req_ids))
         return step
+
+    def _plan_prefill_end(self, num_reqs: int, host_geometry):
+        from vllm_ext.sfi.schedule import mark_selected
+        from vllm_ext.sfi.step_plan import STAT_PREFILL_END, plan_prefill_end
+
+        cfg = self.config.sfi
+        qsl, computed = host_geometry
+        slots = self._row_slot.np
+        rows, ends, q_lens, seqs, ks, sfi_slots = [], [], [], [], [], []
+        for row in range(num_reqs):
+            slot = int(slots[row])
+            if self._row_is_decode.np[row] or slot not in self._sfi_slot_host:
+                continue
+            q_len = int(qsl[row + 1] - qsl[row])
+            seq = int(computed[row]) + q_len
+            k = self._sfi_k_host[slot]
+            if seq < self.prompt_len_np[slot] or seq <= cfg.n_sink + cfg.n_recent + k:
+                continue
+            rows.append(row); ends.append(int(qsl[row + 1])); q_lens.append(q_len)
+            seqs.append(seq); ks.append(k); sfi_slots.append(self._sfi_slot_host[slot])
+        plan = plan_prefill_end(cfg, rows=rows, query_end=ends, q_lens=q_lens, seq_lens=seqs, ks=ks,
+                                sfi_slots=sfi_slots, device=self.device)
+        if plan is not None:
+            row_slot = self._row_slot.gpu[plan.rows]
+            mark_selected(self.steps_since_slow, self.has_selection, row_slot,
+                          torch.ones_like(plan.rows, dtype=torch.bool))
+            n_sel = torch.minimum(plan.k, plan.allowed_hi - plan.allowed_lo)
+            self.sel_count.index_copy_(0, row_slot.long(), n_sel)
+            self.sfi_stats[STAT_PREFILL_END] += plan.rows.shape[0]
+        return plan
 
     def snapshot(self, step: StepState, row_req_ids: list[str | None]) -> dict[str, dict[str, int]]:
         """Host copy of the step's per-request view (synchronises: tests and debugging only)."""

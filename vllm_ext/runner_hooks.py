@@ -74,7 +74,8 @@ def _make_table(runner) -> RequestStateTable:
         names = {step_plan.STAT_SLOW: "sfi.slow_steps", step_plan.STAT_FAST: "sfi.fast_steps",
                  step_plan.STAT_DENSE: "sfi.dense_rows",
                  step_plan.STAT_RETAINED: "sfi.fast_retained_tokens",
-                 step_plan.STAT_CONTEXT: "sfi.fast_context_tokens"}
+                 step_plan.STAT_CONTEXT: "sfi.fast_context_tokens",
+                 step_plan.STAT_PREFILL_END: "sfi.prefill_end_selections"}
 
         def sfi_counters(stats=table.sfi_stats) -> dict[str, int]:
             values = stats.tolist()
@@ -117,7 +118,8 @@ def _publish_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool
         is_decode = (batch.num_computed_tokens_cpu[:num_reqs]
                      >= batch.num_prompt_tokens[:num_reqs])
         _current_step = table.begin_step(batch.req_ids, num_reqs, num_rows, runner.input_ids.gpu,
-                                         runner.query_start_loc.gpu, is_decode, runner.seq_lens)
+                                         runner.query_start_loc.gpu, is_decode, runner.seq_lens,
+                                         (runner.query_start_loc.np, batch.num_computed_tokens_cpu))
     else:
         _current_step = table.begin_step([], 0, num_rows, None, None, None)
 

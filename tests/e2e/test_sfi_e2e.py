@@ -4,7 +4,8 @@ import pytest
 
 from tests.e2e.engine import engine, greedy, model_runner, random_prompts
 from vllm_ext.runner_hooks import table_of
-from vllm_ext.sfi.step_plan import STAT_CONTEXT, STAT_DENSE, STAT_FAST, STAT_RETAINED, STAT_SLOW
+from vllm_ext.sfi.step_plan import (STAT_CONTEXT, STAT_DENSE, STAT_FAST, STAT_PREFILL_END,
+                                     STAT_RETAINED, STAT_SLOW)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -65,11 +66,12 @@ def test_periodic_schedule_refreshes_every_r_steps(tiny_models):
         for req, v in step.items():
             if v["is_decode"]:
                 by_req.setdefault(req, []).append(v["mode"])
+    assert stats[STAT_PREFILL_END] == len(PROMPTS)   # every prompt is longer than 4 + 16 + 8
     for modes in by_req.values():
         sparse = [m for m in modes if m != "dense"]
-        assert sparse[0] == "slow"                     # no selection yet
+        # the prefill's last queries made the first selection: fast until the refresh budget is due
         slow_at = [i for i, m in enumerate(sparse) if m == "slow"]
-        assert slow_at == list(range(0, len(sparse), 5))
+        assert slow_at == list(range(4, len(sparse), 5))
 
 
 def test_always_slow_schedule_equals_dense(tiny_models, dense_tokens):

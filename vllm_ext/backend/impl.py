@@ -79,7 +79,7 @@ class SpeedSfiImpl(AttentionImpl):
         if attn_metadata is None:                     # profiling run
             return output.fill_(0)
         md = attn_metadata
-        sfi = md.step.sfi if self._sfi_layer is not None and md.num_decodes else None
+        sfi = md.step.sfi if self._sfi_layer is not None else None
         if self._dense is not None:
             self._dense.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
             if sfi is None:
@@ -91,6 +91,8 @@ class SpeedSfiImpl(AttentionImpl):
         paged_reference.dense_paged_attention(query, kv_cache, md.block_table, md.query_start_loc_host,
                                               md.seq_lens_host, self.scale, output)
         if sfi is not None:
+            self._sfi_prefill_end(query, kv_cache, md, sfi)
+        if sfi is not None and md.num_decodes:
             # The dense output above is the slow rows' output and the reference for dense rows
             # (bit-identical to all-off); fast rows are overwritten.
             from vllm_ext.sfi.decode import sfi_decode
@@ -102,15 +104,29 @@ class SpeedSfiImpl(AttentionImpl):
                        dense_done=True)
         return output
 
+    def _sfi_prefill_end(self, query, kv_cache, md, sfi) -> None:
+        if sfi.prefill_end is None:
+            return
+        from vllm_ext.sfi.decode import sfi_prefill_end
+
+        metrics.bump("forward.sfi_prefill_end")
+        sfi_prefill_end(query, kv_cache, md.block_table, sfi.prefill_end, self.config.sfi,
+                        self._sfi_layer, self._sfi_scratch, self.scale)
+
     def _forward_sfi_cuda(self, layer, query, key, value, kv_cache, md, output, sfi):
         from vllm_ext.kernels.dense_decode_evidence import paged_decode
         from vllm_ext.sfi.decode import sfi_decode
 
-        metrics.bump("forward.sfi_decode")
         nd = md.num_decodes
+        if nd == 0:
+            self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
+            self._sfi_prefill_end(query, kv_cache, md, sfi)
+            return output
+        metrics.bump("forward.sfi_decode")
         if md.num_prefills:
             # Mixed batch: the delegate computes every row densely; SFI then refreshes / overwrites.
             self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
+            self._sfi_prefill_end(query, kv_cache, md, sfi)
             sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
                        self.config.sfi, self._sfi_layer, self._sfi_scratch, self.scale,
                        output[:nd], dense_done=True)

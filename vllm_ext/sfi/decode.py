@@ -103,3 +103,24 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                        layer.compact_kv, layer.compact_len, sfi_slot, scale, out, row_mask=fast,
                        max_recent=cfg.n_recent)
     return out
+
+
+def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    plan, cfg: SfiConfig, layer: SfiLayerBuffers, scratch: SfiScratch,
+                    scale: float) -> None:
+    """First selection of the requests whose prefill ends in this step, from their last
+    ``w_prefill`` queries (``plan``: ``vllm_ext.sfi.step_plan.SfiPrefillEnd``). Their K/V of this
+    chunk must already be in the cache."""
+    from vllm_ext.kernels.dense_decode_evidence import prefill_evidence
+
+    n = plan.rows.shape[0]
+    queries = query[plan.token_idx]                                        # [n, W, Hq, D]
+    tables = block_table[plan.rows]
+    evidence = scratch.log_evidence[:n]
+    prefill_evidence(queries, kv_cache, tables, plan.seq_lens, plan.allowed_lo, plan.allowed_hi,
+                     scale, evidence, plan.positions, alpha=cfg.alpha)
+    norms = key_norms(kv_cache, tables, scratch.key_norms[:n])
+    selected, n_sel = select(evidence, norms, plan.allowed_lo, plan.allowed_hi, cfg, plan.k,
+                             k_cap=cfg.k)
+    gather_compact(kv_cache, tables, plan.sfi_slot, selected, n_sel, cfg.n_sink, layer.compact_kv,
+                   layer.compact_len, seq_lens=plan.seq_lens)
