@@ -42,7 +42,8 @@ def main(argv=None):
                                                         dense_decode_workspace, paged_decode)
     from vllm_ext.kernels.gather_compact import gather_compact
     from vllm_ext.kernels.merge_state import merge_states
-    from vllm_ext.kernels.two_segment_decode import (default_num_splits, two_segment_decode,
+    from vllm_ext.kernels.two_segment_decode import (dense_num_splits, two_segment_decode,
+                                                     two_segment_num_splits,
                                                      two_segment_workspace)
 
     args = parse_args(__doc__.splitlines()[1], argv)
@@ -68,7 +69,7 @@ def main(argv=None):
         b, hq, d, hkv = prob.batch, prob.hq, prob.d, prob.hkv
         esz = prob.query.element_size()
         qo_bytes = 2 * b * hq * d * esz
-        ns = default_num_splits(b, hkv, ctx, dev)
+        ns = dense_num_splits(b, hkv, ctx, dev)
         ws = dense_decode_workspace(b, hq, d, ns, dev, max_len=ctx)
         out = torch.empty_like(prob.query)
         t = time_op(lambda: paged_decode(prob.query, prob.kv_cache, prob.block_table, prob.seq_lens,
@@ -81,7 +82,7 @@ def main(argv=None):
             plans.append(("50%", sh["n_sink"], ctx // 2 - sh["n_sink"] - sh["n_recent"], sh["n_recent"]))
         for label, sink, sel, rec in plans:
             st = prob.sfi_state(n_sink=sink, n_sel=sel, n_recent=rec)
-            ns2 = default_num_splits(b, hkv, sink + sel + rec, dev)
+            ns2 = two_segment_num_splits(b, hkv, sink + sel + rec, dev)
             ws2 = two_segment_workspace(b, hq, d, ns2, dev)
             t = time_op(lambda: two_segment_decode(
                 prob.query, prob.kv_cache, prob.block_table, prob.seq_lens, st["recent_start"],

@@ -45,11 +45,12 @@ def shapes(smoke: bool) -> dict:
 
 
 def measure_point(prob: DecodeProblem, sink: int, sel: int, recent: int, split_grid, dense_t):
-    from vllm_ext.kernels.two_segment_decode import (default_num_splits, two_segment_decode,
+    from vllm_ext.kernels.two_segment_decode import (two_segment_decode, two_segment_num_splits,
                                                      two_segment_workspace)
     st = prob.sfi_state(n_sink=sink, n_sel=sel, n_recent=recent)
     dev = prob.device
-    default = default_num_splits(prob.batch, prob.hkv, st["compact_kv"].shape[2] + recent, dev)
+    default = two_segment_num_splits(prob.batch, prob.hkv, st["compact_kv"].shape[2] + recent,
+                                     dev)
     ws = two_segment_workspace(prob.batch, prob.hq, prob.d, max(split_grid + [default]), dev)
     out = torch.empty_like(prob.query)
 
@@ -81,8 +82,8 @@ def measure_point(prob: DecodeProblem, sink: int, sel: int, recent: int, split_g
 
 def dense_time(prob: DecodeProblem):
     from vllm_ext.kernels.dense_decode_evidence import (dense_decode_workspace, paged_decode)
-    from vllm_ext.kernels.two_segment_decode import default_num_splits
-    ns = default_num_splits(prob.batch, prob.hkv, prob.ctx, prob.device)
+    from vllm_ext.kernels.two_segment_decode import dense_num_splits
+    ns = dense_num_splits(prob.batch, prob.hkv, prob.ctx, prob.device)
     ws = dense_decode_workspace(prob.batch, prob.hq, prob.d, ns, prob.device)
     out = torch.empty_like(prob.query)
     fn = lambda: paged_decode(prob.query, prob.kv_cache, prob.block_table, prob.seq_lens,  # noqa: E731

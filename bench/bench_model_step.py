@@ -70,11 +70,12 @@ class ModelShaped:
         self.w_blk = p.block_table[:, pos // 16].long()
         self.w_off = pos % 16
         from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
-        from vllm_ext.kernels.two_segment_decode import default_num_splits, two_segment_workspace
-        self.ns_dense = default_num_splits(batch, hkv, ctx, device)
+        from vllm_ext.kernels.two_segment_decode import (dense_num_splits, two_segment_num_splits,
+                                                         two_segment_workspace)
+        self.ns_dense = dense_num_splits(batch, hkv, ctx, device)
         self.ws_dense = dense_decode_workspace(batch, hq, d, self.ns_dense, device, max_len=ctx)
         retained = budget["sink"] + budget["k"] + budget["recent"]
-        self.ns_sfi = default_num_splits(batch, hkv, retained, device)
+        self.ns_sfi = two_segment_num_splits(batch, hkv, retained, device)
         self.ws_sfi = two_segment_workspace(batch, hq, d, self.ns_sfi, device)
         self.attn_out = torch.empty(batch, hq, d, dtype=dtype, device=device)
         self.ev = torch.empty(batch, hkv, ctx, dtype=torch.float32, device=device)

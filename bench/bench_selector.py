@@ -53,7 +53,7 @@ def main(argv=None):
     from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence,
                                                         dense_decode_workspace, paged_decode)
     from vllm_ext.kernels.gather_compact import gather_compact
-    from vllm_ext.kernels.two_segment_decode import default_num_splits
+    from vllm_ext.kernels.two_segment_decode import dense_num_splits
 
     args = parse_args(__doc__.splitlines()[1], argv)
     dev = device_for(args)
@@ -65,7 +65,7 @@ def main(argv=None):
         prob = DecodeProblem(batch=sh["batch"], ctx=ctx, hq=sh["hq"], hkv=sh["hkv"], d=sh["d"],
                              block_size=sh["block_size"], dtype=sh["dtype"], device=dev)
         b, hkv = prob.batch, prob.hkv
-        ns = default_num_splits(b, hkv, ctx, dev)
+        ns = dense_num_splits(b, hkv, ctx, dev)
         ws = dense_decode_workspace(b, prob.hq, prob.d, ns, dev, max_len=ctx)
         out = torch.empty_like(prob.query)
         ev = torch.empty(b, hkv, ctx, dtype=torch.float32, device=dev)

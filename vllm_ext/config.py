@@ -79,9 +79,10 @@ class SfiConfig:
     # system
     max_requests: int | None = None    # requests holding SFI state at once; None = min(max_num_seqs, 32)
     dual_stream: bool = True           # selector + gather on a side stream (CUDA); False = serial
+    side_stream_slots: int = 4         # evidence scratch ring shared by the side stream and the layers
 
     def validate(self) -> None:
-        for name in ("k", "refresh", "w_prefill"):
+        for name in ("k", "refresh", "w_prefill", "side_stream_slots"):
             _positive(f"sfi.{name}", getattr(self, name))
         for name in ("k_min", "n_sink", "n_recent", "min_boundary_gap", "nms_radius", "mu", "lam_x",
                      "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):

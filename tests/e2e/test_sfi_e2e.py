@@ -95,3 +95,44 @@ def test_per_request_override_and_capacity_fallback(tiny_models, dense_tokens):
                          extra_args={"speedsfi": {"sfi": {"enabled": False}}})
     tokens, stats, _ = _run(tiny_models["qwen3"], SMALL, params=off)
     assert tokens == dense_tokens and stats[STAT_FAST] == 0
+
+
+def test_prefix_cache_hit_does_not_change_sfi_results(tiny_models):
+    from vllm import SamplingParams
+
+    base = random_prompts(lengths=(200,), seed=3)[0]
+    prompts = [base + t for t in random_prompts(lengths=(9, 40), seed=4)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    extra = {"speedsfi": {"sfi": SMALL}}
+
+    def cold_then_warm():
+        with engine(tiny_models["qwen3"], "SPEEDSFI", enable_prefix_caching=True,
+                    additional_config=extra) as llm:
+            cold = [greedy(llm, [p], max_tokens=40)[0] for p in prompts[:1]]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            stats = table_of(model_runner(llm)).sfi_stats.tolist()
+        return cold, outs, stats
+
+    cold, outs, stats = cold_then_warm()
+    assert min(o.num_cached_tokens for o in outs) >= 192
+    assert [list(o.outputs[0].token_ids) for o in outs][0] == cold[0]
+    assert stats[STAT_FAST] > 0
+
+
+def test_preemption_with_sfi_resets_state(tiny_models):
+    prompts = random_prompts(lengths=(200, 190, 180, 170), seed=11)
+    extra = {"speedsfi": {"sfi": SMALL}}
+    with engine(tiny_models["qwen3"], "SPEEDSFI", num_gpu_blocks_override=20, max_num_seqs=4,
+                max_model_len=512, additional_config=extra) as llm:
+        table = table_of(model_runner(llm))
+        table.recorder = []
+        tokens = greedy(llm, prompts, max_tokens=120)
+        stats = table.sfi_stats.tolist()
+        records = table.recorder
+        released = table.counters.released
+    assert all(len(t) == 120 for t in tokens)
+    assert released > len(prompts)                      # preempted requests gave their slots back
+    # a resumed request restarts from a fresh selection: its prefill-end selections count again
+    assert stats[STAT_PREFILL_END] > len(prompts) and stats[STAT_FAST] > 0
+    for step in records:
+        assert len({v["slot"] for v in step.values()}) == len(step)

@@ -51,7 +51,8 @@ class SpeedSfiImpl(AttentionImpl):
 
         self._sfi_capacity = sfi_capacity(vllm_config)
         self._sfi_layer = None
-        self._sfi_scratch = None
+        self._sfi_ring = None
+        self._layer_index = -1
         self._dense = None
         if not current_platform.is_cpu():
             from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -67,8 +68,9 @@ class SpeedSfiImpl(AttentionImpl):
             device = _device()
             self._sfi_layer = SfiLayerBuffers(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
                                               self.head_size, act_dtype, device)
-            self._sfi_scratch = _shared_scratch(self._max_rows, self.num_heads, self.num_kv_heads,
-                                                self.head_size, self._max_len, act_dtype, device)
+            self._sfi_ring = _shared_ring(self.config.sfi, self._max_rows, self.num_heads,
+                                          self.num_kv_heads, self.head_size, self._max_len, act_dtype,
+                                          device)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: SpeedSfiMetadata | None, output: torch.Tensor,
@@ -80,6 +82,17 @@ class SpeedSfiImpl(AttentionImpl):
             return output.fill_(0)
         md = attn_metadata
         sfi = md.step.sfi if self._sfi_layer is not None else None
+        if sfi is not None and self._layer_index < 0:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            self._layer_index = extract_layer_index(layer.layer_name)
+        try:
+            return self._forward(layer, query, key, value, kv_cache, md, output, sfi)
+        finally:
+            if sfi is not None and layer.layer_name == md.last_layer_name:
+                self._sfi_ring.join()                 # the step's one join of side-stream work
+
+    def _forward(self, layer, query, key, value, kv_cache, md, output, sfi):
         if self._dense is not None:
             self._dense.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
             if sfi is None:
@@ -100,8 +113,8 @@ class SpeedSfiImpl(AttentionImpl):
             metrics.bump("forward.sfi_decode")
             nd = md.num_decodes
             sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
-                       self.config.sfi, self._sfi_layer, self._sfi_scratch, self.scale, output[:nd],
-                       dense_done=True)
+                       self.config.sfi, self._sfi_layer, self._sfi_ring, self._layer_index,
+                       self.scale, output[:nd], dense_done=True)
         return output
 
     def _sfi_prefill_end(self, query, kv_cache, md, sfi) -> None:
@@ -111,7 +124,7 @@ class SpeedSfiImpl(AttentionImpl):
 
         metrics.bump("forward.sfi_prefill_end")
         sfi_prefill_end(query, kv_cache, md.block_table, sfi.prefill_end, self.config.sfi,
-                        self._sfi_layer, self._sfi_scratch, self.scale)
+                        self._sfi_layer, self._sfi_ring, self._layer_index, self.scale)
 
     def _forward_sfi_cuda(self, layer, query, key, value, kv_cache, md, output, sfi):
         from vllm_ext.kernels.dense_decode_evidence import paged_decode
@@ -128,15 +141,16 @@ class SpeedSfiImpl(AttentionImpl):
             self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
             self._sfi_prefill_end(query, kv_cache, md, sfi)
             sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
-                       self.config.sfi, self._sfi_layer, self._sfi_scratch, self.scale,
-                       output[:nd], dense_done=True)
+                       self.config.sfi, self._sfi_layer, self._sfi_ring, self._layer_index,
+                       self.scale, output[:nd], dense_done=True)
             return output
         # Pure decode: dense rows, slow rows (dense + evidence) and fast rows, each masked on the device.
         dense_rows = ~sfi.row_sparse[:nd]
         paged_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], self.scale,
                      output[:nd], row_mask=dense_rows)
         sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi, self.config.sfi,
-                   self._sfi_layer, self._sfi_scratch, self.scale, output[:nd], dense_done=False)
+                   self._sfi_layer, self._sfi_ring, self._layer_index, self.scale, output[:nd],
+                   dense_done=False)
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -153,19 +167,31 @@ def _device() -> torch.device:
     return torch.device(current_platform.device_type, torch.accelerator.current_device_index())
 
 
-_scratch: dict[tuple, object] = {}
+_rings: dict[tuple, object] = {}
 
 
-def _shared_scratch(max_rows, num_heads, num_kv_heads, head_size, max_len, dtype, device):
-    """One evidence / key-norm scratch per device and shape, shared by every layer."""
-    from vllm_ext.sfi.decode import SfiScratch
+def _shared_ring(cfg, max_rows, num_heads, num_kv_heads, head_size, max_len, dtype, device):
+    """One maintenance ring (evidence / key-norm scratch + side stream) per device and shape, shared
+    by every layer."""
+    import logging
 
-    key = (device, max_rows, num_heads, num_kv_heads, head_size, max_len, dtype)
-    if key not in _scratch:
-        _scratch.clear()
-        _scratch[key] = SfiScratch.allocate(max_rows, num_heads, num_kv_heads, head_size, max_len,
-                                            dtype, device)
-    return _scratch[key]
+    from vllm_ext.sfi.decode import MaintenanceRing, SfiScratch
+
+    dual = cfg.dual_stream and device.type == "cuda"
+    key = (device, max_rows, num_heads, num_kv_heads, head_size, max_len, dtype, dual,
+           cfg.side_stream_slots)
+    if key not in _rings:
+        _rings.clear()
+        n = cfg.side_stream_slots if dual else 1
+        entries = [SfiScratch.allocate(max_rows, num_heads, num_kv_heads, head_size, max_len, dtype,
+                                       device) for _ in range(n)]
+        _rings[key] = MaintenanceRing(entries, device, dual)
+        mib = sum(t.numel() * t.element_size() for e in entries
+                  for t in (e.log_evidence, e.key_norms, e.slow_out)) / 2**20
+        logging.getLogger("vllm_ext").info(
+            "vllm_ext: SFI maintenance %s, %d scratch slot(s), %.1f MiB", "on a side stream" if dual
+            else "serial", n, mib)
+    return _rings[key]
 
 
 def _refuse_unsupported(alibi_slopes, sliding_window, logits_soft_cap, attn_type,

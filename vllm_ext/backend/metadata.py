@@ -41,6 +41,7 @@ class SpeedSfiMetadata:
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
     delegate: Any = None            # TritonAttentionMetadata on CUDA
+    last_layer_name: str = ""       # the group's last layer: joins the step's side-stream work
 
 
 def _dense_delegate_builder_cls():
@@ -66,6 +67,9 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.config = resolve_config(vllm_config)
         self._init_reorder_batch_threshold(1)        # V1 runner: decodes first
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self._last_layer_name = max(layer_names, key=extract_layer_index) if layer_names else ""
         self._on_cpu = torch.device(device).type == "cpu"
         self._delegate = None
         if not self._on_cpu:
@@ -93,7 +97,7 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
-            step=self._step(cm), delegate=delegate)
+            step=self._step(cm), delegate=delegate, last_layer_name=self._last_layer_name)
         if self._on_cpu:
             md.query_start_loc_host = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
             md.seq_lens_host = cm.seq_lens[: cm.num_reqs].tolist()

@@ -44,7 +44,7 @@ from vllm_ext.kernels.merge_state import launch_merge_states
 from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, interpret_mode,
                                            launch_meta, next_pow2, use_triton)
 from vllm_ext.kernels.two_segment_decode import (LOG2E, _configs, active_rows,
-                                                 batched_masked_attention, default_num_splits,
+                                                 batched_masked_attention, dense_num_splits,
                                                  gather_paged_rows)
 
 if HAS_TRITON:
@@ -242,7 +242,7 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
     evidence = log_evidence is not None
     max_len = log_evidence.shape[-1] if evidence else 0
     if num_splits is None:
-        num_splits = default_num_splits(num_rows, hkv, block_table.shape[1] * kv_cache.shape[2],
+        num_splits = dense_num_splits(num_rows, hkv, block_table.shape[1] * kv_cache.shape[2],
                                         query.device)
     num_splits = int(num_splits)
     direct = num_splits == 1

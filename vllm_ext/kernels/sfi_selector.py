@@ -56,10 +56,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _log_prior(offs, lo, den, kn, gamma_k, w_k, w_pos, pos_power, pos_eta, pos_beta, eps):
-        u = (offs - lo).to(tl.float32) / den
-        u = tl.minimum(tl.maximum(u, 0.0), 1.0)
+        # u and 1 - u from integers, as in the twin: 1 - u is exactly 0 at the last position of A
+        # (GPU division is approximate; 1 - (1 - ulp) would dodge the eps floor of the tail brake).
+        rel = tl.minimum(tl.maximum(offs - lo, 0), den)
+        denf = den.to(tl.float32)
+        u = rel.to(tl.float32) / denf
+        one_minus_u = (den - rel).to(tl.float32) / denf
         up = tl.where(u > 0, tl.exp(pos_power * tl.log(tl.maximum(u, 1e-30))), 0.0)
-        log_delta = -pos_beta * up + pos_eta * tl.log(tl.maximum(1.0 - u, eps))
+        log_delta = -pos_beta * up + pos_eta * tl.log(tl.maximum(one_minus_u, eps))
         log_pi = -gamma_k * tl.log(tl.maximum(kn, eps))
         return w_k * log_pi + w_pos * log_delta
 
@@ -77,7 +81,7 @@ if HAS_TRITON:
         lo = tl.minimum(lo, L)
         hi = tl.minimum(tl.load(hi_ptr + row).to(tl.int32), L)
         hi = tl.maximum(hi, lo)
-        den = tl.maximum(hi - lo - 1, 1).to(tl.float32)
+        den = tl.maximum(hi - lo - 1, 1)
         ev_base = ev_ptr + row.to(tl.int64) * s_ev_b + h.to(tl.int64) * s_ev_h
         kn_base = kn_ptr + row.to(tl.int64) * s_kn_b + h.to(tl.int64) * s_kn_h
         ws_base = ws_ptr + pid.to(tl.int64) * L

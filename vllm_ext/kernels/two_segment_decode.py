@@ -45,8 +45,8 @@ def _configs():
     if not HAS_TRITON:
         return []
     return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bn, w, s in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2),
-                             (128, 8, 3))]
+            for bn, w, s in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2),
+                             (128, 4, 2), (128, 8, 2), (128, 8, 3))]
 
 
 if HAS_TRITON:
@@ -222,14 +222,31 @@ class SplitWorkspace:
 
 
 def default_num_splits(num_rows: int, num_kv_heads: int, est_len: int,
-                       device: torch.device | str | None, *, min_per_split: int = 256,
-                       max_splits: int = 32) -> int:
-    """Split count from shapes only (CUDA-graph stable): enough programs for ~2 waves of the GPU,
-    at least ``min_per_split`` entries per split."""
+                       device: torch.device | str | None, *, waves: float = 2.0,
+                       min_per_split: int = 256, max_splits: int = 32) -> int:
+    """Split count from shapes only (CUDA-graph stable): enough programs for ``waves`` waves of
+    the GPU's SMs, at least ``min_per_split`` entries per split, at most ``max_splits``."""
     progs = max(1, num_rows * num_kv_heads)
-    want = max(1, -(-2 * num_sms(device) // progs))
+    want = max(1, math.ceil(waves * num_sms(device) / progs))
     useful = max(1, -(-int(est_len) // min_per_split))
     return int(max(1, min(want, useful, max_splits)))
+
+
+# Measured on H100 (bench/bench_fast_step.py, batch 16 x 8 KV heads = 128 programs): the
+# two-segment kernel saturates HBM with one program per SM (its compact segment is contiguous) and
+# a second split only adds the merge; the dense paged kernel wants ~2 waves.
+TWO_SEGMENT_WAVES = 0.75
+DENSE_WAVES = 2.0
+
+
+def two_segment_num_splits(num_rows: int, num_kv_heads: int, est_len: int, device) -> int:
+    """Default split count of :func:`two_segment_decode` (``est_len`` = capacity + recent bound)."""
+    return default_num_splits(num_rows, num_kv_heads, est_len, device, waves=TWO_SEGMENT_WAVES)
+
+
+def dense_num_splits(num_rows: int, num_kv_heads: int, est_len: int, device) -> int:
+    """Default split count of the dense paged decode (``est_len`` = max context)."""
+    return default_num_splits(num_rows, num_kv_heads, est_len, device, waves=DENSE_WAVES)
 
 
 def two_segment_workspace(num_rows: int, num_heads: int, head_size: int, num_splits: int,
@@ -256,7 +273,7 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
                        max_recent=None, workspace=None):
     """Fast-step decode attention (see module doc). Writes ``out [R, Hq, D]`` in place and returns it.
 
-    ``num_splits``: split-K count (default from shapes: :func:`default_num_splits` with the compact
+    ``num_splits``: split-K count (default from shapes: :func:`two_segment_num_splits`, the compact
     capacity plus ``max_recent`` entries). ``max_recent``: a host-side bound on the recent window
     length (default ``max_blocks * block_size``); it only sizes the split heuristic and the PyTorch
     twin's gather. ``workspace``: a :class:`SplitWorkspace` (from :func:`two_segment_workspace`).
@@ -275,10 +292,9 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
     if num_rows == 0:
         return out
     if num_splits is None:
-        num_splits = default_num_splits(num_rows, hkv,
-                                        compact_kv.shape[2] + _est_recent(kv_cache, block_table,
-                                                                          max_recent),
-                                        query.device)
+        num_splits = two_segment_num_splits(
+            num_rows, hkv, compact_kv.shape[2] + _est_recent(kv_cache, block_table, max_recent),
+            query.device)
     num_splits = int(num_splits)
     direct = num_splits == 1
     if direct:

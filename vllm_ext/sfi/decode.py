@@ -77,37 +77,45 @@ def key_norms(kv_cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tens
 
 def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, plan: SfiStep, cfg: SfiConfig, layer: SfiLayerBuffers,
-               scratch: SfiScratch, scale: float, out: torch.Tensor, *,
+               ring: "MaintenanceRing", layer_index: int, scale: float, out: torch.Tensor, *,
                dense_done: bool) -> torch.Tensor:
     """SFI for the decode rows ``0..R-1`` (one query each; ``query``/``out`` are ``[R, Hq, D]``).
 
     ``dense_done``: ``out`` already holds dense attention for every row (then slow rows only add the
     evidence, and fast rows are overwritten). Otherwise the slow rows' dense output is written here
     and the caller computes the rows that are neither slow nor fast.
+
+    The slow rows' selector and gather (maintenance) go to ``ring``: on CUDA with ``dual_stream`` a
+    side stream overlaps them with the next layers; the compact segments they write are read at the
+    next step, after the step's join (``MaintenanceRing.join``).
     """
     rows = query.shape[0]
     slow = plan.row_slow[:rows]
     fast = plan.row_fast[:rows]
     sfi_slot = plan.row_sfi_slot[:rows]
-    evidence = scratch.log_evidence[:rows]
-    slow_out = scratch.slow_out[:rows] if dense_done else out
-    dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, plan.allowed_lo[:rows],
-                               plan.allowed_hi[:rows], scale, slow_out, evidence, row_mask=slow,
-                               alpha=cfg.alpha)
-    norms = key_norms(kv_cache, block_table[:rows], scratch.key_norms[:rows])
-    selected, n_sel = select(evidence, norms, plan.allowed_lo[:rows], plan.allowed_hi[:rows], cfg,
-                             plan.row_k[:rows], k_cap=cfg.k)
-    gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink, layer.compact_kv,
-                   layer.compact_len, row_mask=slow, seq_lens=seq_lens)
+    lo, hi = plan.allowed_lo[:rows], plan.allowed_hi[:rows]
     two_segment_decode(query, kv_cache, block_table, seq_lens, plan.recent_start[:rows],
                        layer.compact_kv, layer.compact_len, sfi_slot, scale, out, row_mask=fast,
                        max_recent=cfg.n_recent)
+    entry, scratch = ring.entry(layer_index)
+    evidence = scratch.log_evidence[:rows]
+    slow_out = scratch.slow_out[:rows] if dense_done else out
+    dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, lo, hi, scale, slow_out,
+                               evidence, row_mask=slow, alpha=cfg.alpha)
+
+    def maintain():
+        norms = key_norms(kv_cache, block_table[:rows], scratch.key_norms[:rows])
+        selected, n_sel = select(evidence, norms, lo, hi, cfg, plan.row_k[:rows], k_cap=cfg.k)
+        gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
+                       layer.compact_kv, layer.compact_len, row_mask=slow, seq_lens=seq_lens)
+
+    ring.submit(entry, maintain)
     return out
 
 
 def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    plan, cfg: SfiConfig, layer: SfiLayerBuffers, scratch: SfiScratch,
-                    scale: float) -> None:
+                    plan, cfg: SfiConfig, layer: SfiLayerBuffers, ring: "MaintenanceRing",
+                    layer_index: int, scale: float) -> None:
     """First selection of the requests whose prefill ends in this step, from their last
     ``w_prefill`` queries (``plan``: ``vllm_ext.sfi.step_plan.SfiPrefillEnd``). Their K/V of this
     chunk must already be in the cache."""
@@ -116,11 +124,59 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     n = plan.rows.shape[0]
     queries = query[plan.token_idx]                                        # [n, W, Hq, D]
     tables = block_table[plan.rows]
+    entry, scratch = ring.entry(layer_index)
     evidence = scratch.log_evidence[:n]
     prefill_evidence(queries, kv_cache, tables, plan.seq_lens, plan.allowed_lo, plan.allowed_hi,
                      scale, evidence, plan.positions, alpha=cfg.alpha)
-    norms = key_norms(kv_cache, tables, scratch.key_norms[:n])
-    selected, n_sel = select(evidence, norms, plan.allowed_lo, plan.allowed_hi, cfg, plan.k,
-                             k_cap=cfg.k)
-    gather_compact(kv_cache, tables, plan.sfi_slot, selected, n_sel, cfg.n_sink, layer.compact_kv,
-                   layer.compact_len, seq_lens=plan.seq_lens)
+
+    def maintain():
+        norms = key_norms(kv_cache, tables, scratch.key_norms[:n])
+        selected, n_sel = select(evidence, norms, plan.allowed_lo, plan.allowed_hi, cfg, plan.k,
+                                 k_cap=cfg.k)
+        gather_compact(kv_cache, tables, plan.sfi_slot, selected, n_sel, cfg.n_sink,
+                       layer.compact_kv, layer.compact_len, seq_lens=plan.seq_lens)
+
+    ring.submit(entry, maintain)
+
+
+class MaintenanceRing:
+    """Scratch for the slow step's evidence, in a ring of ``len(entries)`` slots, and the side stream
+    that runs selector + gather (ALGORITHMS.md §1, "dual-stream maintenance").
+
+    Layer ``l`` uses slot ``l % N``. Before the main stream writes a slot's evidence it waits for the
+    side stream to be done with the slot's previous user; the side stream waits for the evidence.
+    ``join()`` (once per step, after the last layer) makes the main stream wait for all maintenance,
+    because the next step overwrites the block table and the step plan that maintenance reads.
+    Serial mode (CPU, or ``sfi.dual_stream = false``) runs maintenance inline. No allocation here.
+    """
+
+    def __init__(self, entries: list[SfiScratch], device: torch.device, dual_stream: bool):
+        self.entries = entries
+        self.dual = bool(dual_stream and device.type == "cuda")
+        self._pending = False
+        if self.dual:
+            self.stream = torch.cuda.Stream(device=device)
+            self._ready = [torch.cuda.Event() for _ in entries]
+            self._done = [torch.cuda.Event() for _ in entries]
+
+    def entry(self, layer_index: int) -> tuple[int, SfiScratch]:
+        i = layer_index % len(self.entries)
+        if self.dual:
+            torch.cuda.current_stream().wait_event(self._done[i])
+        return i, self.entries[i]
+
+    def submit(self, i: int, fn) -> None:
+        if not self.dual:
+            fn()
+            return
+        self._ready[i].record(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self._ready[i])
+            fn()
+            self._done[i].record(self.stream)
+        self._pending = True
+
+    def join(self) -> None:
+        if self.dual and self._pending:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self._pending = False

@@ -86,21 +86,25 @@ def pool_evidence(evidence: torch.Tensor, mask: torch.Tensor, alpha: float) -> t
 
 
 # ---------------------------------------------------------------------------------- 2. prior
-def position_u(lo: torch.Tensor, hi: torch.Tensor, length: int) -> torch.Tensor:
-    """``u(j) = (j - lo) / (hi - lo - 1)`` clamped to ``[0, 1]`` (denominator at least 1), ``[rows, 1, L]``."""
+def position_u(lo: torch.Tensor, hi: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``u(j) = (j - lo) / (hi - lo - 1)`` clamped to ``[0, 1]`` (denominator at least 1, so ``u = 0``
+    when ``|A| = 1``) and ``1 - u``, both ``[rows, 1, L]`` fp32. ``1 - u`` is computed from integers, so it
+    is exactly 0 at the last position of ``A`` (the tail brake's ``eps`` floor applies there)."""
     lo, hi = clamp_bounds(lo, hi, length)
-    den = (hi - lo - 1).clamp_min(1).float()
-    pos = torch.arange(length, device=lo.device, dtype=torch.float32)
-    return ((pos - lo[:, None].float()) / den[:, None]).clamp(0.0, 1.0)[:, None, :]
+    den = (hi - lo - 1).clamp_min(1)[:, None]
+    pos = torch.arange(length, device=lo.device)
+    rel = torch.minimum((pos - lo[:, None]).clamp_min(0), den)
+    denf = den.float()
+    return (rel.float() / denf)[:, None, :], ((den - rel).float() / denf)[:, None, :]
 
 
 def log_prior(key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, mask: torch.Tensor,
               cfg: SfiConfig) -> torch.Tensor:
     """Prior ``log r [rows, Hkv, L]`` (normalised over ``A``) from key norms ``[rows, Hkv, L]`` and position."""
     eps = cfg.eps
-    u = position_u(lo, hi, key_norms.shape[-1])
+    u, one_minus_u = position_u(lo, hi, key_norms.shape[-1])
     log_pi = -cfg.gamma_k * torch.log(key_norms.float().clamp_min(eps))
-    log_delta = -cfg.pos_beta * u.pow(cfg.pos_power) + cfg.pos_eta * torch.log((1.0 - u).clamp_min(eps))
+    log_delta = -cfg.pos_beta * u.pow(cfg.pos_power) + cfg.pos_eta * torch.log(one_minus_u.clamp_min(eps))
     return normalize_log(cfg.w_k * log_pi + cfg.w_pos * log_delta, mask)
 
 
