@@ -83,6 +83,12 @@ def fallback(key: str, message: str, *args) -> None:
         logger.warning("vllm_ext fallback [%s]: " + message, key, *args)
 
 
+def log_once(key: str, message: str, *args) -> None:
+    if key not in _logged_once:
+        _logged_once.add(key)
+        logger.info(message, *args)
+
+
 def _maybe_flush() -> None:
     global _last_flush
     trace_dir = os.environ.get("VLLM_EXT_TRACE_DIR")

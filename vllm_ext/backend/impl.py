@@ -68,6 +68,11 @@ class SpeedSfiImpl(AttentionImpl):
             device = _device()
             self._sfi_layer = SfiLayerBuffers(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
                                               self.head_size, act_dtype, device)
+            metrics.log_once("sfi_buffers", "vllm_ext: SFI compact segments: %d request slots x %d KV "
+                             "heads x %d entries = %.1f MiB per layer", self._sfi_capacity,
+                             self.num_kv_heads, self.config.sfi.n_sink + self.config.sfi.k,
+                             SfiLayerBuffers.nbytes(self._sfi_capacity, self.num_kv_heads,
+                                                    self.config.sfi, self.head_size, act_dtype) / 2**20)
             self._sfi_ring = _shared_ring(self.config.sfi, self._max_rows, self.num_heads,
                                           self.num_kv_heads, self.head_size, self._max_len, act_dtype,
                                           device)

@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""Train the small retrieval model of the quality harness (models/retrieval-llama) on this CPU.
+
+A Llama-architecture model (transformers ``LlamaForCausalLM``: RoPE, RMSNorm, SwiGLU, GQA with 4 query
+/ 2 KV heads of size 32, 4 layers, hidden 128) trained from scratch on the synthetic retrieval
+documents of :mod:`vllm_ext.quality.tasks` (needles with distractors, multi-value keys, key-value
+pairs; several questions per document, loss on the answer tokens only), with a curriculum from
+128-token to 2048-token documents. Seeded and deterministic on a given machine / torch build (fixed
+thread count, data drawn from per-step seeded generators).
+
+    .venv/bin/python scripts/train_retrieval_model.py            # writes models/retrieval-llama/
+
+Accuracy is exact match of the whole answer under teacher forcing, which is the same as greedy
+decoding's exact match (greedy emits the answer iff every answer token is the arg-max given the
+previous answer tokens); ``scripts/eval_quality.py`` measures it again through vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from vllm_ext.quality import tasks as T  # noqa: E402
+
+# (document length, documents per step, steps)
+CURRICULUM = [(128, 32, 600), (256, 16, 300), (512, 8, 200), (1024, 4, 100), (2048, 2, 100)]
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "models", "retrieval-llama"))
+    p.add_argument("--work-dir", default="/tmp/retrieval-train",
+                   help="checkpoints for --resume (not part of the model)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--curriculum", default=None,
+                   help="JSON list of [length, docs_per_step, steps]; default: %s" % json.dumps(CURRICULUM))
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--eval-lengths", default="512,1024,2048")
+    p.add_argument("--eval-per-cell", type=int, default=4, help="samples per (task, length, depth)")
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--resume", action="store_true")
+    return p.parse_args()
+
+
+def build_tokenizer(out_dir: str):
+    """Word-level tokenizer over the task vocabulary; ``<s>`` prepended; ``\\n`` is a token."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=dict(T.WORD_ID), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(" +"), behavior="removed"),
+    ])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                       special_tokens=[("<s>", T.BOS)])
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)    # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>", model_max_length=8192)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_model(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig(vocab_size=len(T.VOCAB), hidden_size=args.hidden,
+                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                      num_attention_heads=args.hidden // 32, num_key_value_heads=args.hidden // 64,
+                      head_dim=32, max_position_embeddings=8192, rope_theta=10000.0,
+                      tie_word_embeddings=False, bos_token_id=T.BOS, eos_token_id=T.EOS,
+                      pad_token_id=T.PAD, attn_implementation="sdpa", torch_dtype="float32")
+    return LlamaForCausalLM(cfg)
+
+
+def masked_loss(model, ids, mask):
+    """Cross-entropy on answer tokens only (the LM head runs only there)."""
+    import torch
+
+    hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+    target = ids[:, 1:]
+    sel = mask[:, 1:].bool()
+    logits = model.lm_head(hidden[sel])
+    y = target[sel]
+    loss = torch.nn.functional.cross_entropy(logits, y)
+    return loss, (logits.argmax(-1) == y).float().mean()
+
+
+def exact_match_tf(model, samples, batch_tokens=16384):
+    """Teacher-forced exact match of every sample's whole answer (== greedy exact match)."""
+    import torch
+
+    hits = []
+    with torch.no_grad():
+        i = 0
+        while i < len(samples):
+            n = max(1, batch_tokens // (samples[i].length + 32))
+            group = [s for s in samples[i:i + n] if s.length == samples[i].length]
+            i += len(group)
+            seqs = [s.prompt_ids + s.answer_ids[:-1] for s in group]
+            width = max(len(x) for x in seqs)
+            ids = torch.tensor([x + [T.PAD] * (width - len(x)) for x in seqs])
+            hidden = model.model(input_ids=ids).last_hidden_state
+            for row, s in enumerate(group):
+                p, a = len(s.prompt_ids), len(s.answer_ids)
+                pred = model.lm_head(hidden[row, p - 1:p - 1 + a]).argmax(-1).tolist()
+                hits.append(pred == s.answer_ids)
+    return hits
+
+
+def evaluate(model, lengths, per_cell, seed=10_000):
+    depths = (0.0, 0.25, 0.5, 0.75, 1.0)
+    out = {}
+    for n in lengths:
+        samples = T.make_suite(T.TASKS, [n], depths, per_cell, seed=seed)
+        hits = exact_match_tf(model, samples)
+        for task in T.TASKS:
+            h = [x for x, s in zip(hits, samples) if s.task == task]
+            out[f"{task}@{n}"] = sum(h) / len(h)
+        out[f"all@{n}"] = sum(hits) / len(hits)
+    return out
+
+
+def lr_at(step, total, args):
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = (step - args.warmup) / max(1, total - args.warmup)
+    return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def main():
+    args = parse()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    torch.use_deterministic_algorithms(True)
+    curriculum = json.loads(args.curriculum) if args.curriculum else CURRICULUM
+    total = sum(s for _, _, s in curriculum)
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.work_dir, exist_ok=True)
+    build_tokenizer(args.out)
+    model = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01,
+                            foreach=True)
+    step, elapsed_before = 0, 0.0
+    ckpt = os.path.join(args.work_dir, "last.pt")
+    if args.resume and os.path.exists(ckpt):
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, elapsed_before = state["step"], state["elapsed"]
+        torch.set_rng_state(state["torch_rng"])
+        print(f"resumed at step {step}", flush=True)
+    print(f"model: {n_params / 1e6:.3f} M parameters, {total} steps, curriculum {curriculum}", flush=True)
+    t0 = time.time() - elapsed_before
+    history = []
+    gstep = 0
+    model.train()
+    for stage, (length, docs, steps) in enumerate(curriculum):
+        run_loss, run_acc, run_n, t_log = 0.0, 0.0, 0, time.time()
+        for _ in range(steps):
+            if gstep < step:
+                gstep += 1
+                continue
+            rng = random.Random(f"{args.seed}|train|{gstep}")
+            batch = [T.training_document(rng, length) for _ in range(docs)]
+            ids = torch.tensor([b[0] for b in batch])
+            mask = torch.tensor([b[1] for b in batch])
+            for g in opt.param_groups:
+                g["lr"] = lr_at(gstep, total, args)
+            loss, acc = masked_loss(model, ids, mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            gstep += 1
+            step = gstep
+            run_loss += loss.item()
+            run_acc += acc.item()
+            run_n += 1
+            if gstep % args.log_every == 0:
+                dt_ = time.time() - t_log
+                rec = dict(step=gstep, length=length, loss=run_loss / run_n, token_acc=run_acc / run_n,
+                           lr=lr_at(gstep, total, args), s_per_step=dt_ / run_n,
+                           elapsed_min=(time.time() - t0) / 60)
+                history.append(rec)
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}),
+                      flush=True)
+                run_loss, run_acc, run_n, t_log = 0.0, 0.0, 0, time.time()
+        # end of stage: checkpoint + a quick teacher-forced check at this length
+        if step >= gstep and steps:
+            model.eval()
+            quick = evaluate(model, [max(length, 512)], 1, seed=20_000 + stage)
+            model.train()
+            print(json.dumps({"stage_end": stage, "length": length, "step": gstep,
+                              "elapsed_min": round((time.time() - t0) / 60, 2), **quick}), flush=True)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": gstep,
+                        "elapsed": time.time() - t0, "torch_rng": torch.get_rng_state()}, ckpt)
+    train_s = time.time() - t0
+    model.eval()
+    t_eval = time.time()
+    lengths = [int(x) for x in args.eval_lengths.split(",") if x]
+    final = evaluate(model, lengths, args.eval_per_cell)
+    eval_s = time.time() - t_eval
+    print(json.dumps({"final": final, "train_min": round(train_s / 60, 2),
+                      "eval_min": round(eval_s / 60, 2)}), flush=True)
+    model.save_pretrained(args.out, safe_serialization=True)
+    write_card(args, curriculum, n_params, train_s, eval_s, final, history)
+
+
+def write_card(args, curriculum, n_params, train_s, eval_s, final, history):
+    import torch
+    import transformers
+
+    cmd = ".venv/bin/python scripts/train_retrieval_model.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    rows = "\n".join(f"| {k.split('@')[0]} | {k.split('@')[1]} | {v * 100:.1f}% |"
+                     for k, v in final.items())
+    with open(os.path.join(args.out, "training_log.json"), "w") as f:
+        json.dump({"history": history, "final": final, "train_s": train_s}, f, indent=1)
+    text = f"""# retrieval-llama: a small model that really retrieves
+
+Trained from scratch by `scripts/train_retrieval_model.py` for the quality harness
+(`scripts/eval_quality.py`, `bench/QUALITY.md`). It answers the synthetic retrieval questions of
+`vllm_ext/quality/tasks.py` (its word-level vocabulary: {len(T.VOCAB)} tokens) and nothing else.
+
+- Architecture: `LlamaForCausalLM`, {args.layers} layers, hidden {args.hidden}, intermediate
+  {args.intermediate}, {args.hidden // 32} query / {args.hidden // 64} KV heads of size 32, RoPE
+  (theta 10000), untied embeddings, fp32, {n_params / 1e6:.3f} M parameters.
+- Tokenizer: word level (`tokenizer.json`, `PreTrainedTokenizerFast`), `<s>` prepended, `.` `;` `?`
+  and `\\n` are single tokens (SFI's trigger set is non-empty).
+- Data: documents from `vllm_ext.quality.tasks.training_document` (haystacks with needles, hard
+  distractors sharing a key word, multi-value keys, key-value pairs; several questions per
+  document, loss on answer tokens only), drawn from generators seeded by (seed, step).
+- Curriculum (length, documents per step, steps): {curriculum}; AdamW (0.9, 0.98), lr {args.lr}
+  with {args.warmup} warm-up steps and cosine decay to 5%, weight decay 0.01, gradient clip 1.0.
+
+## Exact command
+```
+{cmd}
+```
+Seed {args.seed}; `torch.set_num_threads({args.threads})`; deterministic algorithms on.
+
+## Machine and time
+- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores visible (shared with other
+  jobs while training), torch {torch.__version__}, transformers {transformers.__version__},
+  Python {platform.python_version()}; finished {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}.
+- Wall time: **{train_s / 60:.1f} min** of training + {eval_s / 60:.1f} min of final evaluation.
+
+## Final accuracy (exact match of the whole answer, greedy-equivalent, dense attention)
+{args.eval_per_cell} samples per (task, length, depth), depths 0, 0.25, 0.5, 0.75, 1; seeds from 10000
+(disjoint from training, which draws from its own per-step generators).
+
+| task | length | exact match |
+|---|---|---|
+{rows}
+
+Accuracy through vLLM (greedy decoding, SPEEDSFI dense and SFI): `bench/QUALITY.md`.
+"""
+    with open(os.path.join(args.out, "TRAINING.md"), "w") as f:
+        f.write(text)
+    names = sorted(n for n in os.listdir(args.out) if n != "SHA256SUMS" and not n.startswith("."))
+    with open(os.path.join(args.out, "SHA256SUMS"), "w") as f:
+        for n in names:
+            f.write(f"{sha256(os.path.join(args.out, n))}  {n}\n")
+
+
+if __name__ == "__main__":
+    main()

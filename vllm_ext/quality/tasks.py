@@ -1,0 +1,371 @@
+"""RULER-style synthetic long-context retrieval tasks, offline and seeded.
+
+Two renderings of the same tasks:
+
+* **tiny** (:func:`make_sample`): word-level prompts over :data:`VOCAB`, the vocabulary of the
+  purpose-built model in ``models/retrieval-llama`` (one word = one token, so lengths and needle
+  positions are exact token counts). The training script draws its documents from the same
+  generators (:func:`training_document`).
+* **text** (:func:`make_text_sample`): natural-language RULER prompts for any Hugging Face tokenizer
+  (a real model on a GPU later), sized to a token length with that tokenizer.
+
+Tasks (RULER's names in brackets):
+
+* ``niah_single``  [niah_single]: one needle ``the magic number for A B is D D D D .`` in a haystack of
+  filler sentences; the question asks for its number.
+* ``niah_multikey`` [niah_multikey]: the target needle plus distractor needles with other keys, some of
+  them sharing one of the target's two key words (a key is matched only by both words).
+* ``niah_multivalue`` [niah_multivalue]: one key with several values at different depths
+  (``the first magic number for A B is ...``, ``the second ...``); the answer lists all of them, in
+  order, plus distractor needles.
+* ``kv_lookup`` [kv retrieval]: the whole context is key-value pairs ``A B = D D D D ;``; the question
+  asks for one key's value.
+
+``depth`` in [0, 1] places the target (the first value for ``niah_multivalue``, the queried pair
+for ``kv_lookup``) at that fraction of the context; ``length`` is the prompt length in tokens,
+BOS and question included. Everything is a pure function of ``(task, length, depth, seed)``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "kv_lookup")
+
+# --------------------------------------------------------------------------------------------
+# The tiny model's vocabulary (word level; the tokenizer in models/retrieval-llama is built from it)
+# --------------------------------------------------------------------------------------------
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+PUNCT = [".", "\n", ",", ":", "?", ";", "="]
+DIGITS = [str(i) for i in range(10)]
+ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth"]
+TEMPLATE = ["the", "magic", "number", "numbers", "for", "is", "are", "what", "all", "question",
+            "answer", "value", "of"] + ORDINALS
+KEY_A = ("red blue green black white brown pink gray gold silver amber azure coral crimson cyan "
+         "ivory jade khaki lemon lilac lime maroon mint navy olive orange peach plum rose ruby "
+         "rust sand scarlet slate tan teal violet wine bold calm dark fast grand happy lucky "
+         "quiet rapid shy").split()
+KEY_B = ("cat dog fox wolf bear lion tiger horse mouse eagle owl hawk crow swan duck goose frog "
+         "toad snake whale shark seal otter moose deer goat sheep camel zebra panda koala lemur "
+         "bison llama yak hare mole bat crab squid snail moth bee ant wasp newt gecko lynx").split()
+FILLER = ("a an and or but so then when while after before under over near far into from with "
+          "without about above below river mountain valley forest garden village city road "
+          "bridge tower house door window table chair book letter paper story song music "
+          "picture lamp clock bell stone tree flower leaf grass rain snow wind cloud sun moon "
+          "star sky sea lake shore island field farm market school library kitchen morning "
+          "evening night day week year time people child friend teacher farmer sailor painter "
+          "walks runs sings reads writes builds opens closes finds brings carries watches "
+          "waits sleeps dreams grows falls rises shines turns rests stays leaves returns "
+          "travels speaks listens remembers slowly quickly quietly softly often never always "
+          "again still also very old young new small large long short warm cold bright soft "
+          "heavy light early late simple strange gentle busy empty full open narrow wide "
+          "deep high low round sweet little great").split()
+VOCAB: list[str] = SPECIAL + PUNCT + DIGITS + TEMPLATE + KEY_A + KEY_B + FILLER
+assert len(VOCAB) == len(set(VOCAB)), "duplicate words in the tiny vocabulary"
+assert len(KEY_A) == len(KEY_B) == 48
+WORD_ID = {w: i for i, w in enumerate(VOCAB)}
+
+N_DIGITS = 4                 # digits per value
+N_MULTIVALUE = 4             # values of the multivalue key (RULER default)
+N_DISTRACTORS = 12           # distractor needles in niah_multikey / niah_multivalue
+N_HARD = 4                   # of which share a key word with the target
+
+
+def ids_of(words: Sequence[str]) -> list[int]:
+    return [WORD_ID[w] for w in words]
+
+
+def words_of(ids: Sequence[int]) -> list[str]:
+    return [VOCAB[i] for i in ids]
+
+
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    """One prompt and its expected answer.
+
+    ``prompt_ids`` starts with BOS. ``answer_ids`` is the expected greedy continuation up to and
+    including its terminator (``.``); exact match compares the first ``len(answer_ids)`` generated
+    tokens with it. ``target_spans``: ``[start, end)`` token spans of the needle(s) that hold the
+    answer; ``value_spans``: spans of the answer's value tokens inside the prompt.
+    """
+
+    task: str
+    length: int
+    depth: float
+    seed: int
+    prompt: str
+    prompt_ids: list[int]
+    answer: str
+    answer_ids: list[int]
+    target_spans: list[tuple[int, int]] = field(default_factory=list)
+    value_spans: list[tuple[int, int]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple:
+        return (self.task, self.length, self.depth, self.seed)
+
+
+def _value(rng: random.Random) -> list[str]:
+    return [rng.choice(DIGITS) for _ in range(N_DIGITS)]
+
+
+def _keys(rng: random.Random, n: int, hard_for: tuple[str, str] | None = None, n_hard: int = 0,
+          exclude: set | None = None) -> list[tuple[str, str]]:
+    """``n`` distinct keys (pairs), ``n_hard`` of them sharing one word with ``hard_for``."""
+    used = set(exclude or ())
+    if hard_for is not None:
+        used.add(hard_for)
+    out = []
+    for i in range(n):
+        while True:
+            if hard_for is not None and i < n_hard:
+                k = (hard_for[0], rng.choice(KEY_B)) if i % 2 == 0 else (rng.choice(KEY_A), hard_for[1])
+            else:
+                k = (rng.choice(KEY_A), rng.choice(KEY_B))
+            if k not in used:
+                break
+        used.add(k)
+        out.append(k)
+    return out
+
+
+def _needle(key, value, ordinal: str | None = None) -> list[str]:
+    head = ["the", ordinal] if ordinal else ["the"]
+    return head + ["magic", "number", "for", key[0], key[1], "is"] + list(value) + ["."]
+
+
+def _question(kind: str, key) -> list[str]:
+    if kind == "multivalue":
+        body = ["what", "are", "all", "the", "magic", "numbers", "for"]
+    elif kind == "kv":
+        body = ["what", "is", "the", "value", "of"]
+    else:
+        body = ["what", "is", "the", "magic", "number", "for"]
+    return ["\n", "question", ":"] + body + [key[0], key[1], "?", "answer", ":"]
+
+
+def _answer(kind: str, values: list[list[str]]) -> list[str]:
+    if kind == "multivalue":
+        out: list[str] = []
+        for i, v in enumerate(values):
+            if i:
+                out.append(",")
+            out += [ORDINALS[i]] + list(v)
+        return out + ["."]
+    return list(values[0]) + ["."]
+
+
+def _filler(rng: random.Random, n: int) -> tuple[list[str], list[int]]:
+    """Exactly ``n`` filler tokens (sentences ending in ``.``, sometimes a paragraph break) and the
+    sentence boundaries (indices where a new sentence starts, 0 and ``n`` included)."""
+    words: list[str] = []
+    bounds = [0]
+    while len(words) < n:
+        words += [rng.choice(FILLER) for _ in range(rng.randint(4, 11))] + ["."]
+        if rng.random() < 0.12:
+            words.append("\n")
+        bounds.append(len(words))
+    words = words[:n]
+    bounds = [b for b in bounds if b < n] + [n]
+    if n and words[-1] not in (".", "\n"):
+        words[-1] = "."
+    return words, bounds
+
+
+def _place(bounds: list[int], n: int, depth: float, taken: set[int]) -> int:
+    """The free sentence boundary nearest to ``depth * n``."""
+    target = depth * n
+    ranked = sorted(bounds, key=lambda b: (abs(b - target), b))
+    for b in ranked:
+        if b not in taken:
+            return b
+    return ranked[0]                                    # crowded: needles share a boundary
+
+
+def _assemble(rng: random.Random, budget: int, needles: list[tuple[float | None, list[str]]]):
+    """Filler of ``budget - sum(len(needles))`` tokens with each needle inserted at a sentence boundary
+    at its depth (None: a random depth). Returns (words, [start of each needle])."""
+    n_fill = budget - sum(len(w) for _, w in needles)
+    if n_fill < 0:
+        raise ValueError(f"length too small: the needles alone take {budget - n_fill} tokens")
+    fill, bounds = _filler(rng, n_fill)
+    taken: set[int] = set()
+    at = []
+    for depth, _ in needles:
+        b = _place(bounds, n_fill, rng.random() if depth is None else depth, taken)
+        taken.add(b)
+        at.append(b)
+    order = sorted(range(len(needles)), key=lambda i: (at[i], i))
+    words: list[str] = []
+    starts = [0] * len(needles)
+    prev = 0
+    for i in order:
+        words += fill[prev:at[i]]
+        starts[i] = len(words) + 1                      # +1: BOS precedes the context
+        words += needles[i][1]
+        prev = at[i]
+    words += fill[prev:]
+    return words, starts
+
+
+def _kv_context(rng: random.Random, budget: int, target_key, target_value, depth: float,
+                extra_targets: int = 0):
+    """Key-value pairs ``A B = D D D D ;`` (sometimes followed by a line break) filling exactly
+    ``budget`` tokens; the target pair sits at ``depth``. Returns (words, target start, pairs)."""
+    pair_len = 2 + 1 + N_DIGITS + 1
+    n_pairs = max(1, budget // pair_len)
+    keys = _keys(rng, n_pairs - 1, exclude={target_key})
+    pairs = [(k, _value(rng)) for k in keys]
+    t = min(n_pairs - 1, int(round(depth * (n_pairs - 1))))
+    pairs.insert(t, (target_key, list(target_value)))
+    words: list[str] = []
+    start = -1
+    for i, (k, v) in enumerate(pairs):
+        if i == t:
+            start = len(words) + 1
+        words += [k[0], k[1], "="] + v + [";"]
+    # pad to exactly `budget` with line breaks spread between pairs
+    missing = budget - len(words)
+    if missing < 0:                                     # budget smaller than one pair
+        raise ValueError("length too small for kv_lookup")
+    if missing:
+        slots = sorted(rng.sample(range(1, n_pairs + 1), min(missing, n_pairs)))
+        # insert from the back so earlier indices stay valid
+        flat = []
+        for i, (k, v) in enumerate(pairs):
+            flat.append([k[0], k[1], "="] + v + [";"])
+        extra = {s: 1 for s in slots}
+        left = missing - len(slots)
+        j = 0
+        while left > 0:                                 # only when budget > 2 * n_pairs (never in practice)
+            extra[slots[j % len(slots)]] += 1
+            left -= 1
+            j += 1
+        words = []
+        for i, p in enumerate(flat):
+            if i == t:
+                start = len(words) + 1
+            words += p
+            words += ["\n"] * extra.get(i + 1, 0)
+    return words, start, pairs
+
+
+def make_sample(task: str, length: int, depth: float, seed: int) -> Sample:
+    """One evaluation sample of ``task`` with ``length`` prompt tokens (BOS and question included)
+    and the target at ``depth``, for the tiny model's vocabulary."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    rng = random.Random(f"{task}|{length}|{depth:.6f}|{seed}")
+    key = (rng.choice(KEY_A), rng.choice(KEY_B))
+    kind = {"niah_multivalue": "multivalue", "kv_lookup": "kv"}.get(task, "single")
+    q = _question(kind, key)
+    budget = length - 1 - len(q)
+    meta: dict[str, Any] = {"key": " ".join(key)}
+    if task == "kv_lookup":
+        value = _value(rng)
+        ctx, start, pairs = _kv_context(rng, budget, key, value, depth)
+        values = [value]
+        spans = [(start, start + 3 + N_DIGITS + 1)]
+        vspans = [(start + 3, start + 3 + N_DIGITS)]
+        meta["n_pairs"] = len(pairs)
+    else:
+        needles: list[tuple[float | None, list[str]]] = []
+        if task == "niah_multivalue":
+            values = [_value(rng) for _ in range(N_MULTIVALUE)]
+            # the first value at `depth`, the others at random depths; ordinals follow document order
+            depths = sorted([depth] + [rng.random() for _ in range(N_MULTIVALUE - 1)])
+            needles = [(d, _needle(key, v, ORDINALS[i])) for i, (d, v) in enumerate(zip(depths, values))]
+        else:
+            values = [_value(rng)]
+            needles = [(depth, _needle(key, values[0]))]
+        if task in ("niah_multikey", "niah_multivalue"):
+            for k in _keys(rng, N_DISTRACTORS, hard_for=key, n_hard=N_HARD):
+                needles.append((None, _needle(k, _value(rng))))
+        ctx, starts = _assemble(rng, budget, needles)
+        n_t = N_MULTIVALUE if task == "niah_multivalue" else 1
+        spans = [(s, s + len(needles[i][1])) for i, s in enumerate(starts[:n_t])]
+        off = 2 if task == "niah_multivalue" else 1
+        vspans = [(s + off + 6, s + off + 6 + N_DIGITS) for s in starts[:n_t]]
+        meta["n_needles"] = len(needles)
+    words = ctx + q
+    ans = _answer(kind, values)
+    prompt_ids = [BOS] + ids_of(words)
+    assert len(prompt_ids) == length, (task, length, len(prompt_ids))
+    return Sample(task=task, length=length, depth=depth, seed=seed, prompt=" ".join(words),
+                  prompt_ids=prompt_ids, answer=" ".join(ans[:-1]), answer_ids=ids_of(ans),
+                  target_spans=spans, value_spans=vspans, meta=meta)
+
+
+def make_suite(tasks: Sequence[str] = TASKS, lengths: Sequence[int] = (2048,),
+               depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), n_per_cell: int = 2,
+               seed: int = 0) -> list[Sample]:
+    """Every (task, length, depth) cell with ``n_per_cell`` samples (seeds ``seed .. seed+n-1``)."""
+    return [make_sample(t, n, d, seed + i) for t in tasks for n in lengths for d in depths
+            for i in range(n_per_cell)]
+
+
+def exact_match(sample: Sample, generated: Sequence[int]) -> bool:
+    return list(generated[:len(sample.answer_ids)]) == sample.answer_ids
+
+
+# --------------------------------------------------------------------------------------------
+# Training documents: the same families, several questions per document, loss on the answers
+# --------------------------------------------------------------------------------------------
+def training_document(rng: random.Random, length: int) -> tuple[list[int], list[int]]:
+    """A document of exactly ``length`` tokens (BOS first) and its loss mask (1 on answer tokens,
+    including the terminator ``.``). Families, mixed: haystack with several needles (some hard
+    distractors, sometimes a multivalue key) and several questions; key-value pairs with several
+    questions."""
+    family = rng.random()
+    n_q = max(1, min(8, length // 96 + rng.randint(0, 2)))
+    if family < 0.3:                                     # kv pairs
+        qa = []
+        q_lens = [len(_question("kv", ("x", "y"))) + N_DIGITS + 1] * n_q
+        budget = length - 1 - sum(q_lens)
+        tkey = (rng.choice(KEY_A), rng.choice(KEY_B))
+        tval = _value(rng)
+        ctx, _, pairs = _kv_context(rng, budget, tkey, tval, rng.random())
+        chosen = rng.sample(range(len(pairs)), min(n_q, len(pairs)))
+        for i in chosen:
+            k, v = pairs[i]
+            qa.append((_question("kv", k), _answer("kv", [v])))
+    else:
+        # needles: n_single single needles + maybe one multivalue group; hard distractors
+        n_needles = max(1, min(48, length // 40 + rng.randint(-2, 2)))
+        mv = rng.random() < 0.4 and length >= 160
+        n_mv = rng.randint(2, N_MULTIVALUE) if mv else 0
+        mv_key = (rng.choice(KEY_A), rng.choice(KEY_B))
+        base = mv_key if rng.random() < 0.6 else None
+        keys = _keys(rng, n_needles, hard_for=base, n_hard=min(n_needles, rng.randint(0, 6)),
+                     exclude={mv_key})
+        vals = [_value(rng) for _ in keys]
+        mv_vals = [_value(rng) for _ in range(n_mv)]
+        asked = rng.sample(range(len(keys)), min(n_q - (1 if mv else 0), len(keys)))
+        qa = [(_question("single", keys[i]), _answer("single", [vals[i]])) for i in asked]
+        if mv:
+            qa.insert(rng.randint(0, len(qa)), (_question("multivalue", mv_key), _answer("multivalue", mv_vals)))
+        budget = length - 1 - sum(len(q) + len(a) for q, a in qa)
+        keep = [i for i in range(len(keys)) if i in asked or rng.random() < 0.9]
+        needles = [(None, _needle(keys[i], vals[i])) for i in keep]
+        mv_depths = sorted(rng.random() for _ in range(n_mv))        # ordinals follow document order
+        needles += [(d, _needle(mv_key, v, ORDINALS[i])) for i, (d, v) in enumerate(zip(mv_depths, mv_vals))]
+        # too crowded for the length: drop needles nobody asks about
+        droppable = [j for j, i in enumerate(keep) if i not in asked]
+        while sum(len(w) + 6 for _, w in needles) > budget and droppable:
+            needles.pop(droppable.pop())
+        ctx, _ = _assemble(rng, budget, needles)
+    ids = [BOS] + ids_of(ctx)
+    mask = [0] * len(ids)
+    for q, a in qa:
+        ids += ids_of(q) + ids_of(a)
+        mask += [0] * len(q) + [1] * len(a)
+    if len(ids) != length:
+        raise AssertionError((len(ids), length))
+    return ids, mask
