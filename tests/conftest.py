@@ -4,10 +4,6 @@ says otherwise; tiny checkpoints are built once per session (offline, about 2 s 
 import os
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import pytest
 
 
 def _has_cuda() -> bool:
@@ -17,6 +13,18 @@ def _has_cuda() -> bool:
         return torch.cuda.is_available()
     except Exception:
         return False
+
+
+# Kernel tests run the Triton kernels in Triton's CPU interpreter where there is no GPU. It must be
+# on before any vllm_ext.kernels module is imported (@triton.jit decides at decoration time), so it
+# is set here, first, for the whole session. Engines in tests/e2e use the PyTorch twins unless a
+# test asks for the kernels (tests/e2e/engine.py).
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
 
 
 def pytest_collection_modifyitems(config, items):

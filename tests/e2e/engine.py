@@ -15,9 +15,14 @@ def random_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, vocab: int = 500) -> l
 
 
 @contextmanager
-def engine(model: str, backend: str, *, multiprocessing: bool = False, **kwargs):
-    """An ``LLM`` on the CPU build with test-sized settings; torn down on exit."""
+def engine(model: str, backend: str, *, multiprocessing: bool = False, triton_kernels: bool = False,
+           **kwargs):
+    """An ``LLM`` on the CPU build with test-sized settings; torn down on exit.
+
+    ``triton_kernels``: run SPEEDSFI's Triton kernels (interpreted on CPU) instead of their PyTorch
+    twins; the twins are the default because the interpreter is slow."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    os.environ["SPEEDSFI_FORCE_TORCH_KERNELS"] = "0" if triton_kernels else "1"
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

@@ -13,17 +13,15 @@ PROMPTS = random_prompts(lengths=(300, 40, 200), seed=3)
 SMALL = {"enabled": True, "k": 8, "k_min": 4, "n_sink": 4, "n_recent": 16, "refresh": 8}
 
 
-def _run(model, sfi=None, max_tokens=40, params=None, **kwargs):
-    from vllm import SamplingParams
-
+def _run(model, sfi=None, max_tokens=40, params=None, prompts=PROMPTS, **kwargs):
     extra = {"speedsfi": {"sfi": sfi}} if sfi is not None else {}
     with engine(model, "SPEEDSFI", additional_config=extra, **kwargs) as llm:
         table = table_of(model_runner(llm))
         table.recorder = []
         if params is None:
-            tokens = greedy(llm, PROMPTS, max_tokens=max_tokens)
+            tokens = greedy(llm, prompts, max_tokens=max_tokens)
         else:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             tokens = [list(o.outputs[0].token_ids) for o in outs]
         stats = table.sfi_stats.tolist()
         records = table.recorder
@@ -136,3 +134,20 @@ def test_preemption_with_sfi_resets_state(tiny_models):
     assert stats[STAT_PREFILL_END] > len(prompts) and stats[STAT_FAST] > 0
     for step in records:
         assert len({v["slot"] for v in step.values()}) == len(step)
+
+
+def test_triton_kernels_inside_the_engine_match_the_twins(tiny_models):
+    """SFI with the Triton kernels (interpreted on CPU: slow, so a short run) gives the tokens of the
+    PyTorch twins, and both really ran fast and slow steps."""
+    from vllm_ext.kernels.triton_utils import use_triton
+
+    prompts = [PROMPTS[1]]
+    twins, stats_twins, _ = _run(tiny_models["qwen3"], SMALL, max_tokens=12, prompts=prompts)
+    triton, stats_triton, _ = _run(tiny_models["qwen3"], SMALL, max_tokens=12, prompts=prompts,
+                                   triton_kernels=True)
+    import torch
+
+    assert use_triton(torch.empty(0)), "the Triton kernels did not run (TRITON_INTERPRET unset?)"
+    assert stats_triton[STAT_FAST] > 0 and stats_triton[STAT_SLOW] > 0
+    assert stats_triton == stats_twins
+    assert triton == twins

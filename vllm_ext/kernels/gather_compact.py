@@ -13,7 +13,8 @@ with ``ns = min(n_sink, seq_lens[r])`` (``n_sink`` when ``seq_lens`` is not give
 are unused (conventionally ``-1``); an entry ``< 0`` (or ``>= seq_lens[r]`` when given) inside the
 first ``nsel`` is a caller error: it is skipped, leaving that compact entry as it was.
 
-A row is active iff ``row_mask[r] != 0`` (when given), ``slot_idx[r] >= 0`` and, when ``seq_lens``
+Active rows must map to distinct slots. A row is active iff ``row_mask[r] != 0`` (when given),
+``slot_idx[r] >= 0`` and, when ``seq_lens``
 is given, ``seq_lens[r] > 0``; inactive rows touch nothing. Compact entries past ``compact_len``
 keep stale values (the decode kernel never reads them). No host sync, no allocation.
 """

@@ -369,3 +369,138 @@ def training_document(rng: random.Random, length: int) -> tuple[list[int], list[
     if len(ids) != length:
         raise AssertionError((len(ids), length))
     return ids, mask
+
+
+# --------------------------------------------------------------------------------------------
+# Text prompts for any Hugging Face tokenizer (RULER's wording; a real model on a GPU)
+# --------------------------------------------------------------------------------------------
+# RULER's "noise" haystack: the same five sentences over and over.
+NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+         "There and back again.")
+TEXT_INTRO = {
+    "niah": "Some special magic numbers are hidden within the following text. Make sure to memorize "
+            "it. I will quiz you about the numbers afterwards.",
+    "kv": "Below is a list of keys and their values. Memorize them. I will ask you for the value of one "
+          "key afterwards.",
+}
+
+
+def _text_key(rng: random.Random) -> str:
+    return f"{rng.choice(KEY_A)}-{rng.choice(KEY_B)}"
+
+
+def _text_value(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _text_needle(key: str, value: str) -> str:
+    return f"One of the special magic numbers for {key} is: {value}."
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer) -> Sample:
+    """RULER-style text prompt of at most ``length`` tokens of ``tokenizer`` (special tokens
+    included), as long as whole haystack sentences allow. ``answer`` lists the expected values
+    (``;``-separated for ``niah_multivalue``); score with :func:`text_score`. ``prompt_ids`` are
+    the tokenizer's ids; ``answer_ids`` is empty (real models are scored on text)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+    rng = random.Random(f"text|{task}|{length}|{depth:.6f}|{seed}")
+    key = _text_key(rng)
+    if task == "kv_lookup":
+        value = _text_value(rng)
+        intro = TEXT_INTRO["kv"]
+        question = (f"\nWhat is the value of the key {key}? Answer with the number only. "
+                    f"The value of {key} is")
+        used = {key}
+
+        def unit(i):
+            while True:
+                k = _text_key(rng)
+                if k not in used:
+                    used.add(k)
+                    return f"{k} = {_text_value(rng)};"
+        target = [f"{key} = {value};"]
+        values = [value]
+    else:
+        intro = TEXT_INTRO["niah"]
+        n_val = N_MULTIVALUE if task == "niah_multivalue" else 1
+        values = [_text_value(rng) for _ in range(n_val)]
+        if task == "niah_multivalue":
+            question = (f"\nWhat are all the special magic numbers for {key} mentioned in the provided "
+                        f"text? The special magic numbers for {key} mentioned in the provided text are")
+        else:
+            question = (f"\nWhat is the special magic number for {key} mentioned in the provided text? "
+                        f"The special magic number for {key} mentioned in the provided text is")
+        target = [_text_needle(key, v) for v in values]
+        distract = []
+        if task in ("niah_multikey", "niah_multivalue"):
+            a, b = key.split("-")
+            keys = _keys(rng, N_DISTRACTORS, hard_for=(a, b), n_hard=N_HARD)
+            distract = [_text_needle(f"{x}-{y}", _text_value(rng)) for x, y in keys]
+
+        def unit(i):
+            return NOISE[i % len(NOISE)]
+
+    def build(n_units):
+        units = [unit(i) for i in range(n_units)]
+        if task == "kv_lookup":
+            at = min(n_units, int(round(depth * n_units)))
+            items = units[:at] + target + units[at:]
+            spans_at = [at]
+        else:
+            items = list(units)
+            # target needles: the first at `depth`, the others at random depths (document order);
+            # distractors at random sentence boundaries
+            depths = [depth] + [r for r in sorted_rand[: len(target) - 1]]
+            slots = sorted(min(n_units, int(round(d * n_units))) for d in depths)
+            placed = [(s, 0, i, t) for i, (s, t) in enumerate(zip(slots, target))]
+            placed += [(min(n_units, int(round(d * n_units))), 1, i, t)
+                       for i, (d, t) in enumerate(zip(rand_d, distract))]
+            for s, _, _, t in sorted(placed, key=lambda x: x[:3], reverse=True):
+                items.insert(s, t)
+            spans_at = []
+        context = " ".join(items)
+        return f"{intro}\n{context}\n{question}"
+
+    sorted_rand = [rng.random() for _ in range(N_MULTIVALUE)]
+    rand_d = [rng.random() for _ in range(N_DISTRACTORS)]
+    state = rng.getstate()
+
+    def build_fresh(n):
+        rng.setstate(state)             # the same units for every candidate count
+        used_reset = {key}
+        if task == "kv_lookup":
+            used.clear()
+            used.update(used_reset)
+        return build(n)
+
+    lo, hi = 0, 1
+    while _count(tokenizer, build_fresh(hi)) <= length:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:                  # largest unit count that fits
+        mid = (lo + hi) // 2
+        if _count(tokenizer, build_fresh(mid)) <= length:
+            lo = mid
+        else:
+            hi = mid
+    prompt = build_fresh(lo)
+    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if len(ids) > length:
+        raise ValueError(f"length {length} too small for {task} with this tokenizer")
+    spans = []
+    for t in target:
+        c = prompt.index(t)
+        spans.append((c, c + len(t)))
+    return Sample(task=task, length=len(ids), depth=depth, seed=seed, prompt=prompt, prompt_ids=list(ids),
+                  answer=";".join(values), answer_ids=[], target_spans=spans, value_spans=[],
+                  meta={"key": key, "values": values, "requested_length": length, "unit": "chars"})
+
+
+def text_score(sample: Sample, generated_text: str) -> float:
+    """RULER's string-match-all: the fraction of expected values present in the generated text."""
+    values = sample.answer.split(";")
+    return sum(v in generated_text for v in values) / len(values)
