@@ -33,7 +33,7 @@ fi
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
   dirs=()
-  for d in tests/kernels tests/sfi tests/critiprefill; do [ -d "$d" ] && dirs+=("$d"); done
+  for d in tests/kernels tests/sfi tests/critiprefill tests/test_sfi_layer.py; do [ -e "$d" ] && dirs+=("$d"); done
   xdist=()
   if "$PY" -c 'import xdist' 2>/dev/null; then xdist=(-n "${GPU_CHECK_WORKERS:-12}"); fi
   echo "[gpu_check] pytest ${dirs[*]} -m 'not e2e' on CUDA"

@@ -1,0 +1,387 @@
+#!/usr/bin/env python
+"""Quality harness: RULER-style retrieval tasks through real vLLM, dense vs SFI (and later methods).
+
+For every configuration (a fresh in-process engine each, attention backend SPEEDSFI) it runs the
+whole task suite with greedy decoding and records, per task / length / depth: exact-match accuracy,
+agreement with the dense configuration (the greedy continuations identical token for token), and
+the SFI retained fraction (vLLM_ext's device counters: ``sfi.fast_retained_tokens`` /
+``sfi.fast_context_tokens``). Writes JSON and plots under ``bench/results/``.
+
+    # the committed suite on the committed model (CPU build):
+    .venv/bin/python scripts/eval_quality.py
+    # later methods / other budgets: a JSON or YAML list of {"name": ..., "speedsfi": {...}}
+    .venv/bin/python scripts/eval_quality.py --configs my_configs.yaml
+    # a real model on a GPU, RULER text prompts sized with its tokenizer:
+    python scripts/eval_quality.py --model Qwen/Qwen3-4B --text --lengths 8192,16384 \\
+        --ks 512,1024,2048 --n-recent 256 --engine-args '{"dtype": "bfloat16"}'
+
+The dense configuration (SPEEDSFI with every method off) is always run first: it is the reference
+for "agreement with dense".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")     # in-process: counters readable here
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_EXT_TRACE_INTERVAL_S", "0")
+
+from vllm_ext.quality import tasks as T  # noqa: E402
+
+DEFAULT_MODEL = os.path.join(ROOT, "models", "retrieval-llama")
+
+
+def log(msg: str) -> None:
+    print(f"[eval_quality {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--text", action="store_true",
+                   help="RULER text prompts sized with the model's tokenizer (any HF model); "
+                        "default: the tiny model's word-level prompts (token ids)")
+    p.add_argument("--tasks", default=",".join(T.TASKS))
+    p.add_argument("--lengths", default="512,1024,2048")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    p.add_argument("--per-cell", type=int, default=2, help="samples per (task, length, depth)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ks", default="64,128,256,512", help="SFI budgets of the default configurations")
+    p.add_argument("--n-recent", type=int, default=64)
+    p.add_argument("--configs", default=None,
+                   help="JSON or YAML file (or inline JSON): a list of {name, speedsfi} or a mapping "
+                        "name -> speedsfi section; replaces the default SFI configurations")
+    p.add_argument("--engine-args", default="{}", help="JSON of extra vllm.LLM arguments")
+    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--extra-tokens", type=int, default=4,
+                   help="greedy tokens beyond the expected answer (agreement covers them too)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--name", default=None, help="file stem; default quality_<device>_<model>")
+    p.add_argument("--no-plots", action="store_true")
+    return p.parse_args(argv)
+
+
+def load_configs(args) -> list[dict]:
+    dense = {"name": "dense", "speedsfi": {}}
+    if args.configs:
+        src = args.configs
+        if os.path.exists(src):
+            with open(src) as f:
+                text = f.read()
+            if src.endswith((".yaml", ".yml")):
+                import yaml
+
+                raw = yaml.safe_load(text)
+            else:
+                raw = json.loads(text)
+        else:
+            raw = json.loads(src)
+        if isinstance(raw, dict):
+            raw = [{"name": k, "speedsfi": v or {}} for k, v in raw.items()]
+        configs = [{"name": c["name"], "speedsfi": c.get("speedsfi") or {}} for c in raw]
+    else:
+        configs = [{"name": f"sfi_k{k}", "speedsfi": {"sfi": {"enabled": True, "k": int(k),
+                                                              "n_recent": args.n_recent}}}
+                   for k in args.ks.split(",") if k]
+    configs = [c for c in configs if c["name"] != "dense"]
+    return [dense] + configs
+
+
+def device_name() -> tuple[str, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.get_device_name(0)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return "cpu", f"{cpu}, {os.cpu_count()} cores"
+
+
+def build_samples(args, tokenizer):
+    tasks = [t for t in args.tasks.split(",") if t]
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    depths = [float(x) for x in args.depths.split(",") if x]
+    if not args.text:
+        return T.make_suite(tasks, lengths, depths, args.per_cell, seed=args.seed)
+    return [T.make_text_sample(t, n, d, args.seed + i, tokenizer) for t in tasks for n in lengths
+            for d in depths for i in range(args.per_cell)]
+
+
+def max_tokens_of(args, s) -> int:
+    if args.text:
+        return 96 if s.task == "niah_multivalue" else 32
+    return len(s.answer_ids) + args.extra_tokens
+
+
+def run_config(args, cfg, samples, on_cuda):
+    """One engine; every sample greedily; returns per-sample outputs and per-length SFI counters."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from vllm_ext import metrics
+
+    lengths = sorted({s.meta.get("requested_length", s.length) for s in samples})
+    settings = dict(enforce_eager=True, max_num_seqs=args.max_num_seqs,
+                    max_model_len=max(s.length for s in samples) + 128,
+                    kv_cache_memory_bytes=args.kv_cache_bytes, attention_backend="SPEEDSFI",
+                    additional_config={"speedsfi": cfg["speedsfi"]} if cfg["speedsfi"] else {},
+                    seed=0)
+    if not on_cuda:
+        settings.update(dtype="float32", max_num_batched_tokens=2048, block_size=32)
+    settings.update(json.loads(args.engine_args))
+    metrics.reset()
+    t0 = time.time()
+    llm = LLM(model=args.model, **settings)
+    startup = time.time() - t0
+    outputs: dict[tuple, list[int] | str] = {}
+    counters = {}
+    try:
+        before = metrics.snapshot()
+        for n in lengths:
+            group = [s for s in samples if s.meta.get("requested_length", s.length) == n]
+            params = [SamplingParams(temperature=0, max_tokens=max_tokens_of(args, s), ignore_eos=not args.text)
+                      for s in group]
+            t1 = time.time()
+            outs = llm.generate([{"prompt_token_ids": s.prompt_ids} for s in group], params, use_tqdm=False)
+            for s, o in zip(group, outs):
+                outputs[s.key] = o.outputs[0].text if args.text else list(o.outputs[0].token_ids)
+                outputs[s.key + ("ids",)] = list(o.outputs[0].token_ids)
+            after = metrics.snapshot()
+            counters[n] = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)
+                           if k.startswith(("sfi.", "fallback."))}
+            before = after
+            log(f"  {cfg['name']}: length {n}: {len(group)} samples in {time.time() - t1:.1f} s")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        cleanup_dist_env_and_memory()
+    return outputs, counters, startup, time.time() - t0
+
+
+def summarise(args, configs, samples, results):
+    """accuracy / agreement / retained fraction per config, per task, per (task, length, depth)."""
+    dense_out = results["dense"]["outputs"]
+
+    def correct(s, out):
+        if args.text:
+            return T.text_score(s, out) == 1.0
+        return T.exact_match(s, out)
+
+    def decode_context(group, outs):
+        # tokens of KV each decode step could read: a sample with n generated tokens runs n - 1
+        # decode steps (the first token comes from the prefill) over contexts L+1 .. L+n-1
+        total = 0
+        for s in group:
+            n = len(outs[s.key + ("ids",)])
+            total += sum(s.length + i for i in range(1, n))
+        return total
+
+    table = []
+    for cfg in configs:
+        name = cfg["name"]
+        outs = results[name]["outputs"]
+        rows = []
+        for s in samples:
+            rows.append(dict(task=s.task, length=s.meta.get("requested_length", s.length), depth=s.depth,
+                             seed=s.seed, correct=correct(s, outs[s.key]),
+                             agree=outs[s.key + ("ids",)] == dense_out[s.key + ("ids",)]))
+        c_all = results[name]["counters"]
+        ret = sum(c.get("sfi.fast_retained_tokens", 0) for c in c_all.values())
+        ctx = sum(c.get("sfi.fast_context_tokens", 0) for c in c_all.values())
+        total_ctx = decode_context(samples, outs)
+        per_length = {}
+        for n, c in c_all.items():
+            g = [s for s in samples if s.meta.get("requested_length", s.length) == n]
+            tc = decode_context(g, outs)
+            r, x = c.get("sfi.fast_retained_tokens", 0), c.get("sfi.fast_context_tokens", 0)
+            per_length[str(n)] = dict(fast_retained_fraction=(r / x) if x else 1.0,
+                                      read_fraction=(tc - x + r) / tc if tc else 1.0,
+                                      fast_steps=c.get("sfi.fast_steps", 0), slow_steps=c.get("sfi.slow_steps", 0),
+                                      dense_rows=c.get("sfi.dense_rows", 0))
+
+        def acc(sel):
+            sel = list(sel)
+            return sum(r["correct"] for r in sel) / len(sel) if sel else float("nan")
+
+        def agr(sel):
+            sel = list(sel)
+            return sum(r["agree"] for r in sel) / len(sel) if sel else float("nan")
+
+        cells = {}
+        for r in rows:
+            cells.setdefault(f"{r['task']}|{r['length']}|{r['depth']}", []).append(r)
+        table.append(dict(
+            name=name, speedsfi=cfg["speedsfi"],
+            accuracy=acc(rows), agreement_with_dense=agr(rows),
+            fast_retained_fraction=(ret / ctx) if ctx else 1.0,
+            read_fraction=(total_ctx - ctx + ret) / total_ctx if total_ctx else 1.0,
+            counters={str(n): c for n, c in c_all.items()},
+            per_length=per_length,
+            per_task={t: dict(accuracy=acc(r for r in rows if r["task"] == t),
+                              agreement_with_dense=agr(r for r in rows if r["task"] == t))
+                      for t in dict.fromkeys(s.task for s in samples)},
+            per_task_length={f"{t}|{n}": acc(r for r in rows if r["task"] == t and r["length"] == n)
+                             for t in dict.fromkeys(s.task for s in samples)
+                             for n in sorted({r["length"] for r in rows})},
+            cells={k: dict(accuracy=acc(v), agreement_with_dense=agr(v), n=len(v)) for k, v in cells.items()},
+            samples=rows,
+            startup_s=results[name]["startup_s"], wall_s=results[name]["wall_s"],
+        ))
+    return table
+
+
+def plot(path_stem, table, samples, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tasks = list(dict.fromkeys(s.task for s in samples))
+    lengths = sorted({s.meta.get("requested_length", s.length) for s in samples})
+    depths = sorted({s.depth for s in samples})
+    # accuracy vs retained fraction
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = sorted(table, key=lambda c: c["fast_retained_fraction"])
+    xs = [c["fast_retained_fraction"] for c in pts]
+    for t in tasks:
+        ax.plot(xs, [c["per_task"][t]["accuracy"] for c in pts], "o-", label=t, alpha=0.8)
+    ax.plot(xs, [c["accuracy"] for c in pts], "k*-", lw=2, ms=10, label="all tasks")
+    for c in pts:
+        ax.annotate(c["name"], (c["fast_retained_fraction"], c["accuracy"]), textcoords="offset points",
+                    xytext=(4, -12), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("retained fraction of the KV on fast steps (dense = 1)")
+    ax.set_ylabel("exact-match accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path_stem + "_acc_vs_retained.png", dpi=120)
+    plt.close(fig)
+    # depth x length heat maps: rows = configs, columns = tasks
+    fig, axes = plt.subplots(len(table), len(tasks), figsize=(2.6 * len(tasks) + 1, 1.9 * len(table) + 0.6),
+                             squeeze=False)
+    for i, c in enumerate(table):
+        for j, t in enumerate(tasks):
+            m = np.full((len(depths), len(lengths)), np.nan)
+            for a, d in enumerate(depths):
+                for b, n in enumerate(lengths):
+                    cell = c["cells"].get(f"{t}|{n}|{d}")
+                    if cell:
+                        m[a, b] = cell["accuracy"]
+            ax = axes[i][j]
+            ax.imshow(m, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for a in range(len(depths)):
+                for b in range(len(lengths)):
+                    if not np.isnan(m[a, b]):
+                        ax.text(b, a, f"{m[a, b]:.2f}", ha="center", va="center", fontsize=6)
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
+            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=6)
+            if i == 0:
+                ax.set_title(t, fontsize=8)
+            if j == 0:
+                ax.set_ylabel(f"{c['name']}\ndepth", fontsize=7)
+            if i == len(table) - 1:
+                ax.set_xlabel("length", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path_stem + "_heatmaps.png", dpi=110)
+    plt.close(fig)
+
+
+def markdown_table(table, tasks) -> str:
+    head = "| config | read fraction | fast-step retained | " + " | ".join(tasks) + " | all | agree w/ dense |"
+    sep = "|---" * (len(tasks) + 5) + "|"
+    lines = [head, sep]
+    for c in table:
+        lines.append(f"| {c['name']} | {c['read_fraction']:.3f} | {c['fast_retained_fraction']:.3f} | "
+                     + " | ".join(f"{c['per_task'][t]['accuracy'] * 100:.1f}" for t in tasks)
+                     + f" | **{c['accuracy'] * 100:.1f}** | {c['agreement_with_dense'] * 100:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse(argv)
+    t_start = time.time()
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    device, device_desc = device_name()
+    tokenizer = None
+    if args.text:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    samples = build_samples(args, tokenizer)
+    configs = load_configs(args)
+    model_name = os.path.basename(os.path.normpath(args.model))
+    stem = args.name or f"quality_{device}_{model_name}"
+    log(f"{len(samples)} samples x {len(configs)} configurations on {device} ({device_desc}); "
+        f"model {args.model}")
+    results = {}
+    for i, cfg in enumerate(configs):
+        log(f"[{i + 1}/{len(configs)}] {cfg['name']}: {json.dumps(cfg['speedsfi'])}")
+        outputs, counters, startup, wall = run_config(args, cfg, samples, on_cuda)
+        results[cfg["name"]] = dict(outputs=outputs, counters=counters, startup_s=startup, wall_s=wall)
+        n_ok = sum((T.text_score(s, outputs[s.key]) == 1.0) if args.text else T.exact_match(s, outputs[s.key])
+                   for s in samples)
+        log(f"[{i + 1}/{len(configs)}] {cfg['name']}: accuracy {n_ok}/{len(samples)} "
+            f"({wall:.0f} s, {time.time() - t_start:.0f} s so far)")
+    table = summarise(args, configs, samples, results)
+    import vllm
+
+    meta = dict(
+        command="python scripts/eval_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        model=args.model if not args.model.startswith(ROOT) else os.path.relpath(args.model, ROOT),
+        device=device, device_desc=device_desc, vllm=vllm.__version__, torch=torch.__version__,
+        python=platform.python_version(), date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        prompts="text" if args.text else "token ids (tiny vocabulary)",
+        tasks=list(dict.fromkeys(s.task for s in samples)),
+        lengths=sorted({s.meta.get("requested_length", s.length) for s in samples}),
+        depths=sorted({s.depth for s in samples}), per_cell=args.per_cell, seed=args.seed,
+        n_samples=len(samples), wall_s=time.time() - t_start,
+        metric=("RULER string-match-all (a sample counts when every value is in the output)" if args.text
+                else "exact match of the greedy answer (all answer tokens and the final '.')"),
+        retained_fraction=("fast_retained_fraction = sfi.fast_retained_tokens / sfi.fast_context_tokens "
+                           "(fast steps only); read_fraction = KV read over all decode steps, slow and "
+                           "dense steps counting as 1"),
+    )
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, stem)
+    with open(path + ".json", "w") as f:
+        json.dump(dict(meta=meta, configs=table), f, indent=1)
+    md = markdown_table(table, meta["tasks"])
+    with open(path + ".md", "w") as f:
+        f.write(f"{md}\n\n`{meta['command']}` on {device_desc}; {len(samples)} samples per configuration; "
+                f"{meta['wall_s'] / 60:.1f} min.\n")
+    if not args.no_plots:
+        title = f"{model_name} on {device} ({len(samples)} samples; lengths {meta['lengths']})"
+        plot(path, table, samples, title)
+    print(md)
+    log(f"wrote {path}.json/.md{'' if args.no_plots else ' + plots'} in {(time.time() - t_start) / 60:.1f} min")
+    return table
+
+
+if __name__ == "__main__":
+    main()
