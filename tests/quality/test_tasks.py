@@ -57,14 +57,13 @@ def test_answer_present_once_at_the_requested_depth(task, depth):
     assert [a for a, _ in s.target_spans] == sorted(a for a, _ in s.target_spans)
     # the key occurs in the context only in the target needle(s) (and in the question)
     assert _count(ids, key) == n_values + 1
-    # position: the target (the first value for multivalue) sits at the requested depth; needles
-    # go to sentence boundaries, key-value pairs to pair boundaries
-    start = s.target_spans[0][0]
-    if task == "niah_multivalue":
-        starts = [a for a, _ in s.target_spans]
-        start = min(starts, key=lambda a: abs(a - depth * length))
-    tol = 40 if task != "niah_single" else 16
-    assert abs(start - depth * length) <= tol + (len(s.answer_ids) + 20) * (depth == 1.0)
+    # position: the target's first token sits at `depth` of the context (between BOS and the
+    # question); needles go to sentence boundaries, key-value pairs to pair boundaries
+    ctx = s.meta["context_tokens"]
+    starts = [a - 1 for a, _ in s.target_spans]                  # context coordinates
+    lens = [b - a for a, b in s.target_spans]
+    err = min(abs(a - depth * (ctx - n)) for a, n in zip(starts, lens))
+    assert err <= 8
 
 
 def test_multikey_distractors_share_key_words():
@@ -75,7 +74,7 @@ def test_multikey_distractors_share_key_words():
     keys = [tuple(ids[i + 3:i + 5]) for i in range(len(ids) - 5) if ids[i:i + 3] == the_magic]
     assert len(keys) == 1 + T.N_DISTRACTORS + 1              # target, distractors, question
     hard = [k for k in keys if (k[0] == a) != (k[1] == b)]
-    assert len(hard) == T.N_HARD
+    assert len(hard) >= T.N_HARD                            # (a random key may share one too)
 
 
 def test_kv_lookup_keys_unique():
@@ -120,8 +119,9 @@ def test_text_samples_with_a_hf_tokenizer(tmp_path):
             assert len(values) == (T.N_MULTIVALUE if task == "niah_multivalue" else 1)
             for v, (a, b) in zip(values, s.target_spans):
                 assert s.prompt.count(v) == 1 and v in s.prompt[a:b]
-            a = s.target_spans[0][0] if task != "niah_multivalue" else min(
-                (x for x, _ in s.target_spans), key=lambda x: abs(x - depth * len(s.prompt)))
-            assert abs(a / len(s.prompt) - depth) < 0.1
+            lo, hi = s.meta["context_chars"]
+            assert s.prompt[lo:hi].strip() and all(lo <= a < b <= hi for a, b in s.target_spans)
+            rel = [(a - lo) / (hi - lo) for a, _ in s.target_spans]
+            assert min(abs(r - depth) for r in rel) < 0.05
             assert T.text_score(s, " ".join(values)) == 1.0
             assert T.text_score(s, "nothing") == 0.0

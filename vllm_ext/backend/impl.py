@@ -152,7 +152,7 @@ class SpeedSfiImpl(AttentionImpl):
         # Pure decode: dense rows, slow rows (dense + evidence) and fast rows, each masked on the device.
         dense_rows = ~sfi.row_sparse[:nd]
         paged_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], self.scale,
-                     output[:nd], row_mask=dense_rows)
+                     output[:nd], row_mask=dense_rows, workspace=self._sfi_ring.dense_workspace)
         sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi, self.config.sfi,
                    self._sfi_layer, self._sfi_ring, self._layer_index, self.scale, output[:nd],
                    dense_done=False)
@@ -190,9 +190,22 @@ def _shared_ring(cfg, max_rows, num_heads, num_kv_heads, head_size, max_len, dty
         n = cfg.side_stream_slots if dual else 1
         entries = [SfiScratch.allocate(max_rows, num_heads, num_kv_heads, head_size, max_len, dtype,
                                        device) for _ in range(n)]
-        _rings[key] = MaintenanceRing(entries, device, dual)
-        mib = sum(t.numel() * t.element_size() for e in entries
-                  for t in (e.log_evidence, e.key_norms, e.slow_out)) / 2**20
+        dense_ws = split_ws = None
+        if device.type == "cuda":
+            from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
+            from vllm_ext.kernels.two_segment_decode import two_segment_workspace
+
+            max_splits = 32                    # the kernels' split heuristic never exceeds this
+            dense_ws = dense_decode_workspace(max_rows, num_heads, head_size, max_splits, device,
+                                              max_len=max_len)
+            split_ws = two_segment_workspace(max_rows, num_heads, head_size, max_splits, device)
+        _rings[key] = MaintenanceRing(entries, device, dual, dense_workspace=dense_ws,
+                                      split_workspace=split_ws)
+        tensors = [t for e in entries for t in (e.log_evidence, e.key_norms, e.slow_out)]
+        for ws in (dense_ws, split_ws):
+            if ws is not None:
+                tensors += [t for t in vars(ws).values() if isinstance(t, torch.Tensor)]
+        mib = sum(t.numel() * t.element_size() for t in tensors) / 2**20
         logging.getLogger("vllm_ext").info(
             "vllm_ext: SFI maintenance %s, %d scratch slot(s), %.1f MiB", "on a side stream" if dual
             else "serial", n, mib)

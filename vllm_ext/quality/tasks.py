@@ -177,29 +177,28 @@ def _filler(rng: random.Random, n: int) -> tuple[list[str], list[int]]:
     return words, bounds
 
 
-def _place(bounds: list[int], n: int, depth: float, taken: set[int]) -> int:
-    """The free sentence boundary nearest to ``depth * n``."""
-    target = depth * n
-    ranked = sorted(bounds, key=lambda b: (abs(b - target), b))
-    for b in ranked:
-        if b not in taken:
-            return b
-    return ranked[0]                                    # crowded: needles share a boundary
-
-
 def _assemble(rng: random.Random, budget: int, needles: list[tuple[float | None, list[str]]]):
     """Filler of ``budget - sum(len(needles))`` tokens with each needle inserted at a sentence boundary
-    at its depth (None: a random depth). Returns (words, [start of each needle])."""
+    (None: a random boundary). A needle with a depth goes where its first token lands nearest to
+    ``depth`` of the context (final coordinates, BOS excluded). Returns (words, [start of each
+    needle in the prompt, BOS counted])."""
     n_fill = budget - sum(len(w) for _, w in needles)
     if n_fill < 0:
         raise ValueError(f"length too small: the needles alone take {budget - n_fill} tokens")
     fill, bounds = _filler(rng, n_fill)
-    taken: set[int] = set()
-    at = []
-    for depth, _ in needles:
-        b = _place(bounds, n_fill, rng.random() if depth is None else depth, taken)
-        taken.add(b)
-        at.append(b)
+    at: dict[int, int] = {}
+    for i, (depth, _) in enumerate(needles):            # random ones first, distinct when possible
+        if depth is None:
+            free = [b for b in bounds if b not in at.values()] or bounds
+            at[i] = rng.choice(free)
+    for i, (depth, _) in enumerate(needles):
+        if depth is None:
+            continue
+        target = depth * (budget - len(needles[i][1]))
+
+        def final(b):
+            return b + sum(len(needles[j][1]) for j, a in at.items() if a < b or (a == b and j < i))
+        at[i] = min(bounds, key=lambda b: (abs(final(b) - target), b in at.values(), b))
     order = sorted(range(len(needles)), key=lambda i: (at[i], i))
     words: list[str] = []
     starts = [0] * len(needles)
@@ -267,7 +266,7 @@ def make_sample(task: str, length: int, depth: float, seed: int) -> Sample:
     kind = {"niah_multivalue": "multivalue", "kv_lookup": "kv"}.get(task, "single")
     q = _question(kind, key)
     budget = length - 1 - len(q)
-    meta: dict[str, Any] = {"key": " ".join(key)}
+    meta: dict[str, Any] = {"key": " ".join(key), "context_tokens": budget}
     if task == "kv_lookup":
         value = _value(rng)
         ctx, start, pairs = _kv_context(rng, budget, key, value, depth)
@@ -453,15 +452,24 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
             spans_at = [at]
         else:
             items = list(units)
-            # target needles: the first at `depth`, the others at random depths (document order);
-            # distractors at random sentence boundaries
-            depths = [depth] + [r for r in sorted_rand[: len(target) - 1]]
-            slots = sorted(min(n_units, int(round(d * n_units))) for d in depths)
-            placed = [(s, 0, i, t) for i, (s, t) in enumerate(zip(slots, target))]
-            placed += [(min(n_units, int(round(d * n_units))), 1, i, t)
-                       for i, (d, t) in enumerate(zip(rand_d, distract))]
-            for s, _, _, t in sorted(placed, key=lambda x: x[:3], reverse=True):
-                items.insert(s, t)
+            # distractors at random sentence boundaries; then the target needles (the first value at
+            # `depth`, the others at random depths, in document order), each at the boundary whose
+            # character offset in the context is nearest to its depth
+            for d, t in sorted(zip(rand_d, distract), key=lambda x: x[0], reverse=True):
+                items.insert(min(n_units, int(round(d * n_units))), t)
+            depths = sorted([depth] + sorted_rand[: len(target) - 1])
+            total = sum(len(x) + 1 for x in items) + sum(len(t) + 1 for t in target)
+            lo = 0
+            for d, t in zip(depths, target):
+                offs, acc = [], 0
+                for x in items:
+                    offs.append(acc)
+                    acc += len(x) + 1
+                offs.append(acc)
+                goal = d * (total - len(t))
+                at = min(range(lo, len(items) + 1), key=lambda b: abs(offs[b] - goal))
+                items.insert(at, t)
+                lo = at + 1
             spans_at = []
         context = " ".join(items)
         return f"{intro}\n{context}\n{question}"
@@ -495,9 +503,12 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
     for t in target:
         c = prompt.index(t)
         spans.append((c, c + len(t)))
+    ctx_start = len(intro) + 1
+    ctx_end = len(prompt) - len(question) - 1
     return Sample(task=task, length=len(ids), depth=depth, seed=seed, prompt=prompt, prompt_ids=list(ids),
                   answer=";".join(values), answer_ids=[], target_spans=spans, value_spans=[],
-                  meta={"key": key, "values": values, "requested_length": length, "unit": "chars"})
+                  meta={"key": key, "values": values, "requested_length": length,
+                        "context_chars": (ctx_start, ctx_end)})
 
 
 def text_score(sample: Sample, generated_text: str) -> float:

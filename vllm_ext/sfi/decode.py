@@ -96,12 +96,13 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     lo, hi = plan.allowed_lo[:rows], plan.allowed_hi[:rows]
     two_segment_decode(query, kv_cache, block_table, seq_lens, plan.recent_start[:rows],
                        layer.compact_kv, layer.compact_len, sfi_slot, scale, out, row_mask=fast,
-                       max_recent=cfg.n_recent)
+                       max_recent=cfg.n_recent, workspace=ring.split_workspace)
     entry, scratch = ring.entry(layer_index)
     evidence = scratch.log_evidence[:rows]
     slow_out = scratch.slow_out[:rows] if dense_done else out
     dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, lo, hi, scale, slow_out,
-                               evidence, row_mask=slow, alpha=cfg.alpha)
+                               evidence, row_mask=slow, alpha=cfg.alpha,
+                               workspace=ring.dense_workspace)
 
     def maintain():
         norms = key_norms(kv_cache, block_table[:rows], scratch.key_norms[:rows])
@@ -150,10 +151,14 @@ class MaintenanceRing:
     Serial mode (CPU, or ``sfi.dual_stream = false``) runs maintenance inline. No allocation here.
     """
 
-    def __init__(self, entries: list[SfiScratch], device: torch.device, dual_stream: bool):
+    def __init__(self, entries: list[SfiScratch], device: torch.device, dual_stream: bool, *,
+                 dense_workspace=None, split_workspace=None):
         self.entries = entries
         self.dual = bool(dual_stream and device.type == "cuda")
         self._pending = False
+        # split-K scratch of the main-stream kernels (never touched by the side stream)
+        self.dense_workspace = dense_workspace
+        self.split_workspace = split_workspace
         if self.dual:
             self.stream = torch.cuda.Stream(device=device)
             self._ready = [torch.cuda.Event() for _ in entries]
