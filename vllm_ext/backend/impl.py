@@ -1,10 +1,16 @@
-"""The SPEEDSFI attention impl: stateless per layer apart from persistent buffers.
+"""The SPEEDSFI attention impl. Per layer it holds only persistent buffers (SFI's compact segments);
+every step-dependent decision comes from the step state in the metadata.
 
 Dense path (every method off, and whatever a method leaves dense):
 - CUDA: vLLM's own Triton attention (``TritonAttentionImpl``) for the KV write and the attention, so
   output is identical to ``--attention-backend TRITON_ATTN``;
 - CPU build: ``vllm_ext.kernels.paged_reference`` (PyTorch), identical to ``CPU_ATTN`` in fp32.
 Both write K/V themselves (``forward_includes_kv_cache_update``) and read the cache through strides.
+
+SFI (``speedsfi.sfi.enabled``): decode rows follow the step plan (dense / slow / fast, decided on the
+device, ``vllm_ext.sfi.step_plan``); ending prefills make the first selection; see
+``vllm_ext.sfi.decode``. On CUDA a pure-decode step runs only our kernels (dense rows, slow rows with
+evidence, fast rows, each masked on the device); a mixed step runs the dense delegate first.
 """
 
 from __future__ import annotations

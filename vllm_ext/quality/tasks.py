@@ -139,25 +139,31 @@ def _needle(key, value, ordinal: str | None = None) -> list[str]:
     return head + ["magic", "number", "for", key[0], key[1], "is"] + list(value) + ["."]
 
 
-def _question(kind: str, key) -> list[str]:
+def _question(kind: str, key) -> tuple[list[str], list[str]]:
+    """(question, restatement): the prompt ends with the question and then the answer's opening words,
+    which repeat the needle's wording up to the value (RULER's "The special magic number for X ...
+    is"). The training loss covers the restatement too (it is copied from the question)."""
     if kind == "multivalue":
         body = ["what", "are", "all", "the", "magic", "numbers", "for"]
+        lead = ["the", ORDINALS[0], "magic", "number", "for", key[0], key[1], "is"]
     elif kind == "kv":
         body = ["what", "is", "the", "value", "of"]
+        lead = [key[0], key[1], "="]
     else:
         body = ["what", "is", "the", "magic", "number", "for"]
-    return ["\n", "question", ":"] + body + [key[0], key[1], "?", "answer", ":"]
+        lead = ["the", "magic", "number", "for", key[0], key[1], "is"]
+    return ["\n", "question", ":"] + body + [key[0], key[1], "?", "answer", ":"], lead
 
 
-def _answer(kind: str, values: list[list[str]]) -> list[str]:
-    if kind == "multivalue":
-        out: list[str] = []
-        for i, v in enumerate(values):
-            if i:
-                out.append(",")
-            out += [ORDINALS[i]] + list(v)
-        return out + ["."]
-    return list(values[0]) + ["."]
+def _answer(kind: str, values: list[list[str]], key=None) -> list[str]:
+    """The expected continuation after the restatement: the value and its terminator (``;`` for key
+    value pairs, ``.`` otherwise); for multivalue every further value in its own needle sentence."""
+    if kind == "kv":
+        return list(values[0]) + [";"]
+    out = list(values[0]) + ["."]
+    for i, v in enumerate(values[1:], 1):
+        out += ["the", ORDINALS[i], "magic", "number", "for", key[0], key[1], "is"] + list(v) + ["."]
+    return out
 
 
 def _filler(rng: random.Random, n: int) -> tuple[list[str], list[int]]:
@@ -264,7 +270,8 @@ def make_sample(task: str, length: int, depth: float, seed: int) -> Sample:
     rng = random.Random(f"{task}|{length}|{depth:.6f}|{seed}")
     key = (rng.choice(KEY_A), rng.choice(KEY_B))
     kind = {"niah_multivalue": "multivalue", "kv_lookup": "kv"}.get(task, "single")
-    q = _question(kind, key)
+    q, lead = _question(kind, key)
+    q = q + lead
     budget = length - 1 - len(q)
     meta: dict[str, Any] = {"key": " ".join(key), "context_tokens": budget}
     if task == "kv_lookup":
@@ -294,7 +301,7 @@ def make_sample(task: str, length: int, depth: float, seed: int) -> Sample:
         vspans = [(s + off + 6, s + off + 6 + N_DIGITS) for s in starts[:n_t]]
         meta["n_needles"] = len(needles)
     words = ctx + q
-    ans = _answer(kind, values)
+    ans = _answer(kind, values, key)
     prompt_ids = [BOS] + ids_of(words)
     assert len(prompt_ids) == length, (task, length, len(prompt_ids))
     return Sample(task=task, length=length, depth=depth, seed=seed, prompt=" ".join(words),
@@ -326,7 +333,7 @@ def training_document(rng: random.Random, length: int) -> tuple[list[int], list[
     n_q = max(1, min(8, length // 96 + rng.randint(0, 2)))
     if family < 0.3:                                     # kv pairs
         qa = []
-        q_lens = [len(_question("kv", ("x", "y"))) + N_DIGITS + 1] * n_q
+        q_lens = [len(sum(_question("kv", ("x", "y")), [])) + N_DIGITS + 1] * n_q
         budget = length - 1 - sum(q_lens)
         tkey = (rng.choice(KEY_A), rng.choice(KEY_B))
         tval = _value(rng)
@@ -334,7 +341,7 @@ def training_document(rng: random.Random, length: int) -> tuple[list[int], list[
         chosen = rng.sample(range(len(pairs)), min(n_q, len(pairs)))
         for i in chosen:
             k, v = pairs[i]
-            qa.append((_question("kv", k), _answer("kv", [v])))
+            qa.append((*_question("kv", k), _answer("kv", [v])))
     else:
         # needles: n_single single needles + maybe one multivalue group; hard distractors
         n_needles = max(1, min(48, length // 40 + rng.randint(-2, 2)))
@@ -347,10 +354,11 @@ def training_document(rng: random.Random, length: int) -> tuple[list[int], list[
         vals = [_value(rng) for _ in keys]
         mv_vals = [_value(rng) for _ in range(n_mv)]
         asked = rng.sample(range(len(keys)), min(n_q - (1 if mv else 0), len(keys)))
-        qa = [(_question("single", keys[i]), _answer("single", [vals[i]])) for i in asked]
+        qa = [(*_question("single", keys[i]), _answer("single", [vals[i]])) for i in asked]
         if mv:
-            qa.insert(rng.randint(0, len(qa)), (_question("multivalue", mv_key), _answer("multivalue", mv_vals)))
-        budget = length - 1 - sum(len(q) + len(a) for q, a in qa)
+            qa.insert(rng.randint(0, len(qa)), (*_question("multivalue", mv_key),
+                                                _answer("multivalue", mv_vals, mv_key)))
+        budget = length - 1 - sum(len(q) + len(r) + len(a) for q, r, a in qa)
         keep = [i for i in range(len(keys)) if i in asked or rng.random() < 0.9]
         needles = [(None, _needle(keys[i], vals[i])) for i in keep]
         mv_depths = sorted(rng.random() for _ in range(n_mv))        # ordinals follow document order
@@ -362,9 +370,11 @@ def training_document(rng: random.Random, length: int) -> tuple[list[int], list[
         ctx, _ = _assemble(rng, budget, needles)
     ids = [BOS] + ids_of(ctx)
     mask = [0] * len(ids)
-    for q, a in qa:
-        ids += ids_of(q) + ids_of(a)
-        mask += [0] * len(q) + [1] * len(a)
+    for j, (q, r, a) in enumerate(qa):
+        # the question's first token ("\n") ends the previous answer: in the loss too (a multivalue
+        # answer must stop after its last value)
+        ids += ids_of(q) + ids_of(r) + ids_of(a)
+        mask += [int(j > 0)] + [0] * (len(q) - 1) + [1] * (len(r) + len(a))
     if len(ids) != length:
         raise AssertionError((len(ids), length))
     return ids, mask
@@ -410,6 +420,7 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
     rng = random.Random(f"text|{task}|{length}|{depth:.6f}|{seed}")
     key = _text_key(rng)
     if task == "kv_lookup":
+        key = f"{key}-{rng.randint(10, 99)}"
         value = _text_value(rng)
         intro = TEXT_INTRO["kv"]
         question = (f"\nWhat is the value of the key {key}? Answer with the number only. "
@@ -417,8 +428,8 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
         used = {key}
 
         def unit(i):
-            while True:
-                k = _text_key(rng)
+            while True:                 # keys with a number: enough distinct ones for 100K+ tokens
+                k = f"{_text_key(rng)}-{rng.randint(10, 99)}"
                 if k not in used:
                     used.add(k)
                     return f"{k} = {_text_value(rng)};"
@@ -449,7 +460,6 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
         if task == "kv_lookup":
             at = min(n_units, int(round(depth * n_units)))
             items = units[:at] + target + units[at:]
-            spans_at = [at]
         else:
             items = list(units)
             # distractors at random sentence boundaries; then the target needles (the first value at
@@ -470,7 +480,6 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
                 at = min(range(lo, len(items) + 1), key=lambda b: abs(offs[b] - goal))
                 items.insert(at, t)
                 lo = at + 1
-            spans_at = []
         context = " ".join(items)
         return f"{intro}\n{context}\n{question}"
 
@@ -480,10 +489,9 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
 
     def build_fresh(n):
         rng.setstate(state)             # the same units for every candidate count
-        used_reset = {key}
         if task == "kv_lookup":
             used.clear()
-            used.update(used_reset)
+            used.add(key)
         return build(n)
 
     lo, hi = 0, 1
