@@ -37,18 +37,25 @@ def test_spawned_engine_matches_in_process(tiny_models, trace_dir):
     assert sum(c.get("forward.dense_torch", 0) for c in workers.values()) > 0
 
 
-def test_tensor_parallel_2_matches_tp1(tiny_models, trace_dir, monkeypatch):
+@pytest.mark.parametrize("sfi", [False, True], ids=["dense", "sfi"])
+def test_tensor_parallel_2_matches_tp1(tiny_models, trace_dir, monkeypatch, sfi):
+    """Each rank holds one of the two KV heads; with SFI every rank runs its own selector (cross-head
+    exclusivity is off at <= 2 local heads either way), so TP=2 equals TP=1 token for token."""
+    extra = {"speedsfi": {"sfi": {"enabled": True, "k": 8, "k_min": 4, "n_sink": 4,
+                                  "n_recent": 16}}} if sfi else {}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     prompts = random_prompts(lengths=(5, 150, 40), seed=6)
     with engine(tiny_models["qwen3"], "SPEEDSFI", multiprocessing=True, tensor_parallel_size=2,
-                distributed_executor_backend="mp") as llm:
+                distributed_executor_backend="mp", additional_config=extra) as llm:
         tp2 = greedy(llm, prompts, max_tokens=32)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    with engine(tiny_models["qwen3"], "SPEEDSFI") as llm:
+    with engine(tiny_models["qwen3"], "SPEEDSFI", additional_config=extra) as llm:
         tp1 = greedy(llm, prompts, max_tokens=32)
     assert tp2 == tp1
     ranks = [c for c in _worker_counts(trace_dir).values() if c.get("forward.dense_torch")]
     assert len(ranks) == 2, f"expected both TP ranks to run SPEEDSFI, got {ranks}"
+    if sfi:
+        assert all(c.get("sfi.fast_steps", 0) > 0 for c in ranks)
 
 
 def test_vllm_serve_answers_an_openai_client(tiny_models, capsys):
