@@ -94,9 +94,15 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     fast = plan.row_fast[:rows]
     sfi_slot = plan.row_sfi_slot[:rows]
     lo, hi = plan.allowed_lo[:rows], plan.allowed_hi[:rows]
-    two_segment_decode(query, kv_cache, block_table, seq_lens, plan.recent_start[:rows],
-                       layer.compact_kv, layer.compact_len, sfi_slot, scale, out, row_mask=fast,
-                       max_recent=cfg.n_recent, workspace=ring.split_workspace)
+    # On the CPU a host check is free and skips whole phases; on CUDA every phase is launched and
+    # its kernels exit early on masked rows (no synchronisation).
+    on_cpu = query.device.type == "cpu"
+    if not on_cpu or bool(fast.any()):
+        two_segment_decode(query, kv_cache, block_table, seq_lens, plan.recent_start[:rows],
+                           layer.compact_kv, layer.compact_len, sfi_slot, scale, out, row_mask=fast,
+                           max_recent=cfg.n_recent, workspace=ring.split_workspace)
+    if on_cpu and not bool(slow.any()):
+        return out
     entry, scratch = ring.entry(layer_index)
     evidence = scratch.log_evidence[:rows]
     slow_out = scratch.slow_out[:rows] if dense_done else out
