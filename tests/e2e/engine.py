@@ -21,8 +21,24 @@ def engine(model: str, backend: str, *, multiprocessing: bool = False, triton_ke
 
     ``triton_kernels``: run SPEEDSFI's Triton kernels (interpreted on CPU) instead of their PyTorch
     twins; the twins are the default because the interpreter is slow."""
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                            "SPEEDSFI_FORCE_TORCH_KERNELS")}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
     os.environ["SPEEDSFI_FORCE_TORCH_KERNELS"] = "0" if triton_kernels else "1"
+    try:
+        with _engine(model, backend, **kwargs) as llm:
+            yield llm
+    finally:
+        # later tests (the kernel tests above all) must not inherit the engine's settings
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def _engine(model: str, backend: str, **kwargs):
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

@@ -345,8 +345,8 @@ def training_document(rng: random.Random, length: int) -> tuple[list[int], list[
     else:
         # needles: n_single single needles + maybe one multivalue group; hard distractors
         n_needles = max(1, min(48, length // 40 + rng.randint(-2, 2)))
-        mv = rng.random() < 0.4 and length >= 160
-        n_mv = rng.randint(2, N_MULTIVALUE) if mv else 0
+        mv = rng.random() < 0.4 and length >= 256
+        n_mv = N_MULTIVALUE if mv else 0                # always 4, like the evaluation (and RULER)
         mv_key = (rng.choice(KEY_A), rng.choice(KEY_B))
         base = mv_key if rng.random() < 0.6 else None
         keys = _keys(rng, n_needles, hard_for=base, n_hard=min(n_needles, rng.randint(0, 6)),
