@@ -201,9 +201,11 @@ def summarise(args, configs, samples, results):
         outs = results[name]["outputs"]
         rows = []
         for s in samples:
+            out_text = outs[s.key] if args.text else " ".join(T.words_of(outs[s.key]))
             rows.append(dict(task=s.task, length=s.meta.get("requested_length", s.length), depth=s.depth,
                              seed=s.seed, correct=correct(s, outs[s.key]),
-                             agree=outs[s.key + ("ids",)] == dense_out[s.key + ("ids",)]))
+                             agree=outs[s.key + ("ids",)] == dense_out[s.key + ("ids",)],
+                             expected=s.answer, output=out_text))
         c_all = results[name]["counters"]
         ret = sum(c.get("sfi.fast_retained_tokens", 0) for c in c_all.values())
         ctx = sum(c.get("sfi.fast_context_tokens", 0) for c in c_all.values())

@@ -45,7 +45,7 @@ from vllm_ext.quality import tasks as T  # noqa: E402
 # within 700; with `init_position_heads` a 2-layer model after ~350 and the 4-layer model with layers
 # 2-3 starting as the identity after ~460.
 CURRICULUM = [(64, 64, 900, 1.0), (128, 32, 400, 0.1), (256, 16, 300, 0.1), (512, 8, 300, 0.05),
-              (1024, 4, 250, 0.0), (2048, 4, 200, 0.0)]
+              (1024, 4, 300, 0.0), (2048, 4, 500, 0.0)]
 
 
 def parse():

@@ -1,0 +1,95 @@
+"""Which needle tokens would SFI's first selection keep? (offline, Hugging Face model, no vLLM)
+
+For one task sample it runs the model densely (eager attention), takes each layer's attention of the
+prompt's last ``w_prefill`` queries as the evidence (exactly what the prefill's end hands to SFI),
+runs the reference selector (:func:`vllm_ext.sfi.selector.select`) with the given budget, and prints,
+per layer and KV head, whether each token of the target needle (key words, ``is``/``=``, value
+digits, terminator) is selected, with its rank among the allowed positions (0 = best).
+
+    python -m vllm_ext.quality.selection_probe --model models/retrieval-llama \\
+        --task niah_single --length 2048 --depth 0.5 --k 256 --n-recent 64
+
+It explains results of ``scripts/eval_quality.py``: a value copied token by token needs its later
+tokens in the selected memory on fast steps, while the evidence points at the key and the first value
+token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def probe(model, sample, sfi_cfg) -> list[dict]:
+    import torch
+
+    from vllm_ext.sfi.selector import select, selector_scores
+
+    ids = torch.tensor([sample.prompt_ids])
+    t = ids.shape[1]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    cfg = model.config
+    hq, hk = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    g, w = hq // hk, sfi_cfg.w_prefill
+    a, b = sample.target_spans[0]
+    span = list(range(a + 3 if sample.task != "kv_lookup" else a, b))   # key words .. terminator
+    lo = torch.tensor([sfi_cfg.n_sink])
+    hi = torch.tensor([t - sfi_cfg.n_recent])
+    rows = []
+    for li, att in enumerate(out.attentions):
+        layer = model.model.layers[li]
+        with torch.no_grad():
+            h = layer.input_layernorm(out.hidden_states[li])
+            knorm = layer.self_attn.k_proj(h).view(1, t, hk, d).norm(dim=-1).permute(0, 2, 1)
+        probs = att[0, :, t - w:, :]                                   # [Hq, W, T]
+        ev = torch.log(probs.clamp_min(0)).reshape(hk, g * w, t)[None]  # q heads of a group together
+        sel, _ = select(ev, knorm, lo, hi, sfi_cfg, sfi_cfg.k)
+        score, _ = selector_scores(ev, knorm, lo, hi, sfi_cfg)
+        for h_ in range(hk):
+            chosen = set(sel[0, h_].tolist())
+            s = score[0, h_]
+            rows.append(dict(layer=li, kv_head=h_, positions=span,
+                             selected=[p in chosen for p in span],
+                             rank=[int((s > s[p]).sum()) for p in span]))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/retrieval-llama")
+    p.add_argument("--task", default="niah_single")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--depth", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=256)
+    p.add_argument("--n-recent", type=int, default=64)
+    p.add_argument("--sfi", default="{}", help="JSON of further SfiConfig fields (e.g. '{\"mu\": 0}')")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from vllm_ext.config import SfiConfig
+    from vllm_ext.quality import tasks as T
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = LlamaForCausalLM.from_pretrained(args.model, attn_implementation="eager").eval()
+    sample = T.make_sample(args.task, args.length, args.depth, args.seed)
+    cfg = SfiConfig(enabled=True, k=args.k, n_recent=args.n_recent, **json.loads(args.sfi))
+    rows = probe(model, sample, cfg)
+    if args.json:
+        print(json.dumps(rows))
+        return rows
+    words = T.words_of([sample.prompt_ids[i] for i in rows[0]["positions"]])
+    print(f"{args.task} length {args.length} depth {args.depth}: needle tokens {' '.join(words)} at "
+          f"{rows[0]['positions'][0]}..{rows[0]['positions'][-1]}; k={args.k}, n_recent={args.n_recent}")
+    for r in rows:
+        marks = "".join("Y" if x else "." for x in r["selected"])
+        print(f"  layer {r['layer']} kv head {r['kv_head']}: selected {marks}  ranks {r['rank']}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
