@@ -70,6 +70,8 @@ def parse(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--name", default=None, help="file stem; default quality_<device>_<model>")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="rewrite the markdown tables of an earlier run's JSON (no engines) and exit")
     return p.parse_args(argv)
 
 
@@ -312,19 +314,48 @@ def plot(path_stem, table, samples, title):
     plt.close(fig)
 
 
-def markdown_table(table, tasks) -> str:
+def markdown_table(table, tasks, lengths=None) -> str:
+    """All lengths together, then one table per length (the budget means most at the longest)."""
     head = "| config | read fraction | fast-step retained | " + " | ".join(tasks) + " | all | agree w/ dense |"
     sep = "|---" * (len(tasks) + 5) + "|"
-    lines = [head, sep]
+
+    def pct(rows, key):
+        return f"{100.0 * sum(r[key] for r in rows) / len(rows):.1f}" if rows else "-"
+
+    blocks = [[head, sep]]
     for c in table:
-        lines.append(f"| {c['name']} | {c['read_fraction']:.3f} | {c['fast_retained_fraction']:.3f} | "
-                     + " | ".join(f"{c['per_task'][t]['accuracy'] * 100:.1f}" for t in tasks)
-                     + f" | **{c['accuracy'] * 100:.1f}** | {c['agreement_with_dense'] * 100:.1f} |")
-    return "\n".join(lines)
+        blocks[0].append(f"| {c['name']} | {c['read_fraction']:.3f} | {c['fast_retained_fraction']:.3f} | "
+                         + " | ".join(f"{c['per_task'][t]['accuracy'] * 100:.1f}" for t in tasks)
+                         + f" | **{c['accuracy'] * 100:.1f}** | {c['agreement_with_dense'] * 100:.1f} |")
+    for n in (lengths or []) if len(lengths or []) > 1 else []:
+        lines = [f"\nLength {n}:\n", head, sep]
+        for c in table:
+            rows = [r for r in c["samples"] if r["length"] == n]
+            pl = c["per_length"].get(str(n), {})
+            lines.append(f"| {c['name']} | {pl.get('read_fraction', 1.0):.3f} | "
+                         f"{pl.get('fast_retained_fraction', 1.0):.3f} | "
+                         + " | ".join(pct([r for r in rows if r["task"] == t], "correct") for t in tasks)
+                         + f" | **{pct(rows, 'correct')}** | {pct(rows, 'agree')} |")
+        blocks.append(lines)
+    return "\n".join("\n".join(b) for b in blocks)
+
+
+def write_report(path, meta, table) -> str:
+    md = markdown_table(table, meta["tasks"], meta["lengths"])
+    with open(path + ".md", "w") as f:
+        f.write(f"{md}\n\n`{meta['command']}` on {meta['device_desc']}; {meta['n_samples']} samples per "
+                f"configuration; {meta['wall_s'] / 60:.1f} min.\n")
+    return md
 
 
 def main(argv=None):
     args = parse(argv)
+    if args.report:
+        with open(args.report) as f:
+            data = json.load(f)
+        md = write_report(os.path.splitext(args.report)[0], data["meta"], data["configs"])
+        print(md)
+        return data["configs"]
     t_start = time.time()
     import torch
 
@@ -373,10 +404,7 @@ def main(argv=None):
     path = os.path.join(args.out, stem)
     with open(path + ".json", "w") as f:
         json.dump(dict(meta=meta, configs=table), f, indent=1)
-    md = markdown_table(table, meta["tasks"])
-    with open(path + ".md", "w") as f:
-        f.write(f"{md}\n\n`{meta['command']}` on {device_desc}; {len(samples)} samples per configuration; "
-                f"{meta['wall_s'] / 60:.1f} min.\n")
+    md = write_report(path, meta, table)
     if not args.no_plots:
         title = f"{model_name} on {device} ({len(samples)} samples; lengths {meta['lengths']})"
         plot(path, table, samples, title)

@@ -55,6 +55,8 @@ def test_preset_by_path(tmp_path):
     ({"sfi": {"alpha": 0}}, "speedsfi.sfi.alpha must be in (0, 1]"),
     ({"sfi": {"lambda_max": float("nan")}}, "speedsfi.sfi.lambda_max: expected a finite number"),
     ({"sfi": {"trigger_chars": ["..", "?"]}}, "speedsfi.sfi.trigger_chars: each entry must be one character"),
+    ({"sfi": {"select_span": -1}}, "speedsfi.sfi.select_span must be >= 0"),
+    ({"sfi": {"select_span": 33}}, "speedsfi.sfi.select_span (33) must be <= 32"),
     ({"speed": {"l_cut": 0}}, "speedsfi.speed.l_cut must be > 0"),
     ({"speed": {"anchor": "eos"}}, "speedsfi.speed.anchor: expected one of 'bos', 'none'"),
     ({"critiprefill": {"budget": 100}}, "must be a multiple of critiprefill.block_size"),

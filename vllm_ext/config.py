@@ -47,6 +47,9 @@ def _in_unit(name: str, v: float, *, closed_low: bool = True) -> None:
         raise ConfigError(f"speedsfi.{name} must be in {'[' if closed_low else '('}0, 1], got {v!r}")
 
 
+MAX_SELECT_SPAN = 32
+
+
 @dataclass(frozen=True)
 class SfiConfig:
     """SFI, slow-fast inference (ALGORITHMS.md §1)."""
@@ -76,6 +79,10 @@ class SfiConfig:
     cross_head_temperature: float = 2.0
     lam_x: float = 0.35
     eps: float = 1e-12
+    # not in the paper: before top-K a position takes the best score of the `select_span` positions
+    # before it, so a selected token brings the tokens that follow it (a multi-token value that the
+    # evidence points at by its first token). 0 = the paper's selector. bench/QUALITY.md.
+    select_span: int = 0
     # system
     max_requests: int | None = None    # requests holding SFI state at once; None = min(max_num_seqs, 32)
     dual_stream: bool = True           # selector + gather on a side stream (CUDA); False = serial
@@ -84,9 +91,12 @@ class SfiConfig:
     def validate(self) -> None:
         for name in ("k", "refresh", "w_prefill", "side_stream_slots"):
             _positive(f"sfi.{name}", getattr(self, name))
-        for name in ("k_min", "n_sink", "n_recent", "min_boundary_gap", "nms_radius", "mu", "lam_x",
+        for name in ("k_min", "n_sink", "n_recent", "min_boundary_gap", "nms_radius", "select_span", "mu", "lam_x",
                      "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):
             _non_negative(f"sfi.{name}", getattr(self, name))
+        if self.select_span > MAX_SELECT_SPAN:
+            raise ConfigError(f"speedsfi.sfi.select_span ({self.select_span}) must be <= {MAX_SELECT_SPAN} "
+                              "(each unit is one more load per score in the top-K kernel)")
         if self.k_min > self.k:
             raise ConfigError(f"speedsfi.sfi.k_min ({self.k_min}) must be <= sfi.k ({self.k})")
         _in_unit("sfi.alpha", self.alpha, closed_low=False)

@@ -137,6 +137,32 @@ def test_cross_head_exclusivity_hand_computed():
 
 
 # ----------------------------------------------------------------------------------------- top-K
+def test_span_dilate_hand_computed():
+    score = torch.tensor([[[0.0, 5.0, 1.0, 2.0, 3.0, -1.0, float("nan"), -3.0]]])
+    out = S.span_dilate(score, torch.tensor([1]), torch.tensor([7]), 2)
+    assert out.tolist() == [[[NEG, 5.0, 5.0, 5.0, 3.0, 3.0, 3.0, NEG]]]   # position 0 (outside A) never leaks
+    assert S.span_dilate(score, torch.tensor([1]), torch.tensor([7]), 0) is score
+    empty = S.span_dilate(score, torch.tensor([5]), torch.tensor([5]), 3)
+    assert torch.isneginf(empty).all()
+
+
+def test_select_span_brings_the_tokens_after_a_peak():
+    # the evidence points at one token; with select_span the budget goes to it and what follows it
+    length, peak = 200, 120
+    ev = torch.full((1, 2, 1, length), -10.0)
+    ev[..., peak] = 5.0
+    ev[..., 30] = 4.0
+    norms = torch.ones(1, 2, length)
+    lo, hi = torch.tensor([4]), torch.tensor([180])
+    cfg = dataclasses.replace(SfiConfig(), k=5, k_min=1, w_k=0.0, w_pos=0.0, mu=0.0, lam_x=0.0)
+    sel, _ = S.select(ev, norms, lo, hi, cfg, 5)
+    assert sel[0, 0].tolist() == [4, 5, 6, 30, peak]                  # the rest: ties, lowest first
+    sel, _ = S.select(ev, norms, lo, hi, dataclasses.replace(cfg, select_span=4), 5)
+    assert sel[0, 0].tolist() == list(range(peak, peak + 5))
+    sel, _ = S.select(ev, norms, lo, hi, dataclasses.replace(cfg, select_span=2), 6)
+    assert sel[0, 1].tolist() == [30, 31, 32, peak, peak + 1, peak + 2]
+
+
 def test_topk_ties_go_to_lower_positions():
     score = torch.tensor([[[1.0, 2.0, 2.0, 0.0, 2.0, 2.0, -0.0, 0.0]]])
     sel, n = S.topk_positions(score, torch.tensor([0]), torch.tensor([8]), torch.tensor([3]), 4)

@@ -20,14 +20,15 @@ def inputs(rows, heads, n_rows, length, seed=0, dtype=torch.bfloat16):
     return ev, norms
 
 
-@pytest.mark.parametrize("rows,heads,n_rows,length,k", [(4, 8, 4, 32768, 2048), (2, 4, 32, 20000, 1536),
-                                                         (3, 2, 8, 70000, 4096), (16, 8, 1, 8192, 2048)])
-def test_serving_sizes_match_twin(rows, heads, n_rows, length, k):
+@pytest.mark.parametrize("rows,heads,n_rows,length,k,span", [
+    (4, 8, 4, 32768, 2048, 0), (2, 4, 32, 20000, 1536, 0), (3, 2, 8, 70000, 4096, 0), (16, 8, 1, 8192, 2048, 0),
+    (4, 8, 4, 32768, 2048, 8)])
+def test_serving_sizes_match_twin(rows, heads, n_rows, length, k, span):
     ev, norms = inputs(rows, heads, n_rows, length, seed=length)
     seq = torch.randint(length // 2, length + 1, (rows,), device="cuda")
     lo = torch.full((rows,), 4, device="cuda")
     hi = (seq - 256).clamp_min(4)
-    cfg = dataclasses.replace(SfiConfig(), k=k)
+    cfg = dataclasses.replace(SfiConfig(), k=k, select_span=span)
     s_ref, lam_ref = S.selector_scores(ev, norms, lo, hi, cfg)
     s_tri, lam_tri = K.selector_scores_triton(ev, norms, lo, hi, cfg)
     fin = torch.isfinite(s_ref)
@@ -38,6 +39,7 @@ def test_serving_sizes_match_twin(rows, heads, n_rows, length, k):
     sel_tri, n_tri = K.select_triton(ev, norms, lo, hi, cfg, k)
     assert torch.equal(n_ref, n_tri)
     # Sets may differ only through near-ties at the K-th score (fp32 summation order differs).
+    s_ref = S.span_dilate(s_ref, lo, hi, span)
     for b in range(rows):
         for h in range(heads):
             a = set(sel_ref[b, h, : n_ref[b]].tolist())

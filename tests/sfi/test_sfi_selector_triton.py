@@ -95,6 +95,20 @@ def test_config_variants(over, device):
     compare(ev, norms, lo, hi, dataclasses.replace(CFG, **over), KSEL)
 
 
+@pytest.mark.parametrize("span", [1, 4, 32])
+def test_select_span(span, device):
+    ev, norms = make(4, 4, 2, 300, device, seed=span)
+    lo, hi = bounds(300, device)
+    compare(ev, norms, lo, hi, dataclasses.replace(CFG, select_span=span), KSEL, check_scores=False)
+    # a dilated plateau is a run of ties: the lower positions of it win, in both
+    flat = dataclasses.replace(CFG, w_k=0.0, w_pos=0.0, mu=0.0, lam_x=0.0, select_span=span)
+    peaks = torch.full((2, 4, 1, 300), -8.0, device=device)
+    peaks[:, :, :, 100] = 4.0
+    peaks[:, :, :, 7] = 3.0
+    lo2, hi2 = torch.tensor([4, 50], device=device), torch.tensor([290, 290], device=device)
+    compare(peaks, norms[:2], lo2, hi2, flat, 6, check_scores=False, check_lam=False)
+
+
 def test_ties_lower_position_wins(device):
     length = 100
     ev = torch.zeros(2, 4, 2, length, device=device)       # uniform evidence

@@ -13,20 +13,21 @@ Three launches, no host sync, fixed shapes (CUDA-graph safe):
    histograms over an order-preserving integer key) finds the ``n_sel``-th largest key, then one
    pass keeps every position above it plus the lowest positions equal to it and writes them in
    position order, so the output comes out sorted without a sort. Ties go to the lower position,
-   exactly as in the PyTorch twin.
+   exactly as in the PyTorch twin. With ``sfi.select_span`` each score is read dilated over the
+   ``select_span`` positions before it (that many more loads per score and pass).
 
-Dispatch: :func:`select` runs Triton for CUDA tensors or under ``TRITON_INTERPRET=1``, else the torch
-twin. Importable without Triton (then always the twin) and without vLLM.
+Dispatch: :func:`select` follows :func:`vllm_ext.kernels.triton_utils.use_triton` (Triton for CUDA
+tensors or under ``TRITON_INTERPRET=1``, the twin with ``SPEEDSFI_FORCE_TORCH_KERNELS=1``). Importable without Triton (then always the twin) and without vLLM.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from vllm_ext.config import SfiConfig
+from vllm_ext.kernels import triton_utils
 from vllm_ext.sfi import selector as _ref
 
 try:                                              # the CPU image may lack triton; the twin still works
@@ -41,7 +42,8 @@ selector_scores_torch = _ref.selector_scores
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    return HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+    # the package's shared rule (SPEEDSFI_FORCE_TORCH_KERNELS, interpreter on at import time)
+    return HAS_TRITON and triton_utils.use_triton(t)
 
 
 def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -220,8 +222,22 @@ if HAS_TRITON:
             tl.store(obase + offs[None, :], l, mask=hm[:, None] & in_a[None, :])
 
     @triton.jit
+    def _span_key(base, offs, lm, lo, SPAN: tl.constexpr):
+        # the score at offs, dilated over the SPAN positions before it inside A (NaN -> -inf), as an
+        # order-preserving uint32 key
+        ninf = float("-inf")
+        sc = tl.load(base + offs, mask=lm, other=0.0)
+        sc = tl.where(sc != sc, ninf, sc)
+        for d in tl.static_range(1, SPAN + 1):
+            p = offs - d
+            v = tl.load(base + p, mask=lm & (p >= lo), other=ninf)
+            sc = tl.maximum(sc, tl.where(v != v, ninf, v))
+        bits = sc.to(tl.int32, bitcast=True)
+        return (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) ^ (-2147483648)).to(tl.uint32, bitcast=True)
+
+    @triton.jit
     def _topk_kernel(score_ptr, lo_ptr, hi_ptr, keff_ptr, out_ptr, nsel_ptr, H, L, WIDTH,
-                     BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
+                     SPAN: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
         pid = tl.program_id(0)
         row = pid // H
         h = pid % H
@@ -242,9 +258,7 @@ if HAS_TRITON:
             for j0 in range(lo, hi, BLOCK_L):
                 offs = j0 + ar
                 lm = offs < hi
-                sc = tl.load(base + offs, mask=lm, other=0.0)
-                bits = tl.where(sc != sc, float("-inf"), sc).to(tl.int32, bitcast=True)
-                key = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) ^ (-2147483648)).to(tl.uint32, bitcast=True)
+                key = _span_key(base, offs, lm, lo, SPAN)
                 digit = ((key >> shift) & 0xFF).to(tl.int32)
                 if p == 0:
                     match = lm
@@ -263,9 +277,7 @@ if HAS_TRITON:
         for j0 in range(lo, hi, BLOCK_L):
             offs = j0 + ar
             lm = offs < hi
-            sc = tl.load(base + offs, mask=lm, other=0.0)
-            bits = tl.where(sc != sc, float("-inf"), sc).to(tl.int32, bitcast=True)
-            key = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) ^ (-2147483648)).to(tl.uint32, bitcast=True)
+            key = _span_key(base, offs, lm, lo, SPAN)
             eq = lm & (key == prefix)
             eq_i = eq.to(tl.int32)
             eq_rank = cnt_eq + tl.cumsum(eq_i, 0) - eq_i
@@ -351,5 +363,5 @@ def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Ten
     lo = lo.to(device=device, dtype=torch.int32).contiguous()
     hi = hi.to(device=device, dtype=torch.int32).contiguous()
     _topk_kernel[(rows * heads,)](score, lo, hi, k_eff, selected, n_sel, heads, length, width,
-                                  BLOCK_L=1024, BLOCK_W=1024)
+                                  SPAN=int(cfg.select_span), BLOCK_L=1024, BLOCK_W=1024)
     return selected, n_sel

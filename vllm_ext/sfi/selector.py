@@ -19,6 +19,8 @@ Stages (each a small function, all in fp32 log space, ``-inf`` outside ``A``):
 3. :func:`fuse`: ``s = (1 - lam) f + lam r`` in log space with the closed-form clipped ``lam``.
 4. :func:`soft_nms` (window max over ``|i - j| <= nms_radius`` inside ``A``) and
    :func:`cross_head_exclusivity` (skipped when ``Hkv <= 2`` or ``lam_x == 0``).
+   Not in the paper, off by default: :func:`span_dilate` (``sfi.select_span``) lets each position take
+   the best score of the ``select_span`` positions before it inside ``A``.
 5. :func:`topk_positions`: the ``min(k_eff, |A|)`` best positions per (row, head), sorted ascending,
    padded with -1. Ties are broken deterministically: the lower position wins (scores are compared
    through an order-preserving integer key, so ``-0.0`` ranks just below ``+0.0``; NaN counts as
@@ -172,6 +174,19 @@ def selector_scores(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.T
     return log_s, lam
 
 
+def span_dilate(score: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, span: int) -> torch.Tensor:
+    """``l(j) <- max_{0 <= d <= span, j - d in A} l(j - d)`` inside ``A`` (``-inf`` outside; NaN counts
+    as ``-inf``): a token the evidence picks brings the ``span`` tokens after it into the ranking."""
+    if span <= 0:
+        return score
+    rows, heads, length = score.shape
+    mask = allowed_mask(lo, hi, length)
+    x = torch.where(mask & ~torch.isnan(score), score.float(), NEG_INF)
+    m = F.max_pool1d(F.pad(x.reshape(rows * heads, 1, length), (span, 0), value=NEG_INF),
+                     kernel_size=span + 1, stride=1).reshape(rows, heads, length)
+    return torch.where(mask, m, NEG_INF)
+
+
 # ---------------------------------------------------------------------------------- 5. top-K
 def score_key32(score: torch.Tensor) -> torch.Tensor:
     """Order-preserving int32 key of fp32 scores (NaN -> key of ``-inf``)."""
@@ -239,4 +254,5 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     rows = key_norms.shape[0]
     width, k_eff = resolve_k(k, cfg, rows, key_norms.device, k_cap)
     score, _ = selector_scores(evidence, key_norms, lo, hi, cfg)
+    score = span_dilate(score, lo, hi, cfg.select_span)
     return topk_positions(score, lo, hi, k_eff, width)
