@@ -309,7 +309,7 @@ def plot(path_stem, table, samples, title):
             if i == len(table) - 1:
                 ax.set_xlabel("length", fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))      # room for the title
     fig.savefig(path_stem + "_heatmaps.png", dpi=110)
     plt.close(fig)
 
