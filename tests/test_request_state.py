@@ -87,3 +87,20 @@ def test_overrides_are_kept_per_slot():
     t = RequestStateTable(max_reqs=2, device="cpu")
     t.sync_membership([], {"a": (4, {"sfi": {"k": 8}}), "b": (4, None)})
     assert t.overrides[t.slot_of["a"]] == {"sfi": {"k": 8}} and t.overrides[t.slot_of["b"]] is None
+
+
+def test_engine_wide_fields_in_a_request_override_are_counted_not_silently_dropped():
+    from vllm_ext import metrics
+    from vllm_ext.config import SpeedSfiConfig
+
+    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 64}})
+    t = RequestStateTable(max_reqs=4, device="cpu", config=cfg, sfi_capacity=4)
+    metrics.reset()
+    t.sync_membership([], {"a": (4, {"sfi": {"k": 32}}),                          # per request: fine
+                           "b": (4, {"sfi": {"enabled": False}}),
+                           "c": (4, {"sfi": {"k": 32, "select_span": 4, "mu": 0.0}})})
+    counts = metrics.snapshot()
+    assert counts.get("fallback.request_override_engine_wide", 0) == 1
+    assert "fallback.request_override_invalid" not in counts
+    # the per-request part of "c" still applies
+    assert t._sfi_k_host[t.slot_of["c"]] == 32 and t._sfi_k_host[t.slot_of["a"]] == 32

@@ -17,6 +17,8 @@ Torch only (no vLLM): ``vllm_ext.runner_hooks`` feeds it from the runner.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -45,6 +47,20 @@ class PinnedStaging:
         if self.gpu is not self.cpu:
             self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
         return self.gpu[:n]
+
+
+# what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
+# (kernel constants, buffer sizes, the schedule) and is refused loudly
+PER_REQUEST_FIELDS = frozenset({"sfi.enabled", "sfi.k"})
+
+
+def _changed_fields(base: SpeedSfiConfig, other: SpeedSfiConfig) -> set[str]:
+    changed = set()
+    for section in ("sfi", "speed", "critiprefill"):
+        a, b = getattr(base, section), getattr(other, section)
+        changed.update(f"{section}.{f.name}" for f in dataclasses.fields(a)
+                       if getattr(a, f.name) != getattr(b, f.name))
+    return changed
 
 
 @dataclass
@@ -162,6 +178,11 @@ class RequestStateTable:
             except ConfigError as e:
                 metrics.fallback("request_override_invalid", "ignoring a request's speedsfi override: %s", e)
                 cfg = self.config
+            engine_wide = _changed_fields(self.config, cfg) - PER_REQUEST_FIELDS
+            if engine_wide:
+                metrics.fallback("request_override_engine_wide", "a request's speedsfi override sets %s, which "
+                                 "only the engine's configuration can change (a request can set %s); ignored",
+                                 ", ".join(sorted(engine_wide)), ", ".join(sorted(PER_REQUEST_FIELDS)))
         if not cfg.sfi.enabled:
             return -1, False, 0
         if not self.sfi_enabled:
