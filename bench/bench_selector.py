@@ -10,6 +10,7 @@ Per layer, batch 16, 8 KV heads (32 query heads), head 128, bf16, page 16, K = 2
   (the difference is the evidence's cost on the main stream);
 - ``selector``: ``vllm_ext.kernels.sfi_selector.select`` on the pooled log-evidence
   ``[B, Hkv, ctx]`` and key norms (skipped, with the reason in the JSON, when that module is absent);
+  ``selector_span4``: the same with ``sfi.select_span = 4`` (bench/QUALITY.md);
 - ``gather``: ``gather_compact`` of sink + 2048 selected entries per (row, KV head).
 
 ``maintenance_ms`` = selector + gather (what the side stream runs per layer);
@@ -28,6 +29,9 @@ import torch  # noqa: E402
 
 from common import (BASELINE_NOTE, DecodeProblem, device_for, env_info, parse_args, plot,  # noqa: E402
                     time_op, write_json)
+
+
+SPAN = 4                               # sfi.select_span timed beside the paper's selector
 
 
 def shapes(smoke: bool) -> dict:
@@ -103,6 +107,13 @@ def main(argv=None):
                 n_sel.copy_(s_n)
             except Exception as exc:   # report, keep the rest of the bench
                 row["selector_error"] = f"{type(exc).__name__}: {exc}"[:400]
+            if "selector_ms" in row:       # the opt-in select_span: its extra top-K loads
+                span_cfg = SfiConfig(k=sh["k"], select_span=SPAN)
+                try:
+                    row[f"selector_span{SPAN}_ms"] = time_op(
+                        lambda: select(ev, kn, lo, hi, span_cfg, sh["k"]), dev)["ms"]
+                except Exception as exc:
+                    row["selector_span_error"] = f"{type(exc).__name__}: {exc}"[:400]
         if "selector_ms" not in row:
             # random selection for the gather timing
             g = torch.Generator(device="cpu").manual_seed(0)
