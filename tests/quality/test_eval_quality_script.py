@@ -54,6 +54,13 @@ def test_token_id_suite(tmp_path):
     for suffix in (".md", "_acc_vs_retained.png", "_heatmaps.png"):
         assert (tmp_path / f"q{suffix}").stat().st_size > 0
     assert "| sfi_k64 |" in (tmp_path / "q.md").read_text() and "| sfi_k64 |" in stdout
+    # --report rewrites the same tables from the JSON alone (no engine)
+    before = (tmp_path / "q.md").read_text()
+    (tmp_path / "q.md").unlink()
+    proc = subprocess.run([sys.executable, SCRIPT, "--report", str(tmp_path / "q.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "q.md").read_text() == before
 
 
 def test_text_suite_with_a_bpe_tokenizer(tmp_path, tiny_models):
