@@ -17,10 +17,8 @@ Torch only (no vLLM): ``vllm_ext.runner_hooks`` feeds it from the runner.
 
 from __future__ import annotations
 
-import dataclasses
-
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -55,11 +53,11 @@ PER_REQUEST_FIELDS = frozenset({"sfi.enabled", "sfi.k"})
 
 
 def _changed_fields(base: SpeedSfiConfig, other: SpeedSfiConfig) -> set[str]:
+    """``section.field`` names whose values differ (the method sections; ``preset`` is not one)."""
     changed = set()
-    for section in ("sfi", "speed", "critiprefill"):
+    for section in (f.name for f in fields(base) if f.name != "preset"):
         a, b = getattr(base, section), getattr(other, section)
-        changed.update(f"{section}.{f.name}" for f in dataclasses.fields(a)
-                       if getattr(a, f.name) != getattr(b, f.name))
+        changed.update(f"{section}.{f.name}" for f in fields(a) if getattr(a, f.name) != getattr(b, f.name))
     return changed
 
 

@@ -21,8 +21,7 @@ SCRIPT = os.path.join(ROOT, "scripts", "eval_quality.py")
 
 def _run(args, out_dir):
     env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)            # the engines run the PyTorch twins on CPU
-    env["SPEEDSFI_FORCE_TORCH_KERNELS"] = "1"
+    env["SPEEDSFI_FORCE_TORCH_KERNELS"] = "1"     # the engines run the PyTorch twins on CPU
     proc = subprocess.run([sys.executable, SCRIPT, *args, "--out", str(out_dir), "--name", "q"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

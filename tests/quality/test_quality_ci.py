@@ -40,19 +40,11 @@ def _generate(sfi=None):
 
     extra = {"speedsfi": {"sfi": sfi}} if sfi is not None else {}
     metrics.reset()
-    # The session turns Triton's CPU interpreter on for the kernel tests (tests/conftest.py); the
-    # engines here run the PyTorch twins (minutes instead of seconds), whatever a dispatcher reads.
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        with engine(MODEL, "SPEEDSFI", additional_config=extra, **SETTINGS) as llm:
-            params = [SamplingParams(temperature=0, max_tokens=len(s.answer_ids) + EXTRA, ignore_eos=True)
-                      for s in SAMPLES]
-            outs = llm.generate([{"prompt_token_ids": s.prompt_ids} for s in SAMPLES], params,
-                                use_tqdm=False)
-            counts = metrics.snapshot()
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
+    with engine(MODEL, "SPEEDSFI", additional_config=extra, **SETTINGS) as llm:   # PyTorch twins
+        params = [SamplingParams(temperature=0, max_tokens=len(s.answer_ids) + EXTRA, ignore_eos=True)
+                  for s in SAMPLES]
+        outs = llm.generate([{"prompt_token_ids": s.prompt_ids} for s in SAMPLES], params, use_tqdm=False)
+        counts = metrics.snapshot()
     return [list(o.outputs[0].token_ids) for o in outs], counts
 
 

@@ -17,7 +17,8 @@ Three launches, no host sync, fixed shapes (CUDA-graph safe):
    ``select_span`` positions before it (that many more loads per score and pass).
 
 Dispatch: :func:`select` follows :func:`vllm_ext.kernels.triton_utils.use_triton` (Triton for CUDA
-tensors or under ``TRITON_INTERPRET=1``, the twin with ``SPEEDSFI_FORCE_TORCH_KERNELS=1``). Importable without Triton (then always the twin) and without vLLM.
+tensors or under ``TRITON_INTERPRET=1``, the twin with ``SPEEDSFI_FORCE_TORCH_KERNELS=1``).
+Importable without Triton (then always the twin) and without vLLM.
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ select_torch = _ref.select
 selector_scores_torch = _ref.selector_scores
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    # the package's shared rule (SPEEDSFI_FORCE_TORCH_KERNELS, interpreter on at import time)
-    return HAS_TRITON and triton_utils.use_triton(t)
+use_triton = triton_utils.use_triton           # the package's one dispatch rule
 
 
 def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
