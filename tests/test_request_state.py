@@ -46,7 +46,7 @@ def test_steps_since_slow_counts_decode_steps_and_resets_on_reuse():
     s = _step(t, ["c"], [9], [2], [False])
     assert int(t.steps_since_slow[slot]) == 0 and int(t.generation[slot]) == gen + 1
     assert s.row_prompt_len.tolist() == [9]
-    assert not bool(t.has_selection[slot])
+    assert t.has_selection is None            # selections are SFI's table, absent without SFI
 
 
 def test_resumed_request_gets_fresh_state():
@@ -103,4 +103,4 @@ def test_engine_wide_fields_in_a_request_override_are_counted_not_silently_dropp
     assert counts.get("fallback.request_override_engine_wide", 0) == 1
     assert "fallback.request_override_invalid" not in counts
     # the per-request part of "c" still applies
-    assert t._sfi_k_host[t.slot_of["c"]] == 32 and t._sfi_k_host[t.slot_of["a"]] == 32
+    assert t.sfi.k_host[t.slot_of["c"]] == 32 and t.sfi.k_host[t.slot_of["a"]] == 32

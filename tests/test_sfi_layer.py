@@ -1,16 +1,17 @@
-"""One layer of SFI decode (``vllm_ext.sfi.decode``) against an independent reference: a slow step
-makes the selection the selector defines from dense evidence, and the next fast step equals dense
-attention restricted to S ∪ M_h ∪ R_t. Runs the PyTorch twins on CPU (and the Triton kernels with
-the side stream on CUDA)."""
+"""One layer of SFI decode (``vllm_ext.backend.sfi_path``) against an independent reference: a slow
+step makes the selection the selector defines from dense evidence, and the next fast step equals
+dense attention restricted to S ∪ M_h ∪ R_t. Runs the PyTorch twins on CPU (and the Triton kernels
+with the side stream on CUDA)."""
 
 import pytest
 import torch
 
+from vllm_ext.backend.sfi_path import sfi_decode
+from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.sfi import selector as ref_selector
-from vllm_ext.sfi.decode import MaintenanceRing, SfiLayerBuffers, SfiScratch, sfi_decode
-from vllm_ext.sfi.step_plan import SfiStep
+from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -28,16 +29,19 @@ def _paged(seq_lens, hkv, bs, d, gen, device):
     return kv, bt.to(device)
 
 
-def _plan(t, sparse_slow, sparse_fast, cfg, slots, device):
+def forced_plan(buffers, t, slow, fast, cfg, slots, block_table, device):
+    """A plan with the given row modes (the schedule is tested elsewhere)."""
     t = torch.tensor(t, dtype=torch.int32, device=device)
+    slow = torch.tensor(slow, device=device)
+    fast = torch.tensor(fast, device=device)
+    sparse = slow | fast
     lo = torch.full_like(t, cfg.n_sink)
     hi = torch.clamp(t - cfg.n_recent, min=cfg.n_sink)
-    slow = torch.tensor(sparse_slow, device=device)
-    fast = torch.tensor(sparse_fast, device=device)
-    return SfiStep(row_slow=slow, row_fast=fast, row_sparse=slow | fast,
-                   row_sfi_slot=torch.tensor(slots, dtype=torch.int32, device=device),
-                   row_k=torch.full_like(t, cfg.k), recent_start=t - cfg.n_recent,
-                   allowed_lo=lo, allowed_hi=hi)
+    return write_plan(buffers, t.shape[0], slow=slow, fast=fast, sparse=sparse,
+                      row_sfi_slot=torch.where(sparse, torch.tensor(slots, dtype=torch.int32,
+                                                                    device=device), 0),
+                      k=torch.full_like(t, cfg.k), recent_start=torch.clamp(t - cfg.n_recent, min=0),
+                      lo=lo, hi=hi, t=t, block_table=block_table)
 
 
 @pytest.mark.parametrize("device, dual", [("cpu", False)] + ([("cuda", True), ("cuda", False)] if HAS_CUDA else []))
@@ -52,17 +56,18 @@ def test_slow_then_fast_equals_restricted_dense(device, dual, g):
     kv, bt = _paged([n + 1 for n in t0], hkv, bs, d, gen, device)
     scale = d ** -0.5
     layer = SfiLayerBuffers(4, hkv, cfg, d, torch.float32, device)
-    ring = MaintenanceRing([SfiScratch.allocate(3, hq, hkv, d, 256, torch.float32, device)],
-                           device, cfg.dual_stream)
+    rt = SfiRuntime(cfg, capacity=4, max_rows=3, num_heads=hq, num_kv_heads=hkv, head_size=d,
+                    max_len=256, device=device)
+    buffers = SfiPlanBuffers(3, 4, device)
     slots = [2, 0, 3]
 
     # slow step at t0: output = dense; selection from dense evidence restricted to A = [4, t0 - 16)
     q0 = torch.randn(3, hq, d, generator=gen).to(device)
     out0 = torch.zeros_like(q0)
-    plan0 = _plan(t0, [True] * 3, [False] * 3, cfg, slots, device)
+    plan0 = forced_plan(buffers, t0, [True] * 3, [False] * 3, cfg, slots, bt, device)
     seq0 = torch.tensor(t0, dtype=torch.int32, device=device)
-    sfi_decode(q0, kv, bt, seq0, plan0, cfg, layer, ring, 0, scale, out0, dense_done=False)
-    ring.join()
+    sfi_decode(q0, kv, bt, seq0, plan0, cfg, layer, rt, 0, scale, out0, dense_done=False)
+    rt.ring.join()
     expected_sel = []
     for r, t in enumerate(t0):
         k, v = gather_kv(kv, bt[r], torch.arange(t, device=device))
@@ -93,10 +98,10 @@ def test_slow_then_fast_equals_restricted_dense(device, dual, g):
     t1 = [n + 1 for n in t0]
     q1 = torch.randn(3, hq, d, generator=gen).to(device)
     out1 = torch.full_like(q1, 7.0)
-    plan1 = _plan(t1, [False] * 3, [True] * 3, cfg, slots, device)
+    plan1 = forced_plan(buffers, t1, [False] * 3, [True] * 3, cfg, slots, bt, device)
     sfi_decode(q1, kv, bt, torch.tensor(t1, dtype=torch.int32, device=device), plan1, cfg, layer,
-               ring, 1, scale, out1, dense_done=False)
-    ring.join()
+               rt, 1, scale, out1, dense_done=False)
+    rt.ring.join()
     for r, t in enumerate(t1):
         k, v = gather_kv(kv, bt[r], torch.arange(t, device=device))
         mask = torch.zeros(1, hq, t, dtype=torch.bool, device=device)

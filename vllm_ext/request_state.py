@@ -1,12 +1,20 @@
-"""Per-request state in persistent device tables, indexed by a stable per-request slot.
+"""The generic per-request slot table: persistent device tables indexed by a stable per-request slot.
 
 vLLM's V1 model runner moves requests between batch rows (condense, swap, decode-first reorder), so
 the row of a request says nothing across steps. This table gives each request a *slot* for as long
-as it sits in the runner's persistent batch, and keeps what SFI and SPEED need per slot on the
-device: the prompt length, the steps since the last slow step, whether a selection exists, and a
-generation stamp that changes whenever the slot is (re)assigned. Per step it publishes, per batch
-row, the slot, the prompt length and the last sampled token (read on the device from the step's
-input ids, so it is right under async scheduling where the host never sees it).
+as it sits in the runner's persistent batch, and keeps per slot on the device the prompt length, the
+decode steps run and a generation stamp that changes whenever the slot is (re)assigned. Methods keep
+their own per-slot tables in their own rooms, indexed by the same slot (SFI:
+:class:`vllm_ext.sfi.slot_tables.SfiSlotTables`).
+
+Per step there are two phases (plan/run split):
+- ``stage`` (host only; the runner hooks call it before attention metadata is built): the rows'
+  slots, which rows are decodes, the prefill geometry;
+- ``build_step`` (the metadata builder calls it with vLLM's ``CommonAttentionMetadata``): the device
+  side — the staged rows are copied to persistent device buffers, the last sampled token of each row
+  is read on the device from the step's input ids (right under async scheduling, where the host never
+  sees it), and each method plans the step into its persistent buffers. A step is built once
+  however many KV-cache groups ask for it.
 
 A request loses its slot when it finishes or is aborted, is preempted (it comes back with its KV
 recomputed, and so with fresh state), or leaves the persistent batch for any other reason; a slot
@@ -18,14 +26,14 @@ Torch only (no vLLM): ``vllm_ext.runner_hooks`` feeds it from the runner.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
 
 from vllm_ext import metrics
-from vllm_ext.config import ConfigError, SpeedSfiConfig
+from vllm_ext.config import SpeedSfiConfig
 
 
 class PinnedStaging:
@@ -45,20 +53,6 @@ class PinnedStaging:
         if self.gpu is not self.cpu:
             self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
         return self.gpu[:n]
-
-
-# what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
-# (kernel constants, buffer sizes, the schedule) and is refused loudly
-PER_REQUEST_FIELDS = frozenset({"sfi.enabled", "sfi.k"})
-
-
-def _changed_fields(base: SpeedSfiConfig, other: SpeedSfiConfig) -> set[str]:
-    """``section.field`` names whose values differ (the method sections; ``preset`` is not one)."""
-    changed = set()
-    for section in (f.name for f in fields(base) if f.name != "preset"):
-        a, b = getattr(base, section), getattr(other, section)
-        changed.update(f"{section}.{f.name}" for f in fields(a) if getattr(a, f.name) != getattr(b, f.name))
-    return changed
 
 
 @dataclass
@@ -94,10 +88,6 @@ class RequestStateTable:
                  trigger_lut: torch.Tensor | None = None):
         device = torch.device(device)
         self.config = config or SpeedSfiConfig()
-        # SFI: compact-segment slots are fewer than request slots (memory cap); requests without one
-        # decode densely and are counted.
-        self.sfi_enabled = self.config.sfi.enabled and sfi_capacity > 0
-        self.trigger_lut = trigger_lut
         self.device = device
         self.max_reqs = max_reqs
         self.scratch_slot = max_reqs                    # padded rows point here
@@ -105,20 +95,16 @@ class RequestStateTable:
         i32 = dict(dtype=torch.int32, device=device)
         # per-slot tables
         self.prompt_len = torch.zeros(n, **i32)
-        self.steps_since_slow = torch.zeros(n, **i32)
         self.decode_steps = torch.zeros(n, **i32)
         self.generation = torch.zeros(n, **i32)
-        self.has_selection = torch.zeros(n, dtype=torch.bool, device=device)
         self.prompt_len_np = np.zeros(n, dtype=np.int32)
         self.overrides: dict[int, Mapping[str, Any] | None] = {}
-        self.sfi_slot_of = torch.full((n,), -1, **i32)
-        self.sfi_on = torch.zeros(n, dtype=torch.bool, device=device)
-        self.sfi_k = torch.zeros(n, **i32)
-        self.sel_count = torch.zeros(n, **i32)
-        self.sfi_stats = torch.zeros(8, dtype=torch.int64, device=device)
-        self._sfi_free: list[int] = list(range(sfi_capacity - 1, -1, -1))
-        self._sfi_slot_host: dict[int, int] = {}
-        self._sfi_k_host: dict[int, int] = {}
+        # SFI's tables (a room of their own), when the engine runs SFI
+        self.sfi = None
+        if self.config.sfi.enabled and sfi_capacity > 0:
+            from vllm_ext.sfi.slot_tables import SfiSlotTables
+
+            self.sfi = SfiSlotTables(n, sfi_capacity, max_reqs, self.config, trigger_lut, device)
         # per-row buffers
         self._row_slot = PinnedStaging(max_reqs, torch.int32, device)
         self._row_is_decode = PinnedStaging(max_reqs, torch.int32, device)
@@ -139,7 +125,28 @@ class RequestStateTable:
         self._free: list[int] = list(range(max_reqs - 1, -1, -1))   # pop() hands out slot 0 first
         self.counters = SlotCounters()
         self._step_ids = itertools.count()
+        self._staged: _Staged | None = None
+        self._built: StepState | None = None
         self.recorder: list[dict[str, dict[str, int]]] | None = None   # tests: per-step host snapshot
+
+    # ------------------------------------------------------------------ compatibility views
+    @property
+    def sfi_enabled(self) -> bool:
+        return self.sfi is not None
+
+    @property
+    def steps_since_slow(self) -> torch.Tensor:
+        """SFI's per-slot counter; without SFI there is no slow step, so it is the decode steps
+        since the slot was assigned."""
+        return self.decode_steps if self.sfi is None else self.sfi.steps_since_slow
+
+    @property
+    def has_selection(self) -> torch.Tensor | None:
+        return None if self.sfi is None else self.sfi.has_selection
+
+    @property
+    def sfi_stats(self) -> torch.Tensor | None:
+        return None if self.sfi is None else self.sfi.stats
 
     # ------------------------------------------------------------------ lifecycle (host)
     def release(self, req_id: str) -> None:
@@ -147,9 +154,8 @@ class RequestStateTable:
         if slot is not None:
             self._free.append(slot)
             self.overrides.pop(slot, None)
-            sfi_slot = self._sfi_slot_host.pop(slot, None)
-            if sfi_slot is not None:
-                self._sfi_free.append(sfi_slot)
+            if self.sfi is not None:
+                self.sfi.release(slot)
             self._pending_resets.pop(slot, None)
             self.counters.released += 1
 
@@ -163,43 +169,16 @@ class RequestStateTable:
         self.slot_of[req_id] = slot
         self.prompt_len_np[slot] = prompt_len
         self.overrides[slot] = overrides
-        sfi_slot, sfi_on, sfi_k = self._sfi_assignment(slot, overrides)
+        if self.sfi is not None:
+            sfi_slot, sfi_on, sfi_k = self.sfi.assign(slot, overrides)
+        else:
+            sfi_slot, sfi_on, sfi_k = -1, False, 0
+            if _asks_for_sfi(overrides):
+                metrics.fallback("sfi_not_configured", "a request enabled SFI but the engine was started "
+                                 "without it (no compact buffers); it decodes densely")
         self._pending_resets[slot] = (prompt_len, sfi_slot, sfi_k, sfi_on)
         self.counters.acquired += 1
         return slot
-
-    def _sfi_assignment(self, slot: int, overrides: Mapping[str, Any] | None) -> tuple[int, bool, int]:
-        cfg = self.config
-        if overrides:
-            try:
-                cfg = cfg.with_overrides(overrides)
-            except ConfigError as e:
-                metrics.fallback("request_override_invalid", "ignoring a request's speedsfi override: %s", e)
-                cfg = self.config
-            engine_wide = _changed_fields(self.config, cfg) - PER_REQUEST_FIELDS
-            if engine_wide:
-                metrics.fallback("request_override_engine_wide", "a request's speedsfi override sets %s, which "
-                                 "only the engine's configuration can change (a request can set %s); ignored",
-                                 ", ".join(sorted(engine_wide)), ", ".join(sorted(PER_REQUEST_FIELDS)))
-        if not cfg.sfi.enabled:
-            return -1, False, 0
-        if not self.sfi_enabled:
-            metrics.fallback("sfi_not_configured", "a request enabled SFI but the engine was started "
-                             "without it (no compact buffers); it decodes densely")
-            return -1, False, 0
-        k = cfg.sfi.k
-        if k > self.config.sfi.k:
-            metrics.fallback("sfi_k_clamped", "a request asked for sfi.k=%d above the engine's %d "
-                             "(the compact buffers' size); using %d", k, self.config.sfi.k, self.config.sfi.k)
-            k = self.config.sfi.k
-        if not self._sfi_free:
-            metrics.fallback("sfi_capacity", "all %d SFI compact slots are in use (speedsfi.sfi."
-                             "max_requests); further requests decode densely", len(self._sfi_slot_host))
-            return -1, False, k
-        sfi_slot = self._sfi_free.pop()
-        self._sfi_slot_host[slot] = sfi_slot
-        self._sfi_k_host[slot] = k
-        return sfi_slot, True, k
 
     def sync_membership(self, reset_req_ids: Iterable[str],
                         live: Mapping[str, tuple[int, Mapping[str, Any] | None]]) -> None:
@@ -231,39 +210,51 @@ class RequestStateTable:
         self._pending_resets.clear()
         idx = self._reset.copy_to_device(n)
         self.prompt_len.index_copy_(0, idx, self._reset_prompt_len.copy_to_device(n))
-        self.sfi_slot_of.index_copy_(0, idx, self._reset_sfi_slot.copy_to_device(n))
-        self.sfi_k.index_copy_(0, idx, self._reset_sfi_k.copy_to_device(n))
-        self.sfi_on.index_copy_(0, idx, self._reset_sfi_on.copy_to_device(n))
-        self.sel_count.index_fill_(0, idx, 0)
-        self.steps_since_slow.index_fill_(0, idx, 0)
         self.decode_steps.index_fill_(0, idx, 0)
-        self.has_selection.index_fill_(0, idx, False)
         self.generation.index_add_(0, idx, self._ones[:n])
+        if self.sfi is not None:
+            self.sfi.apply_resets(idx, self._reset_sfi_slot.copy_to_device(n),
+                                  self._reset_sfi_k.copy_to_device(n),
+                                  self._reset_sfi_on.copy_to_device(n))
 
-    # ------------------------------------------------------------------ per step
-    def begin_step(self, row_req_ids: list[str | None], num_reqs: int, num_rows: int,
-                   input_ids: torch.Tensor | None, query_start_loc: torch.Tensor | None,
-                   row_is_decode: np.ndarray | None,
-                   seq_lens: torch.Tensor | None = None,
-                   host_geometry: tuple[np.ndarray, np.ndarray] | None = None) -> StepState:
-        """Publish the step's rows. ``row_req_ids`` is the runner's row order; ``input_ids`` and
-        ``query_start_loc`` are the step's device buffers (None for a dummy step);
+    # ------------------------------------------------------------------ per step: stage (host)
+    def stage(self, row_req_ids: list[str | None], num_reqs: int, num_rows: int, *, real: bool,
+              input_ids: torch.Tensor | None = None, query_start_loc: torch.Tensor | None = None,
+              row_is_decode: np.ndarray | None = None,
+              host_geometry: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Stage the step's rows on the host (no device work). ``row_req_ids`` is the runner's row
+        order; ``input_ids`` / ``query_start_loc`` are the step's device buffers (read at build);
         ``host_geometry`` = (host ``query_start_loc [num_reqs + 1]``, tokens computed before this
         step ``[num_reqs]``), exact for prefill rows, used to find the prefills that end here."""
         if num_rows > self.max_reqs:
             raise RuntimeError(f"vllm_ext: a step with {num_rows} rows exceeds the {self.max_reqs} "
                                f"request slots (max_num_seqs)")
-        self._apply_resets()
-        real = input_ids is not None
-        slots = self._row_slot.np
-        if real:
-            for row in range(num_reqs):
-                slots[row] = self.slot_of[row_req_ids[row]]
-            self._row_is_decode.np[:num_reqs] = row_is_decode[:num_reqs]
-        else:
+        real = real and input_ids is not None
+        if not real:
             num_reqs = 0
+        slots = self._row_slot.np
+        for row in range(num_reqs):
+            slots[row] = self.slot_of[row_req_ids[row]]
         slots[num_reqs:num_rows] = self.scratch_slot
+        if num_reqs:
+            self._row_is_decode.np[:num_reqs] = row_is_decode[:num_reqs]
         self._row_is_decode.np[num_reqs:num_rows] = False
+        self._staged = _Staged(list(row_req_ids[:num_reqs]), num_reqs, num_rows, real, input_ids,
+                               query_start_loc, host_geometry)
+        self._built = None
+
+    # ------------------------------------------------------------------ per step: build (device)
+    def build_step(self, seq_lens: torch.Tensor | None = None,
+                   block_table: torch.Tensor | None = None) -> StepState:
+        """The staged step on the device (once per step: later calls return the same state)."""
+        if self._built is not None:
+            return self._built
+        st = self._staged
+        if st is None:
+            raise RuntimeError("vllm_ext: no step was staged (the runner hooks did not run)")
+        self._apply_resets()
+        num_reqs, num_rows = st.num_reqs, st.num_rows
+        slots = self._row_slot.np
         row_slot = self._row_slot.copy_to_device(num_rows)
         row_is_decode = self._row_is_decode.copy_to_device(num_rows)
         self._row_prompt_len_np[:num_rows] = self.prompt_len_np[slots[:num_rows]]
@@ -271,68 +262,48 @@ class RequestStateTable:
         torch.index_select(self.prompt_len, 0, row_slot, out=row_prompt_len)
         row_last_token = self._row_last_token[:num_rows]
         row_last_token[num_reqs:].fill_(0)
-        sfi_step = None
-        if real and num_reqs:
+        if st.real and num_reqs:
             last_idx = self._last_idx[:num_reqs]
-            torch.sub(query_start_loc[1:num_reqs + 1], 1, out=last_idx)
-            torch.index_select(input_ids, 0, last_idx, out=row_last_token[:num_reqs])
+            torch.sub(st.query_start_loc[1:num_reqs + 1], 1, out=last_idx)
+            torch.index_select(st.input_ids, 0, last_idx, out=row_last_token[:num_reqs])
             # one more decode step for every decode row (padded rows land in the scratch slot)
             self.decode_steps.index_add_(0, row_slot, row_is_decode)
-            counted = row_is_decode
-            if self.sfi_enabled and seq_lens is not None:
-                from vllm_ext.sfi.step_plan import plan_step
-
-                sfi_step = plan_step(self.config.sfi, row_slot=row_slot, row_last_token=row_last_token,
+        sfi_step = None
+        if self.sfi is not None and seq_lens is not None:
+            # planned on every build, real or not: a CUDA-graph capture records the real SFI path
+            # over these buffers (its rows are padding, so they plan as dense)
+            sfi_step = self.sfi.plan(row_slot=row_slot, row_last_token=row_last_token,
                                      row_is_decode=row_is_decode, seq_lens=seq_lens[:num_rows],
-                                     sfi_slot_of=self.sfi_slot_of, sfi_on=self.sfi_on, sfi_k=self.sfi_k,
-                                     steps_since_slow=self.steps_since_slow,
-                                     has_selection=self.has_selection, sel_count=self.sel_count,
-                                     trigger_lut=self.trigger_lut, stats=self.sfi_stats)
-                # the SFI schedule owns the counter of its sparse rows
-                counted = row_is_decode * (~sfi_step.row_sparse)
-                if host_geometry is not None:
-                    sfi_step.prefill_end = self._plan_prefill_end(num_reqs, host_geometry)
-            self.steps_since_slow.index_add_(0, row_slot, counted.to(torch.int32))
-        step = StepState(num_reqs=num_reqs, num_rows=num_rows, is_real=real, row_slot=row_slot,
+                                     block_table=block_table)
+            if st.real and st.host_geometry is not None:
+                sfi_step.prefill_end = self.sfi.plan_prefill_end(
+                    num_reqs=num_reqs, row_slots=slots, row_is_decode=self._row_is_decode.np,
+                    prompt_len=self.prompt_len_np, host_geometry=st.host_geometry,
+                    row_slot_device=row_slot)
+            self.sfi.counters.publish()
+        step = StepState(num_reqs=num_reqs, num_rows=num_rows, is_real=st.real, row_slot=row_slot,
                          row_prompt_len=row_prompt_len, row_last_token=row_last_token,
                          row_is_decode=row_is_decode, row_slot_np=slots[:num_rows],
                          row_prompt_len_np=self._row_prompt_len_np[:num_rows],
                          row_is_decode_np=self._row_is_decode.np[:num_rows], table=self,
                          step_id=next(self._step_ids),
                          seq_lens=None if seq_lens is None else seq_lens[:num_rows], sfi=sfi_step)
-        if self.recorder is not None and real:
-            self.recorder.append(self.snapshot(step, row_req_ids))
+        if self.recorder is not None and st.real:
+            self.recorder.append(self.snapshot(step, st.row_req_ids))
+        self._built = step
         return step
 
-    def _plan_prefill_end(self, num_reqs: int, host_geometry):
-        from vllm_ext.sfi.schedule import mark_selected
-        from vllm_ext.sfi.step_plan import STAT_PREFILL_END, plan_prefill_end
-
-        cfg = self.config.sfi
-        qsl, computed = host_geometry
-        slots = self._row_slot.np
-        rows, ends, q_lens, seqs, ks, sfi_slots = [], [], [], [], [], []
-        for row in range(num_reqs):
-            slot = int(slots[row])
-            if self._row_is_decode.np[row] or slot not in self._sfi_slot_host:
-                continue
-            q_len = int(qsl[row + 1] - qsl[row])
-            seq = int(computed[row]) + q_len
-            k = self._sfi_k_host[slot]
-            if seq < self.prompt_len_np[slot] or seq <= cfg.n_sink + cfg.n_recent + k:
-                continue
-            rows.append(row); ends.append(int(qsl[row + 1])); q_lens.append(q_len)
-            seqs.append(seq); ks.append(k); sfi_slots.append(self._sfi_slot_host[slot])
-        plan = plan_prefill_end(cfg, rows=rows, query_end=ends, q_lens=q_lens, seq_lens=seqs, ks=ks,
-                                sfi_slots=sfi_slots, device=self.device)
-        if plan is not None:
-            row_slot = self._row_slot.gpu[plan.rows]
-            mark_selected(self.steps_since_slow, self.has_selection, row_slot,
-                          torch.ones_like(plan.rows, dtype=torch.bool))
-            n_sel = torch.minimum(plan.k, plan.allowed_hi - plan.allowed_lo)
-            self.sel_count.index_copy_(0, row_slot.long(), n_sel)
-            self.sfi_stats[STAT_PREFILL_END] += plan.rows.shape[0]
-        return plan
+    def begin_step(self, row_req_ids: list[str | None], num_reqs: int, num_rows: int,
+                   input_ids: torch.Tensor | None, query_start_loc: torch.Tensor | None,
+                   row_is_decode: np.ndarray | None,
+                   seq_lens: torch.Tensor | None = None,
+                   host_geometry: tuple[np.ndarray, np.ndarray] | None = None,
+                   block_table: torch.Tensor | None = None) -> StepState:
+        """``stage`` + ``build_step`` in one call (tests and tools that drive the table directly)."""
+        self.stage(row_req_ids, num_reqs, num_rows, real=input_ids is not None, input_ids=input_ids,
+                   query_start_loc=query_start_loc, row_is_decode=row_is_decode,
+                   host_geometry=host_geometry)
+        return self.build_step(seq_lens, block_table)
 
     def snapshot(self, step: StepState, row_req_ids: list[str | None]) -> dict[str, dict[str, int]]:
         """Host copy of the step's per-request view (synchronises: tests and debugging only)."""
@@ -350,3 +321,19 @@ class RequestStateTable:
             }
             for row in range(step.num_reqs)
         }
+
+
+@dataclass
+class _Staged:
+    row_req_ids: list
+    num_reqs: int
+    num_rows: int
+    real: bool
+    input_ids: torch.Tensor | None
+    query_start_loc: torch.Tensor | None
+    host_geometry: tuple | None
+
+
+def _asks_for_sfi(overrides: Mapping[str, Any] | None) -> bool:
+    sfi = (overrides or {}).get("sfi") if isinstance(overrides, Mapping) else None
+    return isinstance(sfi, Mapping) and bool(sfi.get("enabled"))

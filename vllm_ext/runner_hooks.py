@@ -1,27 +1,24 @@
 """Feeds ``RequestStateTable`` from vLLM's V1 model runner (``GPUModelRunner``; the CPU build's
-``CPUModelRunner`` is a subclass), and publishes each step's ``StepState`` to the SPEEDSFI builders.
+``CPUModelRunner`` is a subclass). The hooks stage host-side facts only; the SPEEDSFI metadata
+builders (bound to the runner's table here, once) build the device plan from them.
 
 Two methods are wrapped, both inert unless the runner's config selects SPEEDSFI:
 - ``_update_states(scheduler_output)``: after vLLM has updated its persistent batch, slots follow it
   (finished / aborted / resumed-after-preemption requests get fresh state).
-- ``_build_attention_metadata(...)``: just before the builders run, the step's rows are published
-  (``current_step()``). A real step is recognised by ``num_scheduled_tokens`` (``execute_model``
-  passes it; profiling, warm-up and CUDA-graph capture runs do not) and ``for_cudagraph_capture``.
+- ``_build_attention_metadata(...)``: just before the builders run, the step's rows are staged. A real
+  step is recognised by ``num_scheduled_tokens`` (``execute_model`` passes it; profiling, warm-up and
+  CUDA-graph capture runs do not) and ``for_cudagraph_capture``.
 """
 
 from __future__ import annotations
 
 import functools
 
-from vllm_ext.request_state import RequestStateTable, StepState
+from vllm_ext.request_state import RequestStateTable
 
 _TABLE_ATTR = "_speedsfi_request_table"
+_BOUND_ATTR = "_speedsfi_builders_bound"
 _PATCHED_ATTR = "_speedsfi_patched"
-_current_step: StepState | None = None
-
-
-def current_step() -> StepState | None:
-    return _current_step
 
 
 def table_of(runner) -> RequestStateTable | None:
@@ -33,17 +30,6 @@ def table_of(runner) -> RequestStateTable | None:
         table = _make_table(runner) if is_speedsfi_selected(runner.vllm_config) else None
         runner.__dict__[_TABLE_ATTR] = table
     return table
-
-
-def sfi_capacity(vllm_config) -> int:
-    """Requests that can hold SFI compact state at once (``speedsfi.sfi.max_requests``)."""
-    from vllm_ext.backend.startup import resolve_config
-
-    cfg = resolve_config(vllm_config).sfi
-    if not cfg.enabled:
-        return 0
-    max_seqs = vllm_config.scheduler_config.max_num_seqs
-    return min(cfg.max_requests or min(max_seqs, 32), max_seqs)
 
 
 def _make_table(runner) -> RequestStateTable:
@@ -65,24 +51,34 @@ def _make_table(runner) -> RequestStateTable:
         logging.getLogger("vllm_ext").info("vllm_ext: SFI trigger set: %d of %d vocabulary ids end in "
                                            "%r", len(ids), model_config.get_vocab_size(),
                                            "".join(cfg.sfi.trigger_chars))
+    from vllm_ext.backend.metadata import sfi_capacity
+
     table = RequestStateTable(runner.max_num_reqs, runner.device, config=cfg,
                               sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut)
-    if table.sfi_enabled:
+    if table.sfi is not None:
         from vllm_ext import metrics
-        from vllm_ext.sfi import step_plan
 
-        names = {step_plan.STAT_SLOW: "sfi.slow_steps", step_plan.STAT_FAST: "sfi.fast_steps",
-                 step_plan.STAT_DENSE: "sfi.dense_rows",
-                 step_plan.STAT_RETAINED: "sfi.fast_retained_tokens",
-                 step_plan.STAT_CONTEXT: "sfi.fast_context_tokens",
-                 step_plan.STAT_PREFILL_END: "sfi.prefill_end_selections"}
-
-        def sfi_counters(stats=table.sfi_stats) -> dict[str, int]:
-            values = stats.tolist()
-            return {name: values[i] for i, name in names.items()}
-
-        metrics.add_provider("sfi", sfi_counters)
+        # device counters, read without synchronising (the latest completed copy)
+        metrics.add_provider("sfi", table.sfi.counter_values)
     return table
+
+
+def _bind_builders(runner, table: RequestStateTable) -> None:
+    """Hand the table to every SPEEDSFI metadata builder of the runner (once: the builders live as
+    long as the runner's KV cache)."""
+    if runner.__dict__.get(_BOUND_ATTR):
+        return
+    from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
+
+    found = 0
+    for groups in getattr(runner, "attn_groups", []) or []:
+        for group in groups:
+            for builder in getattr(group, "metadata_builders", []) or []:
+                if isinstance(builder, SpeedSfiMetadataBuilder):
+                    builder.bind_request_state(table)
+                    found += 1
+    if found:
+        runner.__dict__[_BOUND_ATTR] = True
 
 
 def _live_requests(runner) -> dict:
@@ -106,22 +102,21 @@ def _after_update_states(runner, scheduler_output) -> None:
     table.sync_membership(reset, _live_requests(runner))
 
 
-def _publish_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool) -> None:
-    global _current_step
+def _stage_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool) -> None:
     table = table_of(runner)
     if table is None:
-        _current_step = None
         return
+    _bind_builders(runner, table)
     num_rows = num_reqs_padded or num_reqs
     if real:
         batch = runner.input_batch
         is_decode = (batch.num_computed_tokens_cpu[:num_reqs]
                      >= batch.num_prompt_tokens[:num_reqs])
-        _current_step = table.begin_step(batch.req_ids, num_reqs, num_rows, runner.input_ids.gpu,
-                                         runner.query_start_loc.gpu, is_decode, runner.seq_lens,
-                                         (runner.query_start_loc.np, batch.num_computed_tokens_cpu))
+        table.stage(batch.req_ids, num_reqs, num_rows, real=True, input_ids=runner.input_ids.gpu,
+                    query_start_loc=runner.query_start_loc.gpu, row_is_decode=is_decode,
+                    host_geometry=(runner.query_start_loc.np, batch.num_computed_tokens_cpu))
     else:
-        _current_step = table.begin_step([], 0, num_rows, None, None, None)
+        table.stage([], 0, num_rows, real=False)
 
 
 def install() -> None:
@@ -144,7 +139,7 @@ def install() -> None:
         def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, *args, **kwargs):
             real = (kwargs.get("num_scheduled_tokens") is not None
                     and not kwargs.get("for_cudagraph_capture", False))
-            _publish_step(self, num_reqs, kwargs.get("num_reqs_padded"), real)
+            _stage_step(self, num_reqs, kwargs.get("num_reqs_padded"), real)
             return build(self, num_tokens, num_reqs, max_query_len, *args, **kwargs)
 
         setattr(_build_attention_metadata, _PATCHED_ATTR, True)

@@ -23,7 +23,7 @@ def _run(model, sfi=None, max_tokens=40, params=None, prompts=PROMPTS, **kwargs)
         else:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             tokens = [list(o.outputs[0].token_ids) for o in outs]
-        stats = table.sfi_stats.tolist()
+        stats = table.sfi_stats.tolist() if table.sfi is not None else None
         records = table.recorder
     return tokens, stats, records
 
@@ -125,7 +125,7 @@ def test_preemption_with_sfi_resets_state(tiny_models):
         table = table_of(model_runner(llm))
         table.recorder = []
         tokens = greedy(llm, prompts, max_tokens=120)
-        stats = table.sfi_stats.tolist()
+        stats = table.sfi_stats.tolist() if table.sfi is not None else None
         records = table.recorder
         released = table.counters.released
     assert all(len(t) == 120 for t in tokens)

@@ -11,6 +11,7 @@ from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, SENTINEL, ass
                             assert_evidence_close, blocks_needed, case_id, cuda_only,
                             make_block_table, make_kv_cache, reference_dense_attention,
                             reference_evidence, row_lengths)
+from vllm_ext.kernels.paged_reference import gather_kv
 from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence,
                                                     dense_decode_with_evidence_torch,
                                                     dense_decode_workspace, paged_decode,
@@ -53,7 +54,9 @@ def _check(p, out, ev, alpha, what):
             hi = min(int(p["hi"][i]), L, p["max_len"])
             ref = reference_evidence(p["q"][i:i + 1], p["kv"], p["bt"][i], lo, hi, p["max_len"],
                                      p["scale"], alpha)
-            assert_evidence_close(ev[i], ref, what=f"{what} evidence row {i} (len {L})")
+            lim = min(L, p["max_len"])
+            assert_evidence_close(ev[i, :, :lim], ref[:, :lim], what=f"{what} evidence row {i} (len {L})")
+            assert torch.all(ev[i, :, lim:] == SENTINEL), f"{what}: row {i} written past its length"
 
 
 def _run(case, num_splits, seed, alpha=0.5, **kw):
@@ -81,7 +84,9 @@ def test_dense_evidence_fast_grid(case):
     # the allowed set of the longest row is non-trivial: evidence must be finite there
     ev = res["kernel"][1]
     i = p["lens"].index(101)
-    assert torch.isfinite(ev[i, :, 4:93]).all() and torch.isinf(ev[i, :, 93:]).all()
+    assert torch.isfinite(ev[i, :, 4:93]).all() and torch.isinf(ev[i, :, 93:101]).all()
+    # work follows the row's own length: columns past it are not written
+    assert torch.all(ev[i, :, 101:] == SENTINEL)
 
 
 @pytest.mark.cuda
@@ -104,7 +109,7 @@ def test_evidence_group_of_one_is_a_distribution():
     for i, L in enumerate(p["lens"]):
         lo, hi = int(p["lo"][i]), min(int(p["hi"][i]), L)
         if p["act"][i] and hi > lo:
-            tot = torch.exp(ev[i].double()).sum(-1)
+            tot = torch.exp(ev[i, :, :min(L, p["max_len"])].double()).sum(-1)
             torch.testing.assert_close(tot.cpu(), torch.ones(p["hkv"], dtype=torch.float64),
                                        atol=1e-5, rtol=1e-5)
 
@@ -146,3 +151,37 @@ def test_paged_decode_full_grid_default_splits(case):
     out = torch.full_like(p["q"], SENTINEL)
     paged_decode(p["q"], p["kv"], p["bt"], p["seq"], p["scale"], out)
     _check(p, out, None, 0.5, "paged_decode default splits")
+
+
+@pytest.mark.parametrize("case", FAST_CASES[:3], ids=case_id)
+def test_evidence_scratch_slots_and_key_norms(case):
+    """The SFI path's form: only rows with an evidence slot (slow rows) get evidence, written to
+    their slot; key norms come from the same pass; rows without a slot are attended only; unused
+    slots are untouched."""
+    p = _problem(case, 31)
+    r, hq, d = p["q"].shape
+    n_slots = 5
+    # rows 5 (len 101) -> slot 3, 3 (len bs+1) -> slot 0, 6 (masked out) -> slot 1; slots 2, 4 unused
+    sidx = torch.full((r,), -1, dtype=torch.int32, device=DEVICE)
+    rows = torch.full((n_slots,), -1, dtype=torch.int32, device=DEVICE)
+    for row, slot in ((5, 3), (3, 0), (6, 1)):
+        sidx[row], rows[slot] = slot, row
+    for name, fn in (("kernel", dense_decode_with_evidence), ("twin", dense_decode_with_evidence_torch)):
+        out = torch.full_like(p["q"], SENTINEL)
+        ev = torch.full((n_slots, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
+        kn = torch.full((n_slots, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
+        fn(p["q"], p["kv"], p["bt"], p["seq"], p["lo"], p["hi"], p["scale"], out, ev, p["mask"],
+           0.5, num_splits=2, scratch_index=sidx, evidence_rows=rows, key_norms=kn)
+        _check(p, out, None, 0.5, name)            # every active row attended
+        for slot in (1, 2, 4):                      # masked-out row's slot and unused slots
+            assert torch.all(ev[slot] == SENTINEL) and torch.all(kn[slot] == SENTINEL), name
+        for row, slot in ((5, 3), (3, 0)):
+            L = p["lens"][row]
+            lo, hi = max(int(p["lo"][row]), 0), min(int(p["hi"][row]), L)
+            ref = reference_evidence(p["q"][row:row + 1], p["kv"], p["bt"][row], lo, hi,
+                                     p["max_len"], p["scale"], 0.5)
+            assert_evidence_close(ev[slot, :, :L], ref[:, :L], what=f"{name} slot {slot}")
+            assert torch.all(ev[slot, :, L:] == SENTINEL)
+            k, _ = gather_kv(p["kv"], p["bt"][row], torch.arange(L, device=DEVICE))
+            torch.testing.assert_close(kn[slot, :, :L], k.float().norm(dim=-1), atol=1e-2, rtol=1e-2)
+            assert torch.all(kn[slot, :, L:] == SENTINEL)

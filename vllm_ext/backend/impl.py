@@ -1,5 +1,5 @@
 """The SPEEDSFI attention impl. Per layer it holds only persistent buffers (SFI's compact segments);
-every step-dependent decision comes from the step state in the metadata.
+every step-dependent decision comes from the step plan in the metadata (built by the builder).
 
 Dense path (every method off, and whatever a method leaves dense):
 - CUDA: vLLM's own Triton attention (``TritonAttentionImpl``) for the KV write and the attention, so
@@ -9,8 +9,10 @@ Both write K/V themselves (``forward_includes_kv_cache_update``) and read the ca
 
 SFI (``speedsfi.sfi.enabled``): decode rows follow the step plan (dense / slow / fast, decided on the
 device, ``vllm_ext.sfi.step_plan``); ending prefills make the first selection; see
-``vllm_ext.sfi.decode``. On CUDA a pure-decode step runs only our kernels (dense rows, slow rows with
-evidence, fast rows, each masked on the device); a mixed step runs the dense delegate first.
+``vllm_ext.backend.sfi_path``. On CUDA a pure-decode step runs only our kernels, the same launches
+whatever the rows decide, so vLLM captures it in a FULL CUDA graph; a mixed step runs the dense
+delegate first (piecewise). The forward never synchronises with the host and counts nothing on the
+host: counters are device tensors updated by the plan.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from vllm_ext import metrics
-from vllm_ext.backend.metadata import SpeedSfiMetadata
+from vllm_ext.backend.metadata import SpeedSfiMetadata, sfi_capacity
 from vllm_ext.backend.startup import resolve_config
 from vllm_ext.config import ConfigError
 from vllm_ext.kernels import paged_reference
@@ -53,11 +55,9 @@ class SpeedSfiImpl(AttentionImpl):
         self.config = resolve_config(vllm_config)
         self._max_rows = vllm_config.scheduler_config.max_num_seqs
         self._max_len = vllm_config.model_config.max_model_len
-        from vllm_ext.runner_hooks import sfi_capacity
-
         self._sfi_capacity = sfi_capacity(vllm_config)
         self._sfi_layer = None
-        self._sfi_ring = None
+        self._sfi_rt = None
         self._layer_index = -1
         self._dense = None
         if not current_platform.is_cpu():
@@ -69,19 +69,20 @@ class SpeedSfiImpl(AttentionImpl):
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         # Runs before vLLM profiles memory: what is allocated here comes out of its budget.
         if self._sfi_capacity:
-            from vllm_ext.sfi.decode import SfiLayerBuffers
+            from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, shared_runtime
 
             device = _device()
             self._sfi_layer = SfiLayerBuffers(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
                                               self.head_size, act_dtype, device)
-            metrics.log_once("sfi_buffers", "vllm_ext: SFI compact segments: %d request slots x %d KV "
-                             "heads x %d entries = %.1f MiB per layer", self._sfi_capacity,
+            metrics.log_once("sfi_buffers", "vllm_ext: SFI compact segments: C %d request slots x Hkv "
+                             "%d x (n_sink + k) %d entries x 2D = %.1f MiB per layer", self._sfi_capacity,
                              self.num_kv_heads, self.config.sfi.n_sink + self.config.sfi.k,
                              SfiLayerBuffers.nbytes(self._sfi_capacity, self.num_kv_heads,
                                                     self.config.sfi, self.head_size, act_dtype) / 2**20)
-            self._sfi_ring = _shared_ring(self.config.sfi, self._max_rows, self.num_heads,
-                                          self.num_kv_heads, self.head_size, self._max_len, act_dtype,
-                                          device)
+            self._sfi_rt = shared_runtime(self.config.sfi, capacity=self._sfi_capacity,
+                                          max_rows=self._max_rows, num_heads=self.num_heads,
+                                          num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                                          max_len=self._max_len, device=device)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: SpeedSfiMetadata | None, output: torch.Tensor,
@@ -101,67 +102,57 @@ class SpeedSfiImpl(AttentionImpl):
             return self._forward(layer, query, key, value, kv_cache, md, output, sfi)
         finally:
             if sfi is not None and layer.layer_name == md.last_layer_name:
-                self._sfi_ring.join()                 # the step's one join of side-stream work
+                self._sfi_rt.ring.join()              # the step's one join of side-stream work
 
     def _forward(self, layer, query, key, value, kv_cache, md, output, sfi):
         if self._dense is not None:
             self._dense.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
             if sfi is None:
-                metrics.bump("forward.dense_triton")
                 return self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
             return self._forward_sfi_cuda(layer, query, key, value, kv_cache, md, output, sfi)
         paged_reference.write_kv(kv_cache, key, value, md.slot_mapping)
-        metrics.bump("forward.dense_torch")
         paged_reference.dense_paged_attention(query, kv_cache, md.block_table, md.query_start_loc_host,
                                               md.seq_lens_host, self.scale, output)
         if sfi is not None:
             self._sfi_prefill_end(query, kv_cache, md, sfi)
         if sfi is not None and md.num_decodes:
-            # The dense output above is the slow rows' output and the reference for dense rows
-            # (bit-identical to all-off); fast rows are overwritten.
-            from vllm_ext.sfi.decode import sfi_decode
+            # The dense output above is the dense rows' output (bit-identical to all-off); slow rows
+            # get their evidence (and their dense output again), fast rows are overwritten.
+            from vllm_ext.backend.sfi_path import sfi_decode
 
-            metrics.bump("forward.sfi_decode")
             nd = md.num_decodes
             sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
-                       self.config.sfi, self._sfi_layer, self._sfi_ring, self._layer_index,
+                       self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index,
                        self.scale, output[:nd], dense_done=True)
         return output
 
     def _sfi_prefill_end(self, query, kv_cache, md, sfi) -> None:
         if sfi.prefill_end is None:
             return
-        from vllm_ext.sfi.decode import sfi_prefill_end
+        from vllm_ext.backend.sfi_path import sfi_prefill_end
 
-        metrics.bump("forward.sfi_prefill_end")
         sfi_prefill_end(query, kv_cache, md.block_table, sfi.prefill_end, self.config.sfi,
-                        self._sfi_layer, self._sfi_ring, self._layer_index, self.scale)
+                        self._sfi_layer, self._sfi_rt, self._layer_index, self.scale)
 
     def _forward_sfi_cuda(self, layer, query, key, value, kv_cache, md, output, sfi):
-        from vllm_ext.kernels.dense_decode_evidence import paged_decode
-        from vllm_ext.sfi.decode import sfi_decode
+        from vllm_ext.backend.sfi_path import sfi_decode
 
         nd = md.num_decodes
-        if nd == 0:
+        if md.num_prefills or nd == 0:
+            # A step with prefills (never captured in a FULL graph): the delegate computes every row
+            # densely; SFI then makes the ending prefills' selections and runs the decode rows.
             self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
             self._sfi_prefill_end(query, kv_cache, md, sfi)
+            if nd:
+                sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
+                           self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index,
+                           self.scale, output[:nd], dense_done=True)
             return output
-        metrics.bump("forward.sfi_decode")
-        if md.num_prefills:
-            # Mixed batch: the delegate computes every row densely; SFI then refreshes / overwrites.
-            self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
-            self._sfi_prefill_end(query, kv_cache, md, sfi)
-            sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
-                       self.config.sfi, self._sfi_layer, self._sfi_ring, self._layer_index,
-                       self.scale, output[:nd], dense_done=True)
-            return output
-        # Pure decode: dense rows, slow rows (dense + evidence) and fast rows, each masked on the device.
-        dense_rows = ~sfi.row_sparse[:nd]
-        paged_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], self.scale,
-                     output[:nd], row_mask=dense_rows, workspace=self._sfi_ring.dense_workspace)
-        sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi, self.config.sfi,
-                   self._sfi_layer, self._sfi_ring, self._layer_index, self.scale, output[:nd],
-                   dense_done=False)
+        # Pure decode (padded rows included): our kernels only, decisions on the device.
+        rows = min(md.num_reqs, query.shape[0])
+        sfi_decode(query[:rows], kv_cache, md.block_table[:rows], md.seq_lens[:rows], sfi,
+                   self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index, self.scale,
+                   output[:rows], dense_done=False)
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -176,46 +167,6 @@ def _device() -> torch.device:
     if current_platform.is_cpu():
         return torch.device("cpu")
     return torch.device(current_platform.device_type, torch.accelerator.current_device_index())
-
-
-_rings: dict[tuple, object] = {}
-
-
-def _shared_ring(cfg, max_rows, num_heads, num_kv_heads, head_size, max_len, dtype, device):
-    """One maintenance ring (evidence / key-norm scratch + side stream) per device and shape, shared
-    by every layer."""
-    import logging
-
-    from vllm_ext.sfi.decode import MaintenanceRing, SfiScratch
-
-    dual = cfg.dual_stream and device.type == "cuda"
-    key = (device, max_rows, num_heads, num_kv_heads, head_size, max_len, dtype, dual,
-           cfg.side_stream_slots)
-    if key not in _rings:
-        _rings.clear()
-        n = cfg.side_stream_slots if dual else 1
-        entries = [SfiScratch.allocate(max_rows, num_heads, num_kv_heads, head_size, max_len, dtype,
-                                       device) for _ in range(n)]
-        dense_ws = split_ws = None
-        if device.type == "cuda":
-            from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
-            from vllm_ext.kernels.two_segment_decode import two_segment_workspace
-
-            max_splits = 32                    # the kernels' split heuristic never exceeds this
-            dense_ws = dense_decode_workspace(max_rows, num_heads, head_size, max_splits, device,
-                                              max_len=max_len)
-            split_ws = two_segment_workspace(max_rows, num_heads, head_size, max_splits, device)
-        _rings[key] = MaintenanceRing(entries, device, dual, dense_workspace=dense_ws,
-                                      split_workspace=split_ws)
-        tensors = [t for e in entries for t in (e.log_evidence, e.key_norms, e.slow_out)]
-        for ws in (dense_ws, split_ws):
-            if ws is not None:
-                tensors += [t for t in vars(ws).values() if isinstance(t, torch.Tensor)]
-        mib = sum(t.numel() * t.element_size() for t in tensors) / 2**20
-        logging.getLogger("vllm_ext").info(
-            "vllm_ext: SFI maintenance %s, %d scratch slot(s), %.1f MiB", "on a side stream" if dual
-            else "serial", n, mib)
-    return _rings[key]
 
 
 def _refuse_unsupported(alibi_slopes, sliding_window, logits_soft_cap, attn_type,

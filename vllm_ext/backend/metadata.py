@@ -1,9 +1,13 @@
-"""The SPEEDSFI metadata builder: a thin layer over vLLM's common metadata plus the step's per-request
-state (``StepState``, published by ``vllm_ext.runner_hooks``). One metadata object per KV-cache group
-and step, read by every layer of the group: the packed per-step descriptor of the SFI design.
+"""The SPEEDSFI metadata builder: a thin layer over vLLM's common metadata plus the step's plan.
 
-On CUDA the dense path delegates to vLLM's Triton backend, so its builder runs too and its metadata
-rides along (``delegate``).
+Plan/run split (as FlashInfer's wrappers): the runner hooks only stage host-side facts (rows -> request
+slots, which rows decode, prefill geometry) in the request-state table, which the hooks bind to this
+builder once; ``build`` turns them into the device plan inside the table's persistent buffers
+(``RequestStateTable.build_step``), and every layer of the step reads that plan. Builds for CUDA-graph
+capture produce a real plan too, so a captured decode step records the real SFI path.
+
+One metadata object per KV-cache group and step. On CUDA the dense path delegates to vLLM's Triton
+backend, so its builder runs too and its metadata rides along (``delegate``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,18 @@ from vllm.v1.attention.backend import (AttentionCGSupport, AttentionMetadataBuil
                                        CommonAttentionMetadata)
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from vllm_ext import metrics, runner_hooks
+from vllm_ext import metrics
 from vllm_ext.backend.startup import resolve_config
-from vllm_ext.request_state import StepState
+from vllm_ext.request_state import RequestStateTable, StepState
+
+
+def sfi_capacity(vllm_config) -> int:
+    """Requests that can hold SFI compact state at once (``speedsfi.sfi.max_requests``)."""
+    cfg = resolve_config(vllm_config).sfi
+    if not cfg.enabled:
+        return 0
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
+    return min(cfg.max_requests or min(max_seqs, 32), max_seqs)
 
 
 @dataclass
@@ -55,13 +68,19 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # All methods off: exactly the Triton delegate, whose graphs vLLM already trusts. With a
-        # method on, attention runs eagerly between graph pieces until the method's kernels are
-        # proven capture-safe on a GPU.
-        cfg = resolve_config(vllm_config)
-        if cfg.any_enabled or not current_platform.is_cuda_alike():
+        if not current_platform.is_cuda_alike():
             return AttentionCGSupport.NEVER
-        return _dense_delegate_builder_cls().get_cudagraph_support(vllm_config, kv_cache_spec)
+        cfg = resolve_config(vllm_config)
+        if not cfg.any_enabled:
+            # all methods off: exactly the Triton delegate, whose graphs vLLM already trusts
+            return _dense_delegate_builder_cls().get_cudagraph_support(vllm_config, kv_cache_spec)
+        if cfg.sfi.enabled and not (cfg.speed.enabled or cfg.critiprefill.enabled):
+            # A uniform single-token decode step runs only our kernels, with every decision in
+            # device buffers the builder rewrites before each replay (and the side stream forked and
+            # joined inside the step): FULL graphs. Steps with prefills run the delegate and the
+            # host-planned prefill-end selection: piecewise.
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -71,17 +90,22 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
 
         self._last_layer_name = max(layer_names, key=extract_layer_index) if layer_names else ""
         self._on_cpu = torch.device(device).type == "cpu"
+        self._state: RequestStateTable | None = None
         self._delegate = None
         if not self._on_cpu:
             self._delegate = _dense_delegate_builder_cls()(kv_cache_spec, layer_names, vllm_config,
                                                            device)
 
+    def bind_request_state(self, table: RequestStateTable) -> None:
+        """Called by the runner hooks once the runner's request-state table exists."""
+        self._state = table
+
     def _step(self, cm: CommonAttentionMetadata) -> StepState:
-        step = runner_hooks.current_step()
-        if step is None:
-            raise RuntimeError("SPEEDSFI: the model runner published no step state. SPEEDSFI runs on "
-                               "vLLM's V1 model runner with vllm_ext's hooks (do not set "
-                               "VLLM_USE_V2_MODEL_RUNNER=1).")
+        if self._state is None:
+            raise RuntimeError("SPEEDSFI: no request-state table is bound to the metadata builder. "
+                               "SPEEDSFI runs on vLLM's V1 model runner with vllm_ext's hooks (do not "
+                               "set VLLM_USE_V2_MODEL_RUNNER=1).")
+        step = self._state.build_step(cm.seq_lens, cm.block_table_tensor)
         if step.num_rows != cm.num_reqs:
             raise RuntimeError(f"SPEEDSFI: step state has {step.num_rows} rows but the batch has "
                                f"{cm.num_reqs}; vllm_ext's runner hooks do not match this vLLM")
@@ -90,6 +114,7 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
     def _build(self, cm: CommonAttentionMetadata, delegate) -> SpeedSfiMetadata:
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = \
             split_decodes_and_prefills(cm, decode_threshold=1)
+        step = self._step(cm)
         md = SpeedSfiMetadata(
             num_actual_tokens=cm.num_actual_tokens, num_reqs=cm.num_reqs,
             max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
@@ -97,11 +122,15 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
-            step=self._step(cm), delegate=delegate, last_layer_name=self._last_layer_name)
+            step=step, delegate=delegate, last_layer_name=self._last_layer_name)
         if self._on_cpu:
             md.query_start_loc_host = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
             md.seq_lens_host = cm.seq_lens[: cm.num_reqs].tolist()
-        metrics.bump("builder.build")
+        if step.is_real:
+            # host counters, once per step and group (never per layer)
+            metrics.bump("steps.built")
+            metrics.bump("steps.dense_torch" if self._on_cpu else
+                         "steps.sfi" if step.sfi is not None else "steps.dense_triton")
         return md
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

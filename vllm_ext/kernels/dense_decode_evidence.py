@@ -11,8 +11,12 @@
       log f(j) = (logsumexp_g(alpha * log p_g(j)) - log G) / alpha      (alpha > 0)
       log f(j) = mean_g log p_g(j)                                         (alpha == 0, geometric)
 
-  un-normalised; ``-inf`` at every column of ``[0, max_len)`` outside ``A`` (the whole row of an
-  active request is written).
+  un-normalised; ``-inf`` at the columns of ``[0, min(seq_len, max_len))`` outside ``A``; columns
+  past the row's own length are not touched (work follows each row's length, not ``max_len``).
+
+With ``scratch_index`` (the SFI decode path) only the rows that have an evidence slot (the slow rows)
+write evidence, into that slot, and ``key_norms`` (when given) receives ``||k_j||`` from the same
+pass over K, so the selector's prior needs no second gather of K.
 
 One pass over K/V (split-K, online softmax) writes the partial outputs, the raw scores of the G
 heads into a scratch ``[R, Hq, max_len]`` fp32 and per-split LSEs over ``A``; a cheap second pass
@@ -43,9 +47,9 @@ import torch
 from vllm_ext.kernels.merge_state import launch_merge_states
 from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, interpret_mode,
                                            launch_meta, next_pow2, use_triton)
-from vllm_ext.kernels.two_segment_decode import (LOG2E, _configs, active_rows,
+from vllm_ext.kernels.two_segment_decode import (LOG2E, SplitWorkspace, _configs, active_rows,
                                                  batched_masked_attention, dense_num_splits,
-                                                 gather_paged_rows)
+                                                 gather_paged_rows, two_segment_workspace)
 
 if HAS_TRITON:
     import triton
@@ -55,10 +59,11 @@ if HAS_TRITON:
                                                      _online_update, _paged_row_offsets, _scores,
                                                      _store_state)
 
-    @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT", "EVIDENCE"])
+    @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT", "EVIDENCE",
+                                        "SCRATCH", "NORMS"])
     @triton.jit
     def _dense_split_kernel(
-        Q, KV, BT, SEQ, LO, HI, MASK, PO, PLSE, PLSEA, SC, OUT,
+        Q, KV, BT, SEQ, LO, HI, MASK, SIDX, PO, PLSE, PLSEA, SC, KN, OUT,
         s_q_r, s_q_h, s_q_d,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
@@ -66,12 +71,13 @@ if HAS_TRITON:
         s_pl_r, s_pl_s, s_pl_h,
         s_pa_r, s_pa_s, s_pa_h,
         s_sc_r, s_sc_h, s_sc_j,
+        s_kn_r, s_kn_h, s_kn_j,
         s_o_r, s_o_h, s_o_d,
         MAX_LEN, qk_scale, NUM_SPLITS,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        SCRATCH: tl.constexpr, NORMS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         row = tl.program_id(0)
         h = tl.program_id(1)
@@ -92,14 +98,24 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
         offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
         gm = offs_g < G
         heads = h * G + offs_g
+        ev_on = False
         if EVIDENCE:
+            # the row's evidence scratch slot (-1: this row only attends, e.g. a dense row)
+            if SCRATCH:
+                slot = tl.load(SIDX + row)
+            else:
+                slot = row
+            ev_on = slot >= 0
+            slot = tl.maximum(slot, 0)
             lo = tl.maximum(tl.load(LO + row), 0)
             hi = tl.minimum(tl.minimum(tl.load(HI + row), seq_len), MAX_LEN)
             ma_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             la_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-            sc_base = SC + row.to(tl.int64) * s_sc_r + heads[:, None].to(tl.int64) * s_sc_h
+            sc_base = SC + slot.to(tl.int64) * s_sc_r + heads[:, None].to(tl.int64) * s_sc_h
+            kn_base = KN + slot.to(tl.int64) * s_kn_r + h.to(tl.int64) * s_kn_h
 
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
@@ -110,81 +126,101 @@ if HAS_TRITON:
             s = _scores(q, k, qk_scale, F32_DOT)
             s = tl.where(valid[None, :], s, float("-inf"))
             if EVIDENCE:
-                tl.store(sc_base + pos[None, :].to(tl.int64) * s_sc_j, s,
-                         mask=gm[:, None] & (valid & (pos < MAX_LEN))[None, :])
-                in_a = valid & (pos >= lo) & (pos < hi)
-                sa = tl.where(in_a[None, :], s, float("-inf"))
-                ma_new = tl.maximum(ma_i, tl.max(sa, 1))
-                ma_safe = tl.where(ma_new == float("-inf"), 0.0, ma_new)
-                la_i = la_i * tl.exp2(ma_i - ma_safe) + tl.sum(tl.exp2(sa - ma_safe[:, None]), 1)
-                ma_i = ma_new
+                if ev_on:
+                    keep = valid & (pos < MAX_LEN)
+                    tl.store(sc_base + pos[None, :].to(tl.int64) * s_sc_j, s,
+                             mask=gm[:, None] & keep[None, :])
+                    if NORMS:
+                        # ||k_j|| from the K this pass reads anyway (the selector's prior)
+                        kf = k.to(tl.float32)
+                        kn = tl.sqrt(tl.sum(kf * kf, 1))
+                        tl.store(kn_base + pos.to(tl.int64) * s_kn_j, kn, mask=keep)
+                    in_a = valid & (pos >= lo) & (pos < hi)
+                    sa = tl.where(in_a[None, :], s, float("-inf"))
+                    ma_new = tl.maximum(ma_i, tl.max(sa, 1))
+                    ma_safe = tl.where(ma_new == float("-inf"), 0.0, ma_new)
+                    la_i = la_i * tl.exp2(ma_i - ma_safe) + tl.sum(tl.exp2(sa - ma_safe[:, None]), 1)
+                    ma_i = ma_new
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
 
         _store_state(acc, m_i, l_i, row, h, split, PO, PLSE, OUT,
                      s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
                      s_o_r, s_o_h, s_o_d, G, BLOCK_G, D, BLOCK_D, DIRECT)
         if EVIDENCE:
-            # per-split LSE over A, in log2 units (internal scratch)
-            ma_safe = tl.where(ma_i == float("-inf"), 0.0, ma_i)
-            lsea = tl.where(la_i > 0, ma_safe + tl.log2(tl.where(la_i > 0, la_i, 1.0)), float("-inf"))
-            tl.store(PLSEA + row.to(tl.int64) * s_pa_r + split * s_pa_s + heads * s_pa_h, lsea,
-                     mask=gm)
+            if ev_on:
+                # per-split LSE over A, in log2 units (internal scratch, indexed by the evidence slot)
+                ma_safe = tl.where(ma_i == float("-inf"), 0.0, ma_i)
+                lsea = tl.where(la_i > 0, ma_safe + tl.log2(tl.where(la_i > 0, la_i, 1.0)),
+                                float("-inf"))
+                tl.store(PLSEA + slot.to(tl.int64) * s_pa_r + split * s_pa_s + heads * s_pa_h, lsea,
+                         mask=gm)
 
     @triton.jit
     def _evidence_kernel(
-        SEQ, LO, HI, MASK, PLSEA, SC, EV,
+        SEQ, LO, HI, MASK, ROWS, PLSEA, SC, EV,
         s_pa_r, s_pa_s, s_pa_h,
         s_sc_r, s_sc_h, s_sc_j,
         s_ev_r, s_ev_h, s_ev_j,
-        MAX_LEN, alpha, log_g, NUM_SPLITS,
+        MAX_LEN, alpha, log_g, NUM_SPLITS, NUM_JP,
         G: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK_S: tl.constexpr, HAS_MASK: tl.constexpr, GEOMETRIC: tl.constexpr,
-        BLOCK_J: tl.constexpr,
+        BLOCK_S: tl.constexpr, HAS_MASK: tl.constexpr, SCRATCH: tl.constexpr,
+        GEOMETRIC: tl.constexpr, BLOCK_J: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        # one program per (evidence slot, KV head, position lane); each lane walks the row's own
+        # length [0, min(seq_len, MAX_LEN)) in BLOCK_J steps, NUM_JP lanes apart
+        slot = tl.program_id(0)
         h = tl.program_id(1)
-        jb = tl.program_id(2)
+        lane = tl.program_id(2)
+        if SCRATCH:
+            row = tl.load(ROWS + slot)
+            if row < 0:
+                return
+        else:
+            row = slot
         if HAS_MASK:
             if tl.load(MASK + row).to(tl.int32) == 0:
                 return
         seq_len = tl.load(SEQ + row)
         if seq_len <= 0:
             return
+        lim = tl.minimum(seq_len, MAX_LEN)
         lo = tl.maximum(tl.load(LO + row), 0)
-        hi = tl.minimum(tl.minimum(tl.load(HI + row), seq_len), MAX_LEN)
+        hi = tl.minimum(tl.load(HI + row), lim)
         offs_g = tl.arange(0, BLOCK_G)
         gm = offs_g < G
         heads = h * G + offs_g
-        offs_j = jb * BLOCK_J + tl.arange(0, BLOCK_J)
-        jm = offs_j < MAX_LEN
-        in_a = (offs_j >= lo) & (offs_j < hi)
-        ev_ptr = EV + row.to(tl.int64) * s_ev_r + h * s_ev_h + offs_j.to(tl.int64) * s_ev_j
-        if (jb * BLOCK_J >= hi) | ((jb + 1) * BLOCK_J <= lo):
-            tl.store(ev_ptr, tl.full([BLOCK_J], float("-inf"), tl.float32), mask=jm)
-        else:
-            # merge the per-split LSEs over A (log2 units)
-            offs_s = tl.arange(0, BLOCK_S)
-            pa = tl.load(PLSEA + row.to(tl.int64) * s_pa_r + offs_s[None, :] * s_pa_s
-                         + heads[:, None] * s_pa_h,
-                         mask=gm[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"))
-            pm = tl.max(pa, 1)
-            pm_safe = tl.where(pm == float("-inf"), 0.0, pm)
-            lse_a = pm_safe + tl.log2(tl.maximum(tl.sum(tl.exp2(pa - pm_safe[:, None]), 1), 1e-30))
-            lse_a = tl.where(gm, lse_a, 0.0)
-            m2 = gm[:, None] & (in_a & jm)[None, :]
-            s = tl.load(SC + row.to(tl.int64) * s_sc_r + heads[:, None].to(tl.int64) * s_sc_h
-                        + offs_j[None, :].to(tl.int64) * s_sc_j, mask=m2, other=0.0)
-            logp = (s - lse_a[:, None]) * 0.6931471805599453           # natural log p_g(j)
-            if GEOMETRIC:
-                lf = tl.sum(tl.where(gm[:, None], logp, 0.0), 0) / G
+        # merge the per-split LSEs over A (log2 units)
+        offs_s = tl.arange(0, BLOCK_S)
+        pa = tl.load(PLSEA + slot.to(tl.int64) * s_pa_r + offs_s[None, :] * s_pa_s
+                     + heads[:, None] * s_pa_h,
+                     mask=gm[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"))
+        pm = tl.max(pa, 1)
+        pm_safe = tl.where(pm == float("-inf"), 0.0, pm)
+        lse_a = pm_safe + tl.log2(tl.maximum(tl.sum(tl.exp2(pa - pm_safe[:, None]), 1), 1e-30))
+        lse_a = tl.where(gm, lse_a, 0.0)
+        ev_row = EV + slot.to(tl.int64) * s_ev_r + h * s_ev_h
+        sc_row = SC + slot.to(tl.int64) * s_sc_r + heads[:, None].to(tl.int64) * s_sc_h
+        for jb in range(lane, tl.cdiv(lim, BLOCK_J), NUM_JP):
+            offs_j = jb * BLOCK_J + tl.arange(0, BLOCK_J)
+            jm = offs_j < lim
+            in_a = (offs_j >= lo) & (offs_j < hi)
+            ev_ptr = ev_row + offs_j.to(tl.int64) * s_ev_j
+            if (jb * BLOCK_J >= hi) | ((jb + 1) * BLOCK_J <= lo):
+                tl.store(ev_ptr, tl.full([BLOCK_J], float("-inf"), tl.float32), mask=jm)
             else:
-                a = tl.where(gm[:, None], alpha * logp, float("-inf"))
-                am = tl.max(a, 0)
-                am_safe = tl.where(am == float("-inf"), 0.0, am)
-                lse = am_safe + tl.log(tl.sum(tl.exp(a - am_safe[None, :]), 0))
-                lf = (lse - log_g) / alpha
-            lf = tl.where(in_a, lf, float("-inf"))
-            tl.store(ev_ptr, lf, mask=jm)
+                m2 = gm[:, None] & (in_a & jm)[None, :]
+                s = tl.load(sc_row + offs_j[None, :].to(tl.int64) * s_sc_j, mask=m2, other=0.0)
+                logp = (s - lse_a[:, None]) * 0.6931471805599453           # natural log p_g(j)
+                if GEOMETRIC:
+                    lf = tl.sum(tl.where(gm[:, None], logp, 0.0), 0) / G
+                else:
+                    a = tl.where(gm[:, None], alpha * logp, float("-inf"))
+                    am = tl.max(a, 0)
+                    am_safe = tl.where(am == float("-inf"), 0.0, am)
+                    lse = am_safe + tl.log(tl.sum(tl.exp(a - am_safe[None, :]), 0))
+                    lf = (lse - log_g) / alpha
+                lf = tl.where(in_a, lf, float("-inf"))
+                tl.store(ev_ptr, lf, mask=jm)
 
 
 def _interp_meta() -> dict:
@@ -197,33 +233,44 @@ def _interp_meta() -> dict:
 
 @dataclass
 class DenseWorkspace:
-    """Scratch of the dense split-K decode (``scores``/``partial_lse_allowed`` only with evidence)."""
-    partial_out: torch.Tensor          # [R, S, Hq, D] fp32
-    partial_lse: torch.Tensor          # [R, S, Hq] fp32
-    partial_lse_allowed: torch.Tensor | None = None   # [R, S, Hq] fp32 (log2 units)
-    scores: torch.Tensor | None = None                # [R, Hq, max_len] fp32 (log2 units)
+    """Scratch of the dense split-K decode: ``split`` (partial outputs/LSEs, any ``R * S`` up to its
+    capacity) and, with evidence, per evidence slot the raw scores ``[E, Hq, max_len]`` and the
+    per-split LSEs over ``A`` ``[E, max_splits, Hq]`` (log2 units)."""
+    split: SplitWorkspace
+    partial_lse_allowed: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
-    def fits(self, num_rows, num_heads, head_size, num_splits, max_len=None) -> bool:
-        po = self.partial_out
-        ok = (po.shape[0] >= num_rows and po.shape[1] >= num_splits and po.shape[2] == num_heads
-              and po.shape[3] == head_size)
+    def fits(self, num_rows, num_heads, head_size, num_splits, max_len=None, evidence_rows=None
+             ) -> bool:
+        ok = self.split.fits(num_rows, num_heads, head_size, num_splits)
         if max_len is not None:
-            ok = ok and self.scores is not None and self.scores.shape[2] >= max_len \
-                and self.partial_lse_allowed is not None
+            e = num_rows if evidence_rows is None else evidence_rows
+            ok = ok and self.scores is not None and self.scores.shape[0] >= e \
+                and self.scores.shape[2] >= max_len and self.partial_lse_allowed.shape[1] >= num_splits
         return ok
+
+    @property
+    def nbytes(self) -> int:
+        n = self.split.nbytes
+        for t in (self.partial_lse_allowed, self.scores):
+            if t is not None:
+                n += t.numel() * t.element_size()
+        return n
 
 
 def dense_decode_workspace(num_rows: int, num_heads: int, head_size: int, num_splits: int,
-                           device, *, max_len: int | None = None) -> DenseWorkspace:
-    """Allocate once. ``max_len`` (the evidence length) adds the evidence scratch."""
+                           device, *, max_len: int | None = None, evidence_rows: int | None = None,
+                           row_splits: int | None = None) -> DenseWorkspace:
+    """Allocate once. ``max_len`` (the evidence length) adds the evidence scratch for
+    ``evidence_rows`` slots (default ``num_rows``); ``row_splits`` sizes the split scratch for any
+    ``R * S <= row_splits`` (default ``num_rows * num_splits``)."""
     s = max(int(num_splits), 1)
-    ws = DenseWorkspace(
-        torch.empty((num_rows, s, num_heads, head_size), dtype=torch.float32, device=device),
-        torch.empty((num_rows, s, num_heads), dtype=torch.float32, device=device))
+    ws = DenseWorkspace(two_segment_workspace(num_rows, num_heads, head_size, s, device,
+                                              row_splits=row_splits))
     if max_len is not None:
-        ws.partial_lse_allowed = torch.empty((num_rows, s, num_heads), dtype=torch.float32,
-                                             device=device)
-        ws.scores = torch.empty((num_rows, num_heads, max_len), dtype=torch.float32, device=device)
+        e = int(num_rows if evidence_rows is None else evidence_rows)
+        ws.partial_lse_allowed = torch.empty((e, s, num_heads), dtype=torch.float32, device=device)
+        ws.scores = torch.empty((e, num_heads, max_len), dtype=torch.float32, device=device)
     return ws
 
 
@@ -231,8 +278,12 @@ def dense_decode_workspace(num_rows: int, num_heads: int, head_size: int, num_sp
 # Triton launcher
 # ----------------------------------------------------------------------------------------------
 
+EVIDENCE_LANES = 16          # position lanes per (evidence slot, KV head) of the evidence pass
+
+
 def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, num_splits,
-                  workspace, allowed_lo=None, allowed_hi=None, log_evidence=None, alpha=0.5):
+                  workspace, allowed_lo=None, allowed_hi=None, log_evidence=None, alpha=0.5,
+                  scratch_index=None, evidence_rows=None, key_norms=None):
     num_rows, hq, d = query.shape
     hkv = kv_cache.shape[1]
     assert kv_cache.shape[-1] == 2 * d and hq % hkv == 0
@@ -240,7 +291,9 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
     if num_rows == 0:
         return out
     evidence = log_evidence is not None
+    scratch = scratch_index is not None
     max_len = log_evidence.shape[-1] if evidence else 0
+    n_ev = log_evidence.shape[0] if evidence else 0
     if num_splits is None:
         num_splits = dense_num_splits(num_rows, hkv, block_table.shape[1] * kv_cache.shape[2],
                                         query.device)
@@ -249,45 +302,51 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
     need_ws = (not direct) or evidence
     if need_ws and (workspace is None
                     or not workspace.fits(num_rows, hq, d, num_splits,
-                                          max_len if evidence else None)):
+                                          max_len if evidence else None, n_ev)):
         workspace = dense_decode_workspace(num_rows, hq, d, num_splits, query.device,
-                                           max_len=max_len if evidence else None)
+                                           max_len=max_len if evidence else None,
+                                           evidence_rows=n_ev)
     if direct:
         po, pl, po_st, pl_st = out, out, (0, 0, 0, 0), (0, 0, 0)
     else:
-        po = workspace.partial_out[:num_rows, :num_splits]
-        pl = workspace.partial_lse[:num_rows, :num_splits]
+        po, pl = workspace.split.views(num_rows, num_splits)
         po_st, pl_st = po.stride(), pl.stride()
     if evidence:
-        pa = workspace.partial_lse_allowed[:num_rows, :num_splits]
-        sc = workspace.scores[:num_rows]
+        pa = workspace.partial_lse_allowed[:n_ev, :num_splits]
+        sc = workspace.scores[:n_ev]
         pa_st, sc_st = pa.stride(), sc.stride()
         lo, hi = allowed_lo, allowed_hi
     else:
         pa, sc, pa_st, sc_st = out, out, (0, 0, 0), (0, 0, 0)
         lo = hi = seq_lens
+    norms = key_norms is not None
+    kn, kn_st = (key_norms, key_norms.stride()) if norms else (out, (0, 0, 0))
     has_mask = row_mask is not None
     mask_arg = row_mask if has_mask else seq_lens
     _dense_split_kernel[(num_rows, hkv, num_splits)](
-        query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, po, pl, pa, sc, out,
+        query, kv_cache, block_table, seq_lens, lo, hi, mask_arg,
+        scratch_index if scratch else seq_lens, po, pl, pa, sc, kn, out,
         *query.stride(), *kv_cache.stride(), *block_table.stride(),
-        *po_st, *pl_st, *pa_st, *sc_st, *out.stride(),
+        *po_st, *pl_st, *pa_st, *sc_st, *kn_st, *out.stride(),
         max_len, float(scale) * LOG2E, num_splits,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
         PAGE=kv_cache.shape[2], HAS_MASK=has_mask,
-        F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, EVIDENCE=evidence, **_interp_meta())
+        F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, EVIDENCE=evidence,
+        SCRATCH=scratch, NORMS=norms, **_interp_meta())
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens)
     if evidence:
         block_j = 128 if max_len >= 128 else max(16, next_pow2(max_len))
         geometric = float(alpha) == 0.0
-        _evidence_kernel[(num_rows, hkv, triton.cdiv(max_len, block_j))](
-            seq_lens, allowed_lo, allowed_hi, mask_arg, pa, sc, log_evidence,
+        lanes = max(1, min(EVIDENCE_LANES, triton.cdiv(max_len, block_j)))
+        _evidence_kernel[(n_ev, hkv, lanes)](
+            seq_lens, allowed_lo, allowed_hi, mask_arg, evidence_rows if scratch else seq_lens,
+            pa, sc, log_evidence,
             *pa_st, *sc_st, *log_evidence.stride(),
-            max_len, float(alpha) if not geometric else 1.0, math.log(g), num_splits,
+            max_len, float(alpha) if not geometric else 1.0, math.log(g), num_splits, lanes,
             G=g, BLOCK_G=next_pow2(g),
-            BLOCK_S=next_pow2(num_splits), HAS_MASK=has_mask, GEOMETRIC=geometric,
-            BLOCK_J=block_j)
+            BLOCK_S=next_pow2(num_splits), HAS_MASK=has_mask, SCRATCH=scratch,
+            GEOMETRIC=geometric, BLOCK_J=block_j)
     return out
 
 
@@ -305,18 +364,39 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=No
                          num_splits, workspace)
 
 
+def _check_evidence_args(query, kv_cache, log_evidence, scratch_index, evidence_rows, key_norms):
+    assert log_evidence.dtype == torch.float32 and log_evidence.shape[1] == kv_cache.shape[1]
+    if scratch_index is None:
+        assert log_evidence.shape[0] == query.shape[0]
+        assert evidence_rows is None
+    else:
+        assert evidence_rows is not None and evidence_rows.shape[0] == log_evidence.shape[0]
+        assert scratch_index.shape[0] >= query.shape[0]
+    if key_norms is not None:
+        assert key_norms.dtype == torch.float32 and key_norms.shape == log_evidence.shape
+
+
 def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                                scale, out, log_evidence, row_mask=None, alpha=0.5, *,
-                               num_splits=None, workspace=None):
-    """Slow-step decode: dense ``out`` and ``log_evidence [R, Hkv, max_len]`` (see module doc)."""
+                               num_splits=None, workspace=None, scratch_index=None,
+                               evidence_rows=None, key_norms=None):
+    """Slow-step decode: dense ``out`` and ``log_evidence [E, Hkv, max_len]`` (see module doc).
+
+    Without ``scratch_index`` every active row has evidence, in ``log_evidence[row]`` (``E = R``).
+    With it (int32 ``[R]``: the row's evidence slot, or -1) only rows with a slot get evidence, in
+    ``log_evidence[slot]``; ``evidence_rows`` (int32 ``[E]``) is the inverse map (slot -> row, -1 =
+    unused slot). ``key_norms`` (fp32, the shape of ``log_evidence``) receives ``||k_j||`` of the
+    evidence rows from the same pass over K."""
+    _check_evidence_args(query, kv_cache, log_evidence, scratch_index, evidence_rows, key_norms)
     if not use_triton(query):
         return dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
                                                 allowed_hi, scale, out, log_evidence, row_mask,
-                                                alpha, num_splits=num_splits, workspace=workspace)
-    assert log_evidence.dtype == torch.float32
-    assert log_evidence.shape[:2] == (query.shape[0], kv_cache.shape[1])
+                                                alpha, num_splits=num_splits, workspace=workspace,
+                                                scratch_index=scratch_index,
+                                                evidence_rows=evidence_rows, key_norms=key_norms)
     return _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask,
-                         num_splits, workspace, allowed_lo, allowed_hi, log_evidence, alpha)
+                         num_splits, workspace, allowed_lo, allowed_hi, log_evidence, alpha,
+                         scratch_index, evidence_rows, key_norms)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,7 +444,8 @@ def _pool_evidence(logp: torch.Tensor, in_a: torch.Tensor, alpha: float, n_rows:
 
 def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
                                      allowed_hi, scale, out, log_evidence, row_mask=None,
-                                     alpha=0.5, *, num_splits=None, workspace=None):
+                                     alpha=0.5, *, num_splits=None, workspace=None,
+                                     scratch_index=None, evidence_rows=None, key_norms=None):
     """PyTorch twin of :func:`dense_decode_with_evidence` (fp32, no host sync, no row loop)."""
     del num_splits, workspace
     r, hq, d = query.shape
@@ -375,7 +456,7 @@ def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, all
     max_len = log_evidence.shape[-1]
     length = max(block_table.shape[1] * kv_cache.shape[2], 1)
     s, k, v = _dense_scores_torch(query, kv_cache, block_table, length, scale)   # [R, Hq, L]
-    seq = seq_lens.long()
+    seq = seq_lens[:r].long()
     pos = torch.arange(length, device=query.device)
     vis = pos[None, :] < seq[:, None]                                              # [R, L]
     sm = s.masked_fill(~vis[:, None, :], float("-inf"))
@@ -383,9 +464,12 @@ def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, all
     p = torch.exp(sm - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
     p = torch.where(vis[:, None, :], p, torch.zeros_like(p))
     o = torch.einsum("rhgn,rhnd->rhgd", p.reshape(r, hkv, g, length), v.float()).reshape(r, hq, d)
+    act = active_rows(seq_lens[:r], row_mask[:r] if row_mask is not None else None)
+    out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
 
-    lo = allowed_lo.long().clamp_min(0)
-    hi = torch.minimum(torch.minimum(allowed_hi.long(), seq), torch.full_like(seq, max_len))
+    lo = allowed_lo[:r].long().clamp_min(0)
+    lim = torch.clamp(seq, max=max_len)
+    hi = torch.minimum(allowed_hi[:r].long(), lim)
     jpos = torch.arange(max_len, device=query.device)
     in_a = (jpos[None, :] >= lo[:, None]) & (jpos[None, :] < hi[:, None])           # [R, max_len]
     n = min(max_len, length)
@@ -396,22 +480,34 @@ def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, all
     logp = sa - torch.where(torch.isinf(lse_a), torch.zeros_like(lse_a), lse_a)
     logp = logp.reshape(r, hkv, g, max_len)
     ev = _pool_evidence(logp, in_a[:, None, :], float(alpha),
-                        torch.full((r,), g, device=query.device))
-    act = active_rows(seq_lens, row_mask)
-    out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
-    log_evidence.copy_(torch.where(act[:, None, None], ev, log_evidence))
+                        torch.full((r,), g, device=query.device))                  # [R, Hkv, L]
+    norms = torch.ones((r, hkv, max_len), device=query.device)
+    norms[:, :, :n] = torch.linalg.vector_norm(k.float(), dim=-1)[:, :, :n]
+    written = jpos[None, :] < lim[:, None]                                          # [R, max_len]
+    if scratch_index is None:
+        src = torch.arange(r, device=query.device)
+        ok = act
+    else:                             # evidence slot e holds row evidence_rows[e] (-1: unused)
+        rows = evidence_rows.long()
+        src = rows.clamp(0, r - 1)
+        ok = (rows >= 0) & (rows < r) & act[src] & (scratch_index[src].long() >= 0)
+    m = (ok[:, None] & written[src])[:, None, :]
+    log_evidence.copy_(torch.where(m, ev[src], log_evidence))
+    if key_norms is not None:
+        key_norms.copy_(torch.where(m, norms[src], key_norms))
     return out
 
 
 def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                            scale, log_evidence, query_positions, row_mask=None, alpha=0.5, *,
-                           chunk=4096):
+                           chunk=4096, key_norms=None):
     """Prefill-end evidence from ``W`` queries per row (see module doc).
 
     ``query_rows [R, W, Hq, D]``; ``query_positions [R, W]`` int (absolute position of each query;
     it attends to positions ``<= position``; ``< 0`` = padding query, excluded from the pool).
     Writes ``log_evidence [R, Hkv, max_len]`` for active rows. Chunked over positions (two passes,
-    K read twice, no ``[R, W*Hq, max_len]`` scratch). No host sync.
+    K read twice, no ``[R, W*Hq, max_len]`` scratch). No host sync. ``key_norms`` (fp32, the shape of
+    ``log_evidence``) receives ``||k_j||`` for ``j < min(seq_len, max_len)`` from the first pass.
     """
     r, w, hq, d = query_rows.shape
     if r == 0:
@@ -427,10 +523,17 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
     hi = torch.minimum(torch.minimum(allowed_hi.long(), seq), torch.full_like(seq, max_len))
     q = query_rows.float().reshape(r, w, hkv, g, d)
 
-    def chunk_logits(j0, j1):
+    act = active_rows(seq_lens, row_mask)
+
+    def chunk_logits(j0, j1, want_norms=False):
         jpos = torch.arange(j0, j1, device=dev)
         pos = jpos[None, :].expand(r, j1 - j0)
         k, _ = gather_paged_rows(kv_cache, block_table, pos)                  # [R, Hkv, n, D]
+        if key_norms is not None and want_norms:
+            cur = key_norms[:, :, j0:j1]
+            inside = (jpos[None, :] < seq[:, None]) & act[:, None]                # [R, n]
+            cur.copy_(torch.where(inside[:, None, :], torch.linalg.vector_norm(k.float(), dim=-1),
+                                  cur))
         s = torch.einsum("rwhgd,rhnd->rhwgn", q, k.float()) * scale           # [R, Hkv, W, G, n]
         in_a = (jpos[None, :] >= lo[:, None]) & (jpos[None, :] < hi[:, None])  # [R, n]
         causal = jpos[None, None, :] <= qpos[:, :, None]                        # [R, W, n]
@@ -441,11 +544,10 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
     # pass 1: LSE over A ∩ causal, per (row, KV head, query, head)
     lse = torch.full((r, hkv, w, g), float("-inf"), device=dev)
     for j0 in range(0, max_len, chunk):
-        s, _ = chunk_logits(j0, min(max_len, j0 + chunk))
+        s, _ = chunk_logits(j0, min(max_len, j0 + chunk), want_norms=True)
         lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     n_pool = qvalid.sum(dim=1) * g                                              # [R]
-    act = active_rows(seq_lens, row_mask)
     # pass 2: pooled evidence
     for j0 in range(0, max_len, chunk):
         j1 = min(max_len, j0 + chunk)
@@ -459,8 +561,9 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
 
 
 def prefill_evidence(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, scale,
-                     log_evidence, query_positions, row_mask=None, alpha=0.5, *, chunk=4096):
+                     log_evidence, query_positions, row_mask=None, alpha=0.5, *, chunk=4096,
+                     key_norms=None):
     """Prefill-end evidence (PyTorch on every device; see :func:`prefill_evidence_torch`)."""
     return prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_lo,
                                   allowed_hi, scale, log_evidence, query_positions, row_mask, alpha,
-                                  chunk=chunk)
+                                  chunk=chunk, key_norms=key_norms)

@@ -207,18 +207,31 @@ def _interp_meta() -> dict:
 
 @dataclass
 class SplitWorkspace:
-    """Scratch of a split-K decode: partial outputs ``[R, S, Hq, D]`` and LSEs ``[R, S, Hq]`` (fp32)."""
-    partial_out: torch.Tensor
-    partial_lse: torch.Tensor
+    """Scratch of a split-K decode, flat fp32 buffers viewed as partial outputs ``[R, S, Hq, D]`` and
+    LSEs ``[R, S, Hq]`` for any ``R * S <= row_splits``: the split count shrinks as rows grow, so the
+    scratch follows ``max_R R * splits(R)``, not ``max_rows * max_splits``."""
+    partial_out: torch.Tensor          # flat [row_splits * Hq * D]
+    partial_lse: torch.Tensor          # flat [row_splits * Hq]
+    num_heads: int
+    head_size: int
 
     @property
-    def num_splits(self) -> int:
-        return self.partial_out.shape[1]
+    def row_splits(self) -> int:
+        return self.partial_lse.numel() // self.num_heads
 
     def fits(self, num_rows: int, num_heads: int, head_size: int, num_splits: int) -> bool:
-        po = self.partial_out
-        return (po.shape[0] >= num_rows and po.shape[1] >= num_splits and po.shape[2] == num_heads
-                and po.shape[3] == head_size)
+        return (num_heads == self.num_heads and head_size == self.head_size
+                and num_rows * num_splits <= self.row_splits)
+
+    def views(self, num_rows: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = num_rows * num_splits
+        h, d = self.num_heads, self.head_size
+        return (self.partial_out[: n * h * d].view(num_rows, num_splits, h, d),
+                self.partial_lse[: n * h].view(num_rows, num_splits, h))
+
+    @property
+    def nbytes(self) -> int:
+        return (self.partial_out.numel() + self.partial_lse.numel()) * 4
 
 
 def default_num_splits(num_rows: int, num_kv_heads: int, est_len: int,
@@ -250,12 +263,19 @@ def dense_num_splits(num_rows: int, num_kv_heads: int, est_len: int, device) -> 
 
 
 def two_segment_workspace(num_rows: int, num_heads: int, head_size: int, num_splits: int,
-                          device: torch.device | str) -> SplitWorkspace:
-    """Allocate once: scratch for :func:`two_segment_decode` with up to ``num_rows`` rows."""
-    s = max(int(num_splits), 1)
-    return SplitWorkspace(
-        torch.empty((num_rows, s, num_heads, head_size), dtype=torch.float32, device=device),
-        torch.empty((num_rows, s, num_heads), dtype=torch.float32, device=device))
+                          device: torch.device | str, *, row_splits: int | None = None
+                          ) -> SplitWorkspace:
+    """Allocate once: scratch for up to ``num_rows`` rows x ``num_splits`` splits (or any shape with
+    ``R * S <= row_splits`` when given: see :func:`max_row_splits`)."""
+    n = int(row_splits) if row_splits is not None else max(int(num_rows), 1) * max(int(num_splits), 1)
+    return SplitWorkspace(torch.empty(n * num_heads * head_size, dtype=torch.float32, device=device),
+                          torch.empty(n * num_heads, dtype=torch.float32, device=device),
+                          num_heads, head_size)
+
+
+def max_row_splits(max_rows: int, split_fn) -> int:
+    """``max_{1 <= R <= max_rows} R * split_fn(R)``: the workspace a split heuristic needs."""
+    return max(r * int(split_fn(r)) for r in range(1, max(int(max_rows), 1) + 1))
 
 
 def _est_recent(kv_cache: torch.Tensor, block_table: torch.Tensor, max_recent: int | None) -> int:
@@ -303,8 +323,7 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
     else:
         if workspace is None or not workspace.fits(num_rows, hq, d, num_splits):
             workspace = two_segment_workspace(num_rows, hq, d, num_splits, query.device)
-        po = workspace.partial_out[:num_rows, :num_splits]
-        pl = workspace.partial_lse[:num_rows, :num_splits]
+        po, pl = workspace.views(num_rows, num_splits)
         po_strides, pl_strides = po.stride(), pl.stride()
     has_mask = row_mask is not None
     grid = (num_rows, hkv, num_splits)

@@ -1,12 +1,20 @@
-"""Per-step SFI plan on the device: which decode rows are dense, slow or fast, and the index ranges
-every layer's kernels read (ALGORITHMS.md §1). Built once per step, read by every layer: the packed
-step descriptor of the SFI design. Pure tensor code with fixed shapes: no host synchronisation.
+"""Per-step SFI plan on the device: which decode rows are dense, slow or fast, the index ranges every
+layer's kernels read, and the fixed-capacity compacted list of the slow rows that maintenance
+(evidence, key norms, selector, gather) runs over (ALGORITHMS.md §1). Built once per step by the
+metadata builder into persistent buffers (plan/run: the layers and a captured CUDA graph read the
+same addresses every step); pure tensor code with fixed shapes, no host synchronisation.
 
 Row modes (decode rows of requests with SFI on and a compact slot; every other row is ``dense``):
 - dense: ``t <= n_sink + n_recent + k`` (the sparse set is the whole history) — exactly dense;
 - slow: the schedule says so (trigger token, refresh budget, no selection yet): dense attention plus
   evidence, then the selector and the gather refresh the compact segment;
 - fast: attention over the compact segment (sink + selected) and the recent window in place.
+
+Slow rows are compacted, in row order, into ``slow_rows[:S]`` (``S`` = the SFI request capacity, so
+the list never overflows: every sparse row holds its own compact slot); entry ``e`` is the evidence
+scratch slot of row ``slow_rows[e]`` and ``row_scratch[row] = e``. Unused entries have
+``slow_rows = -1``, ``slow_sfi_slot = -1`` and an empty allowed set, so maintenance kernels launched
+over all ``S`` entries exit at once for them: cost follows the slow rows, not the batch.
 """
 
 from __future__ import annotations
@@ -20,10 +28,13 @@ from vllm_ext.sfi.schedule import allowed_range, decide_slow, mark_selected
 
 STAT_SLOW, STAT_FAST, STAT_RETAINED, STAT_CONTEXT, STAT_DENSE = range(5)
 STAT_PREFILL_END = 7
+NUM_STATS = 8
 
 
 @dataclass
 class SfiStep:
+    """One step's plan: views of :class:`SfiPlanBuffers` (rows ``[:num_rows]``, entries ``[:S]``)."""
+
     row_slow: torch.Tensor          # bool  [rows]
     row_fast: torch.Tensor          # bool  [rows]
     row_sparse: torch.Tensor        # bool  [rows]: slow | fast
@@ -32,23 +43,82 @@ class SfiStep:
     recent_start: torch.Tensor      # int32 [rows]: first position of the recent window
     allowed_lo: torch.Tensor        # int32 [rows]: the selector's allowed set [lo, hi)
     allowed_hi: torch.Tensor
+    row_attend: torch.Tensor | None = None    # bool  [rows]: ~fast (dense and slow rows attend densely)
+    row_scratch: torch.Tensor | None = None   # int32 [rows]: evidence slot of a slow row, else -1
+    slow_rows: torch.Tensor | None = None     # int32 [S]: row of each evidence slot, -1 = unused
+    slow_seq: torch.Tensor | None = None      # int32 [S]: its length (0 unused)
+    slow_lo: torch.Tensor | None = None       # int32 [S]: its allowed set (empty unused)
+    slow_hi: torch.Tensor | None = None
+    slow_k: torch.Tensor | None = None        # int32 [S]
+    slow_sfi_slot: torch.Tensor | None = None  # int32 [S]: its compact slot (-1 unused)
+    slow_block_table: torch.Tensor | None = None  # int32 [S, max_blocks]: its block-table row
     prefill_end: "SfiPrefillEnd | None" = None
+
+
+class SfiPlanBuffers:
+    """The plan's persistent device buffers, allocated once (``max_rows`` rows, ``capacity`` slow
+    entries; the slow block table is sized at the first plan, from the runner's fixed width)."""
+
+    def __init__(self, max_rows: int, capacity: int, device: torch.device):
+        self.max_rows, self.capacity, self.device = max_rows, capacity, device
+        i32 = dict(dtype=torch.int32, device=device)
+        b = dict(dtype=torch.bool, device=device)
+        n = max_rows
+        self.row_slow = torch.zeros(n, **b)
+        self.row_fast = torch.zeros(n, **b)
+        self.row_sparse = torch.zeros(n, **b)
+        self.row_attend = torch.ones(n, **b)
+        self.row_sfi_slot = torch.zeros(n, **i32)
+        self.row_k = torch.zeros(n, **i32)
+        self.recent_start = torch.zeros(n, **i32)
+        self.allowed_lo = torch.zeros(n, **i32)
+        self.allowed_hi = torch.zeros(n, **i32)
+        self.row_scratch = torch.full((n,), -1, **i32)
+        self.row_index = torch.arange(n, **i32)
+        # compacted slow entries; index ``capacity`` is a trash entry for scatters of other rows
+        s = capacity + 1
+        self.slow_rows = torch.full((s,), -1, **i32)
+        self.slow_seq = torch.zeros(s, **i32)
+        self.slow_lo = torch.zeros(s, **i32)
+        self.slow_hi = torch.zeros(s, **i32)
+        self.slow_k = torch.zeros(s, **i32)
+        self.slow_sfi_slot = torch.full((s,), -1, **i32)
+        self.slow_block_table: torch.Tensor | None = None
+
+    def block_table_buffer(self, width: int) -> torch.Tensor:
+        if self.slow_block_table is None:
+            self.slow_block_table = torch.zeros(self.capacity + 1, width, dtype=torch.int32,
+                                                device=self.device)
+        elif self.slow_block_table.shape[1] != width:
+            # the runner's block table width is fixed for its lifetime; a change would leave
+            # captured CUDA graphs reading a stale buffer
+            raise RuntimeError(f"SPEEDSFI: block-table width changed from "
+                               f"{self.slow_block_table.shape[1]} to {width}")
+        return self.slow_block_table
+
+    @property
+    def nbytes(self) -> int:
+        ts = [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in ts)
 
 
 def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.Tensor,
               row_is_decode: torch.Tensor, seq_lens: torch.Tensor, sfi_slot_of: torch.Tensor,
               sfi_on: torch.Tensor, sfi_k: torch.Tensor, steps_since_slow: torch.Tensor,
               has_selection: torch.Tensor, sel_count: torch.Tensor, trigger_lut: torch.Tensor,
-              stats: torch.Tensor) -> SfiStep:
-    """Decide each row's mode and advance the per-slot schedule state in place.
+              stats: torch.Tensor, buffers: SfiPlanBuffers | None = None,
+              block_table: torch.Tensor | None = None) -> SfiStep:
+    """Decide each row's mode, advance the per-slot schedule state in place, and (with ``buffers``)
+    write the plan and the compacted slow list into the persistent buffers.
 
     Per-slot tables (indexed by the request slot): ``sfi_slot_of`` (compact slot or -1), ``sfi_on``,
     ``sfi_k``, ``steps_since_slow``, ``has_selection``, ``sel_count`` (tokens selected at the last
     slow step). ``stats`` (int64 ``[NUM_STATS]``) accumulates slow/fast/dense row counts and the
     retained and total context tokens of fast rows.
     """
+    rows = row_slot.shape[0]
     slot = row_slot.long()
-    t = seq_lens.to(torch.int32)
+    t = seq_lens[:rows].to(torch.int32)
     k = sfi_k[slot]
     sfi_slot = sfi_slot_of[slot]
     decode = row_is_decode.bool()
@@ -65,15 +135,74 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     n_sel = torch.minimum(k, torch.clamp(hi - lo, min=0))
     sel_count.index_put_((slot,), torch.where(slow, n_sel - sel_count[slot], 0), accumulate=True)
     retained = torch.where(fast, cfg.n_sink + sel_count[slot] + (t - recent_start), 0)
+    # the schedule advances its own counter on sparse rows; a dense decode row ages the selection too
+    steps_since_slow.index_add_(0, slot, (decode & ~sparse).to(steps_since_slow.dtype))
     stats[STAT_SLOW] += slow.sum()
     stats[STAT_FAST] += fast.sum()
     stats[STAT_DENSE] += (decode & ~sparse).sum()
     stats[STAT_RETAINED] += retained.sum()
     stats[STAT_CONTEXT] += torch.where(fast, t, 0).sum()
-    return SfiStep(row_slow=slow, row_fast=fast, row_sparse=sparse,
-                   row_sfi_slot=torch.where(sparse, sfi_slot, 0).to(torch.int32),
-                   row_k=k.to(torch.int32), recent_start=recent_start.to(torch.int32),
-                   allowed_lo=lo, allowed_hi=hi)
+    row_sfi_slot = torch.where(sparse, sfi_slot, 0).to(torch.int32)
+    if buffers is None:
+        return SfiStep(row_slow=slow, row_fast=fast, row_sparse=sparse, row_sfi_slot=row_sfi_slot,
+                       row_k=k.to(torch.int32), recent_start=recent_start.to(torch.int32),
+                       allowed_lo=lo, allowed_hi=hi, row_attend=~fast)
+    return write_plan(buffers, rows, slow=slow, fast=fast, sparse=sparse,
+                       row_sfi_slot=row_sfi_slot, k=k, recent_start=recent_start, lo=lo, hi=hi,
+                       t=t, block_table=block_table)
+
+
+def write_plan(buf: SfiPlanBuffers, rows: int, *, slow, fast, sparse, row_sfi_slot, k,
+               recent_start, lo, hi, t, block_table) -> SfiStep:
+    """Write row modes already decided into the persistent plan (and compact the slow rows).
+    :func:`plan_step` calls it; tests and benchmarks use it to force modes."""
+    if rows > buf.max_rows:
+        raise RuntimeError(f"SPEEDSFI: a step with {rows} rows exceeds the plan's {buf.max_rows}")
+    cap = buf.capacity
+    buf.row_slow[:rows].copy_(slow)
+    buf.row_fast[:rows].copy_(fast)
+    buf.row_sparse[:rows].copy_(sparse)
+    torch.logical_not(fast, out=buf.row_attend[:rows])
+    buf.row_sfi_slot[:rows].copy_(row_sfi_slot)
+    buf.row_k[:rows].copy_(k)
+    buf.recent_start[:rows].copy_(recent_start)
+    buf.allowed_lo[:rows].copy_(lo)
+    buf.allowed_hi[:rows].copy_(hi)
+    # compaction: the e-th slow row (in row order) takes entry e; other rows scatter to the trash
+    entry = torch.cumsum(slow.to(torch.int32), 0, dtype=torch.int32) - 1
+    entry = torch.where(slow & (entry < cap), entry, cap)
+    buf.row_scratch[:rows].copy_(torch.where(entry < cap, entry, -1))
+    buf.slow_rows.fill_(-1)
+    if rows:
+        buf.slow_rows.index_copy_(0, entry.long(), buf.row_index[:rows])
+        buf.slow_rows[cap:].fill_(-1)
+    live = buf.slow_rows[:cap] >= 0
+    src = buf.slow_rows[:cap].clamp(0, max(rows - 1, 0)).long()
+    zero = torch.zeros((), dtype=torch.int32, device=buf.device)
+    if rows:
+        buf.slow_seq[:cap].copy_(torch.where(live, t[src], zero))
+        buf.slow_lo[:cap].copy_(torch.where(live, lo[src], zero))
+        buf.slow_hi[:cap].copy_(torch.where(live, hi[src], zero))
+        buf.slow_k[:cap].copy_(torch.where(live, k.to(torch.int32)[src], zero))
+        buf.slow_sfi_slot[:cap].copy_(torch.where(live, row_sfi_slot[src], -1))
+    else:
+        for b in (buf.slow_seq, buf.slow_lo, buf.slow_hi, buf.slow_k):
+            b.zero_()
+        buf.slow_sfi_slot.fill_(-1)
+    slow_bt = None
+    if block_table is not None:
+        slow_bt = buf.block_table_buffer(block_table.shape[1])
+        if rows:
+            torch.index_select(block_table[:rows], 0, src, out=slow_bt[:cap])
+    return SfiStep(row_slow=buf.row_slow[:rows], row_fast=buf.row_fast[:rows],
+                   row_sparse=buf.row_sparse[:rows], row_sfi_slot=buf.row_sfi_slot[:rows],
+                   row_k=buf.row_k[:rows], recent_start=buf.recent_start[:rows],
+                   allowed_lo=buf.allowed_lo[:rows], allowed_hi=buf.allowed_hi[:rows],
+                   row_attend=buf.row_attend[:rows], row_scratch=buf.row_scratch[:rows],
+                   slow_rows=buf.slow_rows[:cap], slow_seq=buf.slow_seq[:cap],
+                   slow_lo=buf.slow_lo[:cap], slow_hi=buf.slow_hi[:cap], slow_k=buf.slow_k[:cap],
+                   slow_sfi_slot=buf.slow_sfi_slot[:cap],
+                   slow_block_table=None if slow_bt is None else slow_bt[:cap])
 
 
 @dataclass

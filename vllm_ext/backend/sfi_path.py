@@ -1,0 +1,96 @@
+"""SFI decode for one layer, as the backend runs it: slow rows refresh their compact segment, fast
+rows read it, dense rows attend densely (ALGORITHMS.md §1). Torch-level orchestration of the kernels
+(each dispatches to Triton on CUDA and to its PyTorch twin elsewhere); no vLLM import.
+
+Cost follows the work:
+- one dense pass over the rows that are not fast (``row_attend``): dense rows attend, slow rows also
+  write their evidence and ``||k||`` into their slot of the compacted slow list (one read of K);
+- one two-segment pass over the fast rows (compact segment + recent window);
+- maintenance (selector + gather) over the compacted slow list only: ``S`` entries (the SFI
+  capacity), each over its own allowed set; unused entries exit at once.
+
+On CUDA every phase is launched every step and its kernels skip masked rows on the device, so the
+sequence of launches is the same whatever the rows decide: a uniform decode step is captured in a
+CUDA graph once and replayed with any mix of dense / slow / fast rows. On the CPU a host check is
+free and skips whole phases.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.config import SfiConfig
+from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence, prefill_evidence
+from vllm_ext.kernels.gather_compact import gather_compact
+from vllm_ext.kernels.sfi_selector import select
+from vllm_ext.kernels.two_segment_decode import two_segment_decode
+from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
+
+
+def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
+              sfi_slot, seq_lens, evidence, norms, lo, hi, k) -> None:
+    if rt.select_takes_workspace:
+        selected, n_sel = select(evidence, norms, lo, hi, cfg, k, k_cap=cfg.k,
+                                 workspace=rt.selector_workspace)
+    else:
+        selected, n_sel = select(evidence, norms, lo, hi, cfg, k, k_cap=cfg.k)
+    gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
+                   layer.compact_kv, layer.compact_len, seq_lens=seq_lens)
+
+
+def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, step: SfiStep, cfg: SfiConfig, layer: SfiLayerBuffers,
+               rt: SfiRuntime, layer_index: int, scale: float, out: torch.Tensor, *,
+               dense_done: bool) -> torch.Tensor:
+    """SFI for the decode rows ``0..R-1`` (one query each; ``query``/``out`` are ``[R, Hq, D]``).
+
+    ``dense_done``: ``out`` already holds dense attention for every row (a mixed step, where the dense
+    delegate ran first): only slow rows run the dense pass again (for their evidence), fast rows are
+    overwritten. Otherwise dense and slow rows are attended here.
+
+    The maintenance of the slow rows goes to ``rt.ring``: on CUDA with ``dual_stream`` a side stream
+    overlaps it with the next layers; the compact segments it writes are read at the next step,
+    after the step's join (``MaintenanceRing.join``).
+    """
+    rows = query.shape[0]
+    on_cpu = query.device.type == "cpu"
+    fast = step.row_fast[:rows]
+    attend = step.row_slow[:rows] if dense_done else step.row_attend[:rows]
+    any_slow = (not on_cpu) or bool(step.row_slow[:rows].any())
+    if not on_cpu or bool(fast.any()):
+        two_segment_decode(query, kv_cache, block_table, seq_lens, step.recent_start[:rows],
+                           layer.compact_kv, layer.compact_len, step.row_sfi_slot[:rows], scale, out,
+                           row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace)
+    if on_cpu and not bool(attend.any()):
+        return out
+    entry, scratch = rt.ring.entry(layer_index)
+    dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, step.allowed_lo[:rows],
+                               step.allowed_hi[:rows], scale, out, scratch.log_evidence,
+                               row_mask=attend, alpha=cfg.alpha, workspace=rt.dense_workspace,
+                               scratch_index=step.row_scratch[:rows], evidence_rows=step.slow_rows,
+                               key_norms=scratch.key_norms)
+    if not any_slow:
+        return out
+    rt.ring.submit(entry, lambda: _maintain(
+        rt, cfg, layer, kv_cache, step.slow_block_table, step.slow_sfi_slot, step.slow_seq,
+        scratch.log_evidence, scratch.key_norms, step.slow_lo, step.slow_hi, step.slow_k))
+    return out
+
+
+def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    plan: SfiPrefillEnd, cfg: SfiConfig, layer: SfiLayerBuffers, rt: SfiRuntime,
+                    layer_index: int, scale: float) -> None:
+    """First selection of the requests whose prefill ends in this step, from their last
+    ``w_prefill`` queries. Their K/V of this chunk must already be in the cache. Runs eagerly
+    (prefill is never captured); at most ``S`` requests (each holds a compact slot)."""
+    n = plan.rows.shape[0]
+    queries = query[plan.token_idx]                                        # [n, W, Hq, D]
+    tables = block_table[plan.rows]
+    entry, scratch = rt.ring.entry(layer_index)
+    evidence, norms = scratch.log_evidence[:n], scratch.key_norms[:n]
+    prefill_evidence(queries, kv_cache, tables, plan.seq_lens, plan.allowed_lo, plan.allowed_hi,
+                     scale, evidence, plan.positions, alpha=cfg.alpha, key_norms=norms)
+    rt.ring.submit(entry, lambda: _maintain(
+        rt, cfg, layer, kv_cache, tables, plan.sfi_slot, plan.seq_lens, evidence, norms,
+        plan.allowed_lo, plan.allowed_hi, plan.k))

@@ -1,0 +1,204 @@
+"""SFI's device runtime: the persistent buffers, scratch workspaces and CUDA streams/events the SFI
+decode path runs on (``vllm_ext.backend.sfi_path``). Torch only (no vLLM import): the GPU benchmarks
+drive it without vLLM.
+
+Sizes follow the work, never ``max_num_seqs``:
+- per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = ``sfi.max_requests``);
+- shared by the layers of a device (one :class:`SfiRuntime`):
+  - the maintenance ring, ``N`` slots of evidence + key norms, ``2 x N x S x Hkv x L`` fp32
+    (``S = C``: a step has at most one slow row per compact slot; ``L = max_model_len``);
+  - the evidence pass's raw scores ``S x Hq x L`` fp32;
+  - the selector's workspace (``S`` rows);
+  - split-K scratch of the dense and fast kernels, ``max_R R * splits(R) x Hq x (D + 1)`` fp32 (the
+    split count falls as rows grow, so this is bounded by the GPU's size, not the batch).
+:func:`describe_sizes` gives the formula and the bytes; the backend logs it at start-up.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ext.config import SfiConfig
+
+logger = logging.getLogger("vllm_ext")
+
+
+class SfiLayerBuffers:
+    """One layer's compact segments ``[C, Hkv, n_sink + k, 2D]`` and their lengths ``[C]``."""
+
+    def __init__(self, capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.compact_kv = torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k, 2 * head_size,
+                                      dtype=dtype, device=device)
+        self.compact_len = torch.zeros(capacity, dtype=torch.int32, device=device)
+
+    @staticmethod
+    def nbytes(capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
+               dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem + capacity * 4
+
+
+@dataclass
+class SfiScratch:
+    """One ring slot: the slow rows' pooled log-evidence and key norms ``[S, Hkv, L]`` fp32."""
+    log_evidence: torch.Tensor
+    key_norms: torch.Tensor
+
+    @classmethod
+    def allocate(cls, slots: int, num_kv_heads: int, max_len: int, device) -> "SfiScratch":
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(slots, num_kv_heads, max_len, **f32),
+                   torch.empty(slots, num_kv_heads, max_len, **f32))
+
+
+class MaintenanceRing:
+    """The evidence scratch in a ring of ``len(entries)`` slots, and the side stream that runs
+    selector + gather (ALGORITHMS.md §1, "dual-stream maintenance").
+
+    Layer ``l`` uses slot ``l % N``. Before the main stream writes a slot's evidence it waits for the
+    side stream to be done with the slot's previous user in this step; the side stream waits for the
+    evidence. ``join()`` (once per step, after the last layer) makes the main stream wait for all
+    maintenance, because the next step overwrites the plan that maintenance reads and the next fast
+    rows read the compact segments it writes. Every wait is on an event recorded in the same step, so
+    a step captured in a CUDA graph records the fork and the join inside the graph. Serial mode
+    (CPU, or ``sfi.dual_stream = false``) runs maintenance inline. No allocation here.
+    """
+
+    def __init__(self, entries: list[SfiScratch], device: torch.device, dual_stream: bool):
+        self.entries = entries
+        self.dual = bool(dual_stream and device.type == "cuda")
+        self._pending = False
+        if self.dual:
+            self.stream = torch.cuda.Stream(device=device)
+            self._ready = [torch.cuda.Event() for _ in entries]
+            self._done = [torch.cuda.Event() for _ in entries]
+            self._recorded = [False] * len(entries)
+
+    def entry(self, layer_index: int) -> tuple[int, SfiScratch]:
+        i = layer_index % len(self.entries)
+        if self.dual and self._recorded[i]:
+            torch.cuda.current_stream().wait_event(self._done[i])
+        return i, self.entries[i]
+
+    def submit(self, i: int, fn) -> None:
+        if not self.dual:
+            fn()
+            return
+        self._ready[i].record(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self._ready[i])
+            fn()
+            self._done[i].record(self.stream)
+        self._recorded[i] = True
+        self._pending = True
+
+    def join(self) -> None:
+        if self.dual and self._pending:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self._pending = False
+            self._recorded = [False] * len(self.entries)
+
+
+def _selector_workspace(rows, heads, length, width, device, cfg):
+    """The selector's persistent workspace when ``vllm_ext.kernels.sfi_selector`` offers one."""
+    from vllm_ext.kernels import sfi_selector
+
+    make = getattr(sfi_selector, "selector_workspace", None)
+    if make is None:
+        return None
+    return make(rows, heads, length, width, device, cfg)
+
+
+def select_accepts_workspace() -> bool:
+    from vllm_ext.kernels import sfi_selector
+
+    return "workspace" in inspect.signature(sfi_selector.select).parameters
+
+
+def _nbytes(obj) -> int:
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    n = getattr(obj, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    return sum(_nbytes(v) for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+
+class SfiRuntime:
+    """Everything the SFI path shares across the layers of one device (see the module doc)."""
+
+    def __init__(self, cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: int,
+                 num_kv_heads: int, head_size: int, max_len: int, device: torch.device):
+        from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
+        from vllm_ext.kernels.two_segment_decode import (dense_num_splits, max_row_splits,
+                                                         two_segment_num_splits,
+                                                         two_segment_workspace)
+
+        self.cfg = cfg
+        self.capacity = capacity
+        self.shape = (max_rows, num_heads, num_kv_heads, head_size, max_len)
+        dual = cfg.dual_stream and device.type == "cuda"
+        n = cfg.side_stream_slots if dual else 1
+        self.ring = MaintenanceRing([SfiScratch.allocate(capacity, num_kv_heads, max_len, device)
+                                     for _ in range(n)], device, dual)
+        est_fast = cfg.n_sink + cfg.k + cfg.n_recent
+        dense_rs = max_row_splits(max_rows, lambda r: dense_num_splits(r, num_kv_heads, max_len,
+                                                                        device))
+        fast_rs = max_row_splits(max_rows, lambda r: two_segment_num_splits(r, num_kv_heads,
+                                                                             est_fast, device))
+        max_splits = max(dense_num_splits(1, num_kv_heads, max_len, device), 1)
+        self.dense_workspace = dense_decode_workspace(1, num_heads, head_size, max_splits, device,
+                                                      max_len=max_len, evidence_rows=capacity,
+                                                      row_splits=dense_rs)
+        self.split_workspace = two_segment_workspace(1, num_heads, head_size, 1, device,
+                                                     row_splits=fast_rs)
+        width = max(cfg.k, cfg.k_min)
+        self.selector_workspace = _selector_workspace(capacity, num_kv_heads, max_len, width,
+                                                      device, cfg)
+        self.select_takes_workspace = (self.selector_workspace is not None
+                                       and select_accepts_workspace())
+
+    @property
+    def nbytes(self) -> int:
+        ring = sum(_nbytes(e.log_evidence) + _nbytes(e.key_norms) for e in self.ring.entries)
+        return (ring + _nbytes(self.dense_workspace) + _nbytes(self.split_workspace)
+                + _nbytes(self.selector_workspace))
+
+    def describe(self) -> str:
+        max_rows, hq, hkv, d, max_len = self.shape
+        ring = sum(_nbytes(e.log_evidence) + _nbytes(e.key_norms) for e in self.ring.entries)
+        return (f"SFI runtime {self.nbytes / 2**20:.1f} MiB = ring {len(self.ring.entries)} x 2 x "
+                f"S {self.capacity} x Hkv {hkv} x L {max_len} x 4 B ({ring / 2**20:.1f} MiB) + evidence "
+                f"scores S x Hq {hq} x L x 4 B + split scratch "
+                f"({_nbytes(self.dense_workspace) / 2**20:.1f} MiB dense, "
+                f"{_nbytes(self.split_workspace) / 2**20:.1f} MiB fast) + selector "
+                f"{_nbytes(self.selector_workspace) / 2**20:.1f} MiB; S = sfi.max_requests, "
+                f"independent of max_num_seqs ({max_rows})")
+
+
+_runtimes: dict[tuple, SfiRuntime] = {}
+
+
+def shared_runtime(cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: int,
+                   num_kv_heads: int, head_size: int, max_len: int,
+                   device: torch.device) -> SfiRuntime:
+    """One runtime per device and shape, shared by every layer (allocated at the first layer's
+    ``process_weights_after_loading``, so before vLLM profiles memory: it comes out of its budget)."""
+    key = (device, cfg, capacity, max_rows, num_heads, num_kv_heads, head_size, max_len)
+    rt = _runtimes.get(key)
+    if rt is None:
+        _runtimes.clear()
+        rt = SfiRuntime(cfg, capacity=capacity, max_rows=max_rows, num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_size=head_size, max_len=max_len,
+                        device=device)
+        _runtimes[key] = rt
+        logger.info("vllm_ext: %s; maintenance %s", rt.describe(),
+                    "on a side stream" if rt.ring.dual else "serial")
+    return rt

@@ -1,0 +1,194 @@
+"""SFI's per-request tables, indexed by the generic request slot of
+:class:`vllm_ext.request_state.RequestStateTable`, and the step plan built from them.
+
+Per slot (device): the compact-segment slot (or -1), SFI on/off and ``k`` for the request, steps
+since the last slow step, whether a selection exists, and the tokens selected at the last slow step.
+Compact slots are fewer than request slots (``sfi.max_requests``): a request without one decodes
+densely and is counted (``fallback.sfi_capacity``). Counters live on the device (``stats``) and are
+read asynchronously (:class:`DeviceCounters`). Torch only (no vLLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from vllm_ext import metrics
+from vllm_ext.config import ConfigError, SpeedSfiConfig
+from vllm_ext.sfi.step_plan import (NUM_STATS, STAT_CONTEXT, STAT_DENSE, STAT_FAST,
+                                    STAT_PREFILL_END, STAT_RETAINED, STAT_SLOW, SfiPlanBuffers,
+                                    SfiStep, plan_prefill_end, plan_step)
+
+# what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
+# (kernel constants, buffer sizes, the schedule) and is refused loudly
+PER_REQUEST_FIELDS = frozenset({"sfi.enabled", "sfi.k"})
+
+STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
+              STAT_DENSE: "sfi.dense_rows", STAT_RETAINED: "sfi.fast_retained_tokens",
+              STAT_CONTEXT: "sfi.fast_context_tokens",
+              STAT_PREFILL_END: "sfi.prefill_end_selections"}
+
+
+def _changed_fields(base: SpeedSfiConfig, other: SpeedSfiConfig) -> set[str]:
+    """``section.field`` names whose values differ (the method sections; ``preset`` is not one)."""
+    changed = set()
+    for section in (f.name for f in fields(base) if f.name != "preset"):
+        a, b = getattr(base, section), getattr(other, section)
+        changed.update(f"{section}.{f.name}" for f in fields(a) if getattr(a, f.name) != getattr(b, f.name))
+    return changed
+
+
+class DeviceCounters:
+    """Counters accumulated on the device and read without synchronising: after each step the
+    builder issues a non-blocking copy into pinned memory and records an event; readers take the
+    latest copy whose event has completed."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.values = torch.zeros(n, dtype=torch.int64, device=device)
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)]
+            self._issued = [False, False]
+            self._next = 0
+            self._last = torch.zeros(n, dtype=torch.int64)
+
+    def publish(self) -> None:
+        """Queue a copy of the current values (call after the step's device updates)."""
+        if not self._cuda:
+            return
+        i = self._next
+        if self._issued[i] and not self._events[i].query():
+            return                       # the previous copy into this buffer is still in flight
+        self._host[i].copy_(self.values, non_blocking=True)
+        self._events[i].record()
+        self._issued[i] = True
+        self._next = 1 - i
+
+    def read(self) -> list[int]:
+        if not self._cuda:
+            return self.values.tolist()
+        for i in sorted(range(2), key=lambda j: j != 1 - self._next):   # newest first
+            if self._issued[i] and self._events[i].query():
+                self._last = self._host[i].clone()
+                break
+        return self._last.tolist()
+
+
+class SfiSlotTables:
+    def __init__(self, n_slots: int, capacity: int, max_rows: int, config: SpeedSfiConfig,
+                 trigger_lut: torch.Tensor | None, device: torch.device):
+        self.config = config
+        self.cfg = config.sfi
+        self.capacity = capacity
+        self.device = device
+        self.trigger_lut = (trigger_lut if trigger_lut is not None
+                            else torch.zeros(1, dtype=torch.bool, device=device))
+        i32 = dict(dtype=torch.int32, device=device)
+        self.sfi_slot_of = torch.full((n_slots,), -1, **i32)
+        self.sfi_on = torch.zeros(n_slots, dtype=torch.bool, device=device)
+        self.sfi_k = torch.zeros(n_slots, **i32)
+        self.sel_count = torch.zeros(n_slots, **i32)
+        self.steps_since_slow = torch.zeros(n_slots, **i32)
+        self.has_selection = torch.zeros(n_slots, dtype=torch.bool, device=device)
+        self.counters = DeviceCounters(NUM_STATS, device)
+        self.plan_buffers = SfiPlanBuffers(max_rows, capacity, device)
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self.slot_host: dict[int, int] = {}          # request slot -> compact slot
+        self.k_host: dict[int, int] = {}
+
+    @property
+    def stats(self) -> torch.Tensor:
+        return self.counters.values
+
+    # ------------------------------------------------------------------ lifecycle (host)
+    def assign(self, slot: int, overrides: Mapping[str, Any] | None) -> tuple[int, bool, int]:
+        """Compact slot, on/off and ``k`` for a request taking request slot ``slot``."""
+        cfg = self.config
+        if overrides:
+            try:
+                cfg = cfg.with_overrides(overrides)
+            except ConfigError as e:
+                metrics.fallback("request_override_invalid", "ignoring a request's speedsfi override: %s", e)
+                cfg = self.config
+            engine_wide = _changed_fields(self.config, cfg) - PER_REQUEST_FIELDS
+            if engine_wide:
+                metrics.fallback("request_override_engine_wide", "a request's speedsfi override sets %s, which "
+                                 "only the engine's configuration can change (a request can set %s); ignored",
+                                 ", ".join(sorted(engine_wide)), ", ".join(sorted(PER_REQUEST_FIELDS)))
+        if not cfg.sfi.enabled:
+            return -1, False, 0
+        k = cfg.sfi.k
+        if k > self.cfg.k:
+            metrics.fallback("sfi_k_clamped", "a request asked for sfi.k=%d above the engine's %d "
+                             "(the compact buffers' size); using %d", k, self.cfg.k, self.cfg.k)
+            k = self.cfg.k
+        if not self._free:
+            metrics.fallback("sfi_capacity", "all %d SFI compact slots are in use (speedsfi.sfi."
+                             "max_requests); further requests decode densely", len(self.slot_host))
+            return -1, False, k
+        sfi_slot = self._free.pop()
+        self.slot_host[slot] = sfi_slot
+        self.k_host[slot] = k
+        return sfi_slot, True, k
+
+    def release(self, slot: int) -> None:
+        sfi_slot = self.slot_host.pop(slot, None)
+        self.k_host.pop(slot, None)
+        if sfi_slot is not None:
+            self._free.append(sfi_slot)
+
+    def apply_resets(self, idx: torch.Tensor, sfi_slot: torch.Tensor, sfi_k: torch.Tensor,
+                     sfi_on: torch.Tensor) -> None:
+        self.sfi_slot_of.index_copy_(0, idx, sfi_slot)
+        self.sfi_k.index_copy_(0, idx, sfi_k)
+        self.sfi_on.index_copy_(0, idx, sfi_on)
+        self.sel_count.index_fill_(0, idx, 0)
+        self.steps_since_slow.index_fill_(0, idx, 0)
+        self.has_selection.index_fill_(0, idx, False)
+
+    # ------------------------------------------------------------------ per step (device)
+    def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table) -> SfiStep:
+        return plan_step(self.cfg, row_slot=row_slot, row_last_token=row_last_token,
+                         row_is_decode=row_is_decode, seq_lens=seq_lens,
+                         sfi_slot_of=self.sfi_slot_of, sfi_on=self.sfi_on, sfi_k=self.sfi_k,
+                         steps_since_slow=self.steps_since_slow, has_selection=self.has_selection,
+                         sel_count=self.sel_count, trigger_lut=self.trigger_lut, stats=self.stats,
+                         buffers=self.plan_buffers, block_table=block_table)
+
+    def plan_prefill_end(self, *, num_reqs: int, row_slots: np.ndarray, row_is_decode: np.ndarray,
+                         prompt_len: np.ndarray, host_geometry, row_slot_device: torch.Tensor):
+        """The requests whose prefill ends in this step (host geometry is exact for prefills)."""
+        from vllm_ext.sfi.schedule import mark_selected
+
+        cfg = self.cfg
+        qsl, computed = host_geometry
+        rows, ends, q_lens, seqs, ks, sfi_slots = [], [], [], [], [], []
+        for row in range(num_reqs):
+            slot = int(row_slots[row])
+            if row_is_decode[row] or slot not in self.slot_host:
+                continue
+            q_len = int(qsl[row + 1] - qsl[row])
+            seq = int(computed[row]) + q_len
+            k = self.k_host[slot]
+            if seq < prompt_len[slot] or seq <= cfg.n_sink + cfg.n_recent + k:
+                continue
+            rows.append(row); ends.append(int(qsl[row + 1])); q_lens.append(q_len)
+            seqs.append(seq); ks.append(k); sfi_slots.append(self.slot_host[slot])
+        plan = plan_prefill_end(cfg, rows=rows, query_end=ends, q_lens=q_lens, seq_lens=seqs, ks=ks,
+                                sfi_slots=sfi_slots, device=self.device)
+        if plan is not None:
+            row_slot = row_slot_device[plan.rows]
+            mark_selected(self.steps_since_slow, self.has_selection, row_slot,
+                          torch.ones_like(plan.rows, dtype=torch.bool))
+            n_sel = torch.minimum(plan.k, plan.allowed_hi - plan.allowed_lo)
+            self.sel_count.index_copy_(0, row_slot.long(), n_sel)
+            self.stats[STAT_PREFILL_END] += plan.rows.shape[0]
+        return plan
+
+    def counter_values(self) -> dict[str, int]:
+        values = self.counters.read()
+        return {name: values[i] for i, name in STAT_NAMES.items()}
