@@ -265,6 +265,10 @@ def main(argv=None):
         ap.add_argument("--ctxs", default=None, help="comma list of contexts")
         ap.add_argument("--batches", default=None, help="comma list of batch sizes")
         ap.add_argument("--steps", type=int, default=None)
+        ap.add_argument("--profile", default=None, metavar="MODE",
+                        help="instead of the sweep: torch.profiler kernel table of MODE (dense, sfi, "
+                             "sfi_fast_only) for the first model/ctx/batch, written to "
+                             "sfi_path_profile_MODE.txt")
 
     args = parse_args(__doc__.splitlines()[1], argv, extra)
     dev = device_for(args)
@@ -274,6 +278,8 @@ def main(argv=None):
     batches = [int(b) for b in args.batches.split(",")] if args.batches else sh["batches"]
     steps = args.steps or sh["steps"]
     env = env_info(dev)
+    if args.profile:
+        return profile(args, models, ctxs, batches, steps, sh, dev)
     copy = copy_bandwidth(dev)
     rows = []
     modes = ["dense", "sfi", "sfi_serial", "sfi_fast_only"] if dev.type == "cuda" else \
@@ -337,6 +343,29 @@ def main(argv=None):
     plot(args.out, "sfi_path", f"SFI path speed-up over dense, whole run ({env['gpu']})",
          "context (tokens)", "speed-up (x)", series, logx=True)
     return payload
+
+
+def profile(args, models, ctxs, batches, steps, sh, dev):
+    """Per-kernel GPU time of ``steps`` steps of one configuration (what the graph replays)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    name, cfg = next(iter(models.items()))
+    loop = PathLoop(cfg, batches[0], ctxs[0], steps, sh["dtype"], dev, sh["sfi"])
+    with torch.inference_mode():
+        loop.run(args.profile)                            # warm-up, compile, capture once
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with torch_profile(activities=acts) as prof:
+            r = loop.run(args.profile)
+    key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=40)
+    head = (f"{name} ctx {ctxs[0]} batch {batches[0]} mode {args.profile}: {r['ms']:.3f} ms/step "
+            f"over {steps} steps (profiled run includes one warm-up + capture)\n")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"sfi_path_profile_{args.profile}.txt"
+    path.write_text(head + table)
+    print(head + table, flush=True)
+    return {"profile": str(path)}
 
 
 if __name__ == "__main__":

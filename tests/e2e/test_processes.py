@@ -34,7 +34,7 @@ def test_spawned_engine_matches_in_process(tiny_models, trace_dir):
     assert spawned == reference
     workers = _worker_counts(trace_dir)
     assert workers, "no counters from a spawned process"
-    assert sum(c.get("forward.dense_torch", 0) for c in workers.values()) > 0
+    assert sum(c.get("steps.dense_torch", 0) for c in workers.values()) > 0
 
 
 @pytest.mark.parametrize("sfi", [False, True], ids=["dense", "sfi"])
@@ -52,7 +52,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_models, trace_dir, monkeypatch, sfi)
     with engine(tiny_models["qwen3"], "SPEEDSFI", additional_config=extra) as llm:
         tp1 = greedy(llm, prompts, max_tokens=32)
     assert tp2 == tp1
-    ranks = [c for c in _worker_counts(trace_dir).values() if c.get("forward.dense_torch")]
+    ranks = [c for c in _worker_counts(trace_dir).values() if c.get("steps.dense_torch")]
     assert len(ranks) == 2, f"expected both TP ranks to run SPEEDSFI, got {ranks}"
     if sfi:
         assert all(c.get("sfi.fast_steps", 0) > 0 for c in ranks)
@@ -66,5 +66,5 @@ def test_vllm_serve_answers_an_openai_client(tiny_models, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "[demo] answer (8 tokens" in out
-    assert '"forward.dense_torch"' in out
-    assert 'speedsfi_events_total{event="forward.dense_torch"}' in out     # vLLM's /metrics
+    assert '"steps.dense_torch"' in out
+    assert 'speedsfi_events_total{event="steps.dense_torch"}' in out     # vLLM's /metrics

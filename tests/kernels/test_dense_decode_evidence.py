@@ -154,34 +154,39 @@ def test_paged_decode_full_grid_default_splits(case):
 
 
 @pytest.mark.parametrize("case", FAST_CASES[:3], ids=case_id)
-def test_evidence_scratch_slots_and_key_norms(case):
-    """The SFI path's form: only rows with an evidence slot (slow rows) get evidence, written to
-    their slot; key norms come from the same pass; rows without a slot are attended only; unused
-    slots are untouched."""
+def test_evidence_compact_rows_and_key_norms(case):
+    """The SFI path's form: the launch covers a compacted list of rows (the slow rows); each entry's
+    evidence goes to its own slot and its key norms come from the same pass; rows not listed are
+    not written, nor are unused entries' slots."""
     p = _problem(case, 31)
     r, hq, d = p["q"].shape
-    n_slots = 5
-    # rows 5 (len 101) -> slot 3, 3 (len bs+1) -> slot 0, 6 (masked out) -> slot 1; slots 2, 4 unused
-    sidx = torch.full((r,), -1, dtype=torch.int32, device=DEVICE)
-    rows = torch.full((n_slots,), -1, dtype=torch.int32, device=DEVICE)
-    for row, slot in ((5, 3), (3, 0), (6, 1)):
-        sidx[row], rows[slot] = slot, row
+    # entry 3 -> row 5 (len 101), entry 0 -> row 3 (len bs+1), entry 1 -> row 6 (masked out);
+    # entries 2 and 4 unused
+    rows = torch.tensor([3, 6, -1, 5, -1], dtype=torch.int32, device=DEVICE)
     for name, fn in (("kernel", dense_decode_with_evidence), ("twin", dense_decode_with_evidence_torch)):
-        out = torch.full_like(p["q"], SENTINEL)
-        ev = torch.full((n_slots, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
-        kn = torch.full((n_slots, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
-        fn(p["q"], p["kv"], p["bt"], p["seq"], p["lo"], p["hi"], p["scale"], out, ev, p["mask"],
-           0.5, num_splits=2, scratch_index=sidx, evidence_rows=rows, key_norms=kn)
-        _check(p, out, None, 0.5, name)            # every active row attended
-        for slot in (1, 2, 4):                      # masked-out row's slot and unused slots
-            assert torch.all(ev[slot] == SENTINEL) and torch.all(kn[slot] == SENTINEL), name
-        for row, slot in ((5, 3), (3, 0)):
-            L = p["lens"][row]
-            lo, hi = max(int(p["lo"][row]), 0), min(int(p["hi"][row]), L)
-            ref = reference_evidence(p["q"][row:row + 1], p["kv"], p["bt"][row], lo, hi,
-                                     p["max_len"], p["scale"], 0.5)
-            assert_evidence_close(ev[slot, :, :L], ref[:, :L], what=f"{name} slot {slot}")
-            assert torch.all(ev[slot, :, L:] == SENTINEL)
-            k, _ = gather_kv(p["kv"], p["bt"][row], torch.arange(L, device=DEVICE))
-            torch.testing.assert_close(kn[slot, :, :L], k.float().norm(dim=-1), atol=1e-2, rtol=1e-2)
-            assert torch.all(kn[slot, :, L:] == SENTINEL)
+        for ns in (None, 1, 3):
+            out = torch.full_like(p["q"], SENTINEL)
+            ev = torch.full((5, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
+            kn = torch.full((5, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
+            fn(p["q"], p["kv"], p["bt"], p["seq"], p["lo"], p["hi"], p["scale"], out, ev, p["mask"],
+               0.5, num_splits=ns, evidence_rows=rows, key_norms=kn)
+            what = f"{name} splits={ns}"
+            dense = reference_dense_attention(p["q"], p["kv"], p["bt"], p["seq"], p["scale"])
+            for row in range(r):
+                if row in (3, 5):
+                    assert_close_out(out[row], dense[row], p["dtype"], f"{what} row {row}")
+                else:
+                    assert torch.all(out[row] == SENTINEL), f"{what}: row {row} not listed but written"
+            for slot in (1, 2, 4):
+                assert torch.all(ev[slot] == SENTINEL) and torch.all(kn[slot] == SENTINEL), what
+            for row, slot in ((5, 3), (3, 0)):
+                L = p["lens"][row]
+                lo, hi = max(int(p["lo"][row]), 0), min(int(p["hi"][row]), L)
+                ref = reference_evidence(p["q"][row:row + 1], p["kv"], p["bt"][row], lo, hi,
+                                         p["max_len"], p["scale"], 0.5)
+                assert_evidence_close(ev[slot, :, :L], ref[:, :L], what=f"{what} slot {slot}")
+                assert torch.all(ev[slot, :, L:] == SENTINEL)
+                k, _ = gather_kv(p["kv"], p["bt"][row], torch.arange(L, device=DEVICE))
+                torch.testing.assert_close(kn[slot, :, :L], k.float().norm(dim=-1), atol=1e-2,
+                                           rtol=1e-2)
+                assert torch.all(kn[slot, :, L:] == SENTINEL)

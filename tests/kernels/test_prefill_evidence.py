@@ -76,4 +76,5 @@ def test_prefill_w1_matches_decode_evidence():
     prefill_evidence(q, kv, bt, seq, lo, hi, 0.125, a, qpos)
     out = torch.zeros(2, 16, 64, device=DEVICE)
     dense_decode_with_evidence(q[:, 0], kv, bt, seq, lo, hi, 0.125, out, b, num_splits=2)
-    assert_evidence_close(a, b)
+    for i, n in enumerate(lens):                 # decode evidence covers each row's own length
+        assert_evidence_close(a[i, :, :n], b[i, :, :n])

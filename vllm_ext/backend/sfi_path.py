@@ -3,11 +3,12 @@ rows read it, dense rows attend densely (ALGORITHMS.md §1). Torch-level orchest
 (each dispatches to Triton on CUDA and to its PyTorch twin elsewhere); no vLLM import.
 
 Cost follows the work:
-- one dense pass over the rows that are not fast (``row_attend``): dense rows attend, slow rows also
-  write their evidence and ``||k||`` into their slot of the compacted slow list (one read of K);
-- one two-segment pass over the fast rows (compact segment + recent window);
-- maintenance (selector + gather) over the compacted slow list only: ``S`` entries (the SFI
-  capacity), each over its own allowed set; unused entries exit at once.
+- dense rows: one dense paged pass (split for the batch);
+- fast rows: one two-segment pass (compact segment + recent window);
+- slow rows: one dense pass over the compacted slow list (``S`` entries, the SFI capacity, split as
+  for a single row so that one long slow row still fills the GPU) that also writes each row's
+  evidence and ``||k||`` into its slot (one read of K); then maintenance (selector + gather) over the
+  same list, each entry over its own allowed set. Unused entries exit at once.
 
 On CUDA every phase is launched every step and its kernels skip masked rows on the device, so the
 sequence of launches is the same whatever the rows decide: a uniform decode step is captured in a
@@ -21,7 +22,8 @@ import torch
 
 from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
-from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence, prefill_evidence
+from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence, paged_decode,
+                                                    prefill_evidence)
 from vllm_ext.kernels.gather_compact import gather_compact
 from vllm_ext.kernels.sfi_selector import select
 from vllm_ext.kernels.two_segment_decode import two_segment_decode
@@ -56,22 +58,22 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     rows = query.shape[0]
     on_cpu = query.device.type == "cpu"
     fast = step.row_fast[:rows]
-    attend = step.row_slow[:rows] if dense_done else step.row_attend[:rows]
-    any_slow = (not on_cpu) or bool(step.row_slow[:rows].any())
+    dense = step.row_dense[:rows]
+    if not dense_done and (not on_cpu or bool(dense.any())):
+        paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=dense,
+                     workspace=rt.dense_workspace)
     if not on_cpu or bool(fast.any()):
         two_segment_decode(query, kv_cache, block_table, seq_lens, step.recent_start[:rows],
                            layer.compact_kv, layer.compact_len, step.row_sfi_slot[:rows], scale, out,
                            row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace)
-    if on_cpu and not bool(attend.any()):
+    if on_cpu and not bool(step.row_slow[:rows].any()):
         return out
+    # slow rows: one dense pass over the compacted list, writing their output, evidence and ||k||
     entry, scratch = rt.ring.entry(layer_index)
     dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, step.allowed_lo[:rows],
                                step.allowed_hi[:rows], scale, out, scratch.log_evidence,
-                               row_mask=attend, alpha=cfg.alpha, workspace=rt.dense_workspace,
-                               scratch_index=step.row_scratch[:rows], evidence_rows=step.slow_rows,
-                               key_norms=scratch.key_norms)
-    if not any_slow:
-        return out
+                               alpha=cfg.alpha, workspace=rt.dense_workspace,
+                               evidence_rows=step.slow_rows, key_norms=scratch.key_norms)
     rt.ring.submit(entry, lambda: _maintain(
         rt, cfg, layer, kv_cache, step.slow_block_table, step.slow_sfi_slot, step.slow_seq,
         scratch.log_evidence, scratch.key_norms, step.slow_lo, step.slow_hi, step.slow_k))

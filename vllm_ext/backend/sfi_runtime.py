@@ -9,8 +9,9 @@ Sizes follow the work, never ``max_num_seqs``:
     (``S = C``: a step has at most one slow row per compact slot; ``L = max_model_len``);
   - the evidence pass's raw scores ``S x Hq x L`` fp32;
   - the selector's workspace (``S`` rows);
-  - split-K scratch of the dense and fast kernels, ``max_R R * splits(R) x Hq x (D + 1)`` fp32 (the
-    split count falls as rows grow, so this is bounded by the GPU's size, not the batch).
+  - split-K scratch of the dense and fast kernels, ``max(S * splits(1), max_R R * splits(R)) x Hq x
+    (D + 1)`` fp32 (the split count falls as rows grow, so this is bounded by the GPU's size and S,
+    not the batch).
 :func:`describe_sizes` gives the formula and the bytes; the backend logs it at start-up.
 """
 
@@ -153,10 +154,12 @@ class SfiRuntime:
                                                                         device))
         fast_rs = max_row_splits(max_rows, lambda r: two_segment_num_splits(r, num_kv_heads,
                                                                              est_fast, device))
+        # the slow pass runs over the S compacted entries with the single-row split count
         max_splits = max(dense_num_splits(1, num_kv_heads, max_len, device), 1)
         self.dense_workspace = dense_decode_workspace(1, num_heads, head_size, max_splits, device,
                                                       max_len=max_len, evidence_rows=capacity,
-                                                      row_splits=dense_rs)
+                                                      row_splits=max(dense_rs,
+                                                                     capacity * max_splits))
         self.split_workspace = two_segment_workspace(1, num_heads, head_size, 1, device,
                                                      row_splits=fast_rs)
         width = max(cfg.k, cfg.k_min)

@@ -14,9 +14,10 @@
   un-normalised; ``-inf`` at the columns of ``[0, min(seq_len, max_len))`` outside ``A``; columns
   past the row's own length are not touched (work follows each row's length, not ``max_len``).
 
-With ``scratch_index`` (the SFI decode path) only the rows that have an evidence slot (the slow rows)
-write evidence, into that slot, and ``key_norms`` (when given) receives ``||k_j||`` from the same
-pass over K, so the selector's prior needs no second gather of K.
+With ``evidence_rows`` (compact mode, the SFI decode path) the launch covers a compacted list of rows
+(the step's slow rows) instead of the batch, each entry's evidence goes to its own slot, and
+``key_norms`` (when given) receives ``||k_j||`` from the same pass over K, so the selector's prior
+needs no second gather of K.
 
 One pass over K/V (split-K, online softmax) writes the partial outputs, the raw scores of the G
 heads into a scratch ``[R, Hq, max_len]`` fp32 and per-split LSEs over ``A``; a cheap second pass
@@ -60,10 +61,10 @@ if HAS_TRITON:
                                                      _store_state)
 
     @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT", "EVIDENCE",
-                                        "SCRATCH", "NORMS"])
+                                        "COMPACT", "NORMS"])
     @triton.jit
     def _dense_split_kernel(
-        Q, KV, BT, SEQ, LO, HI, MASK, SIDX, PO, PLSE, PLSEA, SC, KN, OUT,
+        Q, KV, BT, SEQ, LO, HI, MASK, ROWS, PO, PLSE, PLSEA, SC, KN, OUT,
         s_q_r, s_q_h, s_q_d,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
@@ -77,11 +78,19 @@ if HAS_TRITON:
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
-        SCRATCH: tl.constexpr, NORMS: tl.constexpr, BLOCK_N: tl.constexpr,
+        COMPACT: tl.constexpr, NORMS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        # program row e: batch row ROWS[e] in compact mode (the slow-row list; -1 = unused entry),
+        # else row e; partial states and evidence are indexed by e, the output by the batch row
+        e = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
+        if COMPACT:
+            row = tl.load(ROWS + e)
+            if row < 0:
+                return
+        else:
+            row = e
         if HAS_MASK:
             if tl.load(MASK + row).to(tl.int32) == 0:
                 return
@@ -101,21 +110,13 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         gm = offs_g < G
         heads = h * G + offs_g
-        ev_on = False
         if EVIDENCE:
-            # the row's evidence scratch slot (-1: this row only attends, e.g. a dense row)
-            if SCRATCH:
-                slot = tl.load(SIDX + row)
-            else:
-                slot = row
-            ev_on = slot >= 0
-            slot = tl.maximum(slot, 0)
             lo = tl.maximum(tl.load(LO + row), 0)
             hi = tl.minimum(tl.minimum(tl.load(HI + row), seq_len), MAX_LEN)
             ma_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             la_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-            sc_base = SC + slot.to(tl.int64) * s_sc_r + heads[:, None].to(tl.int64) * s_sc_h
-            kn_base = KN + slot.to(tl.int64) * s_kn_r + h.to(tl.int64) * s_kn_h
+            sc_base = SC + e.to(tl.int64) * s_sc_r + heads[:, None].to(tl.int64) * s_sc_h
+            kn_base = KN + e.to(tl.int64) * s_kn_r + h.to(tl.int64) * s_kn_h
 
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
@@ -126,34 +127,32 @@ if HAS_TRITON:
             s = _scores(q, k, qk_scale, F32_DOT)
             s = tl.where(valid[None, :], s, float("-inf"))
             if EVIDENCE:
-                if ev_on:
-                    keep = valid & (pos < MAX_LEN)
-                    tl.store(sc_base + pos[None, :].to(tl.int64) * s_sc_j, s,
-                             mask=gm[:, None] & keep[None, :])
-                    if NORMS:
-                        # ||k_j|| from the K this pass reads anyway (the selector's prior)
-                        kf = k.to(tl.float32)
-                        kn = tl.sqrt(tl.sum(kf * kf, 1))
-                        tl.store(kn_base + pos.to(tl.int64) * s_kn_j, kn, mask=keep)
-                    in_a = valid & (pos >= lo) & (pos < hi)
-                    sa = tl.where(in_a[None, :], s, float("-inf"))
-                    ma_new = tl.maximum(ma_i, tl.max(sa, 1))
-                    ma_safe = tl.where(ma_new == float("-inf"), 0.0, ma_new)
-                    la_i = la_i * tl.exp2(ma_i - ma_safe) + tl.sum(tl.exp2(sa - ma_safe[:, None]), 1)
-                    ma_i = ma_new
+                keep = valid & (pos < MAX_LEN)
+                tl.store(sc_base + pos[None, :].to(tl.int64) * s_sc_j, s,
+                         mask=gm[:, None] & keep[None, :])
+                if NORMS:
+                    # ||k_j|| from the K this pass reads anyway (the selector's prior)
+                    kf = k.to(tl.float32)
+                    kn = tl.sqrt(tl.sum(kf * kf, 1))
+                    tl.store(kn_base + pos.to(tl.int64) * s_kn_j, kn, mask=keep)
+                in_a = valid & (pos >= lo) & (pos < hi)
+                sa = tl.where(in_a[None, :], s, float("-inf"))
+                ma_new = tl.maximum(ma_i, tl.max(sa, 1))
+                ma_safe = tl.where(ma_new == float("-inf"), 0.0, ma_new)
+                la_i = la_i * tl.exp2(ma_i - ma_safe) + tl.sum(tl.exp2(sa - ma_safe[:, None]), 1)
+                ma_i = ma_new
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
 
-        _store_state(acc, m_i, l_i, row, h, split, PO, PLSE, OUT,
+        _store_state(acc, m_i, l_i, e, row, h, split, PO, PLSE, OUT,
                      s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
                      s_o_r, s_o_h, s_o_d, G, BLOCK_G, D, BLOCK_D, DIRECT)
         if EVIDENCE:
-            if ev_on:
-                # per-split LSE over A, in log2 units (internal scratch, indexed by the evidence slot)
-                ma_safe = tl.where(ma_i == float("-inf"), 0.0, ma_i)
-                lsea = tl.where(la_i > 0, ma_safe + tl.log2(tl.where(la_i > 0, la_i, 1.0)),
-                                float("-inf"))
-                tl.store(PLSEA + slot.to(tl.int64) * s_pa_r + split * s_pa_s + heads * s_pa_h, lsea,
-                         mask=gm)
+            # per-split LSE over A, in log2 units (internal scratch, indexed by the evidence slot)
+            ma_safe = tl.where(ma_i == float("-inf"), 0.0, ma_i)
+            lsea = tl.where(la_i > 0, ma_safe + tl.log2(tl.where(la_i > 0, la_i, 1.0)),
+                            float("-inf"))
+            tl.store(PLSEA + e.to(tl.int64) * s_pa_r + split * s_pa_s + heads * s_pa_h, lsea,
+                     mask=gm)
 
     @triton.jit
     def _evidence_kernel(
@@ -163,7 +162,7 @@ if HAS_TRITON:
         s_ev_r, s_ev_h, s_ev_j,
         MAX_LEN, alpha, log_g, NUM_SPLITS, NUM_JP,
         G: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK_S: tl.constexpr, HAS_MASK: tl.constexpr, SCRATCH: tl.constexpr,
+        BLOCK_S: tl.constexpr, HAS_MASK: tl.constexpr, COMPACT: tl.constexpr,
         GEOMETRIC: tl.constexpr, BLOCK_J: tl.constexpr,
     ):
         # one program per (evidence slot, KV head, position lane); each lane walks the row's own
@@ -171,7 +170,7 @@ if HAS_TRITON:
         slot = tl.program_id(0)
         h = tl.program_id(1)
         lane = tl.program_id(2)
-        if SCRATCH:
+        if COMPACT:
             row = tl.load(ROWS + slot)
             if row < 0:
                 return
@@ -283,37 +282,39 @@ EVIDENCE_LANES = 16          # position lanes per (evidence slot, KV head) of th
 
 def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, num_splits,
                   workspace, allowed_lo=None, allowed_hi=None, log_evidence=None, alpha=0.5,
-                  scratch_index=None, evidence_rows=None, key_norms=None):
-    num_rows, hq, d = query.shape
+                  evidence_rows=None, key_norms=None):
+    hq, d = query.shape[1], query.shape[2]
     hkv = kv_cache.shape[1]
     assert kv_cache.shape[-1] == 2 * d and hq % hkv == 0
     g = hq // hkv
-    if num_rows == 0:
+    compact = evidence_rows is not None
+    # program rows: the compacted entries (compact mode) or the batch rows
+    num_rows = evidence_rows.shape[0] if compact else query.shape[0]
+    if num_rows == 0 or query.shape[0] == 0:
         return out
     evidence = log_evidence is not None
-    scratch = scratch_index is not None
     max_len = log_evidence.shape[-1] if evidence else 0
-    n_ev = log_evidence.shape[0] if evidence else 0
     if num_splits is None:
-        num_splits = dense_num_splits(num_rows, hkv, block_table.shape[1] * kv_cache.shape[2],
-                                        query.device)
+        # compact mode: typically one or two live entries, so split as for a single row (dead
+        # entries' programs exit at once)
+        num_splits = dense_num_splits(1 if compact else num_rows, hkv,
+                                      block_table.shape[1] * kv_cache.shape[2], query.device)
     num_splits = int(num_splits)
     direct = num_splits == 1
     need_ws = (not direct) or evidence
     if need_ws and (workspace is None
                     or not workspace.fits(num_rows, hq, d, num_splits,
-                                          max_len if evidence else None, n_ev)):
+                                          max_len if evidence else None, num_rows)):
         workspace = dense_decode_workspace(num_rows, hq, d, num_splits, query.device,
-                                           max_len=max_len if evidence else None,
-                                           evidence_rows=n_ev)
+                                           max_len=max_len if evidence else None)
     if direct:
         po, pl, po_st, pl_st = out, out, (0, 0, 0, 0), (0, 0, 0)
     else:
         po, pl = workspace.split.views(num_rows, num_splits)
         po_st, pl_st = po.stride(), pl.stride()
     if evidence:
-        pa = workspace.partial_lse_allowed[:n_ev, :num_splits]
-        sc = workspace.scores[:n_ev]
+        pa = workspace.partial_lse_allowed[:num_rows, :num_splits]
+        sc = workspace.scores[:num_rows]
         pa_st, sc_st = pa.stride(), sc.stride()
         lo, hi = allowed_lo, allowed_hi
     else:
@@ -323,29 +324,30 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
     kn, kn_st = (key_norms, key_norms.stride()) if norms else (out, (0, 0, 0))
     has_mask = row_mask is not None
     mask_arg = row_mask if has_mask else seq_lens
+    rows_arg = evidence_rows if compact else seq_lens
     _dense_split_kernel[(num_rows, hkv, num_splits)](
-        query, kv_cache, block_table, seq_lens, lo, hi, mask_arg,
-        scratch_index if scratch else seq_lens, po, pl, pa, sc, kn, out,
+        query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, rows_arg,
+        po, pl, pa, sc, kn, out,
         *query.stride(), *kv_cache.stride(), *block_table.stride(),
         *po_st, *pl_st, *pa_st, *sc_st, *kn_st, *out.stride(),
         max_len, float(scale) * LOG2E, num_splits,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
         PAGE=kv_cache.shape[2], HAS_MASK=has_mask,
         F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, EVIDENCE=evidence,
-        SCRATCH=scratch, NORMS=norms, **_interp_meta())
+        COMPACT=compact, NORMS=norms, **_interp_meta())
     if not direct:
-        launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens)
+        launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens,
+                            out_rows=evidence_rows)
     if evidence:
         block_j = 128 if max_len >= 128 else max(16, next_pow2(max_len))
         geometric = float(alpha) == 0.0
         lanes = max(1, min(EVIDENCE_LANES, triton.cdiv(max_len, block_j)))
-        _evidence_kernel[(n_ev, hkv, lanes)](
-            seq_lens, allowed_lo, allowed_hi, mask_arg, evidence_rows if scratch else seq_lens,
-            pa, sc, log_evidence,
+        _evidence_kernel[(num_rows, hkv, lanes)](
+            seq_lens, allowed_lo, allowed_hi, mask_arg, rows_arg, pa, sc, log_evidence,
             *pa_st, *sc_st, *log_evidence.stride(),
             max_len, float(alpha) if not geometric else 1.0, math.log(g), num_splits, lanes,
             G=g, BLOCK_G=next_pow2(g),
-            BLOCK_S=next_pow2(num_splits), HAS_MASK=has_mask, SCRATCH=scratch,
+            BLOCK_S=next_pow2(num_splits), HAS_MASK=has_mask, COMPACT=compact,
             GEOMETRIC=geometric, BLOCK_J=block_j)
     return out
 
@@ -364,39 +366,36 @@ def paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=No
                          num_splits, workspace)
 
 
-def _check_evidence_args(query, kv_cache, log_evidence, scratch_index, evidence_rows, key_norms):
+def _check_evidence_args(query, kv_cache, log_evidence, evidence_rows, key_norms):
     assert log_evidence.dtype == torch.float32 and log_evidence.shape[1] == kv_cache.shape[1]
-    if scratch_index is None:
+    if evidence_rows is None:
         assert log_evidence.shape[0] == query.shape[0]
-        assert evidence_rows is None
     else:
-        assert evidence_rows is not None and evidence_rows.shape[0] == log_evidence.shape[0]
-        assert scratch_index.shape[0] >= query.shape[0]
+        assert evidence_rows.shape[0] == log_evidence.shape[0]
     if key_norms is not None:
         assert key_norms.dtype == torch.float32 and key_norms.shape == log_evidence.shape
 
 
 def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                                scale, out, log_evidence, row_mask=None, alpha=0.5, *,
-                               num_splits=None, workspace=None, scratch_index=None,
-                               evidence_rows=None, key_norms=None):
+                               num_splits=None, workspace=None, evidence_rows=None, key_norms=None):
     """Slow-step decode: dense ``out`` and ``log_evidence [E, Hkv, max_len]`` (see module doc).
 
-    Without ``scratch_index`` every active row has evidence, in ``log_evidence[row]`` (``E = R``).
-    With it (int32 ``[R]``: the row's evidence slot, or -1) only rows with a slot get evidence, in
-    ``log_evidence[slot]``; ``evidence_rows`` (int32 ``[E]``) is the inverse map (slot -> row, -1 =
-    unused slot). ``key_norms`` (fp32, the shape of ``log_evidence``) receives ``||k_j||`` of the
-    evidence rows from the same pass over K."""
-    _check_evidence_args(query, kv_cache, log_evidence, scratch_index, evidence_rows, key_norms)
+    Without ``evidence_rows`` every active row ``r`` is attended and gets evidence in
+    ``log_evidence[r]`` (``E = R``). With it (int32 ``[E]``, compact mode: the step's slow rows,
+    -1 = unused entry) only those rows are attended, ``out[evidence_rows[e]]`` written and their
+    evidence put in ``log_evidence[e]``; the launch covers the ``E`` entries, not the batch, and
+    splits as for one row (dead entries exit at once). ``key_norms`` (fp32, the shape of
+    ``log_evidence``) receives ``||k_j||`` of the evidence rows from the same pass over K."""
+    _check_evidence_args(query, kv_cache, log_evidence, evidence_rows, key_norms)
     if not use_triton(query):
         return dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
                                                 allowed_hi, scale, out, log_evidence, row_mask,
                                                 alpha, num_splits=num_splits, workspace=workspace,
-                                                scratch_index=scratch_index,
                                                 evidence_rows=evidence_rows, key_norms=key_norms)
     return _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask,
                          num_splits, workspace, allowed_lo, allowed_hi, log_evidence, alpha,
-                         scratch_index, evidence_rows, key_norms)
+                         evidence_rows, key_norms)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,33 +444,47 @@ def _pool_evidence(logp: torch.Tensor, in_a: torch.Tensor, alpha: float, n_rows:
 def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
                                      allowed_hi, scale, out, log_evidence, row_mask=None,
                                      alpha=0.5, *, num_splits=None, workspace=None,
-                                     scratch_index=None, evidence_rows=None, key_norms=None):
-    """PyTorch twin of :func:`dense_decode_with_evidence` (fp32, no host sync, no row loop)."""
+                                     evidence_rows=None, key_norms=None):
+    """PyTorch twin of :func:`dense_decode_with_evidence` (fp32, no row loop)."""
     del num_splits, workspace
-    r, hq, d = query.shape
+    r_all = query.shape[0]
+    if r_all == 0:
+        return out
+    if evidence_rows is None:
+        src = torch.arange(r_all, device=query.device)
+        live = torch.ones(r_all, dtype=torch.bool, device=query.device)
+    else:
+        src = evidence_rows.long().clamp(0, r_all - 1)
+        live = (evidence_rows >= 0) & (evidence_rows < r_all)
+    r, hq, d = src.shape[0], query.shape[1], query.shape[2]
     if r == 0:
         return out
     hkv = kv_cache.shape[1]
     g = hq // hkv
     max_len = log_evidence.shape[-1]
     length = max(block_table.shape[1] * kv_cache.shape[2], 1)
-    s, k, v = _dense_scores_torch(query, kv_cache, block_table, length, scale)   # [R, Hq, L]
-    seq = seq_lens[:r].long()
+    q = query[src]
+    s, k, v = _dense_scores_torch(q, kv_cache, block_table[src], length, scale)   # [E, Hq, L]
+    seq = seq_lens.long()[src]
     pos = torch.arange(length, device=query.device)
-    vis = pos[None, :] < seq[:, None]                                              # [R, L]
+    vis = pos[None, :] < seq[:, None]                                              # [E, L]
     sm = s.masked_fill(~vis[:, None, :], float("-inf"))
     lse = torch.logsumexp(sm, dim=-1, keepdim=True)
     p = torch.exp(sm - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
     p = torch.where(vis[:, None, :], p, torch.zeros_like(p))
     o = torch.einsum("rhgn,rhnd->rhgd", p.reshape(r, hkv, g, length), v.float()).reshape(r, hq, d)
-    act = active_rows(seq_lens[:r], row_mask[:r] if row_mask is not None else None)
-    out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
+    act = live & active_rows(seq_lens, row_mask)[src]
+    if evidence_rows is None:
+        out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
+    else:
+        idx = torch.nonzero(act).flatten()                 # the twin may synchronise
+        out[src[idx]] = o[idx].to(out.dtype)
 
-    lo = allowed_lo[:r].long().clamp_min(0)
+    lo = allowed_lo.long()[src].clamp_min(0)
     lim = torch.clamp(seq, max=max_len)
-    hi = torch.minimum(allowed_hi[:r].long(), lim)
+    hi = torch.minimum(allowed_hi.long()[src], lim)
     jpos = torch.arange(max_len, device=query.device)
-    in_a = (jpos[None, :] >= lo[:, None]) & (jpos[None, :] < hi[:, None])           # [R, max_len]
+    in_a = (jpos[None, :] >= lo[:, None]) & (jpos[None, :] < hi[:, None])           # [E, max_len]
     n = min(max_len, length)
     sa = torch.full((r, hq, max_len), float("-inf"), device=query.device)
     sa[:, :, :n] = s[:, :, :n]
@@ -480,21 +493,13 @@ def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, all
     logp = sa - torch.where(torch.isinf(lse_a), torch.zeros_like(lse_a), lse_a)
     logp = logp.reshape(r, hkv, g, max_len)
     ev = _pool_evidence(logp, in_a[:, None, :], float(alpha),
-                        torch.full((r,), g, device=query.device))                  # [R, Hkv, L]
-    norms = torch.ones((r, hkv, max_len), device=query.device)
-    norms[:, :, :n] = torch.linalg.vector_norm(k.float(), dim=-1)[:, :, :n]
-    written = jpos[None, :] < lim[:, None]                                          # [R, max_len]
-    if scratch_index is None:
-        src = torch.arange(r, device=query.device)
-        ok = act
-    else:                             # evidence slot e holds row evidence_rows[e] (-1: unused)
-        rows = evidence_rows.long()
-        src = rows.clamp(0, r - 1)
-        ok = (rows >= 0) & (rows < r) & act[src] & (scratch_index[src].long() >= 0)
-    m = (ok[:, None] & written[src])[:, None, :]
-    log_evidence.copy_(torch.where(m, ev[src], log_evidence))
+                        torch.full((r,), g, device=query.device))                  # [E, Hkv, L]
+    m = (act[:, None] & (jpos[None, :] < lim[:, None]))[:, None, :]
+    log_evidence.copy_(torch.where(m, ev, log_evidence))
     if key_norms is not None:
-        key_norms.copy_(torch.where(m, norms[src], key_norms))
+        norms = torch.ones((r, hkv, max_len), device=query.device)
+        norms[:, :, :n] = torch.linalg.vector_norm(k.float(), dim=-1)[:, :, :n]
+        key_norms.copy_(torch.where(m, norms, key_norms))
     return out
 
 

@@ -64,19 +64,28 @@ if HAS_TRITON:
             tl.store(SO + n * s_so_n + h * s_so_h, so)
 
     @triton.jit
-    def _merge_many_kernel(V, S, VO, SO, MASK, LENS,
+    def _merge_many_kernel(V, S, VO, SO, MASK, LENS, OUT_ROWS,
                            s_v_n, s_v_s, s_v_h, s_v_d, s_s_n, s_s_s, s_s_h,
                            s_vo_n, s_vo_h, s_vo_d, s_so_n, s_so_h,
                            NUM_STATES, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_S: tl.constexpr, HAS_MASK: tl.constexpr,
-                           HAS_LENS: tl.constexpr, WRITE_LSE: tl.constexpr):
+                           HAS_LENS: tl.constexpr, WRITE_LSE: tl.constexpr,
+                           HAS_OUT_ROWS: tl.constexpr):
         n = tl.program_id(0)
         h = tl.program_id(1)
+        # state row n merges into output row o (OUT_ROWS: compacted rows, -1 = unused entry);
+        # MASK and LENS are indexed by the output row
+        if HAS_OUT_ROWS:
+            o = tl.load(OUT_ROWS + n)
+            if o < 0:
+                return
+        else:
+            o = n
         if HAS_MASK:
-            if tl.load(MASK + n).to(tl.int32) == 0:
+            if tl.load(MASK + o).to(tl.int32) == 0:
                 return
         if HAS_LENS:
-            if tl.load(LENS + n) <= 0:
+            if tl.load(LENS + o) <= 0:
                 return
         offs_d = tl.arange(0, BLOCK_D)
         dm = offs_d < D
@@ -99,12 +108,12 @@ if HAS_TRITON:
             l_i = l_i * corr + tl.sum(w, 0)
             m_i = m_new
         inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
-        tl.store(VO + n * s_vo_n + h * s_vo_h + offs_d * s_vo_d,
+        tl.store(VO + o.to(tl.int64) * s_vo_n + h * s_vo_h + offs_d * s_vo_d,
                  (acc * inv).to(VO.dtype.element_ty), mask=dm)
         if WRITE_LSE:
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
             so = tl.where(l_i > 0, m_safe + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-            tl.store(SO + n * s_so_n + h * s_so_h, so)
+            tl.store(SO + o.to(tl.int64) * s_so_n + h * s_so_h, so)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,9 +237,12 @@ def merge_states(v, s, *, out=None, out_lse=None, row_mask=None):
     return out, out_lse
 
 
-def launch_merge_states(v, s, out, out_lse=None, *, row_mask=None, row_lens=None) -> None:
+def launch_merge_states(v, s, out, out_lse=None, *, row_mask=None, row_lens=None,
+                        out_rows=None) -> None:
     """Triton reduce used by the split-K kernels: rows with ``row_mask == 0`` or ``row_lens <= 0``
-    are left untouched. ``out_lse`` may be None (not written). No allocation, no host sync."""
+    are left untouched. ``out_rows`` (int32 ``[n]``): state row ``i`` goes to output row
+    ``out_rows[i]`` (-1: skipped), and ``row_mask``/``row_lens`` are indexed by the output row.
+    ``out_lse`` may be None (not written). No allocation, no host sync."""
     n, num_states, h, d = v.shape
     if n == 0:
         return
@@ -238,8 +250,8 @@ def launch_merge_states(v, s, out, out_lse=None, *, row_mask=None, row_lens=None
     s_so = out_lse.stride() if out_lse is not None else (0, 0)
     _merge_many_kernel[(n, h)](
         v, s, out, so, row_mask if row_mask is not None else v,
-        row_lens if row_lens is not None else v,
+        row_lens if row_lens is not None else v, out_rows if out_rows is not None else v,
         *v.stride(), *s.stride(), *out.stride(), *s_so,
         num_states, D=d, BLOCK_D=next_pow2(d), BLOCK_S=min(next_pow2(num_states), 16),
         HAS_MASK=row_mask is not None, HAS_LENS=row_lens is not None,
-        WRITE_LSE=out_lse is not None)
+        WRITE_LSE=out_lse is not None, HAS_OUT_ROWS=out_rows is not None)

@@ -89,7 +89,7 @@ if HAS_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _store_state(acc, m_i, l_i, row, h, split, PO, PLSE, OUT,
+    def _store_state(acc, m_i, l_i, row, out_row, h, split, PO, PLSE, OUT,
                      s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
                      s_o_r, s_o_h, s_o_d,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
@@ -102,7 +102,7 @@ if HAS_TRITON:
         o = acc * inv[:, None]
         heads = h * G + offs_g
         if DIRECT:
-            tl.store(OUT + row.to(tl.int64) * s_o_r + heads[:, None] * s_o_h + offs_d[None, :] * s_o_d,
+            tl.store(OUT + out_row.to(tl.int64) * s_o_r + heads[:, None] * s_o_h + offs_d[None, :] * s_o_d,
                      o.to(OUT.dtype.element_ty), mask=om)
         else:
             base = row.to(tl.int64) * s_po_r + split * s_po_s
@@ -191,7 +191,7 @@ if HAS_TRITON:
             s = tl.where(valid[None, :], s, float("-inf"))
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
 
-        _store_state(acc, m_i, l_i, row, h, split, PO, PLSE, OUT,
+        _store_state(acc, m_i, l_i, row, row, h, split, PO, PLSE, OUT,
                      s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
                      s_o_r, s_o_h, s_o_d, G, BLOCK_G, D, BLOCK_D, DIRECT)
 

@@ -43,7 +43,7 @@ class SfiStep:
     recent_start: torch.Tensor      # int32 [rows]: first position of the recent window
     allowed_lo: torch.Tensor        # int32 [rows]: the selector's allowed set [lo, hi)
     allowed_hi: torch.Tensor
-    row_attend: torch.Tensor | None = None    # bool  [rows]: ~fast (dense and slow rows attend densely)
+    row_dense: torch.Tensor | None = None     # bool  [rows]: neither slow nor fast (padding included)
     row_scratch: torch.Tensor | None = None   # int32 [rows]: evidence slot of a slow row, else -1
     slow_rows: torch.Tensor | None = None     # int32 [S]: row of each evidence slot, -1 = unused
     slow_seq: torch.Tensor | None = None      # int32 [S]: its length (0 unused)
@@ -67,7 +67,7 @@ class SfiPlanBuffers:
         self.row_slow = torch.zeros(n, **b)
         self.row_fast = torch.zeros(n, **b)
         self.row_sparse = torch.zeros(n, **b)
-        self.row_attend = torch.ones(n, **b)
+        self.row_dense = torch.ones(n, **b)
         self.row_sfi_slot = torch.zeros(n, **i32)
         self.row_k = torch.zeros(n, **i32)
         self.recent_start = torch.zeros(n, **i32)
@@ -96,6 +96,19 @@ class SfiPlanBuffers:
                                f"{self.slow_block_table.shape[1]} to {width}")
         return self.slow_block_table
 
+    def step_view(self, rows: int) -> SfiStep:
+        cap = self.capacity
+        bt = self.slow_block_table
+        return SfiStep(row_slow=self.row_slow[:rows], row_fast=self.row_fast[:rows],
+                       row_sparse=self.row_sparse[:rows], row_sfi_slot=self.row_sfi_slot[:rows],
+                       row_k=self.row_k[:rows], recent_start=self.recent_start[:rows],
+                       allowed_lo=self.allowed_lo[:rows], allowed_hi=self.allowed_hi[:rows],
+                       row_dense=self.row_dense[:rows], row_scratch=self.row_scratch[:rows],
+                       slow_rows=self.slow_rows[:cap], slow_seq=self.slow_seq[:cap],
+                       slow_lo=self.slow_lo[:cap], slow_hi=self.slow_hi[:cap],
+                       slow_k=self.slow_k[:cap], slow_sfi_slot=self.slow_sfi_slot[:cap],
+                       slow_block_table=None if bt is None else bt[:cap])
+
     @property
     def nbytes(self) -> int:
         ts = [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
@@ -117,6 +130,17 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     retained and total context tokens of fast rows.
     """
     rows = row_slot.shape[0]
+    if buffers is not None and stats.device.type == "cuda":
+        from vllm_ext.kernels.sfi_plan import can_plan_with_triton, plan_step_triton
+
+        if can_plan_with_triton(stats):
+            plan_step_triton(cfg, buffers, row_slot=row_slot, row_last_token=row_last_token,
+                             row_is_decode=row_is_decode, seq_lens=seq_lens[:rows],
+                             sfi_slot_of=sfi_slot_of, sfi_on=sfi_on, sfi_k=sfi_k,
+                             steps_since_slow=steps_since_slow, has_selection=has_selection,
+                             sel_count=sel_count, trigger_lut=trigger_lut, stats=stats,
+                             block_table=block_table)
+            return buffers.step_view(rows)
     slot = row_slot.long()
     t = seq_lens[:rows].to(torch.int32)
     k = sfi_k[slot]
@@ -146,7 +170,7 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     if buffers is None:
         return SfiStep(row_slow=slow, row_fast=fast, row_sparse=sparse, row_sfi_slot=row_sfi_slot,
                        row_k=k.to(torch.int32), recent_start=recent_start.to(torch.int32),
-                       allowed_lo=lo, allowed_hi=hi, row_attend=~fast)
+                       allowed_lo=lo, allowed_hi=hi, row_dense=~sparse)
     return write_plan(buffers, rows, slow=slow, fast=fast, sparse=sparse,
                        row_sfi_slot=row_sfi_slot, k=k, recent_start=recent_start, lo=lo, hi=hi,
                        t=t, block_table=block_table)
@@ -162,7 +186,7 @@ def write_plan(buf: SfiPlanBuffers, rows: int, *, slow, fast, sparse, row_sfi_sl
     buf.row_slow[:rows].copy_(slow)
     buf.row_fast[:rows].copy_(fast)
     buf.row_sparse[:rows].copy_(sparse)
-    torch.logical_not(fast, out=buf.row_attend[:rows])
+    torch.logical_not(sparse, out=buf.row_dense[:rows])
     buf.row_sfi_slot[:rows].copy_(row_sfi_slot)
     buf.row_k[:rows].copy_(k)
     buf.recent_start[:rows].copy_(recent_start)
@@ -189,20 +213,11 @@ def write_plan(buf: SfiPlanBuffers, rows: int, *, slow, fast, sparse, row_sfi_sl
         for b in (buf.slow_seq, buf.slow_lo, buf.slow_hi, buf.slow_k):
             b.zero_()
         buf.slow_sfi_slot.fill_(-1)
-    slow_bt = None
     if block_table is not None:
         slow_bt = buf.block_table_buffer(block_table.shape[1])
         if rows:
             torch.index_select(block_table[:rows], 0, src, out=slow_bt[:cap])
-    return SfiStep(row_slow=buf.row_slow[:rows], row_fast=buf.row_fast[:rows],
-                   row_sparse=buf.row_sparse[:rows], row_sfi_slot=buf.row_sfi_slot[:rows],
-                   row_k=buf.row_k[:rows], recent_start=buf.recent_start[:rows],
-                   allowed_lo=buf.allowed_lo[:rows], allowed_hi=buf.allowed_hi[:rows],
-                   row_attend=buf.row_attend[:rows], row_scratch=buf.row_scratch[:rows],
-                   slow_rows=buf.slow_rows[:cap], slow_seq=buf.slow_seq[:cap],
-                   slow_lo=buf.slow_lo[:cap], slow_hi=buf.slow_hi[:cap], slow_k=buf.slow_k[:cap],
-                   slow_sfi_slot=buf.slow_sfi_slot[:cap],
-                   slow_block_table=None if slow_bt is None else slow_bt[:cap])
+    return buf.step_view(rows)
 
 
 @dataclass

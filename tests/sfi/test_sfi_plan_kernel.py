@@ -1,0 +1,71 @@
+"""The one-launch Triton step plan (``vllm_ext.kernels.sfi_plan``) against its PyTorch twin
+(``vllm_ext.sfi.step_plan.plan_step``): every plan buffer, the per-slot schedule state and the
+counters agree step after step, for every schedule, with padded rows, prefill rows, SFI-off rows and
+rows without a compact slot."""
+
+import pytest
+import torch
+
+from vllm_ext.config import SfiConfig
+from vllm_ext.kernels.sfi_plan import plan_step_triton
+from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
+from vllm_ext.sfi.step_plan import NUM_STATS, SfiPlanBuffers, plan_step
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+pytestmark = pytest.mark.skipif(not (HAS_TRITON and use_triton(DEVICE)),
+                                reason="needs CUDA or the Triton interpreter")
+
+
+def _state(n_slots, device, gen):
+    return dict(
+        sfi_slot_of=torch.tensor([0, 1, -1, 2, 3, 4, 5, -1, -1], dtype=torch.int32)[:n_slots],
+        sfi_on=torch.tensor([1, 1, 0, 1, 1, 1, 1, 0, 0], dtype=torch.bool)[:n_slots],
+        sfi_k=torch.tensor([8, 8, 0, 16, 8, 4, 8, 0, 0], dtype=torch.int32)[:n_slots],
+        steps_since_slow=torch.randint(0, 5, (n_slots,), generator=gen, dtype=torch.int32),
+        has_selection=torch.rand(n_slots, generator=gen) < 0.5,
+        sel_count=torch.randint(0, 8, (n_slots,), generator=gen, dtype=torch.int32),
+        stats=torch.zeros(NUM_STATS, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("schedule, gap", [("boundary", 0), ("boundary", 3), ("periodic", 0),
+                                           ("always_slow", 0)])
+def test_plan_kernel_equals_twin(schedule, gap):
+    gen = torch.Generator().manual_seed(7)
+    cfg = SfiConfig(enabled=True, k=16, k_min=4, n_sink=4, n_recent=8, refresh=4, schedule=schedule,
+                    min_boundary_gap=gap)
+    n_slots, rows, cap = 9, 8, 6
+    lut = torch.zeros(50, dtype=torch.bool)
+    lut[[3, 17]] = True
+    twin = {k: v.clone() for k, v in _state(n_slots, "cpu", gen).items()}
+    kern = {k: v.clone().to(DEVICE) for k, v in twin.items()}
+    b_twin = SfiPlanBuffers(rows, cap, torch.device("cpu"))
+    b_kern = SfiPlanBuffers(rows, cap, DEVICE)
+    # rows: slots in a fixed order, the last row padding (scratch slot 8), row 2 a prefill row
+    row_slot = torch.tensor([4, 0, 1, 3, 5, 6, 2, 8], dtype=torch.int32)
+    bt = torch.arange(rows * 5, dtype=torch.int32).reshape(rows, 5)
+    seq = torch.tensor([40, 29, 300, 50, 20, 61, 33, 0], dtype=torch.int32)
+    for step in range(12):
+        tok = torch.randint(0, 60, (rows,), generator=gen, dtype=torch.int32)   # some out of the LUT
+        dec = torch.tensor([1, 1, int(step > 2), 1, 1, 1, 1, 0], dtype=torch.int32)
+        plan_step(cfg, row_slot=row_slot, row_last_token=tok, row_is_decode=dec, seq_lens=seq,
+                  trigger_lut=lut, buffers=b_twin, block_table=bt, **twin)
+        plan_step_triton(cfg, b_kern, row_slot=row_slot.to(DEVICE), row_last_token=tok.to(DEVICE),
+                         row_is_decode=dec.to(DEVICE), seq_lens=seq.to(DEVICE),
+                         trigger_lut=lut.to(DEVICE), block_table=bt.to(DEVICE), **kern)
+        for name in ("row_slow", "row_fast", "row_sparse", "row_dense", "row_k", "recent_start",
+                     "allowed_lo", "allowed_hi", "row_scratch"):
+            assert torch.equal(getattr(b_twin, name)[:rows], getattr(b_kern, name)[:rows].cpu()), \
+                f"step {step}: {name}"
+        sf = torch.equal(b_twin.row_sfi_slot[:rows], b_kern.row_sfi_slot[:rows].cpu())
+        assert sf, f"step {step}: row_sfi_slot"
+        for name in ("slow_rows", "slow_seq", "slow_lo", "slow_hi", "slow_k", "slow_sfi_slot"):
+            assert torch.equal(getattr(b_twin, name)[:cap], getattr(b_kern, name)[:cap].cpu()), \
+                f"step {step}: {name}"
+        live = b_twin.slow_rows[:cap] >= 0
+        assert torch.equal(b_twin.slow_block_table[:cap][live], b_kern.slow_block_table[:cap][live].cpu())
+        for name in ("steps_since_slow", "has_selection", "sel_count", "stats"):
+            assert torch.equal(twin[name], kern[name].cpu()), f"step {step}: {name}"
+        seq = seq + (dec.bool() & (seq > 0)).to(torch.int32)
+    # the run exercised every mode the schedule has
+    assert twin["stats"][0] > 0 and twin["stats"][4] > 0
+    assert (twin["stats"][1] > 0) == (schedule != "always_slow")

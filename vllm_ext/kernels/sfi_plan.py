@@ -1,0 +1,151 @@
+"""The SFI step plan in one Triton launch (plus one for the slow rows' block-table rows): the device
+part of :func:`vllm_ext.sfi.step_plan.plan_step`, its PyTorch twin. Writes every plan buffer and
+advances the per-slot schedule state in place, with no allocation and no host synchronisation, so
+the metadata builder's per-step work is two launches instead of some fifty small torch ops.
+
+One program walks all rows of the step (``BLOCK_R`` = the next power of two of the row count; a
+step has at most ``max_num_seqs`` rows): modes, allowed sets, the schedule update, the counters and
+the compaction of the slow rows (a prefix sum in row order). Rows that are not decode rows (prefill
+chunks, padding) never touch the per-slot state. Importable without vLLM; on CPU the twin runs
+unless the Triton interpreter is on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
+
+_SCHEDULE_CODE = {"boundary": 0, "periodic": 1, "always_slow": 2}
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _plan_kernel(
+        ROW_SLOT, ROW_TOK, ROW_DEC, SEQ,
+        SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS,
+        O_SLOW, O_FAST, O_SPARSE, O_DENSE, O_SFI_SLOT, O_K, O_RSTART, O_LO, O_HI, O_SCRATCH,
+        S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT,
+        R, CAP, VOCAB, N_SINK, N_RECENT, REFRESH, MIN_GAP,
+        SCHEDULE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        r = tl.arange(0, BLOCK_R)
+        rm = r < R
+        slot = tl.load(ROW_SLOT + r, mask=rm, other=0)
+        tok = tl.load(ROW_TOK + r, mask=rm, other=-1)
+        dec = (tl.load(ROW_DEC + r, mask=rm, other=0) != 0) & rm
+        t = tl.load(SEQ + r, mask=rm, other=0)
+        k = tl.load(SFI_K + slot, mask=rm, other=0)
+        sfi_slot = tl.load(SFI_SLOT_OF + slot, mask=rm, other=-1)
+        on = dec & (tl.load(SFI_ON + slot, mask=rm, other=0) != 0) & (sfi_slot >= 0)
+        sparse = on & (t > N_SINK + N_RECENT + k)
+        steps = tl.load(STEPS + slot, mask=rm, other=0)
+        nth = steps + 1
+        has = tl.load(HAS_SEL + slot, mask=rm, other=0) != 0
+        if SCHEDULE == 2:
+            slow = sparse
+        else:
+            slow = (nth >= REFRESH) | (~has)
+            if SCHEDULE == 0:
+                inside = (tok >= 0) & (tok < VOCAB)
+                trig = (tl.load(LUT + tl.where(inside, tok, 0), mask=rm & inside, other=0) != 0) & inside
+                if MIN_GAP > 0:
+                    trig = trig & (nth >= MIN_GAP)
+                slow = slow | trig
+            slow = slow & sparse
+        fast = sparse & (~slow)
+        lo = tl.zeros([BLOCK_R], dtype=tl.int32) + N_SINK
+        hi = tl.maximum(t - N_RECENT, lo)
+        rstart = tl.maximum(t - N_RECENT, 0)
+        # the schedule state: slow rows restart, fast rows count on, dense decode rows age too
+        new_steps = tl.where(slow, 0, nth)
+        tl.store(STEPS + slot, new_steps, mask=dec)
+        tl.store(HAS_SEL + slot, slow, mask=slow)
+        n_sel = tl.minimum(k, tl.maximum(hi - lo, 0))
+        old_sel = tl.load(SEL_COUNT + slot, mask=rm, other=0)
+        tl.store(SEL_COUNT + slot, n_sel, mask=slow)
+        retained = tl.where(fast, N_SINK + old_sel + (t - rstart), 0)
+        # counters (one program: plain read-modify-write)
+        tl.store(STATS + 0, tl.load(STATS + 0) + tl.sum(slow.to(tl.int64), 0))
+        tl.store(STATS + 1, tl.load(STATS + 1) + tl.sum(fast.to(tl.int64), 0))
+        tl.store(STATS + 2, tl.load(STATS + 2) + tl.sum(retained.to(tl.int64), 0))
+        tl.store(STATS + 3, tl.load(STATS + 3) + tl.sum(tl.where(fast, t, 0).to(tl.int64), 0))
+        tl.store(STATS + 4, tl.load(STATS + 4) + tl.sum((dec & ~sparse).to(tl.int64), 0))
+        # per-row plan
+        tl.store(O_SLOW + r, slow, mask=rm)
+        tl.store(O_FAST + r, fast, mask=rm)
+        tl.store(O_SPARSE + r, sparse, mask=rm)
+        tl.store(O_DENSE + r, (~sparse), mask=rm)
+        tl.store(O_SFI_SLOT + r, tl.where(sparse, sfi_slot, 0), mask=rm)
+        tl.store(O_K + r, k, mask=rm)
+        tl.store(O_RSTART + r, rstart, mask=rm)
+        tl.store(O_LO + r, lo, mask=rm)
+        tl.store(O_HI + r, hi, mask=rm)
+        # compaction of the slow rows, in row order
+        slow_i = slow.to(tl.int32)
+        entry = tl.cumsum(slow_i, 0) - slow_i
+        count = tl.sum(slow_i, 0)
+        keep = slow & (entry < CAP)
+        tl.store(O_SCRATCH + r, tl.where(keep, entry, -1), mask=rm)
+        tl.store(S_ROWS + entry, r, mask=keep)
+        tl.store(S_SEQ + entry, t, mask=keep)
+        tl.store(S_LO + entry, lo, mask=keep)
+        tl.store(S_HI + entry, hi, mask=keep)
+        tl.store(S_K + entry, k, mask=keep)
+        tl.store(S_SFI_SLOT + entry, sfi_slot, mask=keep)
+        e = tl.arange(0, BLOCK_S)
+        unused = (e >= count) & (e < CAP)              # disjoint from the entries written above
+        zero = tl.zeros([BLOCK_S], dtype=tl.int32)
+        tl.store(S_ROWS + e, zero - 1, mask=unused)
+        tl.store(S_SEQ + e, zero, mask=unused)
+        tl.store(S_LO + e, zero, mask=unused)
+        tl.store(S_HI + e, zero, mask=unused)
+        tl.store(S_K + e, zero, mask=unused)
+        tl.store(S_SFI_SLOT + e, zero - 1, mask=unused)
+
+    @triton.jit
+    def _gather_rows_kernel(SRC, ROWS, DST, s_src_r, s_src_c, s_dst_r, s_dst_c, WIDTH,
+                            BLOCK_C: tl.constexpr):
+        e = tl.program_id(0)
+        cb = tl.program_id(1)
+        row = tl.load(ROWS + e)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = (c < WIDTH) & (row >= 0)
+        v = tl.load(SRC + tl.maximum(row, 0).to(tl.int64) * s_src_r + c * s_src_c, mask=cm, other=0)
+        tl.store(DST + e.to(tl.int64) * s_dst_r + c * s_dst_c, v, mask=cm)
+
+
+def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, seq_lens,
+                     sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count,
+                     trigger_lut, stats, block_table=None) -> int:
+    """Launch the plan into ``buffers`` (a ``SfiPlanBuffers``); returns the row count."""
+    rows = row_slot.shape[0]
+    if rows > buffers.max_rows:
+        raise RuntimeError(f"SPEEDSFI: a step with {rows} rows exceeds the plan's {buffers.max_rows}")
+    b = buffers
+    cap = b.capacity
+    block_r = max(16, next_pow2(max(b.max_rows, 1)))
+    _plan_kernel[(1,)](
+        row_slot, row_last_token, row_is_decode, seq_lens,
+        sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count, trigger_lut, stats,
+        b.row_slow, b.row_fast, b.row_sparse, b.row_dense, b.row_sfi_slot, b.row_k,
+        b.recent_start, b.allowed_lo, b.allowed_hi, b.row_scratch,
+        b.slow_rows, b.slow_seq, b.slow_lo, b.slow_hi, b.slow_k, b.slow_sfi_slot,
+        rows, cap, trigger_lut.shape[0], int(cfg.n_sink), int(cfg.n_recent), int(cfg.refresh),
+        int(cfg.min_boundary_gap),
+        SCHEDULE=_SCHEDULE_CODE[cfg.schedule], BLOCK_R=block_r,
+        BLOCK_S=max(16, next_pow2(cap)), num_warps=4)
+    if block_table is not None:
+        dst = b.block_table_buffer(block_table.shape[1])
+        width = block_table.shape[1]
+        block_c = 256
+        _gather_rows_kernel[(cap, triton.cdiv(width, block_c))](
+            block_table, b.slow_rows, dst, *block_table.stride(), *dst.stride(), width,
+            BLOCK_C=block_c)
+    return rows
+
+
+def can_plan_with_triton(tensor: torch.Tensor) -> bool:
+    return HAS_TRITON and use_triton(tensor)
