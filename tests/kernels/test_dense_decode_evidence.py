@@ -190,3 +190,26 @@ def test_evidence_compact_rows_and_key_norms(case):
                 torch.testing.assert_close(kn[slot, :, :L], k.float().norm(dim=-1), atol=1e-2,
                                            rtol=1e-2)
                 assert torch.all(kn[slot, :, L:] == SENTINEL)
+
+
+@pytest.mark.parametrize("case", FAST_CASES[:3], ids=case_id)
+def test_evidence_count_driven_launch_equals_the_masked_grid(case):
+    """Compact mode with the live-entry count on the device (a fixed grid walking only the live
+    entries' work) writes exactly what the one-program-per-entry launch writes; dead entries and
+    rows not listed stay untouched; a count of 0 writes nothing."""
+    p = _problem(case, 41)
+    rows = torch.tensor([5, 3, 1, -1, -1], dtype=torch.int32, device=DEVICE)
+    results = []
+    for count in (None, 3, 0):
+        out = torch.full_like(p["q"], SENTINEL)
+        ev = torch.full((5, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
+        kn = torch.full((5, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
+        cnt = None if count is None else torch.tensor([count], dtype=torch.int32, device=DEVICE)
+        dense_decode_with_evidence(p["q"], p["kv"], p["bt"], p["seq"], p["lo"], p["hi"], p["scale"],
+                                   out, ev, None, 0.5, evidence_rows=rows if count != 0 else
+                                   torch.full_like(rows, -1), key_norms=kn, evidence_count=cnt)
+        results.append((out, ev, kn))
+    for a, b in zip(results[0], results[1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert all(torch.all(t == SENTINEL) for t in results[2])
+    assert torch.all(results[1][0][0] == SENTINEL) and not torch.all(results[1][0][5] == SENTINEL)

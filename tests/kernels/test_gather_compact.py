@@ -90,3 +90,34 @@ def test_gather_compact_clamps_and_shared_padded_slot():
             k, v = gather_kv(rows.kv_cache, rows.block_table[0], torch.arange(2, device=DEVICE))
             assert torch.equal(ckv[1, h, :2], torch.cat([k[h], v[h]], -1)), fn.__name__
             assert torch.all(ckv[1, h, 2:] == GARBAGE)
+
+
+def test_count_driven_launch_equals_the_per_row_grid():
+    """A compacted row list with its live count on the device (the SFI path's form): the fixed
+    grid writes exactly what the per-row grid writes, and a count of 0 writes nothing."""
+    from kernel_testlib import DEVICE, make_block_table, make_kv_cache
+    from vllm_ext.kernels.gather_compact import gather_compact
+
+    gen = torch.Generator().manual_seed(5)
+    lens, bs, hkv, d, n_sink, k = [90, 57, 0, 0], 16, 2, 32, 4, 24
+    kv = make_kv_cache("LBNHC", 16, hkv, bs, d, torch.float32, gen=gen)
+    bt = make_block_table(lens, bs, 7, 16, gen).to(DEVICE)
+    sel = torch.full((4, hkv, k), -1, dtype=torch.int32)
+    for r, n in enumerate(lens[:2]):
+        for h in range(hkv):
+            sel[r, h, :20] = (torch.randperm(n - n_sink, generator=gen)[:20] + n_sink).sort().values
+    sel = sel.to(DEVICE)
+    n_sel = torch.tensor([20, 20, 0, 0], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([2, 0, -1, -1], dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for count in (None, 2, 0):
+        ckv = torch.full((3, hkv, n_sink + k, 2 * d), 9.0, device=DEVICE)
+        clen = torch.full((3,), 99, dtype=torch.int32, device=DEVICE)
+        cnt = None if count is None else torch.tensor([count], dtype=torch.int32, device=DEVICE)
+        gather_compact(kv, bt, slots if count != 0 else torch.full_like(slots, -1), sel, n_sel,
+                       n_sink, ckv, clen, seq_lens=seq, count=cnt)
+        outs.append((ckv, clen))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][1].tolist() == [24, 99, 24]
+    assert torch.all(outs[2][0] == 9.0) and outs[2][1].tolist() == [99, 99, 99]

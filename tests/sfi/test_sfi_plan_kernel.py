@@ -58,7 +58,8 @@ def test_plan_kernel_equals_twin(schedule, gap):
                 f"step {step}: {name}"
         sf = torch.equal(b_twin.row_sfi_slot[:rows], b_kern.row_sfi_slot[:rows].cpu())
         assert sf, f"step {step}: row_sfi_slot"
-        for name in ("slow_rows", "slow_seq", "slow_lo", "slow_hi", "slow_k", "slow_sfi_slot"):
+        for name in ("slow_rows", "slow_seq", "slow_lo", "slow_hi", "slow_k", "slow_sfi_slot",
+                     "slow_count"):
             assert torch.equal(getattr(b_twin, name)[:cap], getattr(b_kern, name)[:cap].cpu()), \
                 f"step {step}: {name}"
         live = b_twin.slow_rows[:cap] >= 0

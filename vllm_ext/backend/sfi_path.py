@@ -31,14 +31,14 @@ from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
 
 
 def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
-              sfi_slot, seq_lens, evidence, norms, lo, hi, k) -> None:
+              sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None) -> None:
     if rt.select_takes_workspace:
         selected, n_sel = select(evidence, norms, lo, hi, cfg, k, k_cap=cfg.k,
                                  workspace=rt.selector_workspace)
     else:
         selected, n_sel = select(evidence, norms, lo, hi, cfg, k, k_cap=cfg.k)
     gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
-                   layer.compact_kv, layer.compact_len, seq_lens=seq_lens)
+                   layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count)
 
 
 def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -73,10 +73,12 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, step.allowed_lo[:rows],
                                step.allowed_hi[:rows], scale, out, scratch.log_evidence,
                                alpha=cfg.alpha, workspace=rt.dense_workspace,
-                               evidence_rows=step.slow_rows, key_norms=scratch.key_norms)
+                               evidence_rows=step.slow_rows, key_norms=scratch.key_norms,
+                               evidence_count=step.slow_count)
     rt.ring.submit(entry, lambda: _maintain(
         rt, cfg, layer, kv_cache, step.slow_block_table, step.slow_sfi_slot, step.slow_seq,
-        scratch.log_evidence, scratch.key_norms, step.slow_lo, step.slow_hi, step.slow_k))
+        scratch.log_evidence, scratch.key_norms, step.slow_lo, step.slow_hi, step.slow_k,
+        step.slow_count))
     return out
 
 

@@ -47,7 +47,7 @@ import torch
 
 from vllm_ext.kernels.merge_state import launch_merge_states
 from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, interpret_mode,
-                                           launch_meta, next_pow2, use_triton)
+                                           launch_meta, next_pow2, num_sms, use_triton)
 from vllm_ext.kernels.two_segment_decode import (LOG2E, SplitWorkspace, _configs, active_rows,
                                                  batched_masked_attention, dense_num_splits,
                                                  gather_paged_rows, two_segment_workspace)
@@ -60,11 +60,8 @@ if HAS_TRITON:
                                                      _online_update, _paged_row_offsets, _scores,
                                                      _store_state)
 
-    @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT", "EVIDENCE",
-                                        "COMPACT", "NORMS"])
     @triton.jit
-    def _dense_split_kernel(
-        Q, KV, BT, SEQ, LO, HI, MASK, ROWS, PO, PLSE, PLSEA, SC, KN, OUT,
+    def _dense_split_body(e, row, h, split, seq_len, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT,
         s_q_r, s_q_h, s_q_d,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
@@ -76,27 +73,10 @@ if HAS_TRITON:
         s_o_r, s_o_h, s_o_d,
         MAX_LEN, qk_scale, NUM_SPLITS,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
-        F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
-        COMPACT: tl.constexpr, NORMS: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
-        # program row e: batch row ROWS[e] in compact mode (the slow-row list; -1 = unused entry),
-        # else row e; partial states and evidence are indexed by e, the output by the batch row
-        e = tl.program_id(0)
-        h = tl.program_id(1)
-        split = tl.program_id(2)
-        if COMPACT:
-            row = tl.load(ROWS + e)
-            if row < 0:
-                return
-        else:
-            row = e
-        if HAS_MASK:
-            if tl.load(MASK + row).to(tl.int32) == 0:
-                return
-        seq_len = tl.load(SEQ + row)
-        if seq_len <= 0:
-            return
+        PAGE: tl.constexpr, F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
+        NORMS: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one (program row e -> batch row ``row``, KV head, split) of the split-K pass; partial
+        # states and evidence are indexed by e, the output by the batch row
         chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = split * chunk
         end = tl.minimum(start + chunk, seq_len)
@@ -107,7 +87,6 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
         offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
         gm = offs_g < G
         heads = h * G + offs_g
         if EVIDENCE:
@@ -153,6 +132,89 @@ if HAS_TRITON:
                             float("-inf"))
             tl.store(PLSEA + e.to(tl.int64) * s_pa_r + split * s_pa_s + heads * s_pa_h, lsea,
                      mask=gm)
+
+    @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT", "EVIDENCE",
+                                        "COMPACT", "NORMS"])
+    @triton.jit
+    def _dense_split_kernel(
+        Q, KV, BT, SEQ, LO, HI, MASK, ROWS, PO, PLSE, PLSEA, SC, KN, OUT,
+        s_q_r, s_q_h, s_q_d,
+        s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+        s_bt_r, s_bt_b,
+        s_po_r, s_po_s, s_po_h, s_po_d,
+        s_pl_r, s_pl_s, s_pl_h,
+        s_pa_r, s_pa_s, s_pa_h,
+        s_sc_r, s_sc_h, s_sc_j,
+        s_kn_r, s_kn_h, s_kn_j,
+        s_o_r, s_o_h, s_o_d,
+        MAX_LEN, qk_scale, NUM_SPLITS,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
+        F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
+        COMPACT: tl.constexpr, NORMS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # program row e: batch row ROWS[e] in compact mode (the slow-row list; -1 = unused entry),
+        # else row e
+        e = tl.program_id(0)
+        h = tl.program_id(1)
+        split = tl.program_id(2)
+        if COMPACT:
+            row = tl.load(ROWS + e)
+            if row < 0:
+                return
+        else:
+            row = e
+        if HAS_MASK:
+            if tl.load(MASK + row).to(tl.int32) == 0:
+                return
+        seq_len = tl.load(SEQ + row)
+        if seq_len <= 0:
+            return
+        _dense_split_body(
+            e, row, h, split, seq_len, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT,
+            s_q_r, s_q_h, s_q_d, s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b,
+            s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h, s_pa_r, s_pa_s, s_pa_h,
+            s_sc_r, s_sc_h, s_sc_j, s_kn_r, s_kn_h, s_kn_j, s_o_r, s_o_h, s_o_d,
+            MAX_LEN, qk_scale, NUM_SPLITS, G, BLOCK_G, D, BLOCK_D, PAGE, F32_DOT, DIRECT, EVIDENCE,
+            NORMS, BLOCK_N)
+
+    @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT", "EVIDENCE",
+                                        "NORMS", "HKV"])
+    @triton.jit
+    def _dense_split_persistent_kernel(
+        COUNT, SEQ, ROWS, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT,
+        s_q_r, s_q_h, s_q_d,
+        s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+        s_bt_r, s_bt_b,
+        s_po_r, s_po_s, s_po_h, s_po_d,
+        s_pl_r, s_pl_s, s_pl_h,
+        s_pa_r, s_pa_s, s_pa_h,
+        s_sc_r, s_sc_h, s_sc_j,
+        s_kn_r, s_kn_h, s_kn_j,
+        s_o_r, s_o_h, s_o_d,
+        MAX_LEN, qk_scale, NUM_SPLITS,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
+        NORMS: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr,
+    ):
+        # compact mode with the live-entry count on the device: a fixed grid of programs walks the
+        # (entry, KV head, split) items of the live entries only, so a step without slow rows
+        # costs one small wave instead of S x Hkv x splits programs
+        count = tl.load(COUNT)
+        per_entry = HKV * NUM_SPLITS
+        for item in range(tl.program_id(0), count * per_entry, tl.num_programs(0)):
+            e = item // per_entry
+            h = (item % per_entry) // NUM_SPLITS
+            split = item % NUM_SPLITS
+            row = tl.load(ROWS + e)
+            seq_len = tl.load(SEQ + row)
+            _dense_split_body(
+                e, row, h, split, seq_len, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT,
+            s_q_r, s_q_h, s_q_d, s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b,
+            s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h, s_pa_r, s_pa_s, s_pa_h,
+            s_sc_r, s_sc_h, s_sc_j, s_kn_r, s_kn_h, s_kn_j, s_o_r, s_o_h, s_o_d,
+            MAX_LEN, qk_scale, NUM_SPLITS, G, BLOCK_G, D, BLOCK_D, PAGE, F32_DOT, DIRECT, EVIDENCE,
+            NORMS, BLOCK_N)
 
     @triton.jit
     def _evidence_kernel(
@@ -278,11 +340,12 @@ def dense_decode_workspace(num_rows: int, num_heads: int, head_size: int, num_sp
 # ----------------------------------------------------------------------------------------------
 
 EVIDENCE_LANES = 16          # position lanes per (evidence slot, KV head) of the evidence pass
+PERSISTENT_WAVES = 2         # programs per SM of the count-driven slow pass
 
 
 def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, num_splits,
                   workspace, allowed_lo=None, allowed_hi=None, log_evidence=None, alpha=0.5,
-                  evidence_rows=None, key_norms=None):
+                  evidence_rows=None, key_norms=None, evidence_count=None):
     hq, d = query.shape[1], query.shape[2]
     hkv = kv_cache.shape[1]
     assert kv_cache.shape[-1] == 2 * d and hq % hkv == 0
@@ -325,16 +388,22 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
     has_mask = row_mask is not None
     mask_arg = row_mask if has_mask else seq_lens
     rows_arg = evidence_rows if compact else seq_lens
-    _dense_split_kernel[(num_rows, hkv, num_splits)](
-        query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, rows_arg,
-        po, pl, pa, sc, kn, out,
-        *query.stride(), *kv_cache.stride(), *block_table.stride(),
-        *po_st, *pl_st, *pa_st, *sc_st, *kn_st, *out.stride(),
-        max_len, float(scale) * LOG2E, num_splits,
-        G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
-        PAGE=kv_cache.shape[2], HAS_MASK=has_mask,
-        F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, EVIDENCE=evidence,
-        COMPACT=compact, NORMS=norms, **_interp_meta())
+    strides = (*query.stride(), *kv_cache.stride(), *block_table.stride(),
+               *po_st, *pl_st, *pa_st, *sc_st, *kn_st, *out.stride())
+    meta = dict(G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
+                PAGE=kv_cache.shape[2], F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct,
+                EVIDENCE=evidence, NORMS=norms, **_interp_meta())
+    if compact and evidence_count is not None and not has_mask:
+        progs = min(num_rows * hkv * num_splits, PERSISTENT_WAVES * num_sms(query.device))
+        _dense_split_persistent_kernel[(max(progs, 1),)](
+            evidence_count, seq_lens, rows_arg, query, kv_cache, block_table, lo, hi,
+            po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
+            HKV=hkv, **meta)
+    else:
+        _dense_split_kernel[(num_rows, hkv, num_splits)](
+            query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, rows_arg,
+            po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
+            HAS_MASK=has_mask, COMPACT=compact, **meta)
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens,
                             out_rows=evidence_rows)
@@ -378,7 +447,8 @@ def _check_evidence_args(query, kv_cache, log_evidence, evidence_rows, key_norms
 
 def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                                scale, out, log_evidence, row_mask=None, alpha=0.5, *,
-                               num_splits=None, workspace=None, evidence_rows=None, key_norms=None):
+                               num_splits=None, workspace=None, evidence_rows=None, key_norms=None,
+                               evidence_count=None):
     """Slow-step decode: dense ``out`` and ``log_evidence [E, Hkv, max_len]`` (see module doc).
 
     Without ``evidence_rows`` every active row ``r`` is attended and gets evidence in
@@ -392,10 +462,11 @@ def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_l
         return dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
                                                 allowed_hi, scale, out, log_evidence, row_mask,
                                                 alpha, num_splits=num_splits, workspace=workspace,
-                                                evidence_rows=evidence_rows, key_norms=key_norms)
+                                                evidence_rows=evidence_rows, key_norms=key_norms,
+                                                evidence_count=evidence_count)
     return _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask,
                          num_splits, workspace, allowed_lo, allowed_hi, log_evidence, alpha,
-                         evidence_rows, key_norms)
+                         evidence_rows, key_norms, evidence_count)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -444,9 +515,9 @@ def _pool_evidence(logp: torch.Tensor, in_a: torch.Tensor, alpha: float, n_rows:
 def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
                                      allowed_hi, scale, out, log_evidence, row_mask=None,
                                      alpha=0.5, *, num_splits=None, workspace=None,
-                                     evidence_rows=None, key_norms=None):
+                                     evidence_rows=None, key_norms=None, evidence_count=None):
     """PyTorch twin of :func:`dense_decode_with_evidence` (fp32, no row loop)."""
-    del num_splits, workspace
+    del num_splits, workspace, evidence_count      # live entries are the ones with a row >= 0
     r_all = query.shape[0]
     if r_all == 0:
         return out

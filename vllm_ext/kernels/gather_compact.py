@@ -23,37 +23,23 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
+from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, num_sms, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _gather_compact_kernel(
-        KV, BT, SLOT, SEL, NSEL, CKV, CLEN, MASK, SEQ,
-        s_kv_b, s_kv_h, s_kv_n, s_kv_c,
-        s_bt_r, s_bt_b,
-        s_sel_r, s_sel_h, s_sel_k,
-        s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c,
-        N_SINK, K, CAP,
-        C2: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
-        HAS_MASK: tl.constexpr, HAS_SEQ: tl.constexpr, BLOCK_E: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        h = tl.program_id(1)
-        eb = tl.program_id(2)
-        if HAS_MASK:
-            if tl.load(MASK + row).to(tl.int32) == 0:
-                return
-        slot = tl.load(SLOT + row)
-        if slot < 0:
-            return
+    def _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ,
+                      s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b, s_sel_r, s_sel_h, s_sel_k,
+                      s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c, N_SINK, K, CAP,
+                      C2: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
+                      HAS_SEQ: tl.constexpr, BLOCK_E: tl.constexpr):
+        # entries [eb * BLOCK_E, +BLOCK_E) of one (row, KV head); the row is live (slot >= 0)
         ns = N_SINK
+        seq_len = 0
         if HAS_SEQ:
             seq_len = tl.load(SEQ + row)
-            if seq_len <= 0:
-                return
             ns = tl.minimum(ns, seq_len)
         ns = tl.minimum(ns, CAP)
         nsel = tl.minimum(tl.maximum(tl.load(NSEL + row), 0), tl.minimum(K, CAP - ns))
@@ -79,10 +65,65 @@ if HAS_TRITON:
             x = tl.load(KV + src[:, None] + c[None, :] * s_kv_c, mask=m)
             tl.store(CKV + dst[:, None] + c[None, :] * s_ckv_c, x.to(CKV.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _gather_compact_kernel(
+        KV, BT, SLOT, SEL, NSEL, CKV, CLEN, MASK, SEQ,
+        s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+        s_bt_r, s_bt_b,
+        s_sel_r, s_sel_h, s_sel_k,
+        s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c,
+        N_SINK, K, CAP,
+        C2: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_SEQ: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        eb = tl.program_id(2)
+        if HAS_MASK:
+            if tl.load(MASK + row).to(tl.int32) == 0:
+                return
+        slot = tl.load(SLOT + row)
+        if slot < 0:
+            return
+        if HAS_SEQ:
+            if tl.load(SEQ + row) <= 0:
+                return
+        _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ,
+                      s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b, s_sel_r, s_sel_h, s_sel_k,
+                      s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c, N_SINK, K, CAP,
+                      C2, BLOCK_C, PAGE, HAS_SEQ, BLOCK_E)
+
+    @triton.jit
+    def _gather_compact_persistent_kernel(
+        COUNT, KV, BT, SLOT, SEL, NSEL, CKV, CLEN, SEQ,
+        s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+        s_bt_r, s_bt_b,
+        s_sel_r, s_sel_h, s_sel_k,
+        s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c,
+        N_SINK, K, CAP, NUM_EB,
+        HKV: tl.constexpr, C2: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
+        HAS_SEQ: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):
+        # rows [0, COUNT) are live (a compacted list): a fixed grid walks only their blocks
+        per_row = HKV * NUM_EB
+        for item in range(tl.program_id(0), tl.load(COUNT) * per_row, tl.num_programs(0)):
+            row = item // per_row
+            h = (item % per_row) // NUM_EB
+            eb = item % NUM_EB
+            slot = tl.load(SLOT + row)
+            _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ,
+                          s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b, s_sel_r, s_sel_h,
+                          s_sel_k, s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c, N_SINK, K, CAP,
+                          C2, BLOCK_C, PAGE, HAS_SEQ, BLOCK_E)
+
 
 def gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, compact_kv,
-                   compact_len, row_mask=None, *, seq_lens=None):
-    """Build each active row's compact segment (see module doc). Returns ``compact_kv``."""
+                   compact_len, row_mask=None, *, seq_lens=None, count=None):
+    """Build each active row's compact segment (see module doc). Returns ``compact_kv``.
+
+    ``count`` (int32 ``[1]`` on the device, no ``row_mask``): rows ``[0, count)`` are the live ones
+    (a compacted list; each has ``slot_idx >= 0`` and a positive length); a fixed grid then walks
+    only their work, so a launch with no live row costs one small wave."""
     if not use_triton(kv_cache):
         return gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sink,
                                     compact_kv, compact_len, row_mask, seq_lens=seq_lens)
@@ -97,7 +138,18 @@ def gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, com
     c2 = kv_cache.shape[-1]
     block_e = 32
     n_ent = min(cap, int(n_sink) + k)
-    grid = (num_rows, hkv, max(1, triton.cdiv(n_ent, block_e)))
+    num_eb = max(1, triton.cdiv(n_ent, block_e))
+    if count is not None and row_mask is None:
+        progs = min(num_rows * hkv * num_eb, 2 * num_sms(kv_cache.device))
+        _gather_compact_persistent_kernel[(max(progs, 1),)](
+            count, kv_cache, block_table, slot_idx, selected, n_sel, compact_kv, compact_len,
+            seq_lens if seq_lens is not None else slot_idx,
+            *kv_cache.stride(), *block_table.stride(), *selected.stride(), *compact_kv.stride(),
+            int(n_sink), k, cap, num_eb,
+            HKV=hkv, C2=c2, BLOCK_C=min(next_pow2(c2), 256), PAGE=kv_cache.shape[2],
+            HAS_SEQ=seq_lens is not None, BLOCK_E=block_e)
+        return compact_kv
+    grid = (num_rows, hkv, num_eb)
     _gather_compact_kernel[grid](
         kv_cache, block_table, slot_idx, selected, n_sel, compact_kv, compact_len,
         row_mask if row_mask is not None else slot_idx,

@@ -27,7 +27,7 @@ if HAS_TRITON:
         ROW_SLOT, ROW_TOK, ROW_DEC, SEQ,
         SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS,
         O_SLOW, O_FAST, O_SPARSE, O_DENSE, O_SFI_SLOT, O_K, O_RSTART, O_LO, O_HI, O_SCRATCH,
-        S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT,
+        S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT, S_COUNT,
         R, CAP, VOCAB, N_SINK, N_RECENT, REFRESH, MIN_GAP,
         SCHEDULE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
@@ -95,6 +95,7 @@ if HAS_TRITON:
         tl.store(S_HI + entry, hi, mask=keep)
         tl.store(S_K + entry, k, mask=keep)
         tl.store(S_SFI_SLOT + entry, sfi_slot, mask=keep)
+        tl.store(S_COUNT, tl.minimum(count, CAP))
         e = tl.arange(0, BLOCK_S)
         unused = (e >= count) & (e < CAP)              # disjoint from the entries written above
         zero = tl.zeros([BLOCK_S], dtype=tl.int32)
@@ -132,7 +133,7 @@ def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, s
         sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count, trigger_lut, stats,
         b.row_slow, b.row_fast, b.row_sparse, b.row_dense, b.row_sfi_slot, b.row_k,
         b.recent_start, b.allowed_lo, b.allowed_hi, b.row_scratch,
-        b.slow_rows, b.slow_seq, b.slow_lo, b.slow_hi, b.slow_k, b.slow_sfi_slot,
+        b.slow_rows, b.slow_seq, b.slow_lo, b.slow_hi, b.slow_k, b.slow_sfi_slot, b.slow_count,
         rows, cap, trigger_lut.shape[0], int(cfg.n_sink), int(cfg.n_recent), int(cfg.refresh),
         int(cfg.min_boundary_gap),
         SCHEDULE=_SCHEDULE_CODE[cfg.schedule], BLOCK_R=block_r,

@@ -52,6 +52,7 @@ class SfiStep:
     slow_k: torch.Tensor | None = None        # int32 [S]
     slow_sfi_slot: torch.Tensor | None = None  # int32 [S]: its compact slot (-1 unused)
     slow_block_table: torch.Tensor | None = None  # int32 [S, max_blocks]: its block-table row
+    slow_count: torch.Tensor | None = None    # int32 [1]: live entries (they are slow_rows[:count])
     prefill_end: "SfiPrefillEnd | None" = None
 
 
@@ -83,6 +84,7 @@ class SfiPlanBuffers:
         self.slow_hi = torch.zeros(s, **i32)
         self.slow_k = torch.zeros(s, **i32)
         self.slow_sfi_slot = torch.full((s,), -1, **i32)
+        self.slow_count = torch.zeros(1, **i32)
         self.slow_block_table: torch.Tensor | None = None
 
     def block_table_buffer(self, width: int) -> torch.Tensor:
@@ -107,7 +109,8 @@ class SfiPlanBuffers:
                        slow_rows=self.slow_rows[:cap], slow_seq=self.slow_seq[:cap],
                        slow_lo=self.slow_lo[:cap], slow_hi=self.slow_hi[:cap],
                        slow_k=self.slow_k[:cap], slow_sfi_slot=self.slow_sfi_slot[:cap],
-                       slow_block_table=None if bt is None else bt[:cap])
+                       slow_block_table=None if bt is None else bt[:cap],
+                       slow_count=self.slow_count)
 
     @property
     def nbytes(self) -> int:
@@ -196,6 +199,7 @@ def write_plan(buf: SfiPlanBuffers, rows: int, *, slow, fast, sparse, row_sfi_sl
     entry = torch.cumsum(slow.to(torch.int32), 0, dtype=torch.int32) - 1
     entry = torch.where(slow & (entry < cap), entry, cap)
     buf.row_scratch[:rows].copy_(torch.where(entry < cap, entry, -1))
+    buf.slow_count.copy_(torch.clamp(slow.sum(), max=cap).reshape(1))
     buf.slow_rows.fill_(-1)
     if rows:
         buf.slow_rows.index_copy_(0, entry.long(), buf.row_index[:rows])
