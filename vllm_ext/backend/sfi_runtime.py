@@ -194,7 +194,11 @@ def shared_runtime(cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: i
                    device: torch.device) -> SfiRuntime:
     """One runtime per device and shape, shared by every layer (allocated at the first layer's
     ``process_weights_after_loading``, so before vLLM profiles memory: it comes out of its budget)."""
-    key = (device, cfg, capacity, max_rows, num_heads, num_kv_heads, head_size, max_len)
+    from vllm_ext.kernels.triton_utils import use_triton
+
+    # the kernels' dispatch decides the workspace layout (Triton or twin)
+    key = (device, cfg, capacity, max_rows, num_heads, num_kv_heads, head_size, max_len,
+           use_triton(device))
     rt = _runtimes.get(key)
     if rt is None:
         _runtimes.clear()
