@@ -120,20 +120,27 @@ def test_two_segment_with_gather_compact_and_workspace():
             assert_close_out(out[i], r, torch.float16, f"row {i}")
 
 
-def test_two_segment_empty_batch():
-    q = torch.zeros(0, 4, 64, device=DEVICE)
-    kv = torch.zeros(2, 1, 16, 128, device=DEVICE)
-    out = torch.zeros(0, 4, 64, device=DEVICE)
-    i32 = torch.zeros(0, dtype=torch.int32, device=DEVICE)
-    two_segment_decode(q, kv, torch.zeros(0, 1, dtype=torch.int32, device=DEVICE), i32, i32,
-                       torch.zeros(1, 1, 8, 128, device=DEVICE), torch.zeros(1, dtype=torch.int32,
-                                                                             device=DEVICE),
-                       i32, 0.125, out)
-    assert out.shape == (0, 4, 64)
+def test_two_segment_masked_rows_and_empty_batch_write_nothing():
+    """Rows masked out (or of length 0) leave ``out`` untouched, whatever the compact segment holds;
+    an empty batch launches nothing."""
+    g, d, bs = 4, 64, 16
+    lens, act = row_lengths(bs)
+    rows = make_sfi_rows(seq_lens=lens, active=act, g=g, hkv=2, d=d, bs=bs, dtype=torch.float32,
+                         layout="LBNHC", k=12, n_recent=20, seed=4)
+    out = torch.full_like(rows.query, SENTINEL)
+    none = torch.zeros_like(rows.row_mask)
+    two_segment_decode(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
+                       rows.recent_start, rows.compact_kv, rows.compact_len, rows.slot_idx,
+                       rows.scale, out, none, num_splits=2)
+    assert torch.all(out == SENTINEL)
+    empty = out[:0]
+    i32 = rows.seq_lens[:0]
+    two_segment_decode(rows.query[:0], rows.kv_cache, rows.block_table[:0], i32, i32,
+                       rows.compact_kv, rows.compact_len, i32, rows.scale, empty)
+    assert torch.all(out == SENTINEL)
 
 
 def test_fast_cases_cover_every_value():
     for pos, values in enumerate([(1, 4, 8), (64, 128), (16, 32), ("LBNHC", "LBHNC"),
                                   ("fp32", "fp16", "bf16")]):
         assert {c[pos] for c in FAST_CASES} == set(values)
-    assert HAS_CUDA or DEVICE.type == "cpu"
