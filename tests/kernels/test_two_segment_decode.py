@@ -4,7 +4,7 @@ explicit index set S ∪ M_h ∪ R_t."""
 import pytest
 import torch
 
-from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, HAS_CUDA, SENTINEL,
+from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, SENTINEL,
                             assert_close_out, case_id, cuda_only, make_sfi_rows,
                             reference_dense_attention, reference_sparse_attention, row_lengths)
 from vllm_ext.kernels.gather_compact import gather_compact

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.kernels.merge_state import launch_merge_states
-from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, interpret_mode,
+from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32,
                                            launch_meta, next_pow2, num_sms, use_triton)
 from vllm_ext.kernels.two_segment_decode import (LOG2E, SplitWorkspace, _configs, active_rows,
                                                  batched_masked_attention, dense_num_splits,
