@@ -5,7 +5,7 @@ Per slot (device): the compact-segment slot (or -1), SFI on/off and ``k`` for th
 since the last slow step, whether a selection exists, and the tokens selected at the last slow step.
 Compact slots are fewer than request slots (``sfi.max_requests``): a request without one decodes
 densely and is counted (``fallback.sfi_capacity``). Counters live on the device (``stats``) and are
-read asynchronously (:class:`DeviceCounters`). Torch only (no vLLM).
+read asynchronously (:class:`vllm_ext.device_counters.DeviceCounters`). Torch only (no vLLM).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from vllm_ext import metrics
 from vllm_ext.config import ConfigError, SpeedSfiConfig
+from vllm_ext.device_counters import DeviceCounters
 from vllm_ext.sfi.step_plan import (NUM_STATS, STAT_CONTEXT, STAT_DENSE, STAT_FAST,
                                     STAT_PREFILL_END, STAT_RETAINED, STAT_SLOW, SfiPlanBuffers,
                                     SfiStep, plan_prefill_end, plan_step)
@@ -39,43 +40,6 @@ def _changed_fields(base: SpeedSfiConfig, other: SpeedSfiConfig) -> set[str]:
         a, b = getattr(base, section), getattr(other, section)
         changed.update(f"{section}.{f.name}" for f in fields(a) if getattr(a, f.name) != getattr(b, f.name))
     return changed
-
-
-class DeviceCounters:
-    """Counters accumulated on the device and read without synchronising: after each step the
-    builder issues a non-blocking copy into pinned memory and records an event; readers take the
-    latest copy whose event has completed."""
-
-    def __init__(self, n: int, device: torch.device):
-        self.values = torch.zeros(n, dtype=torch.int64, device=device)
-        self._cuda = device.type == "cuda"
-        if self._cuda:
-            self._host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-            self._events = [torch.cuda.Event() for _ in range(2)]
-            self._issued = [False, False]
-            self._next = 0
-            self._last = torch.zeros(n, dtype=torch.int64)
-
-    def publish(self) -> None:
-        """Queue a copy of the current values (call after the step's device updates)."""
-        if not self._cuda:
-            return
-        i = self._next
-        if self._issued[i] and not self._events[i].query():
-            return                       # the previous copy into this buffer is still in flight
-        self._host[i].copy_(self.values, non_blocking=True)
-        self._events[i].record()
-        self._issued[i] = True
-        self._next = 1 - i
-
-    def read(self) -> list[int]:
-        if not self._cuda:
-            return self.values.tolist()
-        for i in sorted(range(2), key=lambda j: j != 1 - self._next):   # newest first
-            if self._issued[i] and self._events[i].query():
-                self._last = self._host[i].clone()
-                break
-        return self._last.tolist()
 
 
 class SfiSlotTables:
