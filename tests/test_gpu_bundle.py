@@ -1,0 +1,503 @@
+"""The GPU end-to-end route on a CPU machine: the payload bundle (scripts/gpu_vllm_bundle.sh), its
+unpacking (scripts/gpu_vllm_unpack.py), the fatbin pruning, and bench/vllm_e2e.py's plan and pure
+helpers; the driver end to end through the CPU build of vLLM with tiny models.
+
+The bundle build is ``slow`` (downloads ~330 MB + 20 wheels and xz-compresses ~250 MB, about 4 min
+the first time); it builds into ``$SPEEDSFI_TEST_GPU_PAYLOAD`` or the repository's ignored
+``.gpu_payload/`` (idempotent: an existing build is reused, so the check is then a few seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import json
+import lzma
+import os
+import struct
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 64 * 1024 * 1024
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    return _load(ROOT / "bench" / "vllm_e2e.py", "speedsfi_vllm_e2e")
+
+
+@pytest.fixture(scope="module")
+def unpacker():
+    return _load(ROOT / "scripts" / "gpu_vllm_unpack.py", "speedsfi_gpu_vllm_unpack")
+
+
+@pytest.fixture(scope="module")
+def prune():
+    return _load(ROOT / "scripts" / "fatbin_prune.py", "speedsfi_fatbin_prune")
+
+
+def _tree_bytes() -> int:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, check=True).stdout
+    return sum((ROOT / p).stat().st_size for p in out.decode().split("\0") if p and (ROOT / p).is_file())
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+# ---------------------------------------------------------------------------------------------
+# the bundle (slow: downloads)
+# ---------------------------------------------------------------------------------------------
+
+def _pypi_reachable() -> bool:
+    import urllib.request
+
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/vllm/", timeout=15).close()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    payload = Path(os.environ.get("SPEEDSFI_TEST_GPU_PAYLOAD") or ROOT / ".gpu_payload")
+    built = (payload / "carry" / "MANIFEST.json").is_file()
+    if not built and not _pypi_reachable():
+        pytest.skip("no built payload and PyPI is unreachable: scripts/gpu_vllm_bundle.sh needs PyPI")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_vllm_bundle.sh"), str(payload)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=3000)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return payload, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_bundle_builds_and_each_call_fits_the_transfer_limit(bundle):
+    payload, stdout = bundle
+    one, full = payload / "carry", payload / "carry_so_full"
+    names = {p.name for p in one.iterdir()}
+    assert {"_C_stable_libtorch.abi3.sm90.so.xz", "_vllm_fa3_C.abi3.so.xz", "vllm_py_slim.tar.xz",
+            "deps_site.tar.xz", "MANIFEST.json"} <= names
+    assert (full / "_C_stable_libtorch.abi3.so.xz").is_file()
+    tree = _tree_bytes()
+    assert tree + _dir_bytes(one) <= LIMIT, "one call: project files + payload over 64 MiB"
+    assert tree + _dir_bytes(full) <= LIMIT, "fallback call: project files + whole _C over 64 MiB"
+    assert "one call (sm_90-pruned _C)" in stdout and "(ok)" in stdout
+    assert ".gpu_payload/carry" in stdout or str(one) in stdout
+    man = json.loads((one / "MANIFEST.json").read_text())
+    assert man["vllm"] == "0.32.0"
+    for name, meta in man["files"].items():
+        assert hashlib.sha256((one / name).read_bytes()).hexdigest() == meta["sha256"], name
+    # the carried folders are ignored by git (they travel only through the device tool's carry)
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(one)], cwd=ROOT)
+    if payload.resolve().is_relative_to(ROOT):
+        assert ignored.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_pruned_library_keeps_every_sm90_cubin_and_all_ptx(bundle, prune):
+    payload, _ = bundle
+    cache = payload / "cache"
+    src = cache / "x" / "vllm" / "_C_stable_libtorch.abi3.so"
+    dst = cache / "_C_stable_libtorch.abi3.sm90.so"
+    if not (src.is_file() and dst.is_file()):
+        pytest.skip("bundle cache not here (SPEEDSFI_TEST_GPU_PAYLOAD without its cache)")
+    a, b = src.read_bytes(), dst.read_bytes()
+    assert len(a) == len(b)
+    off, size = prune.fatbin_section(str(src))
+
+    def entries(data):
+        out, o = [], off
+        while o + 16 <= off + size:
+            magic, _v, hsz, fsz = struct.unpack_from("<IHHQ", data, o)
+            if magic != prune.FATBIN_MAGIC:
+                o += 8
+                continue
+            p, end = o + hsz, o + hsz + fsz
+            while p < end:
+                kind, _e, ehsz = struct.unpack_from("<HHI", data, p)
+                n = struct.unpack_from("<Q", data, p + 8)[0]
+                sm = struct.unpack_from("<I", data, p + 28)[0]
+                out.append((kind, sm, data[p + ehsz:p + ehsz + n]))
+                p += ehsz + n
+            o = end
+        return out
+
+    ea, eb = entries(a), entries(b)
+    assert len(ea) == len(eb) and any(k == 2 and sm == 90 for k, sm, _ in ea)
+    for (k, sm, pa), (_, _, pb) in zip(ea, eb):
+        if k == 1 or sm == 90:
+            assert pa == pb                       # PTX and sm_90 cubins untouched
+        else:
+            assert not any(pb)                    # other cubins zeroed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_built_payload_unpacks_to_vllms_layout(bundle, unpacker, tmp_path):
+    payload, _ = bundle
+    target = tmp_path / "site"
+    info = unpacker.unpack(str(payload / "carry"), str(target), "sm90", str(tmp_path / "no_full"),
+                           str(tmp_path / "no_stash"))
+    assert info["so_variant"] == "sm90"
+    for rel in ("vllm/__init__.py", "vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+                "vllm/platforms/cuda.py", "vllm-0.32.0.dist-info/METADATA", "pydantic/__init__.py", "zmq",
+                "msgspec", "openai"):
+        assert (target / rel).exists(), rel
+    assert not list(target.glob("vllm/**/*.cu")), "CUDA sources are slimmed away"
+    ep = (target / "vllm_speedsfi-0.1.0.dist-info" / "entry_points.txt").read_text()
+    assert "[vllm.general_plugins]" in ep and "speedsfi = vllm_ext:register" in ep
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts: syntax, pruning and unpacking on synthetic inputs (fast)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["gpu_vllm_bundle.sh", "gpu_e2e.sh"])
+def test_shell_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)
+
+
+def test_payload_folder_is_ignored_by_git():
+    assert subprocess.run(["git", "check-ignore", "-q", ".gpu_payload/carry/x.xz"], cwd=ROOT).returncode == 0
+
+
+def _fatbin(entries):
+    """A fatbin container: header (magic, version, header size 16, payload size) + 64-byte entries."""
+    body = b""
+    for kind, sm, payload in entries:
+        hdr = bytearray(64)
+        struct.pack_into("<HHIQ", hdr, 0, kind, 0x0101, 64, len(payload))
+        struct.pack_into("<I", hdr, 28, sm)
+        body += bytes(hdr) + payload
+    return struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
+
+
+def test_prune_zeroes_other_cubins_keeps_sm90_and_ptx(prune):
+    blob = bytearray(b"\0" * 8 + _fatbin([(2, 80, b"A" * 32), (2, 90, b"B" * 32), (1, 80, b"C" * 16),
+                                           (2, 100, b"D" * 48), (1, 90, b"E" * 16)]))
+    before = bytes(blob)
+    stats = prune.prune(blob, 0, len(blob), 90)
+    assert stats["kept_cubins"] == 1 and stats["zeroed_bytes"] == 80
+    assert len(blob) == len(before)
+    assert b"B" * 32 in blob and b"C" * 16 in blob and b"E" * 16 in blob
+    assert b"A" not in blob and b"D" not in blob
+    # --stats counts without changing anything
+    blob2 = bytearray(before)
+    s = prune.prune(blob2, 0, len(blob2), None)
+    assert bytes(blob2) == before and s["cubin_sm90"] == 1 and s["ptx_sm80"] == 1
+
+
+def _xz(data: bytes) -> bytes:
+    return lzma.compress(data, preset=0)
+
+
+def _tar_xz(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz") as tf:
+        for name, data in files.items():
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _fake_payload(d: Path, so_tag: bytes = b"sm90-so") -> Path:
+    one = d / "carry"
+    one.mkdir(parents=True)
+    (one / "vllm_py_slim.tar.xz").write_bytes(_tar_xz({"vllm/__init__.py": b"__version__ = '0.32.0'\n",
+                                                       "vllm/vllm_flash_attn/__init__.py": b"",
+                                                       "vllm-0.32.0.dist-info/METADATA": b"Name: vllm\n"}))
+    (one / "deps_site.tar.xz").write_bytes(_tar_xz({"pydantic/__init__.py": b""}))
+    (one / "_vllm_fa3_C.abi3.so.xz").write_bytes(_xz(b"fa3"))
+    (one / "_C_stable_libtorch.abi3.sm90.so.xz").write_bytes(_xz(so_tag))
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in one.iterdir()}
+    (one / "MANIFEST.json").write_text(json.dumps({"vllm": "0.32.0", "files": files, "so": "sm90"}))
+    full = d / "carry_so_full"
+    full.mkdir()
+    (full / "_C_stable_libtorch.abi3.so.xz").write_bytes(_xz(b"whole-so"))
+    (full / "MANIFEST.json").write_text(json.dumps({"vllm": "0.32.0", "so": "full", "files": {
+        "_C_stable_libtorch.abi3.so.xz": {"sha256": hashlib.sha256(
+            (full / "_C_stable_libtorch.abi3.so.xz").read_bytes()).hexdigest()}}}))
+    return d
+
+
+def test_unpack_layout_stamp_and_plugin_entry_point(unpacker, tmp_path, capsys):
+    d = _fake_payload(tmp_path / "p")
+    target = tmp_path / "site"
+    info = unpacker.unpack(str(d / "carry"), str(target), "auto", str(tmp_path / "absent"), str(tmp_path / "stash"))
+    assert info["so_variant"] == "sm90"
+    assert (target / "vllm" / "_C_stable_libtorch.abi3.so").read_bytes() == b"sm90-so"
+    assert (target / "vllm" / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so").read_bytes() == b"fa3"
+    assert (target / "pydantic" / "__init__.py").is_file()
+    dist = next(target.glob("vllm_speedsfi-*.dist-info"))
+    assert "speedsfi = vllm_ext:register" in (dist / "entry_points.txt").read_text()
+    # the entry point is what vLLM's plugin loader sees with the target on sys.path
+    import importlib.metadata as md
+    dists = {x.metadata["Name"] for x in md.distributions(path=[str(target)])}
+    assert {"vllm-speedsfi", "vllm"} <= dists
+    eps = [e for x in md.distributions(path=[str(target)]) for e in x.entry_points
+           if e.group == "vllm.general_plugins"]
+    assert [(e.name, e.value) for e in eps] == [("speedsfi", "vllm_ext:register")]
+    # a second run is a no-op
+    capsys.readouterr()
+    unpacker.unpack(str(d / "carry"), str(target), "auto", str(tmp_path / "absent"), str(tmp_path / "stash"))
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_unpack_refuses_a_corrupt_archive(unpacker, tmp_path):
+    d = _fake_payload(tmp_path / "p")
+    (d / "carry" / "deps_site.tar.xz").write_bytes(_tar_xz({"other/x.py": b""}))
+    with pytest.raises(SystemExit, match="SHA-256"):
+        unpacker.unpack(str(d / "carry"), str(tmp_path / "site"), "auto", str(tmp_path / "absent"),
+                        str(tmp_path / "stash"))
+
+
+def test_stash_then_unpack_uses_the_whole_library(unpacker, tmp_path):
+    d = _fake_payload(tmp_path / "p")
+    stash = tmp_path / "stash"
+    assert unpacker.stash(str(d / "carry_so_full"), str(stash)) == 0
+    # the next call carries only the main payload; auto picks the stashed whole library
+    target = tmp_path / "site"
+    info = unpacker.unpack(str(d / "carry"), str(target), "auto", str(tmp_path / "absent"), str(stash))
+    assert info["so_variant"] == "full"
+    assert (target / "vllm" / "_C_stable_libtorch.abi3.so").read_bytes() == b"whole-so"
+    # forcing the pruned one replaces it
+    info = unpacker.unpack(str(d / "carry"), str(target), "sm90", str(tmp_path / "absent"), str(stash))
+    assert (target / "vllm" / "_C_stable_libtorch.abi3.so").read_bytes() == b"sm90-so"
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/vllm_e2e.py: plan without vLLM, pure helpers
+# ---------------------------------------------------------------------------------------------
+
+def _driver(*args, timeout=60):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_e2e.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_and_dry_run_need_neither_vllm_nor_a_gpu():
+    assert _driver("--help").returncode == 0
+    p = _driver("all", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "heavy modules imported by the plan: none" in out
+    for name in ("c_ops", "correct/llama-3.1-8b/triton/eager", "correct/qwen3-4b/speedsfi_sfi_full/eager",
+                 "quality/retrieval-llama", "perf/qwen3-4b/triton/graph", "perf/qwen3-4b/speedsfi_sfi/eager"):
+        assert name in out, name
+    for n in (8192, 32768, 65536, 131072):
+        assert f"in {n} x" in out
+    assert "max_model_len 131344" in out
+
+
+def test_default_perf_plan_orders_cuda_graphs_first_and_budgets_itself(e2e):
+    args, _ = e2e.parse(["perf", "--deadline-s", "520"])
+    jobs = e2e.build_plan(args)
+    engines = [j for j in jobs if j["kind"] == "engine"]
+    assert [j["eager"] for j in engines] == [False] * 3 + [True] * 3
+    assert [j["config"] for j in engines[:2]] == ["triton", "speedsfi_sfi"]
+    assert all(g["input_len"] <= 32768 for j in engines if j["eager"] for g in j["groups"])
+    graph = engines[0]
+    assert [g["input_len"] for g in graph["groups"]] == [8192, 32768, 65536, 131072]
+    assert graph["max_model_len"] >= 131072 + 256
+    # every perf engine job states its timeout below the call's budget
+    assert all(j["timeout_s"] <= 600 for j in jobs)
+
+
+def test_unknown_stage_or_model_is_refused(e2e):
+    with pytest.raises(SystemExit):
+        e2e.parse(["perff"])
+    with pytest.raises(SystemExit):
+        e2e.parse(["perf", "--perf-models", "gpt-5"])
+
+
+def test_tokenizer_trigger_rate_is_one_in_24(e2e, tmp_path):
+    from vllm_ext.sfi.triggers import trigger_token_ids
+
+    vocab = 4803
+    tok = e2e.build_tokenizer(tmp_path, vocab)
+    assert len(tok) == vocab
+    ids = trigger_token_ids(tok, (".", "?", "!", ";", "\n"))
+    assert set(ids) == e2e.trigger_ids(vocab)
+    rate = len(ids) / (vocab - e2e.N_SPECIAL)
+    assert abs(rate - 1 / 24) < 1e-3
+    assert not set(ids) & {0, 1, 2}
+    # ids round-trip through the saved tokenizer (the engine reloads it from the folder)
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert again.decode([5, 6]) == tok.decode([5, 6])
+    assert again.convert_tokens_to_ids(e2e.token_strings(vocab)[100]) == 100
+
+
+def test_model_folder_config_is_the_requested_shape(e2e, tmp_path):
+    d = e2e.make_model_dir(tmp_path, "cpu-tiny-qwen3", max_position=4096)
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
+    assert cfg["num_hidden_layers"] == 2 and cfg["vocab_size"] == 1024 and cfg["head_dim"] == 32
+    # reused when made with the same inputs
+    stamp = (Path(d) / ".vllm_e2e_stamp").stat().st_mtime_ns
+    assert e2e.make_model_dir(tmp_path, "cpu-tiny-qwen3", max_position=4096) == d
+    assert (Path(d) / ".vllm_e2e_stamp").stat().st_mtime_ns == stamp
+
+
+def test_big_shapes(e2e):
+    assert abs(e2e.param_count("llama-3.1-8b") / 1e9 - 8.03) < 0.02
+    assert abs(e2e.param_count("qwen3-4b") / 1e9 - 4.02) < 0.02
+    assert e2e.kv_bytes_per_token("qwen3-4b") == 36 * 8 * 128 * 2 * 2 == 147456
+    assert e2e.kv_bytes_per_token("llama-3.1-8b") == 131072
+
+
+def test_kv_bandwidth_arithmetic(e2e):
+    r = e2e.kv_gbps("qwen3-4b", batch=2, input_len=131072, output_len=256, tpot_ms=10.0, read_fraction=0.25)
+    nbytes = 2 * (131072 + 128) * 147456
+    assert r["kv_bytes_per_step"] == nbytes
+    assert r["kv_gbps"] == pytest.approx(nbytes / 0.010 / 1e9)
+    assert r["kv_gbps_read"] == pytest.approx(0.25 * nbytes / 0.010 / 1e9)
+    assert e2e.kv_gbps("qwen3-4b", 1, 8192, 256, None)["kv_gbps"] is None
+
+
+def test_decode_timing_uses_pure_decode_steps(e2e):
+    # 3 requests: steps 0-2 give first tokens (prefill), then 40 steps of 10 ms with all 3 decoding,
+    # one 50 ms slow step among them, then the requests finish one by one
+    t, c, now = [], [], 0.0
+    for i in range(3):
+        now += 0.1
+        t.append(now)
+        c.append(i)                        # i requests already had a token
+    for k in range(40):
+        now += 0.050 if k == 20 else 0.010
+        t.append(now)
+        c.append(3)
+    for left in (2, 1):
+        now += 0.010
+        t.append(now)
+        c.append(left)
+    r = e2e.decode_timing(t, c, batch=3, skip=8)
+    assert r["decode_steps"] == 32
+    assert r["tpot_ms"] == pytest.approx((31 * 10 + 40) / 31, rel=1e-6)   # the slow step counts
+    assert r["tpot_ms_median"] == pytest.approx(10.0)
+    assert r["max_step_ms"] == pytest.approx(50.0) and r["steps_over_5x_median"] == 0
+    assert e2e.decode_timing([1.0], [1], batch=1)["tpot_ms"] is None
+
+
+def test_sfi_summary_read_fraction(e2e):
+    # batch 1, input 1000, 5 output tokens -> 4 decode steps over contexts 1001..1004
+    c = {"sfi.fast_steps": 3, "sfi.slow_steps": 1, "sfi.fast_context_tokens": 3006,
+         "sfi.fast_retained_tokens": 300, "fallback.sfi_capacity": 2}
+    s = e2e.sfi_summary(c, batch=1, input_len=1000, n_out=5)
+    total = 1001 + 1002 + 1003 + 1004
+    assert s["kv_read_fraction"] == pytest.approx((total - 3006 + 300) / total)
+    assert s["sfi_fast_retained_fraction"] == pytest.approx(0.1, rel=1e-2)
+    assert s["fallbacks"] == {"fallback.sfi_capacity": 2}
+    assert e2e.sfi_summary({}, 2, 10, 3)["kv_read_fraction"] == 1.0
+
+
+def test_compare_tokens_and_error_classification(e2e):
+    same = e2e.compare_tokens([[1, 2, 3], [4]], [[1, 2, 3], [4]])
+    assert same["identical"] and same["rows"][0]["first_diff"] is None
+    diff = e2e.compare_tokens([[1, 2, 3]], [[1, 9, 3]])
+    assert not diff["identical"] and diff["rows"][0]["first_diff"] == 1
+    tb = ('Traceback (most recent call last):\n  File "x.py", line 3, in forward\n    ops.rms_norm(out, x)\n'
+          "RuntimeError: CUDA error: no kernel image is available for execution on the device\n")
+    assert e2e.looks_like_c_op_failure(tb)
+    other = ('Traceback (most recent call last):\n  File "layernorm.py", line 3, in forward\n'
+             '    ops.rms_norm(out, x)\nValueError: speedsfi.sfi.k must be > 0\n')
+    assert not e2e.looks_like_c_op_failure(other)
+    assert e2e.short_error(other) == "ValueError: speedsfi.sfi.k must be > 0"
+
+
+def _fake_result(e2e):
+    rows = []
+    for cfg, base in (("triton", 20.0), ("speedsfi_sfi", 5.0)):
+        for mode in ("graph", "eager"):
+            for n in (8192, 131072):
+                tp = base * (n / 8192) ** 0.5 * (1.5 if mode == "eager" else 1.0)
+                kv = e2e.kv_gbps("qwen3-4b", 1, n, 256, tp, 0.1 if "sfi" in cfg else 1.0)
+                rows.append(e2e.make_perf_row(backend="SPEEDSFI" if "sfi" in cfg else "TRITON_ATTN", config=cfg,
+                                              model="qwen3-4b", mode=mode, cuda_graphs=mode == "graph", input_len=n,
+                                              output_len=256, batch=1, tpot_ms=tp, ttft_ms=100.0, output_tok_s=50.0,
+                                              max_concurrency=3, **{k: v for k, v in kv.items()
+                                                                    if k != "kv_read_fraction"}))
+    rows.append(e2e.make_perf_row(config="speedsfi_dense", model="qwen3-4b", mode="graph", input_len=8192,
+                                  output_len=256, batch=16, error="not measured: killed at the timeout"))
+    return {"schema": 1, "env": {"gpu": "NVIDIA H100 80GB HBM3", "vllm": "0.32.0", "torch": "2.11.0+cu130",
+                                 "copy_gbps_rw": 3000.0}, "rows": rows, "checks": [], "correctness": [],
+            "failures": [], "workarounds": [], "skipped": [], "plan": [], "stages": {}, "command": "x"}
+
+
+def test_rows_schema_plot_and_report_merge(e2e, tmp_path):
+    res = _fake_result(e2e)
+    for r in res["rows"]:
+        for k in e2e.PERF_ROW_KEYS + ("max_concurrency", "kv_gbps", "error"):
+            assert k in r
+    json.dumps(res)
+    assert e2e.plot_perf(res, tmp_path / "p.png").stat().st_size > 10_000
+    part2 = json.loads(json.dumps(res))
+    part2["env"] = {"gpu": None, "vllm": "0.32.0", "extra": 1}
+    part2["checks"] = [{"stage": "correct", "name": "x", "ok": True}]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(res))
+    b.write_text(json.dumps(part2))
+    p = _driver("report", "--merge", str(a), str(b), "--out", str(tmp_path / "merged"))
+    assert p.returncode == 0, p.stderr
+    merged = json.loads((tmp_path / "merged" / "vllm_e2e.json").read_text())
+    assert len(merged["rows"]) == 2 * len(res["rows"]) and merged["checks"]
+    assert merged["env"]["gpu"] == "NVIDIA H100 80GB HBM3" and merged["env"]["extra"] == 1
+    assert (tmp_path / "merged" / "vllm_e2e.png").is_file()
+    assert "| qwen3-4b | speedsfi_sfi | graph | 131072 | 1 |" in p.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver end to end on the CPU build (same worker code path as on the GPU)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_driver_end_to_end_on_the_cpu_build(tmp_path):
+    pytest.importorskip("vllm")
+    out = tmp_path / "out"
+    p = _driver("smoke,correct,perf", "--cpu", "--out", str(out), "--models-dir", str(tmp_path / "models"),
+                "--correct-models", "cpu-tiny-llama", "--perf-configs", "triton,speedsfi_dense,speedsfi_sfi",
+                "--lengths", "96", "--batches", "96:2", "--deadline-s", "840", timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    res = json.loads((out / "vllm_e2e.json").read_text())
+    assert set(os.listdir(out)) <= {"vllm_e2e.json", "vllm_e2e.png", "vllm_e2e_logs.tar.gz"}
+    assert res["env"]["vllm"] == "0.32.0" and res["env"]["gpu"]
+    checks = {c["name"]: c["ok"] for c in res["checks"]}
+    assert checks["cpu-tiny-llama: SPEEDSFI all off == TRITON_ATTN"] is True
+    assert checks["cpu-tiny-llama: SFI budget covering the context == dense"] is True
+    assert checks["cpu-tiny-llama: speedsfi_sfi runs fast steps"] is True
+    assert checks["cpu-tiny-llama: speedsfi_sfi_small runs fast steps"] is True
+    assert not res["failures"] and not res["skipped"]
+    rows = res["rows"]
+    assert {(r["config"], r["mode"]) for r in rows} == {("triton", "eager"), ("speedsfi_dense", "eager"),
+                                                        ("speedsfi_sfi", "eager")}
+    for r in rows:
+        assert r["error"] is None and r["batch"] == 2 and r["tpot_ms"] > 0 and r["ttft_ms"] > 0
+        assert r["output_tok_s"] > 0 and r["kv_gbps"] > 0 and r["max_concurrency"] >= 2
+        assert r["tpot_ms_vllm"] and r["decode_steps_measured"] >= 10
+    sfi = next(r for r in rows if r["config"] == "speedsfi_sfi")
+    assert sfi["sfi_fast_steps"] > 0 and sfi["kv_read_fraction"] < 1.0
+    with tarfile.open(out / "vllm_e2e_logs.tar.gz") as tf:
+        assert any(n.endswith(".log") for n in tf.getnames())
