@@ -41,3 +41,16 @@ def test_dot_in_fp32_and_helpers(monkeypatch):
     m = tu.as_row_mask(None, 3, torch.device("cpu"))
     assert m.dtype == torch.bool and m.all()
     assert tu.as_row_mask(torch.tensor([0, 2], dtype=torch.int8), 2, "cpu").tolist() == [False, True]
+
+
+def test_untuned_strips_an_autotuner_and_keeps_a_plain_kernel():
+    from vllm_ext.kernels.triton_utils import fixed_meta, untuned
+
+    class Autotuner:                      # the name triton's autotuner class has
+        fn = object()
+
+    tuned = Autotuner()
+    assert untuned(tuned) is Autotuner.fn
+    plain = object()
+    assert untuned(plain) is plain
+    assert fixed_meta({"BLOCK_N": 64}, {"BLOCK_N": 32})["BLOCK_N"] in (32, 64)

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.kernels.merge_state import launch_merge_states
-from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32,
-                                           launch_meta, next_pow2, num_sms, use_triton)
+from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, fixed_meta,
+                                           launch_meta, next_pow2, num_sms, untuned, use_triton)
 from vllm_ext.kernels.two_segment_decode import (LOG2E, SplitWorkspace, _configs, active_rows,
                                                  batched_masked_attention, dense_num_splits,
                                                  gather_paged_rows, two_segment_workspace)
@@ -178,8 +178,6 @@ if HAS_TRITON:
             MAX_LEN, qk_scale, NUM_SPLITS, G, BLOCK_G, D, BLOCK_D, PAGE, F32_DOT, DIRECT, EVIDENCE,
             NORMS, BLOCK_N)
 
-    @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT", "EVIDENCE",
-                                        "NORMS", "HKV"])
     @triton.jit
     def _dense_split_persistent_kernel(
         COUNT, SEQ, ROWS, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT,
@@ -341,6 +339,9 @@ def dense_decode_workspace(num_rows: int, num_heads: int, head_size: int, num_sp
 
 EVIDENCE_LANES = 16          # position lanes per (evidence slot, KV head) of the evidence pass
 PERSISTENT_WAVES = 2         # programs per SM of the count-driven slow pass
+# the config of launches whose work is decided on the device (masks, live counts): a common
+# memory-bound decode tile, not yet tuned on a GPU for these launches
+FIXED_META = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, num_splits,
@@ -392,18 +393,24 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
                *po_st, *pl_st, *pa_st, *sc_st, *kn_st, *out.stride())
     meta = dict(G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
                 PAGE=kv_cache.shape[2], F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct,
-                EVIDENCE=evidence, NORMS=norms, **_interp_meta())
+                EVIDENCE=evidence, NORMS=norms)
     if compact and evidence_count is not None and not has_mask:
         progs = min(num_rows * hkv * num_splits, PERSISTENT_WAVES * num_sms(query.device))
         _dense_split_persistent_kernel[(max(progs, 1),)](
             evidence_count, seq_lens, rows_arg, query, kv_cache, block_table, lo, hi,
             po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
-            HKV=hkv, **meta)
+            HKV=hkv, **meta, **fixed_meta(FIXED_META, {"BLOCK_N": 32}))
+    elif has_mask or compact:
+        # work decided on the device: no autotuning (see triton_utils.untuned)
+        untuned(_dense_split_kernel)[(num_rows, hkv, num_splits)](
+            query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, rows_arg,
+            po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
+            HAS_MASK=has_mask, COMPACT=compact, **meta, **fixed_meta(FIXED_META, {"BLOCK_N": 32}))
     else:
         _dense_split_kernel[(num_rows, hkv, num_splits)](
             query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, rows_arg,
             po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
-            HAS_MASK=has_mask, COMPACT=compact, **meta)
+            HAS_MASK=has_mask, COMPACT=compact, **meta, **_interp_meta())
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens,
                             out_rows=evidence_rows)

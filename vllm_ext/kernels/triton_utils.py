@@ -99,6 +99,21 @@ def launch_meta(default: dict[str, Any], interpret: dict[str, Any] | None = None
     return dict(default)
 
 
+def untuned(kernel):
+    """The kernel without its autotuner. For launches whose work is decided on the device (row
+    masks, live counts): vLLM's warm-up and CUDA-graph capture runs carry none of that work, so an
+    autotuner would time empty launches and keep an arbitrary config. Launch with
+    :func:`fixed_meta`."""
+    return kernel.fn if type(kernel).__name__ == "Autotuner" else kernel
+
+
+def fixed_meta(default: dict[str, Any], interpret: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Explicit meta-parameters for an :func:`untuned` launch (``interpret`` under the interpreter)."""
+    if interpret_mode():
+        return dict(interpret if interpret is not None else default)
+    return dict(default)
+
+
 def autotune(configs: list, key: list[str], **kwargs: Any) -> Callable:
     """``triton.autotune`` on CUDA; identity under the interpreter (it would run every config) and
     when ``SPEEDSFI_AUTOTUNE=0``."""

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.kernels.merge_state import launch_merge_states
-from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, interpret_mode,
-                                           launch_meta, next_pow2, num_sms, use_triton)
+from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, fixed_meta,
+                                           launch_meta, next_pow2, num_sms, untuned, use_triton)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -327,7 +327,11 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
         po_strides, pl_strides = po.stride(), pl.stride()
     has_mask = row_mask is not None
     grid = (num_rows, hkv, num_splits)
-    _two_segment_kernel[grid](
+    # a masked launch's work is decided on the device: fixed config (see triton_utils.untuned)
+    kernel = untuned(_two_segment_kernel) if has_mask else _two_segment_kernel
+    meta = fixed_meta({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, {"BLOCK_N": 32}) \
+        if has_mask else _interp_meta()
+    kernel[grid](
         query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len, slot_idx,
         row_mask if has_mask else seq_lens, po, pl, out,
         *query.stride(), *kv_cache.stride(), *block_table.stride(), *compact_kv.stride(),
@@ -335,7 +339,7 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
         compact_kv.shape[2], float(scale) * LOG2E, num_splits,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
         PAGE=kv_cache.shape[2], HAS_MASK=has_mask,
-        F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, **_interp_meta())
+        F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, **meta)
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens)
     return out
