@@ -216,3 +216,102 @@ def test_bucket_is_monotone_in_the_score(device):
         assert ((b >= 0) & (b < K.NUM_BUCKETS)).all()
         assert (b[1:] >= b[:-1]).all(), (m_up, b)                    # non-increasing in the score
         assert (b[scores.numel() - 2:] == K.NUM_BUCKETS - 1).all()   # -inf and NaN: the last bucket
+
+
+# ------------------------------------------------------------------ count: a live prefix of rows
+def live_prefix(length, device, dead=3):
+    """The rows of :func:`bounds` (one of them inactive inside the prefix) followed by ``dead`` rows
+    with lo = hi = 0: the compacted slow list of the decode path, live rows [0, 6)."""
+    lo, hi = bounds(length, device)
+    z = torch.zeros(dead, dtype=lo.dtype, device=device)
+    return torch.cat([lo, z]), torch.cat([hi, z])
+
+
+def check_count(ev, norms, lo, hi, cfg, k, count, *, k_cap=None):
+    """select_triton with ``count`` equals it without (and the twin) on the rows with those past
+    ``count`` emptied (lo = hi = 0), in a fresh workspace."""
+    live = torch.arange(lo.shape[0], device=lo.device) < count
+    want = check(ev, norms, torch.where(live, lo, 0), torch.where(live, hi, 0), cfg, k, k_cap=k_cap)
+    cnt = torch.tensor([count], dtype=torch.int32, device=ev.device)
+    got = K.select_triton(ev, norms, lo, hi, cfg, k, k_cap=k_cap, count=cnt)
+    assert torch.equal(got[1], want[1]), (got[1], want[1])
+    assert torch.equal(got[0], want[0]), (got[0], want[0])
+    return got
+
+
+@pytest.mark.parametrize("heads,length", [(1, 37), (3, 150), (4, 211), (8, 97)])
+def test_count_live_prefix_matches_full_grid(heads, length, small, device):
+    """Every launch shape of test_grid_matches_twin, with ``count`` (fixed grids walking only the
+    live rows' chunks: under the interpreter 8 programs, so each loops over many items)."""
+    ev, norms = make(9, heads, 2, length, device, seed=heads * 100 + length + 1)
+    lo, hi = live_prefix(length, device)
+    check_count(ev, norms, lo, hi, CFG, 24, 6)                                 # 4-D evidence (pooling)
+    check_count(ev[:, :, 1], norms, lo, hi, CFG, 9, 6)                         # pooled 3-D evidence
+    kt = torch.tensor([24, 3, 30, 24, 11, 24, 24, 5, 24], device=device)
+    check_count(ev[:, :, 1], norms, lo, hi, CFG, kt, 6, k_cap=24)
+    check_count(ev[:, :, 1], norms, lo, hi, dataclasses.replace(CFG, select_span=3, nms_radius=5), 24, 6)
+
+
+def test_count_edges(small, device):
+    """count = 1 and 4 (live rows past it are ignored), count = rows, count > rows (clamped), an
+    int64 / 0-d count."""
+    ev, norms = make(9, 4, 1, 150, device, seed=21, pooled=True)
+    lo, hi = live_prefix(150, device)
+    check_count(ev, norms, lo, hi, CFG, 24, 1)
+    check_count(ev, norms, lo, hi, CFG, 24, 4)
+    check_count(ev, norms, lo, hi, CFG, 24, 9)
+    check_count(ev, norms, lo, hi, CFG, 24, 40)
+    want = check(ev, norms, lo, hi, CFG, 24)
+    for cnt in (torch.tensor(6, device=device), torch.tensor([6], dtype=torch.int64, device=device)):
+        got = K.select(ev, norms, lo, hi, CFG, 24, count=cnt)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_count_rows_past_it_are_empty(small, device):
+    """The rows past ``count`` select nothing whatever their lo / hi (as in the decode path, where
+    only the live prefix is meaningful): the result is the twin's with those rows emptied."""
+    ev, norms = make(9, 3, 1, 120, device, seed=22, pooled=True)
+    lo, hi = live_prefix(120, device)
+    lo_bad, hi_bad = lo.clone(), hi.clone()
+    lo_bad[6:], hi_bad[6:] = torch.tensor([0, 5, 30], device=device), torch.tensor([120, 90, 31], device=device)
+    want = S.select(ev, norms, lo, hi, CFG, 24)
+    got = K.select_triton(ev, norms, lo_bad, hi_bad, CFG, 24, count=torch.tensor([6], device=device))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_count_zero_writes_nothing_but_n_sel(small, device):
+    """count = 0: n_sel = 0 for every row; ``selected`` is not written (the contract of inactive
+    rows: only what an earlier call wrote is reset to -1), with the workspace the decode path uses."""
+    rows, heads, length = 9, 4, 130
+    ev, norms = make(rows, heads, 1, length, device, seed=23, pooled=True)
+    lo, hi = live_prefix(length, device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    k = torch.full((rows,), 24, dtype=torch.int64, device=device)
+    ws = K.selector_workspace(rows, heads, length, 24, device, CFG)
+    ws.selected.fill_(12345)                  # never written by a call that selects nothing
+    ws.n_sel.fill_(77)
+    sel, n = K.select(ev, norms, lo, hi, CFG, k, k_cap=24, workspace=ws, count=zero)
+    assert (n == 0).all() and (sel == 12345).all()
+    ws.selected.fill_(-1)
+    # a live call, then count = 0: what it wrote is reset, exactly as count=None with every row empty
+    ref = S.select(ev, norms, lo, hi, CFG, k, k_cap=24)
+    sel, n = K.select(ev, norms, lo, hi, CFG, k, k_cap=24, workspace=ws, count=torch.tensor([6], device=device))
+    assert torch.equal(sel, ref[0]) and torch.equal(n, ref[1]) and (n[:6] > 0).sum() >= 4
+    sel, n = K.select(ev, norms, lo, hi, CFG, k, k_cap=24, workspace=ws, count=zero)
+    assert (n == 0).all() and (sel == -1).all()
+    # and the workspace goes on giving the twin's results afterwards
+    sel, n = K.select(ev, norms, lo, hi, CFG, k, k_cap=24, workspace=ws, count=torch.tensor([6], device=device))
+    assert torch.equal(sel, ref[0]) and torch.equal(n, ref[1])
+
+
+
+def test_count_on_the_twin_path(monkeypatch, device):
+    """SPEEDSFI_FORCE_TORCH_KERNELS: select() accepts count and ignores it (rows past it are empty)."""
+    monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "1")
+    ev, norms = make(5, 2, 1, 60, device, seed=24, pooled=True)
+    lo = torch.tensor([4, 0, 9, 0, 0], device=device)
+    hi = torch.tensor([50, 60, 40, 0, 0], device=device)
+    ref = S.select(ev, norms, lo, hi, CFG, 24)
+    for count in (3, 0):
+        sel, n = K.select(ev, norms, lo, hi, CFG, 24, count=torch.tensor([count], device=device))
+        assert torch.equal(sel, ref[0]) and torch.equal(n, ref[1])

@@ -4,7 +4,15 @@ Parallel over positions: every stage runs many programs per (row, KV head), each
 row's own allowed set ``A = [lo, hi)`` (chunks are aligned to absolute positions; a program whose
 chunk misses ``A`` exits at once, so the work follows ``|A|``, not ``L``, and an inactive row
 (``lo = hi``) costs one load per program). No host sync, no allocation with a
-:class:`SelectorWorkspace`, fixed grids: CUDA-graph capturable. Launches, in order:
+:class:`SelectorWorkspace`, fixed grids: CUDA-graph capturable.
+
+With ``count`` (a one-element device tensor; the decode path's compacted slow list, whose rows
+``[0, count)`` are live and the rest have ``lo = hi = 0``) every launch runs a fixed grid of at most
+``2 x SMs`` programs, each looping over the items (row, chunk) of the live rows only: a call with
+``count = 0`` costs one small wave per launch, one live row at 128K keeps its chunk parallelism. Each
+kernel is written as that loop (``item`` from ``program_id`` to ``n_live x items per row`` by
+``num_programs``); without ``count`` the grid has one program per item of every row, so the loop
+runs once. Launches, in order:
 
 0. (4-D evidence only) ``_pool_kernel``, one program per (row, KV head): per evidence row the
    log-sum-exp over ``A``, then the power-mean pooling -> an unnormalised pooled ``log f`` in the
@@ -244,13 +252,16 @@ def _width(k: int | torch.Tensor, cfg: SfiConfig, k_cap: int | None) -> int:
 
 def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
            cfg: SfiConfig, k: int | torch.Tensor, *, k_cap: int | None = None,
-           workspace: SelectorWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           workspace: SelectorWorkspace | None = None,
+           count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`vllm_ext.sfi.selector.select`; Triton on CUDA / under the interpreter.
 
     With ``workspace`` (:func:`selector_workspace`) nothing is allocated and the results are views
-    into it (same values as without)."""
+    into it (same values as without). ``count``: see :func:`select_triton`; the twin ignores it (the
+    rows past it have an empty allowed set, which selects nothing there already)."""
     if use_triton(key_norms):
-        return select_triton(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, workspace=workspace)
+        return select_triton(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, workspace=workspace,
+                             count=count)
     sel, n_sel = select_torch(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap)
     if workspace is None:
         return sel, n_sel
@@ -267,6 +278,23 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
 if HAS_TRITON:
 
     # ------------------------------------------------------------------------------------ helpers
+    @triton.jit
+    def _n_live(COUNT, ROWS, HAS_COUNT: tl.constexpr):
+        """Rows whose work a launch walks: ``clamp(COUNT[0], 0, ROWS)`` (a live prefix; read on the
+        device) with ``HAS_COUNT``, else all ``ROWS``. Every kernel loops ``item`` over
+        ``[program_id, n_live * per_row)`` with stride ``num_programs``: one item per program on the
+        full grid (``count=None``), a persistent walk on the fixed grid of ``_Args.grid``."""
+        if HAS_COUNT:
+            n = tl.minimum(tl.maximum(tl.load(COUNT).to(tl.int32), 0), ROWS)
+        else:
+            n = ROWS
+        return n
+
+    @triton.jit
+    def _i32(it):
+        """A loop index as an int32 tensor (the interpreter's ``range`` yields Python ints)."""
+        return it + tl.zeros([], dtype=tl.int32)
+
     @triton.jit
     def _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L):
         """A = [lo, hi) of a row clamped to [0, L) with hi >= lo (int32)."""
@@ -373,149 +401,155 @@ if HAS_TRITON:
 
     # ----------------------------------------------------------------------- 0. 4-D evidence pooling
     @triton.jit
-    def _pool_kernel(ev_ptr, s_ev_b, s_ev_h, s_ev_r, s_ev_l, out_ptr, s_out_b, s_out_h,
+    def _pool_kernel(COUNT, ROWS, ev_ptr, s_ev_b, s_ev_h, s_ev_r, s_ev_l, out_ptr, s_out_b, s_out_h,
                      lo_ptr, s_lo, hi_ptr, s_hi, H, L, R, log_R, alpha, inv_alpha,
-                     R_PAD: tl.constexpr, BLOCK_L: tl.constexpr):
-        pid = tl.program_id(0)
-        row = pid // H
-        h = pid % H
-        lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
-        ev_base = ev_ptr + row.to(tl.int64) * s_ev_b + h.to(tl.int64) * s_ev_h
-        out_base = out_ptr + row.to(tl.int64) * s_out_b + h.to(tl.int64) * s_out_h
-        ar = tl.arange(0, BLOCK_L)
-        offs_r = tl.arange(0, R_PAD)
-        rmask = offs_r < R
-        ninf = float("-inf")
-        m_row = tl.full([R_PAD], ninf, tl.float32)
-        s_row = tl.zeros([R_PAD], dtype=tl.float32)
-        for j0 in range(lo, hi, BLOCK_L):                     # per evidence row: logsumexp over A
-            offs = j0 + ar
-            lm = offs < hi
-            x = tl.load(ev_base + offs_r[:, None] * s_ev_r + offs[None, :] * s_ev_l,
-                        mask=rmask[:, None] & lm[None, :], other=ninf).to(tl.float32)
-            nm = tl.maximum(m_row, tl.max(x, axis=1))
-            safe = tl.where(nm == ninf, 0.0, nm)
-            s_row = s_row * tl.exp(m_row - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
-            m_row = nm
-        lse_r = tl.where(s_row > 0, m_row + tl.log(tl.maximum(s_row, 1e-30)), ninf)
-        for j0 in range(lo, hi, BLOCK_L):                     # power mean -> unnormalised log f
-            offs = j0 + ar
-            lm = offs < hi
-            x = tl.load(ev_base + offs_r[:, None] * s_ev_r + offs[None, :] * s_ev_l,
-                        mask=rmask[:, None] & lm[None, :], other=ninf).to(tl.float32)
-            ok = (lse_r > ninf)[:, None] & (x > ninf)
-            y = tl.where(ok, alpha * (x - lse_r[:, None]), ninf)
-            ym = tl.max(y, axis=0)
-            ys = tl.where(ym == ninf, 0.0, ym)
-            ps = tl.sum(tl.exp(y - ys[None, :]), axis=0)
-            lf = tl.where(ps > 0, (ys + tl.log(tl.maximum(ps, 1e-30)) - log_R) * inv_alpha, ninf)
-            tl.store(out_base + offs, lf, mask=lm)
+                     R_PAD: tl.constexpr, BLOCK_L: tl.constexpr, HAS_COUNT: tl.constexpr):
+        for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * H, tl.num_programs(0)):
+            pid = _i32(it)
+            row = pid // H
+            h = pid % H
+            lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
+            ev_base = ev_ptr + row.to(tl.int64) * s_ev_b + h.to(tl.int64) * s_ev_h
+            out_base = out_ptr + row.to(tl.int64) * s_out_b + h.to(tl.int64) * s_out_h
+            ar = tl.arange(0, BLOCK_L)
+            offs_r = tl.arange(0, R_PAD)
+            rmask = offs_r < R
+            ninf = float("-inf")
+            m_row = tl.full([R_PAD], ninf, tl.float32)
+            s_row = tl.zeros([R_PAD], dtype=tl.float32)
+            for j0 in range(lo, hi, BLOCK_L):                     # per evidence row: logsumexp over A
+                offs = j0 + ar
+                lm = offs < hi
+                x = tl.load(ev_base + offs_r[:, None] * s_ev_r + offs[None, :] * s_ev_l,
+                            mask=rmask[:, None] & lm[None, :], other=ninf).to(tl.float32)
+                nm = tl.maximum(m_row, tl.max(x, axis=1))
+                safe = tl.where(nm == ninf, 0.0, nm)
+                s_row = s_row * tl.exp(m_row - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
+                m_row = nm
+            lse_r = tl.where(s_row > 0, m_row + tl.log(tl.maximum(s_row, 1e-30)), ninf)
+            for j0 in range(lo, hi, BLOCK_L):                     # power mean -> unnormalised log f
+                offs = j0 + ar
+                lm = offs < hi
+                x = tl.load(ev_base + offs_r[:, None] * s_ev_r + offs[None, :] * s_ev_l,
+                            mask=rmask[:, None] & lm[None, :], other=ninf).to(tl.float32)
+                ok = (lse_r > ninf)[:, None] & (x > ninf)
+                y = tl.where(ok, alpha * (x - lse_r[:, None]), ninf)
+                ym = tl.max(y, axis=0)
+                ys = tl.where(ym == ninf, 0.0, ym)
+                ps = tl.sum(tl.exp(y - ys[None, :]), axis=0)
+                lf = tl.where(ps > 0, (ys + tl.log(tl.maximum(ps, 1e-30)) - log_R) * inv_alpha, ninf)
+                tl.store(out_base + offs, lf, mask=lm)
 
     # ---------------------------------------------------------------------- 1. partial statistics
     @triton.jit
-    def _stats_kernel(ev_ptr, s_ev_b, s_ev_h, s_ev_l, kn_ptr, s_kn_b, s_kn_h, s_kn_l,
+    def _stats_kernel(COUNT, ROWS, NC, ev_ptr, s_ev_b, s_ev_h, s_ev_l, kn_ptr, s_kn_b, s_kn_h, s_kn_l,
                       lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, st_ptr, C1_WS,
                       H, L, gamma_k, w_k, w_pos, pos_power, pos_eta, pos_beta, eps,
-                      T: tl.constexpr, H_PAD: tl.constexpr, K_TENSOR: tl.constexpr, SKIP_ALL: tl.constexpr):
-        row = tl.program_id(0)
-        c = tl.program_id(1)
-        lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
-        p0 = c * T
-        active = (p0 < hi) & (p0 + T > lo)
-        if SKIP_ALL:                                   # rows that take all of A (or nothing) need no scores
-            k_eff = _keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR)
-            active = active & (k_eff > 0) & (k_eff < hi - lo)
-        if active:
-            ninf = float("-inf")
-            den = tl.maximum(hi - lo - 1, 1)
-            offs = p0 + tl.arange(0, T)
-            hs = tl.arange(0, H_PAD)
-            hm = hs < H
-            in_a = (offs >= lo) & (offs < hi)
-            m2 = hm[:, None] & in_a[None, :]
-            rb = row.to(tl.int64)
-            hb = hs.to(tl.int64)[:, None]
-            lf = tl.load(ev_ptr + rb * s_ev_b + hb * s_ev_h + offs[None, :] * s_ev_l, mask=m2,
-                         other=ninf).to(tl.float32)
-            kn = tl.load(kn_ptr + rb * s_kn_b + hb * s_kn_h + offs[None, :] * s_kn_l, mask=m2,
-                         other=1.0).to(tl.float32)
-            lp = _pos_prior(offs, lo, den, w_pos, pos_power, pos_eta, pos_beta, eps)
-            lr = tl.where(m2, w_k * (-gamma_k * tl.log(tl.maximum(kn, eps))) + lp[None, :], ninf)
-            lf = tl.where(m2, lf, ninf)
-            m_f = tl.max(lf, axis=1)
-            m_r = tl.max(lr, axis=1)
-            e_f = tl.exp(lf - tl.where(m_f == ninf, 0.0, m_f)[:, None])
-            e_r = tl.exp(lr - tl.where(m_r == ninf, 0.0, m_r)[:, None])
-            base = st_ptr + ((rb * H + hs) * C1_WS + c) * 8
-            tl.store(base + 0, m_f, mask=hm)
-            tl.store(base + 1, m_r, mask=hm)
-            tl.store(base + 2, tl.sum(e_f, axis=1), mask=hm)
-            tl.store(base + 3, tl.sum(e_r, axis=1), mask=hm)
-            tl.store(base + 4, tl.sum(e_f * e_f, axis=1), mask=hm)
-            tl.store(base + 5, tl.sum(e_r * e_r, axis=1), mask=hm)
-            tl.store(base + 6, tl.sum(e_f * e_r, axis=1), mask=hm)
+                      T: tl.constexpr, H_PAD: tl.constexpr, K_TENSOR: tl.constexpr, SKIP_ALL: tl.constexpr,
+                      HAS_COUNT: tl.constexpr):
+        for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * NC, tl.num_programs(0)):
+            row = _i32(it) // NC
+            c = _i32(it) % NC
+            lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
+            p0 = c * T
+            active = (p0 < hi) & (p0 + T > lo)
+            if SKIP_ALL:                                   # rows that take all of A (or nothing) need no scores
+                k_eff = _keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR)
+                active = active & (k_eff > 0) & (k_eff < hi - lo)
+            if active:
+                ninf = float("-inf")
+                den = tl.maximum(hi - lo - 1, 1)
+                offs = p0 + tl.arange(0, T)
+                hs = tl.arange(0, H_PAD)
+                hm = hs < H
+                in_a = (offs >= lo) & (offs < hi)
+                m2 = hm[:, None] & in_a[None, :]
+                rb = row.to(tl.int64)
+                hb = hs.to(tl.int64)[:, None]
+                lf = tl.load(ev_ptr + rb * s_ev_b + hb * s_ev_h + offs[None, :] * s_ev_l, mask=m2,
+                             other=ninf).to(tl.float32)
+                kn = tl.load(kn_ptr + rb * s_kn_b + hb * s_kn_h + offs[None, :] * s_kn_l, mask=m2,
+                             other=1.0).to(tl.float32)
+                lp = _pos_prior(offs, lo, den, w_pos, pos_power, pos_eta, pos_beta, eps)
+                lr = tl.where(m2, w_k * (-gamma_k * tl.log(tl.maximum(kn, eps))) + lp[None, :], ninf)
+                lf = tl.where(m2, lf, ninf)
+                m_f = tl.max(lf, axis=1)
+                m_r = tl.max(lr, axis=1)
+                e_f = tl.exp(lf - tl.where(m_f == ninf, 0.0, m_f)[:, None])
+                e_r = tl.exp(lr - tl.where(m_r == ninf, 0.0, m_r)[:, None])
+                base = st_ptr + ((rb * H + hs) * C1_WS + c) * 8
+                tl.store(base + 0, m_f, mask=hm)
+                tl.store(base + 1, m_r, mask=hm)
+                tl.store(base + 2, tl.sum(e_f, axis=1), mask=hm)
+                tl.store(base + 3, tl.sum(e_r, axis=1), mask=hm)
+                tl.store(base + 4, tl.sum(e_f * e_f, axis=1), mask=hm)
+                tl.store(base + 5, tl.sum(e_r * e_r, axis=1), mask=hm)
+                tl.store(base + 6, tl.sum(e_f * e_r, axis=1), mask=hm)
 
     # -------------------------------------------------------------------- 2. merge -> lam, coefs
     @triton.jit
-    def _merge_kernel(st_ptr, C1_WS, consts_ptr, hist_ptr, cnt_ptr, lo_ptr, s_lo, hi_ptr, s_hi,
+    def _merge_kernel(COUNT, ROWS, st_ptr, C1_WS, consts_ptr, hist_ptr, cnt_ptr, lo_ptr, s_lo, hi_ptr,
+                      s_hi,
                       k_ptr, s_k, k_val, k_min, width, H, L, lambda_max, eps,
                       T1: tl.constexpr, C1_PAD: tl.constexpr, NB: tl.constexpr, K_TENSOR: tl.constexpr,
-                      SKIP_ALL: tl.constexpr, PREP_TOPK: tl.constexpr, WRITE_LAM: tl.constexpr):
-        pid = tl.program_id(0)
-        row = pid // H
-        lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
-        ninf = float("-inf")
-        active = hi > lo
-        if SKIP_ALL:                                   # rows that take all of A (or nothing) need no scores
-            k_eff = _keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR)
-            active = active & (k_eff > 0) & (k_eff < hi - lo)
-        if active:
-            cs = tl.arange(0, C1_PAD)
-            cm = (cs >= lo // T1) & (cs < (hi + T1 - 1) // T1)
-            base = st_ptr + (pid.to(tl.int64) * C1_WS + cs) * 8
-            m_f = tl.load(base + 0, mask=cm, other=ninf)
-            m_r = tl.load(base + 1, mask=cm, other=ninf)
-            mf = tl.max(m_f, axis=0)
-            mr = tl.max(m_r, axis=0)
-            w_f = tl.exp(m_f - tl.where(mf == ninf, 0.0, mf))
-            w_r = tl.exp(m_r - tl.where(mr == ninf, 0.0, mr))
-            s_f = tl.sum(tl.load(base + 2, mask=cm, other=0.0) * w_f, axis=0)
-            s_r = tl.sum(tl.load(base + 3, mask=cm, other=0.0) * w_r, axis=0)
-            s_ff = tl.sum(tl.load(base + 4, mask=cm, other=0.0) * (w_f * w_f), axis=0)
-            s_rr = tl.sum(tl.load(base + 5, mask=cm, other=0.0) * (w_r * w_r), axis=0)
-            s_fr = tl.sum(tl.load(base + 6, mask=cm, other=0.0) * (w_f * w_r), axis=0)
-            has_f = s_f > 0
-            has_r = s_r > 0
-            z_f = tl.where(has_f, mf + tl.log(tl.maximum(s_f, 1e-30)), ninf)
-            z_r = tl.where(has_r, mr + tl.log(tl.maximum(s_r, 1e-30)), ninf)
-            ff = tl.where(has_f, s_ff / tl.maximum(s_f * s_f, 1e-30), 0.0)
-            rr = tl.where(has_r, s_rr / tl.maximum(s_r * s_r, 1e-30), 0.0)
-            fr = tl.where(has_f & has_r, s_fr / tl.maximum(s_f * s_r, 1e-30), 0.0)
-            lam = (ff - fr) / tl.maximum(ff - 2.0 * fr + rr, eps)
-            lam = tl.minimum(tl.maximum(lam, 0.0), lambda_max)
-            coef_f = tl.where(has_f & (lam < 1.0), tl.log(tl.maximum(1.0 - lam, 1e-30)) - z_f, ninf)
-            coef_r = tl.where(has_r & (lam > 0.0), tl.log(tl.maximum(lam, 1e-30)) - z_r, ninf)
-            # an upper bound of every score of the head: Soft-NMS and exclusivity only lower the fused one
-            u1 = coef_f + mf
-            u2 = coef_r + mr
-            mx = tl.maximum(u1, u2)
-            mn = tl.minimum(u1, u2)
-            m_up = tl.where(mx == ninf, ninf, mx + tl.log(1.0 + tl.exp(mn - mx)))
-            cb = consts_ptr + pid.to(tl.int64) * 4
-            tl.store(cb + 0, coef_f)
-            tl.store(cb + 1, coef_r)
-            tl.store(cb + 2, m_up)
-            tl.store(cb + 3, lam)
-            if PREP_TOPK:
-                tl.store(hist_ptr + pid.to(tl.int64) * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
-                tl.store(cnt_ptr + pid, 0)
-        else:
-            if WRITE_LAM:
-                tl.store(consts_ptr + pid.to(tl.int64) * 4 + 3, 0.0)   # lam of an empty set (the twin's 0)
+                      SKIP_ALL: tl.constexpr, PREP_TOPK: tl.constexpr, WRITE_LAM: tl.constexpr,
+                      HAS_COUNT: tl.constexpr):
+        for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * H, tl.num_programs(0)):
+            pid = _i32(it)
+            row = pid // H
+            lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
+            ninf = float("-inf")
+            active = hi > lo
+            if SKIP_ALL:                                   # rows that take all of A (or nothing) need no scores
+                k_eff = _keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR)
+                active = active & (k_eff > 0) & (k_eff < hi - lo)
+            if active:
+                cs = tl.arange(0, C1_PAD)
+                cm = (cs >= lo // T1) & (cs < (hi + T1 - 1) // T1)
+                base = st_ptr + (pid.to(tl.int64) * C1_WS + cs) * 8
+                m_f = tl.load(base + 0, mask=cm, other=ninf)
+                m_r = tl.load(base + 1, mask=cm, other=ninf)
+                mf = tl.max(m_f, axis=0)
+                mr = tl.max(m_r, axis=0)
+                w_f = tl.exp(m_f - tl.where(mf == ninf, 0.0, mf))
+                w_r = tl.exp(m_r - tl.where(mr == ninf, 0.0, mr))
+                s_f = tl.sum(tl.load(base + 2, mask=cm, other=0.0) * w_f, axis=0)
+                s_r = tl.sum(tl.load(base + 3, mask=cm, other=0.0) * w_r, axis=0)
+                s_ff = tl.sum(tl.load(base + 4, mask=cm, other=0.0) * (w_f * w_f), axis=0)
+                s_rr = tl.sum(tl.load(base + 5, mask=cm, other=0.0) * (w_r * w_r), axis=0)
+                s_fr = tl.sum(tl.load(base + 6, mask=cm, other=0.0) * (w_f * w_r), axis=0)
+                has_f = s_f > 0
+                has_r = s_r > 0
+                z_f = tl.where(has_f, mf + tl.log(tl.maximum(s_f, 1e-30)), ninf)
+                z_r = tl.where(has_r, mr + tl.log(tl.maximum(s_r, 1e-30)), ninf)
+                ff = tl.where(has_f, s_ff / tl.maximum(s_f * s_f, 1e-30), 0.0)
+                rr = tl.where(has_r, s_rr / tl.maximum(s_r * s_r, 1e-30), 0.0)
+                fr = tl.where(has_f & has_r, s_fr / tl.maximum(s_f * s_r, 1e-30), 0.0)
+                lam = (ff - fr) / tl.maximum(ff - 2.0 * fr + rr, eps)
+                lam = tl.minimum(tl.maximum(lam, 0.0), lambda_max)
+                coef_f = tl.where(has_f & (lam < 1.0), tl.log(tl.maximum(1.0 - lam, 1e-30)) - z_f, ninf)
+                coef_r = tl.where(has_r & (lam > 0.0), tl.log(tl.maximum(lam, 1e-30)) - z_r, ninf)
+                # an upper bound of every score of the head: Soft-NMS and exclusivity only lower the fused one
+                u1 = coef_f + mf
+                u2 = coef_r + mr
+                mx = tl.maximum(u1, u2)
+                mn = tl.minimum(u1, u2)
+                m_up = tl.where(mx == ninf, ninf, mx + tl.log(1.0 + tl.exp(mn - mx)))
+                cb = consts_ptr + pid.to(tl.int64) * 4
+                tl.store(cb + 0, coef_f)
+                tl.store(cb + 1, coef_r)
+                tl.store(cb + 2, m_up)
+                tl.store(cb + 3, lam)
+                if PREP_TOPK:
+                    tl.store(hist_ptr + pid.to(tl.int64) * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
+                    tl.store(cnt_ptr + pid, 0)
+            else:
+                if WRITE_LAM:
+                    tl.store(consts_ptr + pid.to(tl.int64) * 4 + 3, 0.0)   # lam of an empty set (the twin's 0)
 
     # ------------------------------------------------------------------------------ 3. scores
     @triton.jit
-    def _score_kernel(ev_ptr, s_ev_b, s_ev_h, s_ev_l, kn_ptr, s_kn_b, s_kn_h, s_kn_l,
+    def _score_kernel(COUNT, ROWS, NC, ev_ptr, s_ev_b, s_ev_h, s_ev_l, kn_ptr, s_kn_b, s_kn_h, s_kn_l,
                       lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width,
                       consts_ptr, out_ptr, s_out_b, s_out_h, scr_ptr,
                       H, L, gamma_k, w_k, w_pos, pos_power, pos_eta, pos_beta, eps,
@@ -523,187 +557,171 @@ if HAS_TRITON:
                       T: tl.constexpr, H_PAD: tl.constexpr, RADIUS: tl.constexpr, SPAN: tl.constexpr,
                       HALO_L: tl.constexpr, HALO_R: tl.constexpr, OUT: tl.constexpr, DO_NMS: tl.constexpr, DO_X: tl.constexpr,
                       NMS_GW: tl.constexpr, SPAN_GW: tl.constexpr, NMS_KL: tl.constexpr, SPAN_KL: tl.constexpr,
-                      K_TENSOR: tl.constexpr, SKIP_ALL: tl.constexpr, GATHER: tl.constexpr):
-        row = tl.program_id(0)
-        c = tl.program_id(1)
-        lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
-        q0 = c * OUT                                   # this program writes positions [q0, q0 + OUT)
-        active = (q0 < hi) & (q0 + OUT > lo)
-        if SKIP_ALL:                                   # rows that take all of A (or nothing) need no scores
-            k_eff = _keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR)
-            active = active & (k_eff > 0) & (k_eff < hi - lo)
-        if active:
-            ninf = float("-inf")
-            den = tl.maximum(hi - lo - 1, 1)
-            i = tl.arange(0, T)
-            offs = q0 - HALO_L + i
-            hs = tl.arange(0, H_PAD)
-            hm = hs < H
-            in_a = (offs >= lo) & (offs < hi)
-            m2 = hm[:, None] & in_a[None, :]
-            rb = row.to(tl.int64)
-            hb = hs.to(tl.int64)[:, None]
-            lf = tl.load(ev_ptr + rb * s_ev_b + hb * s_ev_h + offs[None, :] * s_ev_l, mask=m2,
-                         other=ninf).to(tl.float32)
-            kn = tl.load(kn_ptr + rb * s_kn_b + hb * s_kn_h + offs[None, :] * s_kn_l, mask=m2,
-                         other=1.0).to(tl.float32)
-            cb = consts_ptr + (rb * H + hs) * 4
-            coef_f = tl.load(cb + 0, mask=hm, other=ninf)
-            coef_r = tl.load(cb + 1, mask=hm, other=ninf)
-            lp = _pos_prior(offs, lo, den, w_pos, pos_power, pos_eta, pos_beta, eps)
-            lr = w_k * (-gamma_k * tl.log(tl.maximum(kn, eps))) + lp[None, :]
-            # fused log s = logaddexp(log(1 - lam) + log f, log(lam) + log r), normalisations folded in
-            u1 = coef_f[:, None] + lf
-            u2 = coef_r[:, None] + lr
-            mx = tl.maximum(u1, u2)
-            mn = tl.minimum(u1, u2)
-            l = tl.where(m2 & (mx > ninf), mx + tl.log(1.0 + tl.exp(mn - mx)), ninf)
-            scr = scr_ptr + (rb * tl.num_programs(1) + c) * (H_PAD * T)     # unused with GATHER
-            if DO_NMS:
-                m = _window_max(l, RADIUS, RADIUS, T, H_PAD, NMS_GW, 2 * RADIUS, NMS_KL, GATHER, scr)
-                fin = l > ninf
-                l = tl.where(fin, l - mu * tl.maximum(m - l, 0.0), ninf)
-            if DO_X:
-                z = l * inv_temp
-                zm = tl.max(z, axis=0)
-                zs = tl.where(zm == ninf, 0.0, zm)
-                lse = zs + tl.log(tl.sum(tl.exp(z - zs[None, :]), axis=0))
-                fin = l > ninf
-                log_rho = tl.where(fin, z - lse[None, :], 0.0)
-                l = tl.where(fin, l + lam_x * tl.maximum(log_rho, log_eps), ninf)
-            l = tl.where(l != l, ninf, l)
-            if SPAN > 0:                               # sfi.select_span: max over [j - span, j] inside A
-                l = tl.where(m2, _window_max(l, SPAN, 0, T, H_PAD, SPAN_GW, SPAN, SPAN_KL, GATHER, scr), ninf)
-            om = m2 & ((i >= HALO_L) & (i < HALO_L + OUT))[None, :]
-            tl.store(out_ptr + rb * s_out_b + hb * s_out_h + offs[None, :], l, mask=om)
+                      K_TENSOR: tl.constexpr, SKIP_ALL: tl.constexpr, GATHER: tl.constexpr, HAS_COUNT: tl.constexpr):
+        for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * NC, tl.num_programs(0)):
+            row = _i32(it) // NC
+            c = _i32(it) % NC
+            lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
+            q0 = c * OUT                                   # this program writes positions [q0, q0 + OUT)
+            active = (q0 < hi) & (q0 + OUT > lo)
+            if SKIP_ALL:                                   # rows that take all of A (or nothing) need no scores
+                k_eff = _keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR)
+                active = active & (k_eff > 0) & (k_eff < hi - lo)
+            if active:
+                ninf = float("-inf")
+                den = tl.maximum(hi - lo - 1, 1)
+                i = tl.arange(0, T)
+                offs = q0 - HALO_L + i
+                hs = tl.arange(0, H_PAD)
+                hm = hs < H
+                in_a = (offs >= lo) & (offs < hi)
+                m2 = hm[:, None] & in_a[None, :]
+                rb = row.to(tl.int64)
+                hb = hs.to(tl.int64)[:, None]
+                lf = tl.load(ev_ptr + rb * s_ev_b + hb * s_ev_h + offs[None, :] * s_ev_l, mask=m2,
+                             other=ninf).to(tl.float32)
+                kn = tl.load(kn_ptr + rb * s_kn_b + hb * s_kn_h + offs[None, :] * s_kn_l, mask=m2,
+                             other=1.0).to(tl.float32)
+                cb = consts_ptr + (rb * H + hs) * 4
+                coef_f = tl.load(cb + 0, mask=hm, other=ninf)
+                coef_r = tl.load(cb + 1, mask=hm, other=ninf)
+                lp = _pos_prior(offs, lo, den, w_pos, pos_power, pos_eta, pos_beta, eps)
+                lr = w_k * (-gamma_k * tl.log(tl.maximum(kn, eps))) + lp[None, :]
+                # fused log s = logaddexp(log(1 - lam) + log f, log(lam) + log r), normalisations folded in
+                u1 = coef_f[:, None] + lf
+                u2 = coef_r[:, None] + lr
+                mx = tl.maximum(u1, u2)
+                mn = tl.minimum(u1, u2)
+                l = tl.where(m2 & (mx > ninf), mx + tl.log(1.0 + tl.exp(mn - mx)), ninf)
+                scr = scr_ptr + (rb * NC + c) * (H_PAD * T)     # unused with GATHER
+                if DO_NMS:
+                    m = _window_max(l, RADIUS, RADIUS, T, H_PAD, NMS_GW, 2 * RADIUS, NMS_KL, GATHER, scr)
+                    fin = l > ninf
+                    l = tl.where(fin, l - mu * tl.maximum(m - l, 0.0), ninf)
+                if DO_X:
+                    z = l * inv_temp
+                    zm = tl.max(z, axis=0)
+                    zs = tl.where(zm == ninf, 0.0, zm)
+                    lse = zs + tl.log(tl.sum(tl.exp(z - zs[None, :]), axis=0))
+                    fin = l > ninf
+                    log_rho = tl.where(fin, z - lse[None, :], 0.0)
+                    l = tl.where(fin, l + lam_x * tl.maximum(log_rho, log_eps), ninf)
+                l = tl.where(l != l, ninf, l)
+                if SPAN > 0:                               # sfi.select_span: max over [j - span, j] inside A
+                    l = tl.where(m2, _window_max(l, SPAN, 0, T, H_PAD, SPAN_GW, SPAN, SPAN_KL, GATHER, scr), ninf)
+                om = m2 & ((i >= HALO_L) & (i < HALO_L + OUT))[None, :]
+                tl.store(out_ptr + rb * s_out_b + hb * s_out_h + offs[None, :], l, mask=om)
 
     # ------------------------------------------------------------------------- 4. histogram
     @triton.jit
-    def _hist_kernel(score_ptr, s_sc_b, s_sc_h, consts_ptr, hist_ptr, lo_ptr, s_lo, hi_ptr, s_hi,
+    def _hist_kernel(COUNT, ROWS, NC, score_ptr, s_sc_b, s_sc_h, consts_ptr, hist_ptr, lo_ptr, s_lo, hi_ptr,
+                     s_hi,
                      k_ptr, s_k, k_val, k_min, width, H, L, CHUNK,
-                     NB: tl.constexpr, BLOCK: tl.constexpr, K_TENSOR: tl.constexpr):
-        pid = tl.program_id(0)
-        c = tl.program_id(1)
-        row = pid // H
-        h = pid % H
-        lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
-        n_sel = tl.minimum(_keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR), hi - lo)
-        c0 = tl.maximum(c * CHUNK, lo)
-        c1 = tl.minimum(c * CHUNK + CHUNK, hi)
-        if (c0 < c1) & (n_sel > 0) & (n_sel < hi - lo):
-            sc = score_ptr + row.to(tl.int64) * s_sc_b + h.to(tl.int64) * s_sc_h
-            m_up = tl.load(consts_ptr + pid.to(tl.int64) * 4 + 2)
-            ar = tl.arange(0, BLOCK)
-            acc = tl.zeros([NB], dtype=tl.int32)
-            for j0 in range(c * CHUNK, c1, BLOCK):          # blocks aligned to absolute positions
-                offs = j0 + ar
-                lm = (offs >= c0) & (offs < c1)
-                s = tl.load(sc + offs, mask=lm, other=0.0)
-                acc += tl.histogram(_bucket(s, m_up), NB, mask=lm)
-            bins = tl.arange(0, NB)
-            tl.atomic_add(hist_ptr + pid.to(tl.int64) * NB + bins, acc, mask=acc > 0)
+                     NB: tl.constexpr, BLOCK: tl.constexpr, K_TENSOR: tl.constexpr, HAS_COUNT: tl.constexpr):
+        for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * (H * NC), tl.num_programs(0)):
+            pid = _i32(it) // NC
+            c = _i32(it) % NC
+            row = pid // H
+            h = pid % H
+            lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
+            n_sel = tl.minimum(_keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR), hi - lo)
+            c0 = tl.maximum(c * CHUNK, lo)
+            c1 = tl.minimum(c * CHUNK + CHUNK, hi)
+            if (c0 < c1) & (n_sel > 0) & (n_sel < hi - lo):
+                sc = score_ptr + row.to(tl.int64) * s_sc_b + h.to(tl.int64) * s_sc_h
+                m_up = tl.load(consts_ptr + pid.to(tl.int64) * 4 + 2)
+                ar = tl.arange(0, BLOCK)
+                acc = tl.zeros([NB], dtype=tl.int32)
+                for j0 in range(c * CHUNK, c1, BLOCK):          # blocks aligned to absolute positions
+                    offs = j0 + ar
+                    lm = (offs >= c0) & (offs < c1)
+                    s = tl.load(sc + offs, mask=lm, other=0.0)
+                    acc += tl.histogram(_bucket(s, m_up), NB, mask=lm)
+                bins = tl.arange(0, NB)
+                tl.atomic_add(hist_ptr + pid.to(tl.int64) * NB + bins, acc, mask=acc > 0)
 
     # --------------------------------------------------------------------------- 5. compaction
     @triton.jit
-    def _compact_kernel(score_ptr, s_sc_b, s_sc_h, consts_ptr, hist_ptr, cnt_ptr, cand_ptr, above_ptr,
+    def _compact_kernel(COUNT, ROWS, NC, score_ptr, s_sc_b, s_sc_h, consts_ptr, hist_ptr, cnt_ptr, cand_ptr,
+                        above_ptr,
                         lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, H, L, CHUNK, CW_WS,
-                        CAP, NB: tl.constexpr, BLOCK: tl.constexpr, K_TENSOR: tl.constexpr):
-        pid = tl.program_id(0)
-        c = tl.program_id(1)
-        row = pid // H
-        h = pid % H
-        lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
-        n_sel = tl.minimum(_keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR), hi - lo)
-        c0 = tl.maximum(c * CHUNK, lo)
-        c1 = tl.minimum(c * CHUNK + CHUNK, hi)
-        if (c0 < c1) & (n_sel > 0) & (n_sel < hi - lo):
-            sc = score_ptr + row.to(tl.int64) * s_sc_b + h.to(tl.int64) * s_sc_h
-            m_up = tl.load(consts_ptr + pid.to(tl.int64) * 4 + 2)
-            bstar, n_above = _threshold_bucket(hist_ptr + pid.to(tl.int64) * NB, n_sel, NB)
-            cand_base = cand_ptr + pid.to(tl.int64) * CAP
-            ar = tl.arange(0, BLOCK)
-            above = tl.zeros([], dtype=tl.int32)
-            for j0 in range(c * CHUNK, c1, BLOCK):
-                offs = j0 + ar
-                lm = (offs >= c0) & (offs < c1)
-                b = _bucket(tl.load(sc + offs, mask=lm, other=0.0), m_up)
-                above += tl.sum((lm & (b < bstar)).to(tl.int32), axis=0)
-                cand = lm & (b == bstar)
-                ci = cand.to(tl.int32)
-                nc = tl.sum(ci, axis=0)
-                if nc > 0:
-                    slot = tl.atomic_add(cnt_ptr + pid, nc) + tl.cumsum(ci, 0) - ci
-                    tl.store(cand_base + slot, offs, mask=cand & (slot < CAP))
-            tl.store(above_ptr + pid.to(tl.int64) * CW_WS + c, above)
+                        CAP, NB: tl.constexpr, BLOCK: tl.constexpr, K_TENSOR: tl.constexpr, HAS_COUNT: tl.constexpr):
+        for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * (H * NC), tl.num_programs(0)):
+            pid = _i32(it) // NC
+            c = _i32(it) % NC
+            row = pid // H
+            h = pid % H
+            lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
+            n_sel = tl.minimum(_keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR), hi - lo)
+            c0 = tl.maximum(c * CHUNK, lo)
+            c1 = tl.minimum(c * CHUNK + CHUNK, hi)
+            if (c0 < c1) & (n_sel > 0) & (n_sel < hi - lo):
+                sc = score_ptr + row.to(tl.int64) * s_sc_b + h.to(tl.int64) * s_sc_h
+                m_up = tl.load(consts_ptr + pid.to(tl.int64) * 4 + 2)
+                bstar, n_above = _threshold_bucket(hist_ptr + pid.to(tl.int64) * NB, n_sel, NB)
+                cand_base = cand_ptr + pid.to(tl.int64) * CAP
+                ar = tl.arange(0, BLOCK)
+                above = tl.zeros([], dtype=tl.int32)
+                for j0 in range(c * CHUNK, c1, BLOCK):
+                    offs = j0 + ar
+                    lm = (offs >= c0) & (offs < c1)
+                    b = _bucket(tl.load(sc + offs, mask=lm, other=0.0), m_up)
+                    above += tl.sum((lm & (b < bstar)).to(tl.int32), axis=0)
+                    cand = lm & (b == bstar)
+                    ci = cand.to(tl.int32)
+                    nc = tl.sum(ci, axis=0)
+                    if nc > 0:
+                        slot = tl.atomic_add(cnt_ptr + pid, nc) + tl.cumsum(ci, 0) - ci
+                        tl.store(cand_base + slot, offs, mask=cand & (slot < CAP))
+                tl.store(above_ptr + pid.to(tl.int64) * CW_WS + c, above)
 
     # ---------------------------------------------------------------- 6. exact select + offsets
     @triton.jit
-    def _finish_kernel(score_ptr, s_sc_b, s_sc_h, consts_ptr, hist_ptr, cnt_ptr, cand_ptr, above_ptr,
+    def _finish_kernel(COUNT, ROWS, score_ptr, s_sc_b, s_sc_h, consts_ptr, hist_ptr, cnt_ptr, cand_ptr,
+                       above_ptr,
                        prefix_ptr, thresh_ptr, sel_ptr, nsel_ptr, nprev_ptr,
                        lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, H, L, CHUNK, CW_WS,
                        CAP, NB: tl.constexpr, BLOCK: tl.constexpr, CW_PAD: tl.constexpr,
-                       POS_LEVELS: tl.constexpr, K_TENSOR: tl.constexpr):
-        pid = tl.program_id(0)
-        row = pid // H
-        h = pid % H
-        lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
-        n = hi - lo
-        n_sel = tl.minimum(_keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR), n)
-        n_sel = tl.maximum(n_sel, 0)
-        if h == 0:
-            tl.store(nsel_ptr + row, n_sel)
-        # -1 padding: only what the previous call wrote past n_sel (entries >= n_prev are -1 already)
-        n_prev = tl.load(nprev_ptr + pid)
-        if n_prev != n_sel:
-            ob = sel_ptr + pid.to(tl.int64) * width
-            arb = tl.arange(0, BLOCK)
-            for w0 in range(n_sel, n_prev, BLOCK):
-                idx = w0 + arb
-                tl.store(ob + idx, tl.full([BLOCK], -1, tl.int32), mask=idx < n_prev)
-            tl.store(nprev_ptr + pid, n_sel)
-        if (n_sel > 0) & (n_sel < n):
-            sc = score_ptr + row.to(tl.int64) * s_sc_b + h.to(tl.int64) * s_sc_h
-            m_up = tl.load(consts_ptr + pid.to(tl.int64) * 4 + 2)
-            bstar, n_above = _threshold_bucket(hist_ptr + pid.to(tl.int64) * NB, n_sel, NB)
-            cnt = tl.load(cnt_ptr + pid)
-            list_mode = cnt <= CAP                      # else the list overflowed: scan all of A
-            n_items = tl.where(list_mode, cnt, n)
-            cand_base = cand_ptr + pid.to(tl.int64) * CAP
-            ar = tl.arange(0, BLOCK)
-            bins = tl.arange(0, NB)
+                       POS_LEVELS: tl.constexpr, K_TENSOR: tl.constexpr, HAS_COUNT: tl.constexpr):
+        n_live = _n_live(COUNT, ROWS, HAS_COUNT)
+        for it in range(tl.program_id(0), ROWS * H, tl.num_programs(0)):   # every row: n_sel, padding
+            pid = _i32(it)
+            row = pid // H
+            h = pid % H
+            lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
+            if HAS_COUNT:                               # rows past the live prefix: empty
+                hi = tl.where(row < n_live, hi, lo)
+            n = hi - lo
+            n_sel = tl.minimum(_keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR), n)
+            n_sel = tl.maximum(n_sel, 0)
+            if h == 0:
+                tl.store(nsel_ptr + row, n_sel)
+            # -1 padding: only what the previous call wrote past n_sel (entries >= n_prev are -1 already)
+            n_prev = tl.load(nprev_ptr + pid)
+            if n_prev != n_sel:
+                ob = sel_ptr + pid.to(tl.int64) * width
+                arb = tl.arange(0, BLOCK)
+                for w0 in range(n_sel, n_prev, BLOCK):
+                    idx = w0 + arb
+                    tl.store(ob + idx, tl.full([BLOCK], -1, tl.int32), mask=idx < n_prev)
+                tl.store(nprev_ptr + pid, n_sel)
+            if (n_sel > 0) & (n_sel < n):
+                sc = score_ptr + row.to(tl.int64) * s_sc_b + h.to(tl.int64) * s_sc_h
+                m_up = tl.load(consts_ptr + pid.to(tl.int64) * 4 + 2)
+                bstar, n_above = _threshold_bucket(hist_ptr + pid.to(tl.int64) * NB, n_sel, NB)
+                cnt = tl.load(cnt_ptr + pid)
+                list_mode = cnt <= CAP                      # else the list overflowed: scan all of A
+                n_items = tl.where(list_mode, cnt, n)
+                cand_base = cand_ptr + pid.to(tl.int64) * CAP
+                ar = tl.arange(0, BLOCK)
+                bins = tl.arange(0, NB)
 
-            # radix select over the candidates' keys: the (n_sel - n_above)-th largest, 8 bits a pass
-            prefix = tl.zeros([], dtype=tl.uint32)
-            remaining = n_sel - n_above
-            eq_total = tl.zeros([], dtype=tl.int32)
-            for p in tl.static_range(4):
-                shift = 24 - 8 * p
-                acc = tl.zeros([NB], dtype=tl.int32)
-                for t0 in range(0, n_items, BLOCK):
-                    idx = t0 + ar
-                    im = idx < n_items
-                    pos = tl.load(cand_base + idx, mask=im & list_mode, other=0)
-                    pos = tl.where(list_mode, pos, lo + idx)
-                    s = tl.load(sc + pos, mask=im, other=0.0)
-                    key = _key(s)
-                    match = im & (_bucket(s, m_up) == bstar)
-                    if p > 0:
-                        match = match & ((key >> (shift + 8)) == prefix)
-                    acc += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), NB, mask=match)
-                cge = tl.cumsum(acc, 0, reverse=True)     # candidates with digit >= d
-                dsel = tl.max(tl.where(cge >= remaining, bins, 0), axis=0)
-                remaining = remaining - tl.sum(tl.where(bins == dsel, cge - acc, 0), axis=0)
-                eq_total = tl.sum(tl.where(bins == dsel, acc, 0), axis=0)
-                prefix = (prefix << 8) | dsel.to(tl.uint32)
-            t_key = prefix
-
-            # ties at T: the `remaining` lowest positions among them (radix select over positions)
-            p_tie = tl.full([], 2147483647, tl.int32)
-            if remaining < eq_total:
-                pprefix = tl.zeros([], dtype=tl.int32)
-                r = remaining
-                for p in tl.static_range(POS_LEVELS):
-                    pshift = 8 * (POS_LEVELS - 1 - p)
+                # radix select over the candidates' keys: the (n_sel - n_above)-th largest, 8 bits a pass
+                prefix = tl.zeros([], dtype=tl.uint32)
+                remaining = n_sel - n_above
+                eq_total = tl.zeros([], dtype=tl.int32)
+                for p in tl.static_range(4):
+                    shift = 24 - 8 * p
                     acc = tl.zeros([NB], dtype=tl.int32)
                     for t0 in range(0, n_items, BLOCK):
                         idx = t0 + ar
@@ -711,70 +729,97 @@ if HAS_TRITON:
                         pos = tl.load(cand_base + idx, mask=im & list_mode, other=0)
                         pos = tl.where(list_mode, pos, lo + idx)
                         s = tl.load(sc + pos, mask=im, other=0.0)
-                        match = im & (_key(s) == t_key)
+                        key = _key(s)
+                        match = im & (_bucket(s, m_up) == bstar)
                         if p > 0:
-                            match = match & ((pos >> (pshift + 8)) == pprefix)
-                        acc += tl.histogram((pos >> pshift) & 0xFF, NB, mask=match)
-                    cle = tl.cumsum(acc, 0)                 # ties with digit <= d
-                    dsel = tl.min(tl.where(cle >= r, bins, NB - 1), axis=0)
-                    r = r - tl.sum(tl.where(bins == dsel, cle - acc, 0), axis=0)
-                    pprefix = (pprefix << 8) | dsel
-                p_tie = pprefix
-            tb = thresh_ptr + pid.to(tl.int64) * 2
-            tl.store(tb + 0, t_key.to(tl.int32, bitcast=True))
-            tl.store(tb + 1, p_tie)
+                            match = match & ((key >> (shift + 8)) == prefix)
+                        acc += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), NB, mask=match)
+                    cge = tl.cumsum(acc, 0, reverse=True)     # candidates with digit >= d
+                    dsel = tl.max(tl.where(cge >= remaining, bins, 0), axis=0)
+                    remaining = remaining - tl.sum(tl.where(bins == dsel, cge - acc, 0), axis=0)
+                    eq_total = tl.sum(tl.where(bins == dsel, acc, 0), axis=0)
+                    prefix = (prefix << 8) | dsel.to(tl.uint32)
+                t_key = prefix
 
-            # output offset of every chunk: selected scores in the chunks before it
-            cs = tl.arange(0, CW_PAD)
-            chist = tl.zeros([CW_PAD], dtype=tl.int32)
-            for t0 in range(0, n_items, BLOCK):
-                idx = t0 + ar
-                im = idx < n_items
-                pos = tl.load(cand_base + idx, mask=im & list_mode, other=0)
-                pos = tl.where(list_mode, pos, lo + idx)
-                s = tl.load(sc + pos, mask=im, other=0.0)
-                key = _key(s)
-                sel = im & (_bucket(s, m_up) == bstar) & ((key > t_key) | ((key == t_key) & (pos <= p_tie)))
-                chist += tl.histogram(pos // CHUNK, CW_PAD, mask=sel)
-            cm = (cs >= lo // CHUNK) & (cs < (hi + CHUNK - 1) // CHUNK)
-            above = tl.load(above_ptr + pid.to(tl.int64) * CW_WS + cs, mask=cm, other=0)
-            tot = tl.where(cm, above + chist, 0)
-            tl.store(prefix_ptr + pid.to(tl.int64) * CW_WS + cs, tl.cumsum(tot, 0) - tot, mask=cm)
+                # ties at T: the `remaining` lowest positions among them (radix select over positions)
+                p_tie = tl.full([], 2147483647, tl.int32)
+                if remaining < eq_total:
+                    pprefix = tl.zeros([], dtype=tl.int32)
+                    r = remaining
+                    for p in tl.static_range(POS_LEVELS):
+                        pshift = 8 * (POS_LEVELS - 1 - p)
+                        acc = tl.zeros([NB], dtype=tl.int32)
+                        for t0 in range(0, n_items, BLOCK):
+                            idx = t0 + ar
+                            im = idx < n_items
+                            pos = tl.load(cand_base + idx, mask=im & list_mode, other=0)
+                            pos = tl.where(list_mode, pos, lo + idx)
+                            s = tl.load(sc + pos, mask=im, other=0.0)
+                            match = im & (_key(s) == t_key)
+                            if p > 0:
+                                match = match & ((pos >> (pshift + 8)) == pprefix)
+                            acc += tl.histogram((pos >> pshift) & 0xFF, NB, mask=match)
+                        cle = tl.cumsum(acc, 0)                 # ties with digit <= d
+                        dsel = tl.min(tl.where(cle >= r, bins, NB - 1), axis=0)
+                        r = r - tl.sum(tl.where(bins == dsel, cle - acc, 0), axis=0)
+                        pprefix = (pprefix << 8) | dsel
+                    p_tie = pprefix
+                tb = thresh_ptr + pid.to(tl.int64) * 2
+                tl.store(tb + 0, t_key.to(tl.int32, bitcast=True))
+                tl.store(tb + 1, p_tie)
+
+                # output offset of every chunk: selected scores in the chunks before it
+                cs = tl.arange(0, CW_PAD)
+                chist = tl.zeros([CW_PAD], dtype=tl.int32)
+                for t0 in range(0, n_items, BLOCK):
+                    idx = t0 + ar
+                    im = idx < n_items
+                    pos = tl.load(cand_base + idx, mask=im & list_mode, other=0)
+                    pos = tl.where(list_mode, pos, lo + idx)
+                    s = tl.load(sc + pos, mask=im, other=0.0)
+                    key = _key(s)
+                    sel = im & (_bucket(s, m_up) == bstar) & ((key > t_key) | ((key == t_key) & (pos <= p_tie)))
+                    chist += tl.histogram(pos // CHUNK, CW_PAD, mask=sel)
+                cm = (cs >= lo // CHUNK) & (cs < (hi + CHUNK - 1) // CHUNK)
+                above = tl.load(above_ptr + pid.to(tl.int64) * CW_WS + cs, mask=cm, other=0)
+                tot = tl.where(cm, above + chist, 0)
+                tl.store(prefix_ptr + pid.to(tl.int64) * CW_WS + cs, tl.cumsum(tot, 0) - tot, mask=cm)
 
     # ---------------------------------------------------------------------------------- 7. write
     @triton.jit
-    def _write_kernel(score_ptr, s_sc_b, s_sc_h, thresh_ptr, prefix_ptr, sel_ptr,
+    def _write_kernel(COUNT, ROWS, NC, score_ptr, s_sc_b, s_sc_h, thresh_ptr, prefix_ptr, sel_ptr,
                       lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, H, L, CHUNK, CW_WS,
-                      BLOCK: tl.constexpr, K_TENSOR: tl.constexpr):
-        pid = tl.program_id(0)
-        c = tl.program_id(1)
-        row = pid // H
-        h = pid % H
-        lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
-        n = hi - lo
-        n_sel = tl.minimum(_keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR), n)
-        c0 = tl.maximum(c * CHUNK, lo)
-        c1 = tl.minimum(c * CHUNK + CHUNK, hi)
-        if (c0 < c1) & (n_sel > 0):
-            ob = sel_ptr + pid.to(tl.int64) * width
-            ar = tl.arange(0, BLOCK)
-            if n_sel >= n:                                  # all of A
-                for j0 in range(c0, c1, BLOCK):
-                    offs = j0 + ar
-                    tl.store(ob + (offs - lo), offs, mask=offs < c1)
-            else:
-                sc = score_ptr + row.to(tl.int64) * s_sc_b + h.to(tl.int64) * s_sc_h
-                t_key = tl.load(thresh_ptr + pid.to(tl.int64) * 2).to(tl.uint32, bitcast=True)
-                p_tie = tl.load(thresh_ptr + pid.to(tl.int64) * 2 + 1)
-                dst0 = tl.load(prefix_ptr + pid.to(tl.int64) * CW_WS + c)
-                for j0 in range(c * CHUNK, c1, BLOCK):
-                    offs = j0 + ar
-                    lm = (offs >= c0) & (offs < c1)
-                    key = _key(tl.load(sc + offs, mask=lm, other=0.0))
-                    sel = lm & ((key > t_key) | ((key == t_key) & (offs <= p_tie)))
-                    si = sel.to(tl.int32)
-                    tl.store(ob + dst0 + tl.cumsum(si, 0) - si, offs, mask=sel)
-                    dst0 += tl.sum(si, axis=0)
+                      BLOCK: tl.constexpr, K_TENSOR: tl.constexpr, HAS_COUNT: tl.constexpr):
+        for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * (H * NC), tl.num_programs(0)):
+            pid = _i32(it) // NC
+            c = _i32(it) % NC
+            row = pid // H
+            h = pid % H
+            lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
+            n = hi - lo
+            n_sel = tl.minimum(_keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR), n)
+            c0 = tl.maximum(c * CHUNK, lo)
+            c1 = tl.minimum(c * CHUNK + CHUNK, hi)
+            if (c0 < c1) & (n_sel > 0):
+                ob = sel_ptr + pid.to(tl.int64) * width
+                ar = tl.arange(0, BLOCK)
+                if n_sel >= n:                                  # all of A
+                    for j0 in range(c0, c1, BLOCK):
+                        offs = j0 + ar
+                        tl.store(ob + (offs - lo), offs, mask=offs < c1)
+                else:
+                    sc = score_ptr + row.to(tl.int64) * s_sc_b + h.to(tl.int64) * s_sc_h
+                    t_key = tl.load(thresh_ptr + pid.to(tl.int64) * 2).to(tl.uint32, bitcast=True)
+                    p_tie = tl.load(thresh_ptr + pid.to(tl.int64) * 2 + 1)
+                    dst0 = tl.load(prefix_ptr + pid.to(tl.int64) * CW_WS + c)
+                    for j0 in range(c * CHUNK, c1, BLOCK):
+                        offs = j0 + ar
+                        lm = (offs >= c0) & (offs < c1)
+                        key = _key(tl.load(sc + offs, mask=lm, other=0.0))
+                        sel = lm & ((key > t_key) | ((key == t_key) & (offs <= p_tie)))
+                        si = sel.to(tl.int32)
+                        tl.store(ob + dst0 + tl.cumsum(si, 0) - si, offs, mask=sel)
+                        dst0 += tl.sum(si, axis=0)
 
 
 # ------------------------------------------------------------------------------------- host side
@@ -811,7 +856,7 @@ class _Args:
     """Per-call scalars shared by the launches."""
 
     def __init__(self, lo, hi, k, k_val, k_min, width, k_tensor, rows, heads, length, cfg, ws, span,
-                 skip_all):
+                 skip_all, count=None):
         self.lo, self.hi, self.k = lo, hi, k
         self.s_lo = _row_stride(lo, rows, "lo")
         self.s_hi = _row_stride(hi, rows, "hi")
@@ -821,6 +866,19 @@ class _Args:
         self.h_pad = max(2, _next_pow2(heads))
         self.span = span
         self.skip_all = skip_all
+        self.count = count
+        self.progs = 2 * triton_utils.num_sms(ws.device)
+
+    def grid(self, per_row: int) -> tuple[int]:
+        """1-D grid of a launch whose work is ``per_row`` items per row: one program per item of every
+        row without ``count``; with it a fixed grid (at most ``2 x SMs`` programs) that walks only the
+        items of the live rows ``[0, count)`` (read on the device)."""
+        total = max(1, self.rows * int(per_row))
+        return (total,) if self.count is None else (min(total, self.progs),)
+
+    def live(self) -> tuple:
+        """The kernels' leading ``COUNT, ROWS`` (``COUNT`` is never read without ``count``)."""
+        return (self.count if self.count is not None else self.lo, self.rows)
 
     def bounds(self):
         return (self.lo, self.s_lo, self.hi, self.s_hi)
@@ -838,10 +896,10 @@ def _pool(evidence: torch.Tensor, a: _Args) -> torch.Tensor:
     out = ws.pooled
     n_rows = evidence.shape[2]
     r_pad = max(2, _next_pow2(n_rows))
-    _pool_kernel[(a.rows * a.heads,)](
-        evidence, *evidence.stride(), out, out.stride(0), out.stride(1), *a.bounds(),
+    _pool_kernel[a.grid(a.heads)](
+        *a.live(), evidence, *evidence.stride(), out, out.stride(0), out.stride(1), *a.bounds(),
         a.heads, a.length, n_rows, math.log(max(n_rows, 1)), float(a.cfg.alpha), 1.0 / float(a.cfg.alpha),
-        R_PAD=r_pad, BLOCK_L=max(16, min(1024, 4096 // r_pad)))
+        R_PAD=r_pad, BLOCK_L=max(16, min(1024, 4096 // r_pad)), HAS_COUNT=a.count is not None)
     return out[:a.rows, :, :a.length]
 
 
@@ -854,18 +912,23 @@ def _scores(evidence: torch.Tensor, key_norms: torch.Tensor, a: _Args, prep_topk
     s_kn = key_norms.stride()
     prior = (float(cfg.gamma_k), float(cfg.w_k), float(cfg.w_pos), float(cfg.pos_power), float(cfg.pos_eta),
              float(cfg.pos_beta), float(cfg.eps))
+    # steps 1-3 have no inner loop: their item loop is the innermost one, and num_stages=1 keeps the
+    # compiler from software-pipelining it (prefetching the next item's tiles), as before the loop
     t1 = _tile_t1(a.heads, tiles)
     c1 = -(-a.length // t1)
     c1_ws = ws.stats.shape[2]
-    _stats_kernel[(a.rows, c1)](
+    _stats_kernel[a.grid(c1)](
+        *a.live(), c1,
         evidence, s_ev[0], s_ev[1], s_ev[2], key_norms, s_kn[0], s_kn[1], s_kn[2], *a.bounds(), *a.kargs(),
         ws.stats, c1_ws, a.heads, a.length, *prior,
-        T=t1, H_PAD=a.h_pad, K_TENSOR=a.k_tensor, SKIP_ALL=a.skip_all, num_warps=tiles.warps_stats)
-    _merge_kernel[(a.rows * a.heads,)](
-        ws.stats, c1_ws, ws.consts, ws.hist, ws.cand_cnt, *a.bounds(), *a.kargs(), a.heads, a.length,
+        T=t1, H_PAD=a.h_pad, K_TENSOR=a.k_tensor, SKIP_ALL=a.skip_all, HAS_COUNT=a.count is not None,
+        num_warps=tiles.warps_stats, num_stages=1)
+    _merge_kernel[a.grid(a.heads)](
+        *a.live(), ws.stats, c1_ws, ws.consts, ws.hist, ws.cand_cnt, *a.bounds(), *a.kargs(), a.heads, a.length,
         float(cfg.lambda_max), float(cfg.eps),
         T1=t1, C1_PAD=max(2, _next_pow2(c1_ws)), NB=NUM_BUCKETS, K_TENSOR=a.k_tensor, SKIP_ALL=a.skip_all,
-        PREP_TOPK=prep_topk, WRITE_LAM=not prep_topk, num_warps=tiles.warps_row)
+        PREP_TOPK=prep_topk, WRITE_LAM=not prep_topk, HAS_COUNT=a.count is not None, num_warps=tiles.warps_row,
+        num_stages=1)
     halo_l, halo_r, do_nms = _halos(cfg, a.span)
     t2 = _tile_t2(a.heads, halo_l, halo_r, tiles)
     out_per = t2 - halo_l - halo_r
@@ -880,14 +943,16 @@ def _scores(evidence: torch.Tensor, key_norms: torch.Tensor, a: _Args, prep_topk
         if ws.scratch is None or ws.scratch.numel() < need:
             ws.scratch = torch.empty(need, dtype=torch.float32, device=ws.device)
         scr = ws.scratch
-    _score_kernel[(a.rows, c2)](
+    _score_kernel[a.grid(c2)](
+        *a.live(), c2,
         evidence, s_ev[0], s_ev[1], s_ev[2], key_norms, s_kn[0], s_kn[1], s_kn[2], *a.bounds(), *a.kargs(),
         ws.consts, sc, sc.stride(0), sc.stride(1), scr, a.heads, a.length, *prior,
         float(cfg.mu), 1.0 / float(cfg.cross_head_temperature), float(cfg.lam_x), math.log(cfg.eps),
         T=t2, H_PAD=a.h_pad, RADIUS=radius, SPAN=a.span, HALO_L=halo_l, HALO_R=halo_r, OUT=out_per,
         DO_NMS=do_nms, DO_X=do_x, NMS_GW=_gw(radius, radius), SPAN_GW=_gw(a.span, 0),
         NMS_KL=(2 * radius + 1).bit_length() - 1, SPAN_KL=(a.span + 1).bit_length() - 1, K_TENSOR=a.k_tensor,
-        SKIP_ALL=a.skip_all, GATHER=tiles.gather, num_warps=tiles.warps_score)
+        SKIP_ALL=a.skip_all, GATHER=tiles.gather, HAS_COUNT=a.count is not None, num_warps=tiles.warps_score,
+        num_stages=1)
 
 
 def ws_tiles(ws: SelectorWorkspace) -> Tiles:
@@ -901,21 +966,28 @@ def _topk(a: _Args) -> None:
     cw = -(-a.length // tiles.chunk)
     cw_ws = ws.above.shape[2]
     common = (a.heads, a.length, tiles.chunk)
-    grid = (a.rows * a.heads, cw)
-    _hist_kernel[grid](sc, sc.stride(0), sc.stride(1), ws.consts, ws.hist, *a.bounds(), *a.kargs(), *common,
-                       NB=NUM_BUCKETS, BLOCK=tiles.block, K_TENSOR=a.k_tensor, num_warps=tiles.warps_row)
-    _compact_kernel[grid](sc, sc.stride(0), sc.stride(1), ws.consts, ws.hist, ws.cand_cnt, ws.cand, ws.above,
-                          *a.bounds(), *a.kargs(), *common, cw_ws, ws.cap,
-                          NB=NUM_BUCKETS, BLOCK=tiles.block, K_TENSOR=a.k_tensor, num_warps=tiles.warps_row)
+    grid = a.grid(a.heads * cw)
+    live = (*a.live(), cw)
+    has_count = a.count is not None
+    _hist_kernel[grid](*live, sc, sc.stride(0), sc.stride(1), ws.consts, ws.hist, *a.bounds(), *a.kargs(), *common,
+                       NB=NUM_BUCKETS, BLOCK=tiles.block, K_TENSOR=a.k_tensor, HAS_COUNT=has_count,
+                       num_warps=tiles.warps_row)
+    _compact_kernel[grid](*live, sc, sc.stride(0), sc.stride(1), ws.consts, ws.hist, ws.cand_cnt, ws.cand,
+                          ws.above, *a.bounds(), *a.kargs(), *common, cw_ws, ws.cap,
+                          NB=NUM_BUCKETS, BLOCK=tiles.block, K_TENSOR=a.k_tensor, HAS_COUNT=has_count,
+                          num_warps=tiles.warps_row)
     pos_levels = max(1, -(-max(1, (a.length - 1).bit_length()) // 8))
-    _finish_kernel[(a.rows * a.heads,)](
-        sc, sc.stride(0), sc.stride(1), ws.consts, ws.hist, ws.cand_cnt, ws.cand, ws.above, ws.prefix,
+    # every row (not only the live ones): n_sel and the -1 padding of the rows past count are kept
+    # right (n_sel = 0; what a previous call wrote is reset), as for any inactive row
+    fgrid = (a.rows * a.heads,) if a.count is None else (min(a.rows * a.heads, a.progs),)
+    _finish_kernel[fgrid](
+        *a.live(), sc, sc.stride(0), sc.stride(1), ws.consts, ws.hist, ws.cand_cnt, ws.cand, ws.above, ws.prefix,
         ws.thresh, ws.selected, ws.n_sel, ws.n_prev, *a.bounds(), *a.kargs(), *common, cw_ws, ws.cap,
         NB=NUM_BUCKETS, BLOCK=tiles.block_finish, CW_PAD=max(32, _next_pow2(cw_ws)), POS_LEVELS=pos_levels,
-        K_TENSOR=a.k_tensor, num_warps=tiles.warps_finish)
-    _write_kernel[grid](sc, sc.stride(0), sc.stride(1), ws.thresh, ws.prefix, ws.selected,
+        K_TENSOR=a.k_tensor, HAS_COUNT=has_count, num_warps=tiles.warps_finish)
+    _write_kernel[grid](*live, sc, sc.stride(0), sc.stride(1), ws.thresh, ws.prefix, ws.selected,
                         *a.bounds(), *a.kargs(), *common, cw_ws,
-                        BLOCK=tiles.block, K_TENSOR=a.k_tensor, num_warps=tiles.warps_row)
+                        BLOCK=tiles.block, K_TENSOR=a.k_tensor, HAS_COUNT=has_count, num_warps=tiles.warps_row)
 
 
 def selector_scores_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor,
@@ -942,10 +1014,19 @@ def selector_scores_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: 
 
 def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                   cfg: SfiConfig, k: int | torch.Tensor, *, k_cap: int | None = None,
-                  workspace: SelectorWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  workspace: SelectorWorkspace | None = None,
+                  count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of :func:`vllm_ext.sfi.selector.select` (same arguments and results).
 
-    ``workspace``: see :func:`selector_workspace`; without one the buffers are allocated here."""
+    ``workspace``: see :func:`selector_workspace`; without one the buffers are allocated here.
+
+    ``count`` (an int32 / int64 tensor of one element, read on the device only): the rows are a
+    compacted list whose rows ``[0, count)`` are live and the rest inactive (``lo = hi``). Every
+    launch then runs a fixed grid (at most ``2 x SMs`` programs) that walks only the live rows'
+    chunks, so a call with ``count = 0`` costs one small wave per launch instead of grids that grow
+    with ``L``. The results are those of ``count=None`` for such rows: the rows past ``count`` get
+    ``n_sel = 0`` (their output is written only to reset what an earlier call left there), whatever
+    their ``lo`` / ``hi``."""
     rows, heads, length = _prepare(evidence, key_norms)
     device = key_norms.device
     width = _width(k, cfg, k_cap)
@@ -961,13 +1042,17 @@ def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Ten
         return selected, n_sel.zero_()
     lo = _int_arg(lo, device, "lo")
     hi = _int_arg(hi, device, "hi")
+    if count is not None:
+        count = _int_arg(count, device, "count")
+        if count.numel() != 1:
+            raise ValueError(f"count must hold one element, got shape {tuple(count.shape)}")
     if isinstance(k, torch.Tensor):
         kt = _int_arg(k, device, "k")
         a = _Args(lo, hi, kt, 0, int(cfg.k_min), width, True, rows, heads, length, cfg, ws,
-                  int(cfg.select_span), True)
+                  int(cfg.select_span), True, count)
     else:
         a = _Args(lo, hi, lo, width, int(cfg.k_min), width, False, rows, heads, length, cfg, ws,
-                  int(cfg.select_span), True)
+                  int(cfg.select_span), True, count)
     _scores(evidence, key_norms, a, prep_topk=True)
     _topk(a)
     return selected, n_sel
