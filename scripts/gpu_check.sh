@@ -54,7 +54,10 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   for b in "${benches[@]}"; do
     name=$(basename "$b" .py)
     echo "[gpu_check] $b"
-    timeout "${GPU_CHECK_BENCH_TIMEOUT:-300}" "$PY" "$b" --out "$RESULTS" 2>&1 \
+    limit=${GPU_CHECK_BENCH_TIMEOUT:-300}
+    # the whole-path bench (2 models x 3 contexts x 3 batches x 4 modes x 256 steps) needs longer
+    [ "$name" = bench_sfi_path ] && limit=${GPU_CHECK_PATH_TIMEOUT:-540}
+    timeout "$limit" "$PY" "$b" --out "$RESULTS" 2>&1 \
         | tee "$RESULTS/$name.log" | grep -v '^\[bench\] wrote' | tail -n 40
     rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ]; then echo "[gpu_check] $b failed ($rc)"; status=1; fi
