@@ -501,3 +501,17 @@ def test_driver_end_to_end_on_the_cpu_build(tmp_path):
     assert sfi["sfi_fast_steps"] > 0 and sfi["kv_read_fraction"] < 1.0
     with tarfile.open(out / "vllm_e2e_logs.tar.gz") as tf:
         assert any(n.endswith(".log") for n in tf.getnames())
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_import_check_catches_what_the_h100_caught():
+    """scripts/gpu_vllm_import_check.py hides what the GPU image lacks and runs SPEEDSFI offline on
+    the CPU build: with the carried dependencies nothing is missing; without compressed-tensors it
+    fails the way the H100 did (model loading imports it)."""
+    script = [sys.executable, str(ROOT / "scripts" / "gpu_vllm_import_check.py")]
+    ok = subprocess.run(script, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    bad = subprocess.run(script + ["--drop", "compressed-tensors"], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert bad.returncode == 1 and "No module named 'compressed_tensors'" in bad.stdout
