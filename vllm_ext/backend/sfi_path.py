@@ -32,11 +32,8 @@ from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
 
 def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
               sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None) -> None:
-    if rt.select_takes_workspace:
-        selected, n_sel = select(evidence, norms, lo, hi, cfg, k, k_cap=cfg.k,
-                                 workspace=rt.selector_workspace, count=count)
-    else:
-        selected, n_sel = select(evidence, norms, lo, hi, cfg, k, k_cap=cfg.k, count=count)
+    selected, n_sel = select(evidence, norms, lo, hi, cfg, k, k_cap=cfg.k,
+                             workspace=rt.selector_workspace, count=count)
     gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
                    layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count)
 

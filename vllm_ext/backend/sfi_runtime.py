@@ -17,7 +17,6 @@ Sizes follow the work, never ``max_num_seqs``:
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 
@@ -105,22 +104,6 @@ class MaintenanceRing:
             self._recorded = [False] * len(self.entries)
 
 
-def _selector_workspace(rows, heads, length, width, device, cfg):
-    """The selector's persistent workspace when ``vllm_ext.kernels.sfi_selector`` offers one."""
-    from vllm_ext.kernels import sfi_selector
-
-    make = getattr(sfi_selector, "selector_workspace", None)
-    if make is None:
-        return None
-    return make(rows, heads, length, width, device, cfg)
-
-
-def select_accepts_workspace() -> bool:
-    from vllm_ext.kernels import sfi_selector
-
-    return "workspace" in inspect.signature(sfi_selector.select).parameters
-
-
 def _nbytes(obj) -> int:
     if obj is None:
         return 0
@@ -138,6 +121,7 @@ class SfiRuntime:
     def __init__(self, cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: int,
                  num_kv_heads: int, head_size: int, max_len: int, device: torch.device):
         from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
+        from vllm_ext.kernels.sfi_selector import selector_workspace
         from vllm_ext.kernels.two_segment_decode import (dense_num_splits, max_row_splits,
                                                          two_segment_num_splits,
                                                          two_segment_workspace)
@@ -163,10 +147,8 @@ class SfiRuntime:
         self.split_workspace = two_segment_workspace(1, num_heads, head_size, 1, device,
                                                      row_splits=fast_rs)
         width = max(cfg.k, cfg.k_min)
-        self.selector_workspace = _selector_workspace(capacity, num_kv_heads, max_len, width,
-                                                      device, cfg)
-        self.select_takes_workspace = (self.selector_workspace is not None
-                                       and select_accepts_workspace())
+        self.selector_workspace = selector_workspace(capacity, num_kv_heads, max_len, width, device,
+                                                     cfg)
 
     @property
     def nbytes(self) -> int:

@@ -400,17 +400,15 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
             evidence_count, seq_lens, rows_arg, query, kv_cache, block_table, lo, hi,
             po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
             HKV=hkv, **meta, **fixed_meta(FIXED_META, {"BLOCK_N": 32}))
-    elif has_mask or compact:
-        # work decided on the device: no autotuning (see triton_utils.untuned)
-        untuned(_dense_split_kernel)[(num_rows, hkv, num_splits)](
-            query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, rows_arg,
-            po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
-            HAS_MASK=has_mask, COMPACT=compact, **meta, **fixed_meta(FIXED_META, {"BLOCK_N": 32}))
     else:
-        _dense_split_kernel[(num_rows, hkv, num_splits)](
+        # work decided on the device (a mask, a compacted list): no autotuning (triton_utils.untuned)
+        device_decided = has_mask or compact
+        kernel = untuned(_dense_split_kernel) if device_decided else _dense_split_kernel
+        tile = fixed_meta(FIXED_META, {"BLOCK_N": 32}) if device_decided else _interp_meta()
+        kernel[(num_rows, hkv, num_splits)](
             query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, rows_arg,
             po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
-            HAS_MASK=has_mask, COMPACT=compact, **meta, **_interp_meta())
+            HAS_MASK=has_mask, COMPACT=compact, **meta, **tile)
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens,
                             out_rows=evidence_rows)
