@@ -339,9 +339,10 @@ def dense_decode_workspace(num_rows: int, num_heads: int, head_size: int, num_sp
 
 EVIDENCE_LANES = 16          # position lanes per (evidence slot, KV head) of the evidence pass
 PERSISTENT_WAVES = 2         # programs per SM of the count-driven slow pass
-# the config of launches whose work is decided on the device (masks, live counts): a common
-# memory-bound decode tile, not yet tuned on a GPU for these launches
+# tiles of launches whose work is decided on the device (not autotuned: triton_utils.untuned):
+# masked / compact launches, and the count-driven slow pass; bench/tune_fixed_tiles.py sweeps them
 FIXED_META = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+SLOW_PASS_META = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, num_splits,
@@ -399,7 +400,7 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
         _dense_split_persistent_kernel[(max(progs, 1),)](
             evidence_count, seq_lens, rows_arg, query, kv_cache, block_table, lo, hi,
             po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
-            HKV=hkv, **meta, **fixed_meta(FIXED_META, {"BLOCK_N": 32}))
+            HKV=hkv, **meta, **fixed_meta(SLOW_PASS_META, {"BLOCK_N": 32}))
     else:
         # work decided on the device (a mask, a compacted list): no autotuning (triton_utils.untuned)
         device_decided = has_mask or compact

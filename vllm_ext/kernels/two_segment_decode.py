@@ -250,6 +250,9 @@ def default_num_splits(num_rows: int, num_kv_heads: int, est_len: int,
 # a second split only adds the merge; the dense paged kernel wants ~2 waves.
 TWO_SEGMENT_WAVES = 0.75
 DENSE_WAVES = 2.0
+# the tile of masked launches (rows decided on the device, so not autotuned: triton_utils.untuned);
+# bench/tune_fixed_tiles.py sweeps it
+MASKED_META = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 def two_segment_num_splits(num_rows: int, num_kv_heads: int, est_len: int, device) -> int:
@@ -329,8 +332,7 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
     grid = (num_rows, hkv, num_splits)
     # a masked launch's work is decided on the device: fixed config (see triton_utils.untuned)
     kernel = untuned(_two_segment_kernel) if has_mask else _two_segment_kernel
-    meta = fixed_meta({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, {"BLOCK_N": 32}) \
-        if has_mask else _interp_meta()
+    meta = fixed_meta(MASKED_META, {"BLOCK_N": 32}) if has_mask else _interp_meta()
     kernel[grid](
         query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len, slot_idx,
         row_mask if has_mask else seq_lens, po, pl, out,
