@@ -33,6 +33,9 @@ def register() -> None:
     from vllm_ext import metrics, vllm_patches
 
     vllm_patches.install()
+    from vllm_ext.speed.kv_spec import register_speed_kv_spec
+
+    register_speed_kv_spec()
     metrics.ensure_trace_dir()
     metrics.register_prometheus_collector()
     _registered = True

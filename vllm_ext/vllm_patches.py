@@ -9,6 +9,10 @@ inert unless SPEEDSFI is the selected backend, and covered by a contract test
    the V1 runner on CUDA too, with vLLM's own log line saying why.
 3. ``GPUModelRunner._update_states`` / ``_build_attention_metadata`` (V1 runner; the CPU runner is a
    subclass): the per-request state hooks of ``vllm_ext.runner_hooks``.
+4. ``Attention.get_kv_cache_spec``: with SPEED on, layers ``>= l_cut`` report
+   :class:`vllm_ext.speed.kv_spec.SpeedUpperSpec` (their own KV-cache group, whose manager holds no
+   interior prompt blocks). The attention module hard-codes ``FullAttentionSpec`` and a backend's
+   ``customize_spec`` does not know the layer, so the layer's spec is the place.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ _PATCHED_ATTR = "_speedsfi_patched"
 def install() -> None:
     _patch_cpu_selector()
     _patch_v2_runner_opt_out()
+    _patch_speed_kv_spec()
     from vllm_ext import runner_hooks
 
     runner_hooks.install()
@@ -83,3 +88,23 @@ def _patch_v2_runner_opt_out() -> None:
 
     setattr(_get_v2_model_runner_unsupported_features, _PATCHED_ATTR, True)
     VllmConfig._get_v2_model_runner_unsupported_features = _get_v2_model_runner_unsupported_features
+
+
+def _patch_speed_kv_spec() -> None:
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    original = Attention.get_kv_cache_spec
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        if not is_speedsfi_selected(vllm_config):
+            return spec
+        from vllm_ext.speed.kv_spec import speed_spec_for_layer
+
+        return speed_spec_for_layer(spec, self.layer_name, vllm_config)
+
+    setattr(get_kv_cache_spec, _PATCHED_ATTR, True)
+    Attention.get_kv_cache_spec = get_kv_cache_spec

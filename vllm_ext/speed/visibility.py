@@ -1,0 +1,132 @@
+"""SPEED's visibility rule and the per-step plan of the upper layers (torch only, no vLLM).
+
+Upper layers (``>= l_cut``) hold KV only for the anchors (BoS, position 0, unless ``anchor: none``)
+and the decode-phase tokens, the last prompt token included (position ``P - 1`` onwards, ``P`` the
+prompt length). A query at position ``p >= P - 1`` of an upper layer sees keys ``[0, a) ∪ [P - 1, p]``
+(``a`` = 1 with the BoS anchor, else 0); ``variant: self_only`` (the paper's diagnostic) sees
+``[0, a) ∪ {p}``. Lower layers are plain causal. Positions are never renumbered.
+
+A prompt token in ``[a, P - 1)`` does not exist in the upper layers: its upper-layer KV is never
+written (the plan's slot mapping sends it to -1) and, when its upper-layer compute still runs, its
+output there is unused (only the last prompt token's logits are sampled); such a query is given its
+own position as its only key so that it stays finite.
+
+Everything is described per row by two numbers, ``anchor_end = a`` and ``tail_start``: keys
+``[0, anchor_end) ∪ [tail_start, p]`` are visible to the query at ``p`` (``tail_start = p`` for
+``self_only``, and for the interior prompt tokens). That is one rule for the reference, the PyTorch
+twin and the Triton kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def anchor_count(anchor: str) -> int:
+    return 1 if anchor == "bos" else 0
+
+
+def first_upper_position(prompt_len: int | np.ndarray) -> int | np.ndarray:
+    """The first position that exists in the upper layers besides the anchors (``P - 1``)."""
+    return np.maximum(np.asarray(prompt_len) - 1, 0) if isinstance(prompt_len, np.ndarray) \
+        else max(int(prompt_len) - 1, 0)
+
+
+def upper_exists(positions: torch.Tensor, prompt_len: torch.Tensor, anchor_end: int) -> torch.Tensor:
+    """Whether each token (``positions``, with its row's ``prompt_len``) has upper-layer KV."""
+    return (positions < anchor_end) | (positions >= (prompt_len - 1).clamp_min(0))
+
+
+def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prompt_len: int, anchor_end: int,
+                 self_only: bool) -> torch.Tensor:
+    """``[n_q, n_k]`` True where an upper-layer query at ``q_pos`` sees the key at ``k_pos``
+    (the reference of the rule; causal included)."""
+    q = q_pos[:, None]
+    k = k_pos[None, :]
+    tail = torch.full_like(q, max(prompt_len - 1, 0))
+    tail = torch.where(q < tail, q, tail)             # interior prompt queries: themselves only
+    if self_only:
+        tail = q
+    return (k <= q) & ((k < anchor_end) | (k >= tail))
+
+
+@dataclass
+class SpeedUpperStep:
+    """The upper layers' view of one step (device tensors, views of persistent buffers).
+
+    ``slot_mapping``: the step's slot mapping with tokens that have no upper-layer KV set to -1;
+    ``tail_start [rows]``: ``P - 1`` per row (per query it is clipped to the query's own position,
+    and replaced by it under ``self_only``); ``anchor_end``: 1 with the BoS anchor, else 0.
+    ``keep_tokens``: how many tokens of the step exist in the upper layers (host int; for counters).
+    """
+
+    slot_mapping: torch.Tensor
+    tail_start: torch.Tensor
+    anchor_end: int
+    self_only: bool
+    keep_tokens: int
+    interior_tokens: int
+
+
+class SpeedPlanBuffers:
+    """Persistent buffers of the upper-layer plan (sized once by the runner's limits)."""
+
+    def __init__(self, max_rows: int, max_tokens: int, device: torch.device):
+        self.slot_mapping = torch.empty(max_tokens, dtype=torch.int64, device=device)
+        self.tail_start = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.positions = torch.empty(max_tokens, dtype=torch.int64, device=device)
+        self.exists = torch.empty(max_tokens, dtype=torch.bool, device=device)
+        self.token_row = torch.empty(max_tokens, dtype=torch.int64, device=device)
+        self.arange = torch.arange(max_tokens, dtype=torch.int64, device=device)
+
+
+def plan_upper_step(*, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, row_prompt_len: torch.Tensor, num_reqs: int,
+                    anchor_end: int, self_only: bool, buffers: SpeedPlanBuffers,
+                    host_counts: tuple[int, int] = (0, 0)) -> SpeedUpperStep:
+    """The upper layers' slot mapping and per-row tail starts, on the device, no host sync.
+
+    ``query_start_loc [rows + 1]`` / ``seq_lens [rows]`` are vLLM's (current queries included), so
+    token ``i`` of row ``r`` sits at ``seq_lens[r] - q_len[r] + (i - query_start_loc[r])``.
+    ``host_counts``: (kept, interior) tokens of the step when the host knows them (counters only).
+    """
+    n = slot_mapping.shape[0]
+    rows = row_prompt_len.shape[0]
+    out_slots = buffers.slot_mapping[:n]
+    tail = buffers.tail_start[:rows]
+    torch.sub(row_prompt_len, 1, out=tail)
+    tail.clamp_(min=0)
+    if n:
+        idx = buffers.arange[:n]
+        token_row = buffers.token_row[:n]
+        # row of each token: the number of row starts at or before it, minus one
+        torch.searchsorted(query_start_loc[1:rows + 1], idx, right=True, out=token_row)
+        token_row.clamp_(max=max(rows - 1, 0))
+        qsl = query_start_loc.long()
+        pos = buffers.positions[:n]
+        torch.sub(seq_lens.long()[token_row] - (qsl[token_row + 1] - qsl[token_row]), qsl[token_row],
+                  out=pos)
+        pos.add_(idx)
+        exists = buffers.exists[:n]
+        torch.logical_or(pos < anchor_end, pos >= tail.long()[token_row], out=exists)
+        torch.where(exists, slot_mapping.long(), torch.full_like(out_slots, -1), out=out_slots)
+    return SpeedUpperStep(slot_mapping=out_slots, tail_start=tail, anchor_end=anchor_end,
+                          self_only=self_only, keep_tokens=host_counts[0],
+                          interior_tokens=host_counts[1])
+
+
+def host_token_counts(query_start_loc: np.ndarray, computed: np.ndarray, prompt_len: np.ndarray,
+                      num_reqs: int, anchor_end: int) -> tuple[int, int]:
+    """(tokens with upper-layer KV, interior prompt tokens) of a step, from host geometry."""
+    keep = interior = 0
+    for r in range(num_reqs):
+        q = int(query_start_loc[r + 1] - query_start_loc[r])
+        c = int(computed[r])
+        lo_int, hi_int = anchor_end, max(int(prompt_len[r]) - 1, anchor_end)
+        inter = max(0, min(c + q, hi_int) - max(c, lo_int))
+        interior += inter
+        keep += q - inter
+    return keep, interior
