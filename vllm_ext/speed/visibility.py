@@ -8,13 +8,12 @@ prompt length). A query at position ``p >= P - 1`` of an upper layer sees keys `
 
 A prompt token in ``[a, P - 1)`` does not exist in the upper layers: its upper-layer KV is never
 written (the plan's slot mapping sends it to -1) and, when its upper-layer compute still runs, its
-output there is unused (only the last prompt token's logits are sampled); such a query is given its
-own position as its only key so that it stays finite.
+output there is unused (only the last prompt token's logits are sampled); such a query sees the
+anchors only (a zero output without anchors), never the null block its own position maps to.
 
-Everything is described per row by two numbers, ``anchor_end = a`` and ``tail_start``: keys
-``[0, anchor_end) ∪ [tail_start, p]`` are visible to the query at ``p`` (``tail_start = p`` for
-``self_only``, and for the interior prompt tokens). That is one rule for the reference, the PyTorch
-twin and the Triton kernel.
+Everything is described per row by two numbers, ``anchor_end = a`` and ``tail_start = P - 1``; one
+rule for the reference (:func:`visible_mask`), the PyTorch twin and the Triton kernel
+(:mod:`vllm_ext.kernels.speed_attention`).
 """
 
 from __future__ import annotations
@@ -46,11 +45,10 @@ def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prompt_len: int, anch
     (the reference of the rule; causal included)."""
     q = q_pos[:, None]
     k = k_pos[None, :]
-    tail = torch.full_like(q, max(prompt_len - 1, 0))
-    tail = torch.where(q < tail, q, tail)             # interior prompt queries: themselves only
-    if self_only:
-        tail = q
-    return (k <= q) & ((k < anchor_end) | (k >= tail))
+    p1 = max(prompt_len - 1, 0)
+    start = q if self_only else torch.full_like(q, p1)
+    tail = (q >= p1) & (k >= start)                  # interior prompt queries have no tail
+    return (k <= q) & ((k < anchor_end) | tail)
 
 
 @dataclass
