@@ -58,11 +58,14 @@ class SpeedUpperStep:
     ``slot_mapping``: the step's slot mapping with tokens that have no upper-layer KV set to -1;
     ``tail_start [rows]``: ``P - 1`` per row (per query it is clipped to the query's own position,
     and replaced by it under ``self_only``); ``anchor_end``: 1 with the BoS anchor, else 0.
-    ``keep_tokens``: how many tokens of the step exist in the upper layers (host int; for counters).
+    ``keep_tokens`` / ``interior_tokens``: the step's tokens with / without upper-layer KV (host
+    ints from the host geometry, for counters; 0 when unknown).
     """
 
     slot_mapping: torch.Tensor
     tail_start: torch.Tensor
+    token_row: torch.Tensor        # int64 [tokens]: the row of each token
+    positions: torch.Tensor        # int64 [tokens]: its position (-1 for padding tokens)
     anchor_end: int
     self_only: bool
     keep_tokens: int
@@ -108,11 +111,15 @@ def plan_upper_step(*, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor
         torch.sub(seq_lens.long()[token_row] - (qsl[token_row + 1] - qsl[token_row]), qsl[token_row],
                   out=pos)
         pos.add_(idx)
+        # tokens past the last row's end are padding
+        pos.masked_fill_(idx >= qsl[rows], -1)
         exists = buffers.exists[:n]
         torch.logical_or(pos < anchor_end, pos >= tail.long()[token_row], out=exists)
+        exists.logical_and_(pos >= 0)
         torch.where(exists, slot_mapping.long(), torch.full_like(out_slots, -1), out=out_slots)
-    return SpeedUpperStep(slot_mapping=out_slots, tail_start=tail, anchor_end=anchor_end,
-                          self_only=self_only, keep_tokens=host_counts[0],
+    return SpeedUpperStep(slot_mapping=out_slots, tail_start=tail,
+                          token_row=buffers.token_row[:n], positions=buffers.positions[:n],
+                          anchor_end=anchor_end, self_only=self_only, keep_tokens=host_counts[0],
                           interior_tokens=host_counts[1])
 
 
