@@ -148,6 +148,11 @@ class RequestStateTable:
     def sfi_stats(self) -> torch.Tensor | None:
         return None if self.sfi is None else self.sfi.stats
 
+    @property
+    def staged_host_geometry(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The staged step's host geometry (``query_start_loc``, tokens computed before the step)."""
+        return None if self._staged is None else self._staged.host_geometry
+
     # ------------------------------------------------------------------ lifecycle (host)
     def release(self, req_id: str) -> None:
         slot = self.slot_of.pop(req_id, None)

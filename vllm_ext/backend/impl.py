@@ -59,6 +59,9 @@ class SpeedSfiImpl(AttentionImpl):
         self._sfi_layer = None
         self._sfi_rt = None
         self._layer_index = -1
+        self._speed_l_cut = (self.config.speed.resolved_l_cut(
+            vllm_config.model_config.get_total_num_hidden_layers())
+            if self.config.speed.enabled else 1 << 30)
         self._dense = None
         if not current_platform.is_cpu():
             from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -94,11 +97,15 @@ class SpeedSfiImpl(AttentionImpl):
             return output.fill_(0)
         md = attn_metadata
         sfi = md.step.sfi if self._sfi_layer is not None else None
-        if sfi is not None and self._layer_index < 0:
+        if self._layer_index < 0:
             from vllm.model_executor.models.utils import extract_layer_index
 
             self._layer_index = extract_layer_index(layer.layer_name)
         try:
+            if md.speed is not None and self._layer_index >= self._speed_l_cut:
+                # SPEED upper layer: no SFI or CritiPrefill here (only anchors and decode-phase
+                # tokens exist in these layers; ALGORITHMS.md §2, §4)
+                return self._forward_speed_upper(layer, query, key, value, kv_cache, md, output)
             return self._forward(layer, query, key, value, kv_cache, md, output, sfi)
         finally:
             if sfi is not None and layer.layer_name == md.last_layer_name:
@@ -153,6 +160,25 @@ class SpeedSfiImpl(AttentionImpl):
         sfi_decode(query[:rows], kv_cache, md.block_table[:rows], md.seq_lens[:rows], sfi,
                    self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index, self.scale,
                    output[:rows], dense_done=False)
+        # One-token prefill chunks look like decode rows here; their prompt-tail work is host-planned
+        # and runs eagerly (the runner hooks keep such steps out of FULL CUDA graphs).
+        self._sfi_prefill_end(query, kv_cache, md, sfi)
+        return output
+
+    def _forward_speed_upper(self, layer, query, key, value, kv_cache, md, output):
+        """SPEED upper layer: K/V written only for the tokens that exist here (the plan's slot
+        mapping), attention over each row's anchors and decode-phase tokens (one kernel for prefill
+        and decode rows; interior prompt queries get an unused anchor-only output)."""
+        from vllm_ext.kernels.speed_attention import speed_attention
+
+        sp = md.speed
+        n = sp.slot_mapping.shape[0]
+        if self._dense is not None:
+            self._dense.do_kv_cache_update(layer, key, value, kv_cache, sp.slot_mapping)
+        else:
+            paged_reference.write_kv(kv_cache, key, value, sp.slot_mapping)
+        speed_attention(query[:n], kv_cache, md.block_table, sp.token_row, sp.positions,
+                        sp.tail_start, sp.anchor_end, sp.self_only, self.scale, output[:n])
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

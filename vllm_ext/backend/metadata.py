@@ -55,6 +55,7 @@ class SpeedSfiMetadata:
     seq_lens_host: list[int] | None = None
     delegate: Any = None            # TritonAttentionMetadata on CUDA
     last_layer_name: str = ""       # the group's last layer: joins the step's side-stream work
+    speed: Any = None               # vllm_ext.speed.visibility.SpeedUpperStep when SPEED is on
 
 
 def _dense_delegate_builder_cls():
@@ -92,6 +93,13 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
         self._on_cpu = torch.device(device).type == "cpu"
         self._state: RequestStateTable | None = None
         self._delegate = None
+        self._speed_buffers = None
+        if self.config.speed.enabled:
+            from vllm_ext.speed.visibility import SpeedPlanBuffers
+
+            sched = vllm_config.scheduler_config
+            self._speed_buffers = SpeedPlanBuffers(sched.max_num_seqs, sched.max_num_batched_tokens,
+                                                   torch.device(device))
         if not self._on_cpu:
             self._delegate = _dense_delegate_builder_cls()(kv_cache_spec, layer_names, vllm_config,
                                                            device)
@@ -123,6 +131,8 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
             step=step, delegate=delegate, last_layer_name=self._last_layer_name)
+        if self._speed_buffers is not None:
+            md.speed = self._speed_plan(cm, step)
         if self._on_cpu:
             md.query_start_loc_host = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
             md.seq_lens_host = cm.seq_lens[: cm.num_reqs].tolist()
@@ -132,6 +142,26 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             metrics.bump("steps.dense_torch" if self._on_cpu else
                          "steps.sfi" if step.sfi is not None else "steps.dense_triton")
         return md
+
+    def _speed_plan(self, cm: CommonAttentionMetadata, step: StepState):
+        """The upper layers' view of the step (SPEED): every group plans it (cheap), the upper
+        layers use it (without vLLM's hybrid KV manager the upper layers share a group)."""
+        from vllm_ext.speed.visibility import anchor_count, host_token_counts, plan_upper_step
+
+        cfg = self.config.speed
+        geometry = self._state.staged_host_geometry if step.is_real else None
+        counts = (0, 0)
+        if geometry is not None:
+            counts = host_token_counts(geometry[0], geometry[1], step.row_prompt_len_np,
+                                       step.num_reqs, anchor_count(cfg.anchor))
+        n = cm.num_actual_tokens
+        if n > self._speed_buffers.slot_mapping.shape[0]:
+            raise RuntimeError(f"SPEEDSFI: a step of {n} tokens exceeds max_num_batched_tokens")
+        return plan_upper_step(slot_mapping=cm.slot_mapping[:n], query_start_loc=cm.query_start_loc,
+                               seq_lens=cm.seq_lens, row_prompt_len=step.row_prompt_len,
+                               num_reqs=cm.num_reqs, anchor_end=anchor_count(cfg.anchor),
+                               self_only=cfg.variant == "self_only", buffers=self._speed_buffers,
+                               host_counts=counts)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> SpeedSfiMetadata:

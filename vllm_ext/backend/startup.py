@@ -14,7 +14,10 @@ logger = logging.getLogger("vllm_ext")
 
 # Methods whose implementation is present in this build. Enabling one that is not stops start-up:
 # an enabled method never silently runs densely.
-IMPLEMENTED_METHODS: frozenset[str] = frozenset({"sfi"})
+IMPLEMENTED_METHODS: frozenset[str] = frozenset({"sfi", "speed"})
+# model families whose decoder layers SPEED is tested on (their attention modules are vLLM's
+# ``Attention``, one per layer, named ``model.layers.N.self_attn.attn``)
+SPEED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 _cache: dict[int, SpeedSfiConfig] = {}
 
@@ -68,3 +71,8 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
                               "upper layers hold no prompt KV that a cache hit could reuse)")
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError("speedsfi.speed.enabled: SPEED does not support pipeline parallelism")
+        archs = set(getattr(model_config.hf_config, "architectures", None) or [])
+        if not archs & SPEED_ARCHITECTURES:
+            raise ConfigError(f"speedsfi.speed.enabled: SPEED supports the "
+                              f"{', '.join(sorted(SPEED_ARCHITECTURES))} families; this model is "
+                              f"{', '.join(sorted(archs)) or 'of an unknown architecture'}")

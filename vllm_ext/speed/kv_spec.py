@@ -34,8 +34,19 @@ class SpeedUpperSpec(AttentionSpec):
         return False
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        # worst case: a one-token prompt and a decode to max_model_len
-        return cdiv(vllm_config.model_config.max_model_len, self.block_size) * self.page_size_bytes
+        """KV of one ``max_model_len`` request whose prompt fills it (what SPEED is for): block 0
+        and the blocks of the last two positions. vLLM reports capacity and concurrency from this,
+        so its start-up line shows the saving. A request that decodes most of ``max_model_len``
+        holds up to ``cdiv(max_model_len, block_size)`` blocks here; they come from the shared
+        pool like any request's growth."""
+        return self.prompt_dominated_blocks(vllm_config.model_config.max_model_len) * \
+            self.page_size_bytes
+
+    def prompt_dominated_blocks(self, max_len: int) -> int:
+        bs = self.block_size
+        last = cdiv(max_len, bs)
+        first_tail = max(1, (max_len - 2) // bs)
+        return min(last, 1 + max(0, last - first_tail))
 
 
 class SpeedUpperManager(SingleTypeKVCacheManager):
@@ -140,6 +151,11 @@ def speed_spec_for_layer(spec, layer_name: str, vllm_config):
                          "the upper layers keep blocks for the whole prompt (no KV memory saved); "
                          "visibility and compute are unchanged")
         return spec
+    num_layers = vllm_config.model_config.get_total_num_hidden_layers()
+    metrics.log_once("speed_kv", "vllm_ext: SPEED: layers %d-%d of %d keep KV for the BoS anchor and "
+                     "the decode-phase tokens only (their own KV-cache group): a prompt-dominated "
+                     "request needs %.1f%% of dense KV (%d of %d layers hold its prompt)",
+                     l_cut, num_layers - 1, num_layers, 100.0 * l_cut / num_layers, l_cut, num_layers)
     return SpeedUpperSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                           head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
                           kv_quant_mode=spec.kv_quant_mode, page_size_padded=spec.page_size_padded,
