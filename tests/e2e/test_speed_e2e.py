@@ -1,0 +1,120 @@
+"""SPEED inside the real engine (CPU build, PyTorch twins): token-exact against an independent
+reference of the visibility rule (Hugging Face with per-layer masks) on Llama, Qwen2 and Qwen3,
+with chunked prompts and steps that mix prefills and decodes; vLLM's own capacity accounting; every
+block back after the run; composition with SFI."""
+
+import pytest
+
+from tests.e2e.engine import engine, greedy, model_runner, random_prompts
+from tests.speed.speed_reference import speed_greedy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+LAYERS, L_CUT = 4, 3
+# chunked (max_num_batched_tokens 128): 300 and 200 span several steps, and the short prompts
+# decode while the long ones still prefill
+PROMPTS = random_prompts(lengths=(300, 40, 200, 7), seed=3)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def speed_models(tmp_path_factory):
+    from vllm_ext.tools.tiny_models import make_model
+
+    root = tmp_path_factory.mktemp("speed_models")
+    return {arch: make_model(str(root / arch), arch, num_layers=LAYERS)
+            for arch in ("llama", "qwen2", "qwen3")}
+
+
+def _speed(**fields):
+    return {"speedsfi": {"speed": dict({"enabled": True, "l_cut": L_CUT}, **fields)}}
+
+
+def _engine_state(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.kv_cache_manager, llm.llm_engine.vllm_config.cache_config
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_speed_equals_the_visibility_reference(speed_models, arch):
+    model = speed_models[arch]
+    with engine(model, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False) as llm:
+        mgr, _ = _engine_state(llm)
+        free0 = mgr.block_pool.get_num_free_blocks()
+        tokens = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
+        assert mgr.block_pool.get_num_free_blocks() == free0      # both groups gave back every block
+    ref = speed_greedy(model, PROMPTS, MAX_TOKENS, L_CUT)
+    assert tokens == ref
+    dense = speed_greedy(model, PROMPTS, MAX_TOKENS, LAYERS)
+    assert tokens != dense                                          # the rule changed the output
+
+
+@pytest.mark.parametrize("fields", [{"anchor": "none"}, {"variant": "self_only"}])
+def test_speed_variants_equal_the_reference(speed_models, fields):
+    model = speed_models["llama"]
+    with engine(model, "SPEEDSFI", additional_config=_speed(**fields),
+                enable_prefix_caching=False) as llm:
+        tokens = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
+    assert tokens == speed_greedy(model, PROMPTS, MAX_TOKENS, L_CUT, **fields)
+
+
+def test_l_cut_at_the_top_is_dense(speed_models):
+    model = speed_models["qwen3"]
+    with engine(model, "SPEEDSFI", additional_config=_speed(l_cut=LAYERS),
+                enable_prefix_caching=False) as llm:
+        tokens = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
+    with engine(model, "SPEEDSFI", enable_prefix_caching=False) as llm:
+        dense = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
+    assert tokens == dense
+
+
+def test_capacity_in_vllms_accounting(speed_models):
+    """vLLM's own capacity line: a prompt-dominated max_model_len request needs the lower
+    groups' blocks plus a few upper blocks, so concurrency grows by that block ratio."""
+    model = speed_models["llama"]
+    bs, max_len = 32, 1024
+    with engine(model, "SPEEDSFI", enable_prefix_caching=False) as llm:
+        _, dense_cache = _engine_state(llm)
+        dense = dense_cache.kv_cache_max_concurrency
+    with engine(model, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False) as llm:
+        mgr, cache = _engine_state(llm)
+        groups = mgr.kv_cache_config.kv_cache_groups
+        from vllm_ext.speed.kv_spec import SpeedUpperSpec
+
+        upper = [g for g in groups if isinstance(g.kv_cache_spec, SpeedUpperSpec)]
+        assert len(upper) == 1 and len(groups) == LAYERS        # 3 lower groups of 1 layer + 1 upper
+        assert upper[0].layer_names == [f"model.layers.{L_CUT}.self_attn.attn"]
+        speed = cache.kv_cache_max_concurrency
+        # the pool is the same; blocks per max_model_len request: dense 4 x 32, SPEED 3 x 32 + 2
+        per_req_dense, per_req_speed = LAYERS * max_len // bs, L_CUT * max_len // bs + 2
+        assert speed / dense == pytest.approx(per_req_dense / per_req_speed, rel=1e-6)
+        # and a real prompt-dominated request holds exactly that many blocks
+        free0 = mgr.block_pool.get_num_free_blocks()
+        from vllm import SamplingParams
+
+        llm.llm_engine.add_request("long", {"prompt_token_ids": random_prompts((900,), seed=1)[0]},
+                                   SamplingParams(max_tokens=3, temperature=0,
+                                                  ignore_eos=True))
+        peak = 0
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
+            peak = max(peak, free0 - mgr.block_pool.get_num_free_blocks())
+        # at its peak (decoding, 902 tokens) the request held 3 lower rows of 29 blocks and, in
+        # the upper group, block 0 and the block of P - 1 = 899
+        assert peak == L_CUT * -(-900 // bs) + 2
+        assert mgr.block_pool.get_num_free_blocks() == free0
+
+
+def test_speed_with_sfi_runs_sfi_in_the_lower_layers(speed_models):
+    model = speed_models["llama"]
+    sfi = {"enabled": True, "k": 8, "k_min": 4, "n_sink": 4, "n_recent": 16, "refresh": 8}
+    cfg = {"speedsfi": {"speed": {"enabled": True, "l_cut": L_CUT}, "sfi": sfi}}
+    with engine(model, "SPEEDSFI", additional_config=cfg, enable_prefix_caching=False) as llm:
+        from vllm_ext.runner_hooks import table_of
+        from vllm_ext.sfi.step_plan import STAT_FAST
+
+        table = table_of(model_runner(llm))
+        tokens = greedy(llm, PROMPTS, max_tokens=24)
+        fast = table.sfi_stats.tolist()[STAT_FAST]
+    assert fast > 0
+    assert tokens != speed_greedy(model, PROMPTS, 24, L_CUT)        # SFI changed the lower layers
