@@ -25,7 +25,11 @@ _PATCHED_ATTR = "_speedsfi_patched"
 def install() -> None:
     _patch_cpu_selector()
     _patch_v2_runner_opt_out()
+    _patch_prefix_hit_limit()
     _patch_speed_kv_spec()
+    from vllm_ext.speed import upper_stack
+
+    upper_stack.install()
     from vllm_ext import runner_hooks
 
     runner_hooks.install()

@@ -37,16 +37,37 @@ def _engine_state(llm):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_speed_equals_the_visibility_reference(speed_models, arch):
+    from vllm_ext import metrics
+
     model = speed_models[arch]
+    before = metrics.snapshot()
     with engine(model, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False) as llm:
         mgr, _ = _engine_state(llm)
         free0 = mgr.block_pool.get_num_free_blocks()
         tokens = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
         assert mgr.block_pool.get_num_free_blocks() == free0      # both groups gave back every block
+    after = metrics.snapshot()
     ref = speed_greedy(model, PROMPTS, MAX_TOKENS, L_CUT)
     assert tokens == ref
     dense = speed_greedy(model, PROMPTS, MAX_TOKENS, LAYERS)
     assert tokens != dense                                          # the rule changed the output
+    # the interior prompt tokens [1, P - 1) skipped the upper stack; their blocks were never taken
+    skipped = after.get("speed.upper_tokens_skipped", 0) - before.get("speed.upper_tokens_skipped", 0)
+    assert skipped == sum(max(len(p) - 2, 0) for p in PROMPTS)
+    saved = after.get("speed.blocks_saved", 0) - before.get("speed.blocks_saved", 0)
+    assert saved == sum(max(0, max(1, (len(p) - 1) // 32) - 1) for p in PROMPTS)
+
+
+def test_masked_upper_stack_without_token_dropping_is_the_same(speed_models, monkeypatch):
+    """Where the model is compiled, prompt tokens run the upper layers with SPEED's masking
+    (the fallback): the same tokens as with the skip."""
+    from vllm_ext.speed import upper_stack
+
+    monkeypatch.setattr(upper_stack, "_current_plan", lambda: None)
+    model = speed_models["qwen3"]
+    with engine(model, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False) as llm:
+        tokens = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
+    assert tokens == speed_greedy(model, PROMPTS, MAX_TOKENS, L_CUT)
 
 
 @pytest.mark.parametrize("fields", [{"anchor": "none"}, {"variant": "self_only"}])

@@ -56,3 +56,21 @@ def test_plan_matches_host_reference(anchor_end):
         seen = visible_mask(later, pos, p, anchor_end, False)[0]
         got = [exp_slots[int(qsl[r]) + i] >= 0 for i in range(q)]
         assert seen.tolist() == got
+
+
+@pytest.mark.parametrize("anchor_end", [1, 0])
+def test_kept_token_index_matches_the_rule(anchor_end):
+    from vllm_ext.speed.visibility import kept_token_index
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        r = int(rng.integers(1, 6))
+        prompt = rng.integers(1, 60, r)
+        computed = np.array([int(rng.integers(0, p + 20)) for p in prompt])
+        q = np.array([int(rng.integers(0, 40)) for _ in range(r)])
+        qsl = np.concatenate([[0], np.cumsum(q)])
+        got = kept_token_index(qsl, computed, prompt, r, anchor_end).tolist()
+        exp = [int(qsl[i]) + j for i in range(r) for j in range(q[i])
+               if computed[i] + j < anchor_end or computed[i] + j >= prompt[i] - 1]
+        assert got == exp
+        assert host_token_counts(qsl, computed, prompt, r, anchor_end) == (len(exp), int(q.sum()) - len(exp))

@@ -172,13 +172,18 @@ class SpeedSfiImpl(AttentionImpl):
         from vllm_ext.kernels.speed_attention import speed_attention
 
         sp = md.speed
-        n = sp.slot_mapping.shape[0]
+        slots, rows, positions = sp.slot_mapping, sp.token_row, sp.positions
+        if query.shape[0] < slots.shape[0]:
+            # the upper stack runs on the kept rows only (vllm_ext.speed.upper_stack)
+            keep = sp.keep_idx
+            slots, rows, positions = slots[keep], rows[keep], positions[keep]
+        n = slots.shape[0]
         if self._dense is not None:
-            self._dense.do_kv_cache_update(layer, key, value, kv_cache, sp.slot_mapping)
+            self._dense.do_kv_cache_update(layer, key, value, kv_cache, slots)
         else:
-            paged_reference.write_kv(kv_cache, key, value, sp.slot_mapping)
-        speed_attention(query[:n], kv_cache, md.block_table, sp.token_row, sp.positions,
-                        sp.tail_start, sp.anchor_end, sp.self_only, self.scale, output[:n])
+            paged_reference.write_kv(kv_cache, key, value, slots)
+        speed_attention(query[:n], kv_cache, md.block_table, rows, positions, sp.tail_start,
+                        sp.anchor_end, sp.self_only, self.scale, output[:n])
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

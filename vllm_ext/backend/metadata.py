@@ -12,6 +12,7 @@ backend, so its builder runs too and its metadata rides along (``delegate``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +36,15 @@ def sfi_capacity(vllm_config) -> int:
     return min(cfg.max_requests or min(max_seqs, 32), max_seqs)
 
 
+def critiprefill_capacity(vllm_config) -> int:
+    """Prompts that can be in a sparse prefill at once (``speedsfi.critiprefill.max_requests``)."""
+    cfg = resolve_config(vllm_config).critiprefill
+    if not cfg.enabled:
+        return 0
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
+    return min(cfg.max_requests or min(max_seqs, 4), max_seqs)
+
+
 @dataclass
 class SpeedSfiMetadata:
     num_actual_tokens: int          # tokens including padding
@@ -56,6 +66,23 @@ class SpeedSfiMetadata:
     delegate: Any = None            # TritonAttentionMetadata on CUDA
     last_layer_name: str = ""       # the group's last layer: joins the step's side-stream work
     speed: Any = None               # vllm_ext.speed.visibility.SpeedUpperStep when SPEED is on
+    # CUDA with a CritiPrefill sub-batch: the delegate's metadata of the rows before it
+    delegate_head: Any = None
+
+
+def delegate_head(delegate, cm: CommonAttentionMetadata, rows: int):
+    """The dense delegate's metadata restricted to the batch's first ``rows`` rows (the decode rows
+    and any prefill rows before the CritiPrefill sub-batch); ``None`` when there are none. Host-only:
+    views of the delegate's tensors and host counts from ``query_start_loc_cpu``."""
+    if rows <= 0:
+        return None
+    qsl = cm.query_start_loc_cpu
+    n_tok = int(qsl[rows])
+    max_q = int((qsl[1:rows + 1] - qsl[:rows]).max())
+    return dataclasses.replace(delegate, num_actual_tokens=n_tok, max_query_len=max_q,
+                               query_start_loc=delegate.query_start_loc[:rows + 1],
+                               seq_lens=delegate.seq_lens[:rows], block_table=delegate.block_table[:rows],
+                               slot_mapping=delegate.slot_mapping[:n_tok])
 
 
 def _dense_delegate_builder_cls():
@@ -75,11 +102,13 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
         if not cfg.any_enabled:
             # all methods off: exactly the Triton delegate, whose graphs vLLM already trusts
             return _dense_delegate_builder_cls().get_cudagraph_support(vllm_config, kv_cache_spec)
-        if cfg.sfi.enabled and not (cfg.speed.enabled or cfg.critiprefill.enabled):
+        if (cfg.sfi.enabled or cfg.critiprefill.enabled) and not cfg.speed.enabled:
             # A uniform single-token decode step runs only our kernels, with every decision in
             # device buffers the builder rewrites before each replay (and the side stream forked and
             # joined inside the step): FULL graphs. Steps with prefills run the delegate and the
-            # host-planned prefill-end selection: piecewise.
+            # host-planned prefill-end selection: piecewise. CritiPrefill never acts on such a step
+            # (its rows are prefill chunks of >= 2 tokens; CritiPrefill alone decodes with the
+            # delegate).
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
@@ -100,6 +129,12 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             sched = vllm_config.scheduler_config
             self._speed_buffers = SpeedPlanBuffers(sched.max_num_seqs, sched.max_num_batched_tokens,
                                                    torch.device(device))
+            from vllm_ext.request_state import PinnedStaging
+
+            self._speed_l_cut = self.config.speed.resolved_l_cut(
+                vllm_config.model_config.get_total_num_hidden_layers())
+            self._speed_keep_staging = PinnedStaging(sched.max_num_batched_tokens, torch.int64,
+                                                     torch.device(device))
         if not self._on_cpu:
             self._delegate = _dense_delegate_builder_cls()(kv_cache_spec, layer_names, vllm_config,
                                                            device)
@@ -133,6 +168,8 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             step=step, delegate=delegate, last_layer_name=self._last_layer_name)
         if self._speed_buffers is not None:
             md.speed = self._speed_plan(cm, step)
+        if step.critiprefill is not None and delegate is not None:
+            md.delegate_head = delegate_head(delegate, cm, step.critiprefill.first_row)
         if self._on_cpu:
             md.query_start_loc_host = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
             md.seq_lens_host = cm.seq_lens[: cm.num_reqs].tolist()
@@ -146,22 +183,32 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
     def _speed_plan(self, cm: CommonAttentionMetadata, step: StepState):
         """The upper layers' view of the step (SPEED): every group plans it (cheap), the upper
         layers use it (without vLLM's hybrid KV manager the upper layers share a group)."""
-        from vllm_ext.speed.visibility import anchor_count, host_token_counts, plan_upper_step
+        from vllm_ext.speed.visibility import anchor_count, kept_token_index, plan_upper_step
 
         cfg = self.config.speed
+        anchor_end = anchor_count(cfg.anchor)
         geometry = self._state.staged_host_geometry if step.is_real else None
-        counts = (0, 0)
-        if geometry is not None:
-            counts = host_token_counts(geometry[0], geometry[1], step.row_prompt_len_np,
-                                       step.num_reqs, anchor_count(cfg.anchor))
         n = cm.num_actual_tokens
         if n > self._speed_buffers.slot_mapping.shape[0]:
             raise RuntimeError(f"SPEEDSFI: a step of {n} tokens exceeds max_num_batched_tokens")
-        return plan_upper_step(slot_mapping=cm.slot_mapping[:n], query_start_loc=cm.query_start_loc,
+        keep = None
+        counts = (0, 0)
+        if geometry is not None:
+            # host geometry is exact for every row: the tokens the upper stack must run on
+            idx = kept_token_index(geometry[0], geometry[1], step.row_prompt_len_np, step.num_reqs,
+                                   anchor_end)
+            counts = (len(idx), int(geometry[0][step.num_reqs]) - len(idx))
+            staging = self._speed_keep_staging
+            staging.np[:len(idx)] = idx
+            keep = staging.copy_to_device(len(idx))
+        plan = plan_upper_step(slot_mapping=cm.slot_mapping[:n], query_start_loc=cm.query_start_loc,
                                seq_lens=cm.seq_lens, row_prompt_len=step.row_prompt_len,
-                               num_reqs=cm.num_reqs, anchor_end=anchor_count(cfg.anchor),
+                               num_reqs=cm.num_reqs, anchor_end=anchor_end,
                                self_only=cfg.variant == "self_only", buffers=self._speed_buffers,
                                host_counts=counts)
+        plan.keep_idx = keep
+        plan.l_cut = self._speed_l_cut
+        return plan
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> SpeedSfiMetadata:

@@ -14,7 +14,7 @@ logger = logging.getLogger("vllm_ext")
 
 # Methods whose implementation is present in this build. Enabling one that is not stops start-up:
 # an enabled method never silently runs densely.
-IMPLEMENTED_METHODS: frozenset[str] = frozenset({"sfi", "speed"})
+IMPLEMENTED_METHODS: frozenset[str] = frozenset({"sfi", "speed", "critiprefill"})
 # model families whose decoder layers SPEED is tested on (their attention modules are vLLM's
 # ``Attention``, one per layer, named ``model.layers.N.self_attn.attn``)
 SPEED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
@@ -71,6 +71,15 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
                               "upper layers hold no prompt KV that a cache hit could reuse)")
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError("speedsfi.speed.enabled: SPEED does not support pipeline parallelism")
+        from vllm.config import CompilationMode
+
+        if vllm_config.compilation_config.mode != CompilationMode.NONE:
+            from vllm_ext import metrics
+
+            metrics.fallback("speed_compute_compiled", "vllm_ext: SPEED with a compiled model: "
+                             "prompt tokens still run the upper layers (masked, same outputs; KV "
+                             "memory is saved, prefill compute is not); --enforce-eager enables "
+                             "the skip (vllm_ext.speed.upper_stack)")
         archs = set(getattr(model_config.hf_config, "architectures", None) or [])
         if not archs & SPEED_ARCHITECTURES:
             raise ConfigError(f"speedsfi.speed.enabled: SPEED supports the "

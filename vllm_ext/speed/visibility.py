@@ -70,6 +70,9 @@ class SpeedUpperStep:
     self_only: bool
     keep_tokens: int
     interior_tokens: int
+    l_cut: int = 0                         # the first upper layer
+    keep_idx: torch.Tensor | None = None   # int64 [keep_tokens]: the tokens the upper stack runs on
+                                           # when prompt tokens skip it (None: every token runs it)
 
 
 class SpeedPlanBuffers:
@@ -121,6 +124,32 @@ def plan_upper_step(*, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor
                           token_row=buffers.token_row[:n], positions=buffers.positions[:n],
                           anchor_end=anchor_end, self_only=self_only, keep_tokens=host_counts[0],
                           interior_tokens=host_counts[1])
+
+
+def kept_token_index(query_start_loc: np.ndarray, computed: np.ndarray, prompt_len: np.ndarray,
+                     num_reqs: int, anchor_end: int) -> np.ndarray:
+    """Indices (into the step's tokens, ascending) of the tokens that exist in the upper layers:
+    per row, positions ``[c, c + q) ∩ ([0, a) ∪ [P - 1, ∞))`` (``c`` computed before the step, ``q``
+    the row's query tokens). Vectorised over rows (host geometry is exact for every row)."""
+    if num_reqs == 0:
+        return np.zeros(0, dtype=np.int64)
+    qs = query_start_loc[:num_reqs].astype(np.int64)
+    q = query_start_loc[1:num_reqs + 1].astype(np.int64) - qs
+    c = computed[:num_reqs].astype(np.int64)
+    p1 = np.maximum(prompt_len[:num_reqs].astype(np.int64) - 1, 0)
+    a_len = np.clip(np.minimum(c + q, anchor_end) - c, 0, None)            # anchors [c, min(c+q, a))
+    b_lo = np.maximum(np.maximum(c, p1), anchor_end)
+    b_len = np.clip(c + q - b_lo, 0, None)                                 # tail [b_lo, c+q)
+    starts = np.concatenate([qs, qs + (b_lo - c)])
+    lens = np.concatenate([a_len, b_len])
+    order = np.argsort(starts, kind="stable")
+    starts, lens = starts[order], lens[order]
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    seg = np.repeat(np.arange(len(lens)), lens)
+    offsets = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    return starts[seg] + offsets
 
 
 def host_token_counts(query_start_loc: np.ndarray, computed: np.ndarray, prompt_len: np.ndarray,
