@@ -30,6 +30,7 @@ def install() -> None:
     from vllm_ext.speed import upper_stack
 
     upper_stack.install()
+    _patch_speed_request_validation()
     from vllm_ext import runner_hooks
 
     runner_hooks.install()
@@ -112,3 +113,94 @@ def _patch_speed_kv_spec() -> None:
 
     setattr(get_kv_cache_spec, _PATCHED_ATTR, True)
     Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _patch_prefix_hit_limit() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler._get_local_prefix_cache_hit
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(original)
+    def _get_local_prefix_cache_hit(self, request):
+        result = original(self, request)
+        cfg = _scheduler_sfi_config(self)
+        if cfg is None or not result[1]:
+            return result
+        return limit_prefix_hit(self, request, cfg, result)
+
+    setattr(_get_local_prefix_cache_hit, _PATCHED_ATTR, True)
+    Scheduler._get_local_prefix_cache_hit = _get_local_prefix_cache_hit
+
+
+def _scheduler_sfi_config(scheduler):
+    """The engine's SFI section when SPEEDSFI runs SFI, else None (cached on the scheduler)."""
+    cached = scheduler.__dict__.get("_speedsfi_sfi", False)
+    if cached is False:
+        cached = None
+        if is_speedsfi_selected(scheduler.vllm_config):
+            from vllm_ext.backend.startup import resolve_config
+
+            sfi = resolve_config(scheduler.vllm_config).sfi
+            cached = sfi if sfi.enabled else None
+        scheduler.__dict__["_speedsfi_sfi"] = cached
+    return cached
+
+
+def limit_prefix_hit(scheduler, request, cfg, result):
+    """``result`` (blocks, hit tokens, shared-prefix boundary, diverged) cut to whole blocks before
+    the request's prompt tail. Every request of the engine is cut the same way (a request that turns
+    SFI off loses at most ``w_prefill + block_size`` cached tokens), so the cut never depends on
+    which requests run. A layout the cut cannot express (groups of other block sizes) is left as it
+    is and counted; the worker then pads the window it could not fill (also counted)."""
+    from vllm_ext import metrics
+    from vllm_ext.sfi.prompt_tail import prefix_hit_limit
+
+    blocks, num_hit = result[0], result[1]
+    bs = scheduler.block_size
+    limit = prefix_hit_limit(cfg, request.num_prompt_tokens, bs)
+    if num_hit <= limit:
+        return result
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    if num_hit % bs or any(g.kv_cache_spec.block_size != bs for g in groups) or any(
+            len(b) * bs != num_hit for b in blocks.blocks):
+        metrics.fallback("sfi_prefix_hit_uncut", "a prefix-cache hit could not be cut before the "
+                         "prompt tail (block layout); that request's prefill-end window is padded")
+        return result
+    keep = limit // bs
+    metrics.bump("sfi.prefix_hit_tokens_cut", num_hit - limit)
+    cut = type(blocks)(tuple(list(b[:keep]) for b in blocks.blocks))
+    return (cut, limit) + tuple(result[2:])
+
+
+def _patch_speed_request_validation() -> None:
+    """With SPEED on, a request asking for prompt logprobs is refused (HTTP 400 through the server):
+    prompt tokens never reach the upper layers, so their logits would be wrong."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor._validate_params
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(original)
+    def _validate_params(self, params, supported_tasks):
+        result = original(self, params, supported_tasks)
+        if getattr(params, "prompt_logprobs", None) is not None and is_speedsfi_selected(self.vllm_config):
+            from vllm_ext.config import SpeedSfiConfig
+
+            cached = self.__dict__.get("_speedsfi_speed_on")
+            if cached is None:
+                cfg = SpeedSfiConfig.from_additional_config(self.vllm_config.additional_config)
+                cached = self.__dict__["_speedsfi_speed_on"] = cfg.speed.enabled
+            if cached:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(
+                    "prompt_logprobs are not available with speedsfi.speed: prompt tokens do not "
+                    "run the upper layers, so their logits are not the model's",
+                    parameter="prompt_logprobs")
+        return result
+
+    setattr(_validate_params, _PATCHED_ATTR, True)
+    InputProcessor._validate_params = _validate_params

@@ -139,3 +139,55 @@ def test_speed_with_sfi_runs_sfi_in_the_lower_layers(speed_models):
         fast = table.sfi_stats.tolist()[STAT_FAST]
     assert fast > 0
     assert tokens != speed_greedy(model, PROMPTS, 24, L_CUT)        # SFI changed the lower layers
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(enable_prefix_caching=True), "SPEED needs --no-enable-prefix-caching"),
+])
+def test_speed_refuses_unsupported_engines(speed_models, kwargs, message):
+    with pytest.raises(Exception, match=message):
+        with engine(speed_models["llama"], "SPEEDSFI", additional_config=_speed(), **kwargs):
+            pass
+
+
+def test_speed_refuses_models_outside_its_families(tmp_path, speed_models):
+    import os
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "gpt2")
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=128, n_layer=4, n_head=4,
+                               n_positions=1024)).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        os.link(os.path.join(speed_models["llama"], f), os.path.join(path, f))
+    with pytest.raises(Exception, match="SPEED supports the LlamaForCausalLM, Qwen2ForCausalLM, "
+                                        "Qwen3ForCausalLM families; this model is GPT2LMHeadModel"):
+        with engine(path, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False):
+            pass
+
+
+def test_prompt_logprobs_are_refused_and_abort_frees_both_groups(speed_models):
+    from vllm import SamplingParams
+
+    with engine(speed_models["llama"], "SPEEDSFI", additional_config=_speed(),
+                enable_prefix_caching=False) as llm:
+        with pytest.raises(Exception, match="prompt_logprobs are not available with speedsfi.speed"):
+            greedy(llm, PROMPTS[:1], max_tokens=2, prompt_logprobs=1)
+        mgr, _ = _engine_state(llm)
+        free0 = mgr.block_pool.get_num_free_blocks()
+        eng = llm.llm_engine
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"r{i}", {"prompt_token_ids": p},
+                            SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        for _ in range(4):                            # mid-prefill and mid-decode
+            eng.step()
+        assert mgr.block_pool.get_num_free_blocks() < free0
+        eng.abort_request([f"r{i}" for i in range(len(PROMPTS))])
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert mgr.block_pool.get_num_free_blocks() == free0
+        # the engine still answers exactly after the aborts
+        assert greedy(llm, PROMPTS[:2], max_tokens=MAX_TOKENS) == \
+            speed_greedy(speed_models["llama"], PROMPTS[:2], MAX_TOKENS, L_CUT)
