@@ -33,7 +33,7 @@ fi
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
   dirs=()
-  for d in tests/kernels tests/sfi tests/critiprefill tests/test_sfi_layer.py tests/test_sfi_path.py; do [ -e "$d" ] && dirs+=("$d"); done
+  for d in tests/kernels tests/sfi tests/critiprefill tests/speed tests/test_sfi_layer.py tests/test_sfi_path.py; do [ -e "$d" ] && dirs+=("$d"); done
   xdist=()
   if "$PY" -c 'import xdist' 2>/dev/null; then xdist=(-n "${GPU_CHECK_WORKERS:-12}"); fi
   echo "[gpu_check] pytest ${dirs[*]} -m 'not e2e' on CUDA"
@@ -51,6 +51,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   benches=(bench/bench_sfi_path.py bench/bench_selector.py bench/bench_fast_step.py
            bench/bench_bandwidth.py bench/bench_model_step.py)
   [ -f bench/bench_critiprefill.py ] && benches+=(bench/bench_critiprefill.py)
+  benches+=(bench/bench_speed.py bench/tune_fixed_tiles.py)
   for b in "${benches[@]}"; do
     name=$(basename "$b" .py)
     echo "[gpu_check] $b"

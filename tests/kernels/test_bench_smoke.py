@@ -120,9 +120,48 @@ def test_bench_sfi_path_smoke(tmp_path, monkeypatch):
     _png(tmp_path, "sfi_path")
 
 
+def test_bench_speed_smoke(tmp_path, monkeypatch):
+    """SPEED's model-shaped bench: the row schema, and the KV ratio is the block arithmetic of the
+    upper group (l_cut of L layers hold the prompt; the upper ones BoS + the tail blocks)."""
+    _run("bench_speed", tmp_path, monkeypatch)
+    d = _json(tmp_path, "speed")
+    assert "model-shaped" in d["label"]
+    shape = d["shape"]
+    for r in d["rows"]:
+        for key in ("ctx", "prefill_dense_ms", "prefill_speed_ms", "decode_dense_ms",
+                    "decode_speed_ms", "kv_ratio", "ttft_change", "tpot_change"):
+            assert key in r, key
+        blocks = -(-(r["ctx"] + r["decoded"]) // 16)
+        upper = 1 + blocks - max(1, (r["ctx"] - 1) // 16)
+        assert upper < blocks
+        assert r["kv_ratio"] == pytest.approx(
+            (shape["l_cut"] * blocks + (shape["layers"] - shape["l_cut"]) * upper)
+            / (shape["layers"] * blocks))
+        assert shape["l_cut"] / shape["layers"] < r["kv_ratio"] < 1
+    _png(tmp_path, "speed")
+
+
+def test_tile_sweep_smoke(tmp_path, monkeypatch):
+    """The fixed-tile sweep restores every module constant it changes and records each launch."""
+    from vllm_ext.kernels import dense_decode_evidence as dde
+    from vllm_ext.kernels import two_segment_decode as tsd
+
+    before = (dict(dde.SLOW_PASS_META), dde.PERSISTENT_WAVES, dict(dde.FIXED_META),
+              dict(tsd.MASKED_META))
+    _run("tune_fixed_tiles", tmp_path, monkeypatch)
+    assert (dde.SLOW_PASS_META, dde.PERSISTENT_WAVES, dde.FIXED_META, tsd.MASKED_META) == before
+    d = _json(tmp_path, "tile_sweep")
+    cases = {r["case"] for r in d["rows"]}
+    assert cases == {"slow_pass", "two_segment_masked", "dense_masked"}
+    assert all("ms" in r or "error" in r for r in d["rows"])
+    assert set(d["best"]) == {f"{c} ctx 256" + (" live 1" if c == "slow_pass" else "")
+                              for c in cases}
+
+
 def test_gpu_check_script_lists_every_bench():
     text = (Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh").read_text()
     for b in ("bench_fast_step.py", "bench_bandwidth.py", "bench_selector.py", "bench_model_step.py",
-              "bench_critiprefill.py", "bench_sfi_path.py", 'not e2e', "tests/kernels", "tests/sfi",
+              "bench_critiprefill.py", "bench_sfi_path.py", "bench_speed.py", "tune_fixed_tiles.py",
+              'not e2e', "tests/kernels", "tests/sfi",
               "tests/critiprefill", "tests/test_sfi_path.py"):
         assert b in text, b
