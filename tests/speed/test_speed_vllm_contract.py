@@ -31,6 +31,7 @@ def test_kv_spec_registry_and_manager_api():
     assert upper.page_size_bytes == full.page_size_bytes     # hybrid groups need one page size
     for name in ("get_num_blocks_to_allocate", "allocate_new_blocks", "remove_skipped_blocks",
                  "pop_blocks_for_free", "cache_blocks"):
+        # same parameter names as vLLM's base class (the coordinator calls some by keyword)
         assert _params(getattr(SpeedUpperManager, name)) == \
             _params(getattr(SingleTypeKVCacheManager, name)), name
     assert _params(SingleTypeKVCacheManager.find_longest_cache_hit)[:3] == \

@@ -111,7 +111,8 @@ class SpeedUpperManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args, **kwargs):
         return tuple([] for _ in kv_cache_group_ids), 0
 
-    def cache_blocks(self, request, num_tokens: int) -> None:
+    def cache_blocks(self, request, num_tokens: int, retention_interval=None, *,
+                     replay_boundaries=()) -> None:
         return None                                   # never prefix-cached
 
     def pop_blocks_for_free(self, request_id: str):
