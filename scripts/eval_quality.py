@@ -60,8 +60,9 @@ def parse(argv=None):
     p.add_argument("--ks", default="64,128,256,512", help="SFI budgets of the default configurations")
     p.add_argument("--n-recent", type=int, default=64)
     p.add_argument("--configs", default=None,
-                   help="JSON or YAML file (or inline JSON): a list of {name, speedsfi} or a mapping "
-                        "name -> speedsfi section; replaces the default SFI configurations")
+                   help="JSON or YAML file (or inline JSON): a list of {name, speedsfi[, engine_args]} "
+                        "or a mapping name -> speedsfi section; replaces the default SFI configurations "
+                        "(SPEED configurations run with prefix caching off)")
     p.add_argument("--engine-args", default="{}", help="JSON of extra vllm.LLM arguments")
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
     p.add_argument("--max-num-seqs", type=int, default=8)
@@ -92,7 +93,9 @@ def load_configs(args) -> list[dict]:
             raw = json.loads(src)
         if isinstance(raw, dict):
             raw = [{"name": k, "speedsfi": v or {}} for k, v in raw.items()]
-        configs = [{"name": c["name"], "speedsfi": c.get("speedsfi") or {}} for c in raw]
+        configs = [dict({"name": c["name"], "speedsfi": c.get("speedsfi") or {}},
+                        **({"engine_args": c["engine_args"]} if c.get("engine_args") else {}))
+                   for c in raw]
     else:
         configs = [{"name": f"sfi_k{k}", "speedsfi": {"sfi": {"enabled": True, "k": int(k),
                                                               "n_recent": args.n_recent}}}
@@ -149,7 +152,10 @@ def run_config(args, cfg, samples, on_cuda):
                     seed=0)
     if not on_cuda:
         settings.update(dtype="float32", max_num_batched_tokens=2048, block_size=32)
+    if (cfg["speedsfi"].get("speed") or {}).get("enabled"):
+        settings["enable_prefix_caching"] = False     # SPEED refuses prefix caching at start-up
     settings.update(json.loads(args.engine_args))
+    settings.update(cfg.get("engine_args") or {})
     metrics.reset()
     t0 = time.time()
     llm = LLM(model=args.model, **settings)
@@ -169,7 +175,7 @@ def run_config(args, cfg, samples, on_cuda):
                 outputs[s.key + ("ids",)] = list(o.outputs[0].token_ids)
             after = metrics.snapshot()
             counters[n] = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)
-                           if k.startswith(("sfi.", "fallback."))}
+                           if k.startswith(("sfi.", "speed.", "critiprefill.", "fallback."))}
             before = after
             log(f"  {cfg['name']}: length {n}: {len(group)} samples in {time.time() - t1:.1f} s")
     finally:

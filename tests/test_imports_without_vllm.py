@@ -14,6 +14,7 @@ TORCH_ONLY = [
     "vllm_ext.sfi.step_plan", "vllm_ext.sfi.slot_tables", "vllm_ext.critiprefill.plan",
     "vllm_ext.device_counters", "vllm_ext.kernels.sfi_plan",
     "vllm_ext.backend.sfi_runtime", "vllm_ext.backend.sfi_path",
+    "vllm_ext.critiprefill.slots", "vllm_ext.backend.critiprefill_path",
 ]
 
 

@@ -95,3 +95,47 @@ def test_speedsfi_forces_the_v1_runner(tiny_models):
     assert cfg.use_v2_model_runner is False
     other = EngineArgs(model=tiny_models["qwen3"], max_model_len=256, enforce_eager=True).create_engine_config()
     assert not any("SPEEDSFI" in f for f in other._get_v2_model_runner_unsupported_features())
+
+
+def test_prefix_hit_and_batch_execution_hooks():
+    """Traffic independence (vllm_ext.sfi.prompt_tail): the scheduler's local prefix-cache hit (cut
+    before the prompt tail) and the runner's uniform-decode decision (no FULL graph for a step with
+    a prompt row) are where vllm_patches / runner_hooks wrap them."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert _params(Scheduler._get_local_prefix_cache_hit) == ["self", "request"]
+    src = inspect.getsource(Scheduler.schedule)
+    assert "request.shared_prefix_boundary,\n                        hit_diverged,\n" \
+           "                    ) = self._get_local_prefix_cache_hit(request)" in src
+    assert [f.name for f in dataclasses.fields(KVCacheBlocks)] == ["blocks"]
+    params = _params(GPUModelRunner._determine_batch_execution_and_padding)
+    assert params[:3] == ["self", "num_tokens", "num_reqs"] and "force_uniform_decode" in params
+    src = inspect.getsource(GPUModelRunner.execute_model)
+    assert "self._determine_batch_execution_and_padding(\n                num_tokens=" in src
+    call = src.split("_determine_batch_execution_and_padding(")[1].split("\n            )\n")[0]
+    assert "allow_microbatching=" in call and "force_uniform_decode" not in call
+
+
+def test_a_step_with_an_sfi_prompt_row_is_not_a_uniform_decode_batch():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_ext import runner_hooks
+    from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.request_state import RequestStateTable
+
+    batch = SimpleNamespace(num_computed_tokens_cpu=np.array([50, 99, 7]),
+                            num_prompt_tokens=np.array([40, 100, 7]))
+    runner = SimpleNamespace(input_batch=batch)
+    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}})
+    runner.__dict__["_speedsfi_request_table"] = RequestStateTable(4, "cpu", config=cfg,
+                                                                   sfi_capacity=4)
+    assert runner_hooks.has_sfi_prompt_rows(runner, 3)     # row 1 computes its last prompt token
+    batch.num_computed_tokens_cpu[1] = 100
+    assert not runner_hooks.has_sfi_prompt_rows(runner, 3)
+    runner.__dict__["_speedsfi_request_table"] = RequestStateTable(4, "cpu")      # SFI off
+    batch.num_computed_tokens_cpu[1] = 99
+    assert not runner_hooks.has_sfi_prompt_rows(runner, 3)

@@ -143,12 +143,21 @@ class CritiPrefillConfig:
     score: Literal["paper", "code"] = "paper"
     min_len: int = 4096                # shorter prompts prefill densely
     dense_layers: tuple[int, ...] = (0,)
+    # system: prompts in the middle of a sparse prefill at once (each holds its key-block
+    # representatives per layer); None = min(max_num_seqs, 4). Beyond it a prompt prefills densely
+    # (counted: fallback.critiprefill_capacity).
+    max_requests: int | None = None
 
     def validate(self) -> None:
         for name in ("segment_size", "block_size", "budget"):
             _positive(f"critiprefill.{name}", getattr(self, name))
         _non_negative("critiprefill.min_len", self.min_len)
         _in_unit("critiprefill.alpha", self.alpha)
+        if self.max_requests is not None:
+            _positive("critiprefill.max_requests", self.max_requests)
+        if self.segment_size % self.block_size:
+            raise ConfigError(f"speedsfi.critiprefill.segment_size ({self.segment_size}) must be a "
+                              f"multiple of critiprefill.block_size ({self.block_size})")
         if self.budget % self.block_size:
             raise ConfigError(f"speedsfi.critiprefill.budget ({self.budget}) must be a multiple of "
                               f"critiprefill.block_size ({self.block_size})")

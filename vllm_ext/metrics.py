@@ -55,8 +55,12 @@ def summary(counts: dict[str, int]) -> str:
     ctx = counts.get("sfi.fast_context_tokens", 0)
     retained = counts.get("sfi.fast_retained_tokens", 0) / ctx if ctx else float("nan")
     fallbacks = {k[9:]: v for k, v in counts.items() if k.startswith("fallback.")}
+    cand = counts.get("critiprefill.key_blocks_candidate", 0)
+    cp = (f"; CritiPrefill sparse prefill tokens {counts.get('critiprefill.prefill_tokens', 0)}, key "
+          f"blocks skipped {counts.get('critiprefill.key_blocks_skipped', 0)} of {cand}"
+          if "critiprefill.key_blocks_candidate" in counts else "")
     return (f"SFI slow steps {slow}, fast steps {fast}, dense decode rows "
-            f"{counts.get('sfi.dense_rows', 0)}, mean retained fraction {retained:.3f}; "
+            f"{counts.get('sfi.dense_rows', 0)}, mean retained fraction {retained:.3f}{cp}; "
             f"fallbacks {fallbacks or 'none'}")
 
 

@@ -73,6 +73,7 @@ class StepState:
     step_id: int
     seq_lens: torch.Tensor | None = None   # int32 [num_rows] (device), the current tokens included
     sfi: Any = None                        # vllm_ext.sfi.step_plan.SfiStep when SFI is configured
+    critiprefill: Any = None               # vllm_ext.critiprefill.slots.CritiPrefillStep (prefill steps)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class SlotCounters:
 class RequestStateTable:
     def __init__(self, max_reqs: int, device: torch.device | str, *,
                  config: SpeedSfiConfig | None = None, sfi_capacity: int = 0,
-                 trigger_lut: torch.Tensor | None = None):
+                 trigger_lut: torch.Tensor | None = None, critiprefill_capacity: int = 0):
         device = torch.device(device)
         self.config = config or SpeedSfiConfig()
         self.device = device
@@ -105,6 +106,13 @@ class RequestStateTable:
             from vllm_ext.sfi.slot_tables import SfiSlotTables
 
             self.sfi = SfiSlotTables(n, sfi_capacity, max_reqs, self.config, trigger_lut, device)
+        # CritiPrefill's slots (prompts in a sparse prefill), when the engine runs CritiPrefill
+        self.critiprefill = None
+        if self.config.critiprefill.enabled and critiprefill_capacity > 0:
+            from vllm_ext.critiprefill.slots import CritiPrefillSlots
+
+            self.critiprefill = CritiPrefillSlots(critiprefill_capacity, max_reqs,
+                                                  self.config.critiprefill, device)
         # per-row buffers
         self._row_slot = PinnedStaging(max_reqs, torch.int32, device)
         self._row_is_decode = PinnedStaging(max_reqs, torch.int32, device)
@@ -161,8 +169,11 @@ class RequestStateTable:
             self.overrides.pop(slot, None)
             if self.sfi is not None:
                 self.sfi.release(slot)
+            if self.critiprefill is not None:
+                self.critiprefill.release(slot)
             self._pending_resets.pop(slot, None)
             self.counters.released += 1
+            metrics.bump("slots.released")       # exported: in use = acquired - released
 
     def acquire(self, req_id: str, prompt_len: int, overrides: Mapping[str, Any] | None = None) -> int:
         if req_id in self.slot_of:
@@ -183,6 +194,7 @@ class RequestStateTable:
                                  "without it (no compact buffers); it decodes densely")
         self._pending_resets[slot] = (prompt_len, sfi_slot, sfi_k, sfi_on)
         self.counters.acquired += 1
+        metrics.bump("slots.acquired")
         return slot
 
     def sync_membership(self, reset_req_ids: Iterable[str],
@@ -277,8 +289,14 @@ class RequestStateTable:
         if self.sfi is not None and seq_lens is not None:
             # planned on every build, real or not: a CUDA-graph capture records the real SFI path
             # over these buffers (its rows are padding, so they plan as dense)
+            sfi_rows = row_is_decode
+            if st.real and num_reqs:
+                # SFI decodes one-query rows only: a resumed request recomputing its generated
+                # tokens (several per row, all "decode") attends densely and leaves SFI state alone
+                q_len = st.query_start_loc[1:num_rows + 1] - st.query_start_loc[:num_rows]
+                sfi_rows = row_is_decode * (q_len == 1)
             sfi_step = self.sfi.plan(row_slot=row_slot, row_last_token=row_last_token,
-                                     row_is_decode=row_is_decode, seq_lens=seq_lens[:num_rows],
+                                     row_is_decode=sfi_rows, seq_lens=seq_lens[:num_rows],
                                      block_table=block_table)
             if st.real and st.host_geometry is not None:
                 sfi_step.prefill_end = self.sfi.plan_prefill_end(
@@ -286,12 +304,19 @@ class RequestStateTable:
                     prompt_len=self.prompt_len_np, host_geometry=st.host_geometry,
                     row_slot_device=row_slot)
             self.sfi.counters.publish()
+        step_id = next(self._step_ids)
+        cp_step = None
+        if self.critiprefill is not None and st.real and st.host_geometry is not None:
+            cp_step = self.critiprefill.plan(num_reqs=num_reqs, row_slots=slots,
+                                             row_is_decode=self._row_is_decode.np,
+                                             prompt_len=self.prompt_len_np,
+                                             host_geometry=st.host_geometry, step_id=step_id)
         step = StepState(num_reqs=num_reqs, num_rows=num_rows, is_real=st.real, row_slot=row_slot,
                          row_prompt_len=row_prompt_len, row_last_token=row_last_token,
                          row_is_decode=row_is_decode, row_slot_np=slots[:num_rows],
                          row_prompt_len_np=self._row_prompt_len_np[:num_rows],
                          row_is_decode_np=self._row_is_decode.np[:num_rows], table=self,
-                         step_id=next(self._step_ids),
+                         step_id=step_id, critiprefill=cp_step,
                          seq_lens=None if seq_lens is None else seq_lens[:num_rows], sfi=sfi_step)
         if self.recorder is not None and st.real:
             self.recorder.append(self.snapshot(step, st.row_req_ids))

@@ -2,12 +2,14 @@
 ``CPUModelRunner`` is a subclass). The hooks stage host-side facts only; the SPEEDSFI metadata
 builders (bound to the runner's table here, once) build the device plan from them.
 
-Two methods are wrapped, both inert unless the runner's config selects SPEEDSFI:
+Three methods are wrapped, all inert unless the runner's config selects SPEEDSFI:
 - ``_update_states(scheduler_output)``: after vLLM has updated its persistent batch, slots follow it
   (finished / aborted / resumed-after-preemption requests get fresh state).
 - ``_build_attention_metadata(...)``: just before the builders run, the step's rows are staged. A real
   step is recognised by ``num_scheduled_tokens`` (``execute_model`` passes it; profiling, warm-up and
   CUDA-graph capture runs do not) and ``for_cudagraph_capture``.
+- ``_determine_batch_execution_and_padding(...)`` (with SFI): a step with a prompt row is not a
+  uniform decode batch, so it never replays a FULL CUDA graph (:func:`has_sfi_prompt_rows`).
 """
 
 from __future__ import annotations
@@ -51,15 +53,20 @@ def _make_table(runner) -> RequestStateTable:
         logging.getLogger("vllm_ext").info("vllm_ext: SFI trigger set: %d of %d vocabulary ids end in "
                                            "%r", len(ids), model_config.get_vocab_size(),
                                            "".join(cfg.sfi.trigger_chars))
-    from vllm_ext.backend.metadata import sfi_capacity
+    from vllm_ext.backend.metadata import critiprefill_capacity, sfi_capacity
 
     table = RequestStateTable(runner.max_num_reqs, runner.device, config=cfg,
-                              sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut)
+                              sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut,
+                              critiprefill_capacity=critiprefill_capacity(runner.vllm_config))
     if table.sfi is not None:
         from vllm_ext import metrics
 
         # device counters, read without synchronising (the latest completed copy)
         metrics.add_provider("sfi", table.sfi.counter_values)
+    if table.critiprefill is not None:
+        from vllm_ext import metrics
+
+        metrics.add_provider("critiprefill", table.critiprefill.counter_values)
     return table
 
 
@@ -144,3 +151,26 @@ def install() -> None:
 
         setattr(_build_attention_metadata, _PATCHED_ATTR, True)
         GPUModelRunner._build_attention_metadata = _build_attention_metadata
+
+    decide = GPUModelRunner._determine_batch_execution_and_padding
+    if not getattr(decide, _PATCHED_ATTR, False):
+        @functools.wraps(decide)
+        def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, *args, **kwargs):
+            if kwargs.get("force_uniform_decode") is None and has_sfi_prompt_rows(self, num_reqs):
+                kwargs["force_uniform_decode"] = False
+            return decide(self, num_tokens, num_reqs, *args, **kwargs)
+
+        setattr(_determine_batch_execution_and_padding, _PATCHED_ATTR, True)
+        GPUModelRunner._determine_batch_execution_and_padding = _determine_batch_execution_and_padding
+
+
+def has_sfi_prompt_rows(runner, num_reqs: int) -> bool:
+    """A real step with SFI whose batch has a prompt row (a prefill chunk, maybe of one token). Such
+    a step is never run as a uniform-decode FULL CUDA graph: a replayed graph would skip the
+    host-planned prompt-tail work of that row (``vllm_ext.sfi.prompt_tail``), and whether a one-token
+    chunk lands in an otherwise all-decode step depends on the other requests."""
+    table = table_of(runner)
+    if table is None or table.sfi is None or num_reqs <= 0:
+        return False
+    batch = runner.input_batch
+    return bool((batch.num_computed_tokens_cpu[:num_reqs] < batch.num_prompt_tokens[:num_reqs]).any())

@@ -13,6 +13,10 @@ inert unless SPEEDSFI is the selected backend, and covered by a contract test
    :class:`vllm_ext.speed.kv_spec.SpeedUpperSpec` (their own KV-cache group, whose manager holds no
    interior prompt blocks). The attention module hard-codes ``FullAttentionSpec`` and a backend's
    ``customize_spec`` does not know the layer, so the layer's spec is the place.
+5. ``Scheduler._get_local_prefix_cache_hit`` (with SFI on): a prefix-cache hit stops before the last
+   ``sfi.w_prefill`` prompt positions, so every request computes the queries of its prefill-end
+   evidence itself (``vllm_ext.sfi.prompt_tail``); otherwise its selection would depend on what
+   other requests left in the cache.
 """
 
 from __future__ import annotations

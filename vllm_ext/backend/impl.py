@@ -13,6 +13,11 @@ device, ``vllm_ext.sfi.step_plan``); ending prefills make the first selection; s
 whatever the rows decide, so vLLM captures it in a FULL CUDA graph; a mixed step runs the dense
 delegate first (piecewise). The forward never synchronises with the host and counts nothing on the
 host: counters are device tensors updated by the plan.
+
+CritiPrefill (``speedsfi.critiprefill.enabled``): in each sparse layer the step's CritiPrefill
+sub-batch (prefill chunks of long prompts, host-planned by ``vllm_ext.critiprefill.slots``) attends
+block-sparsely (``vllm_ext.backend.critiprefill_path``); the rows before it take the dense path (on
+CUDA the delegate, with its metadata cut to those rows). Decode rows are never affected.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from vllm_ext import metrics
-from vllm_ext.backend.metadata import SpeedSfiMetadata, sfi_capacity
+from vllm_ext.backend.metadata import SpeedSfiMetadata, critiprefill_capacity, sfi_capacity
 from vllm_ext.backend.startup import resolve_config
 from vllm_ext.config import ConfigError
 from vllm_ext.kernels import paged_reference
@@ -59,6 +64,11 @@ class SpeedSfiImpl(AttentionImpl):
         self._sfi_layer = None
         self._sfi_rt = None
         self._layer_index = -1
+        self._cp_capacity = critiprefill_capacity(vllm_config)
+        self._cp_layer = None                          # this layer's CritiPrefill tables (sparse layers)
+        self._cp_rt = None
+        self._max_batched = vllm_config.scheduler_config.max_num_batched_tokens
+        self._forward_context = vllm_config.compilation_config.static_forward_context
         self._speed_l_cut = (self.config.speed.resolved_l_cut(
             vllm_config.model_config.get_total_num_hidden_layers())
             if self.config.speed.enabled else 1 << 30)
@@ -71,21 +81,58 @@ class SpeedSfiImpl(AttentionImpl):
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         # Runs before vLLM profiles memory: what is allocated here comes out of its budget.
+        if self._cp_capacity:
+            self._allocate_critiprefill(act_dtype)
         if self._sfi_capacity:
             from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, shared_runtime
 
             device = _device()
             self._sfi_layer = SfiLayerBuffers(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
-                                              self.head_size, act_dtype, device)
-            metrics.log_once("sfi_buffers", "vllm_ext: SFI compact segments: C %d request slots x Hkv "
-                             "%d x (n_sink + k) %d entries x 2D = %.1f MiB per layer", self._sfi_capacity,
-                             self.num_kv_heads, self.config.sfi.n_sink + self.config.sfi.k,
+                                              self.head_size, act_dtype, device,
+                                              num_heads=self.num_heads)
+            metrics.log_once("sfi_buffers", "vllm_ext: SFI per layer %.1f MiB: compact segments C %d "
+                             "request slots x Hkv %d x (n_sink + k) %d entries x 2D + prompt-tail "
+                             "queries C x w_prefill %d x Hq %d x D %d (%.2f MiB)",
                              SfiLayerBuffers.nbytes(self._sfi_capacity, self.num_kv_heads,
-                                                    self.config.sfi, self.head_size, act_dtype) / 2**20)
+                                                    self.config.sfi, self.head_size, act_dtype,
+                                                    num_heads=self.num_heads) / 2**20,
+                             self._sfi_capacity, self.num_kv_heads,
+                             self.config.sfi.n_sink + self.config.sfi.k, self.config.sfi.w_prefill,
+                             self.num_heads, self.head_size,
+                             self._sfi_layer.prompt_tail.queries.nbytes / 2**20)
             self._sfi_rt = shared_runtime(self.config.sfi, capacity=self._sfi_capacity,
                                           max_rows=self._max_rows, num_heads=self.num_heads,
                                           num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                                           max_len=self._max_len, device=device)
+
+    def _own_layer_index(self) -> int:
+        """This impl's layer index, from vLLM's forward context (-1 if not found)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        for name, attn in self._forward_context.items():
+            if getattr(attn, "impl", None) is self:
+                return extract_layer_index(name)
+        return -1
+
+    def _allocate_critiprefill(self, act_dtype: torch.dtype) -> None:
+        from vllm_ext.backend.critiprefill_path import CritiPrefillLayerBuffers, shared_runtime
+
+        cfg = self.config.critiprefill
+        index = self._own_layer_index()
+        if index in cfg.dense_layers or index >= self._speed_l_cut:
+            return                                     # never sparse: no tables
+        device = _device()
+        args = (self._cp_capacity, self.num_heads, self.num_kv_heads, self.head_size, self._max_len, cfg)
+        self._cp_layer = CritiPrefillLayerBuffers(*args, act_dtype, device)
+        self._cp_rt = shared_runtime(cfg, capacity=self._cp_capacity, num_kv_heads=self.num_kv_heads,
+                                     max_len=self._max_len, max_num_batched_tokens=self._max_batched,
+                                     device=device)
+        metrics.log_once("critiprefill_buffers", "vllm_ext: CritiPrefill per sparse layer %.1f MiB: key-block "
+                         "representatives (C %d + 1) x 2 x ceil(max_model_len %d / Bk %d) x Hkv %d x D %d "
+                         "in %s + query carry (C + 1) x 2 x Hq %d x D fp32; C = critiprefill.max_requests",
+                         CritiPrefillLayerBuffers.nbytes(*args, act_dtype) / 2**20, self._cp_capacity,
+                         self._max_len, cfg.block_size, self.num_kv_heads, self.head_size, act_dtype,
+                         self.num_heads)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: SpeedSfiMetadata | None, output: torch.Tensor,
@@ -115,11 +162,10 @@ class SpeedSfiImpl(AttentionImpl):
         if self._dense is not None:
             self._dense.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
             if sfi is None:
-                return self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
+                return self._prefill_attention(layer, query, key, value, kv_cache, md, output)
             return self._forward_sfi_cuda(layer, query, key, value, kv_cache, md, output, sfi)
         paged_reference.write_kv(kv_cache, key, value, md.slot_mapping)
-        paged_reference.dense_paged_attention(query, kv_cache, md.block_table, md.query_start_loc_host,
-                                              md.seq_lens_host, self.scale, output)
+        self._prefill_attention(layer, query, key, value, kv_cache, md, output)
         if sfi is not None:
             self._sfi_prefill_end(query, kv_cache, md, sfi)
         if sfi is not None and md.num_decodes:
@@ -131,6 +177,32 @@ class SpeedSfiImpl(AttentionImpl):
             sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
                        self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index,
                        self.scale, output[:nd], dense_done=True)
+        return output
+
+    def _prefill_attention(self, layer, query, key, value, kv_cache, md, output):
+        """Every row's attention as the dense path gives it, except the rows of the step's
+        CritiPrefill sub-batch in a sparse layer (``vllm_ext.backend.critiprefill_path``): the rows
+        before it go to the dense path (the delegate on CUDA), the sub-batch to CritiPrefill. K/V
+        are already written."""
+        cp = md.step.critiprefill if self._cp_layer is not None else None
+        if cp is not None and self._layer_index in self.config.critiprefill.dense_layers:
+            cp = None
+        if self._dense is not None:
+            if cp is None:
+                return self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
+            if cp.first_row > 0:
+                self._dense.forward(layer, query, key, value, kv_cache, md.delegate_head, output)
+        else:
+            rows = cp.first_row if cp is not None else len(md.seq_lens_host)
+            paged_reference.dense_paged_attention(query, kv_cache, md.block_table,
+                                                  md.query_start_loc_host[:rows + 1],
+                                                  md.seq_lens_host[:rows], self.scale, output)
+        if cp is not None:
+            from vllm_ext.backend.critiprefill_path import critiprefill_prefill
+
+            critiprefill_prefill(query, kv_cache, md.block_table, cp, self.config.critiprefill,
+                                 self._cp_layer, self._cp_rt, self._layer_index, self.scale, output,
+                                 stats=md.step.table.critiprefill.stats)
         return output
 
     def _sfi_prefill_end(self, query, kv_cache, md, sfi) -> None:
@@ -147,8 +219,9 @@ class SpeedSfiImpl(AttentionImpl):
         nd = md.num_decodes
         if md.num_prefills or nd == 0:
             # A step with prefills (never captured in a FULL graph): the delegate computes every row
-            # densely; SFI then makes the ending prefills' selections and runs the decode rows.
-            self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
+            # densely (CritiPrefill's rows block-sparsely); SFI then makes the ending prefills'
+            # selections and runs the decode rows.
+            self._prefill_attention(layer, query, key, value, kv_cache, md, output)
             self._sfi_prefill_end(query, kv_cache, md, sfi)
             if nd:
                 sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,

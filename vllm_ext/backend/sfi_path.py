@@ -82,16 +82,27 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     plan: SfiPrefillEnd, cfg: SfiConfig, layer: SfiLayerBuffers, rt: SfiRuntime,
                     layer_index: int, scale: float) -> None:
-    """First selection of the requests whose prefill ends in this step, from their last
-    ``w_prefill`` queries. Their K/V of this chunk must already be in the cache. Runs eagerly
-    (prefill is never captured); at most ``S`` requests (each holds a compact slot)."""
-    n = plan.rows.shape[0]
-    queries = query[plan.token_idx]                                        # [n, W, Hq, D]
+    """The step's prompt-tail work for one layer: store the queries of prompt positions
+    ``[P - w_prefill, P)`` that this step computes (whatever chunk they fall in), then make the
+    first selection of the requests whose prefill ends in this step from their stored window
+    (:mod:`vllm_ext.sfi.prompt_tail`). The K/V of this step must already be in the cache. Runs eagerly
+    (prefill is never captured); at most ``S`` requests end (each holds a compact slot)."""
+    tail = layer.prompt_tail
+    tail.write(query, plan)
+    n = plan.num_ends
+    if n == 0:
+        return
+    queries = tail.gather(plan)                                            # [n, W, Hq, D]
     tables = block_table[plan.rows]
     entry, scratch = rt.ring.entry(layer_index)
     evidence, norms = scratch.log_evidence[:n], scratch.key_norms[:n]
-    prefill_evidence(queries, kv_cache, tables, plan.seq_lens, plan.allowed_lo, plan.allowed_hi,
-                     scale, evidence, plan.positions, alpha=cfg.alpha, key_norms=norms)
+    # one request at a time: the shapes (and so the reduction orders) of a request's evidence never
+    # depend on how many other prefills end in the same step
+    for i in range(n):
+        e = slice(i, i + 1)
+        prefill_evidence(queries[e], kv_cache, tables[e], plan.seq_lens[e], plan.allowed_lo[e],
+                         plan.allowed_hi[e], scale, evidence[e], plan.positions[e],
+                         alpha=cfg.alpha, key_norms=norms[e])
     rt.ring.submit(entry, lambda: _maintain(
         rt, cfg, layer, kv_cache, tables, plan.sfi_slot, plan.seq_lens, evidence, norms,
         plan.allowed_lo, plan.allowed_hi, plan.k))

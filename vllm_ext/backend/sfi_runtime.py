@@ -3,7 +3,9 @@ decode path runs on (``vllm_ext.backend.sfi_path``). Torch only (no vLLM import)
 drive it without vLLM.
 
 Sizes follow the work, never ``max_num_seqs``:
-- per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = ``sfi.max_requests``);
+- per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = ``sfi.max_requests``),
+  and the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
+  spans prefill chunks);
 - shared by the layers of a device (one :class:`SfiRuntime`):
   - the maintenance ring, ``N`` slots of evidence + key norms, ``2 x N x S x Hkv x L`` fp32
     (``S = C``: a step has at most one slow row per compact slot; ``L = max_model_len``);
@@ -28,19 +30,31 @@ logger = logging.getLogger("vllm_ext")
 
 
 class SfiLayerBuffers:
-    """One layer's compact segments ``[C, Hkv, n_sink + k, 2D]`` and their lengths ``[C]``."""
+    """One layer's compact segments ``[C, Hkv, n_sink + k, 2D]`` and their lengths ``[C]``, and (with
+    ``num_heads``) its prompt-tail queries ``[C, w_prefill, Hq, D]``
+    (:class:`vllm_ext.sfi.prompt_tail.PromptTailQueries`, the prefill-end evidence window)."""
 
     def __init__(self, capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, num_heads: int | None = None):
+        from vllm_ext.sfi.prompt_tail import PromptTailQueries
+
         self.compact_kv = torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k, 2 * head_size,
                                       dtype=dtype, device=device)
         self.compact_len = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.prompt_tail = (None if num_heads is None else
+                            PromptTailQueries(capacity, cfg.w_prefill, num_heads, head_size, dtype,
+                                              device))
 
     @staticmethod
     def nbytes(capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
-               dtype: torch.dtype) -> int:
+               dtype: torch.dtype, num_heads: int | None = None) -> int:
+        from vllm_ext.sfi.prompt_tail import PromptTailQueries
+
         elem = torch.empty((), dtype=dtype).element_size()
-        return capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem + capacity * 4
+        tail = (0 if num_heads is None else
+                PromptTailQueries.nbytes(capacity, cfg.w_prefill, num_heads, head_size, dtype))
+        return (capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem + capacity * 4
+                + tail)
 
 
 @dataclass

@@ -42,7 +42,8 @@ listed). When ``sb - 1 <= budget // block_size`` every preceding block is select
 
 Dense fallbacks: layers in ``dense_layers``; requests whose prompt is shorter than ``min_len``; the
 final segment of the prompt (the one holding position ``prompt_len - 1``; this covers the paper's
-"final partial segment" and, like the authors' code, also a final segment that happens to be full).
+"final partial segment" and, like the authors' code, also a final segment that happens to be full),
+and any segment after it (only a preempted request recomputing its prompt and output has one).
 """
 
 from __future__ import annotations
@@ -266,5 +267,5 @@ def select_for_sequence(q: torch.Tensor, k: torch.Tensor, cfg, fusion: LayerFusi
     if fusion is not None:
         s = fusion(s)
     sel = select_blocks(s, sb, cfg.budget // bk)
-    dense = (seg_ids == (prompt_len - 1) // sq) | torch.tensor(prompt_len < cfg.min_len, device=q.device)
+    dense = (seg_ids >= (prompt_len - 1) // sq) | torch.tensor(prompt_len < cfg.min_len, device=q.device)
     return SequenceSelection(sel=sel, dense=dense, scores=s)

@@ -113,7 +113,10 @@ def build_plan(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, cfg, *,
                layer_idx: int, fusion: LayerFusion | None = None,
                prompt_lens: torch.Tensor | None = None, max_seq_len: int | None = None,
-               max_query_len: int | None = None, keep_scores: bool = False) -> CritiPrefillPlan:
+               max_query_len: int | None = None, keep_scores: bool = False,
+               key_reps: torch.Tensor | None = None,
+               query_reps: tuple[torch.Tensor, torch.Tensor] | None = None,
+               row_dense: torch.Tensor | None = None) -> CritiPrefillPlan:
     """Score and select key blocks for every (request, segment, KV head) of this batch of chunks.
 
     ``query`` ``[T, Hq, D]`` (RoPE applied), ``kv_cache`` ``[pages, Hkv, page, 2D]`` (any strides),
@@ -124,6 +127,13 @@ def build_plan(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     ``max_seq_len``/``max_query_len``: host bounds (vLLM's metadata has them); without them the
     bounds come from the tensor shapes. Layers in ``cfg.dense_layers`` give :func:`dense_plan`
     without touching the fusion state.
+
+    The backend passes what it keeps itself (``vllm_ext.backend.critiprefill_path``): ``key_reps``
+    ``[R, 2, NB, Hkv, D]`` (any float dtype; max, min per criticality block, e.g. a view of its
+    persistent per-request table) instead of reading them from the paged cache; ``query_reps``
+    ``(Qmax, Qmin)`` each ``[R, S, Hq, D]`` fp32 with ``S = max_segments_bound(max_query_len)``;
+    ``row_dense`` bool ``[R]``: rows that attend densely whatever their prompt (rows the host did
+    not give to CritiPrefill this step).
     """
     sq, bk = cfg.segment_size, cfg.block_size
     check_sizes(sq, bk, cfg.budget)
@@ -136,14 +146,23 @@ def build_plan(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     r = seq_lens.shape[0]
     dev = query.device
     s_max = max_segments_bound(qlen_bound, sq)
-    if max_seq_len is None:
-        max_seq_len = block_table.shape[1] * kv_cache.shape[2]
-    nb = max(1, -(-max_seq_len // bk))
+    if key_reps is not None:
+        nb = key_reps.shape[2]
+    else:
+        if max_seq_len is None:
+            max_seq_len = block_table.shape[1] * kv_cache.shape[2]
+        nb = max(1, -(-max_seq_len // bk))
     topk = cfg.budget // bk
 
     qsl, seq, q_lens, ctx, first, nseg = _chunk_geometry(query_start_loc, seq_lens, sq)
-    qmax, qmin = segment_query_representatives(query, query_start_loc, seq_lens, sq, s_max)
-    kreps = block_representatives(kv_cache, block_table, seq_lens, bk, nb)   # [R, 2, NB, Hkv, D]
+    if query_reps is not None:
+        qmax, qmin = query_reps
+        if qmax.shape[1] != s_max:
+            raise ValueError(f"query_reps hold {qmax.shape[1]} segments per row, expected {s_max}")
+    else:
+        qmax, qmin = segment_query_representatives(query, query_start_loc, seq_lens, sq, s_max)
+    kreps = key_reps if key_reps is not None else \
+        block_representatives(kv_cache, block_table, seq_lens, bk, nb)      # [R, 2, NB, Hkv, D]
     kmax, kmin = kreps[:, 0], kreps[:, 1]
 
     seg_abs = first[:, None] + torch.arange(s_max, device=dev)[None, :]     # [R, S]
@@ -164,7 +183,11 @@ def build_plan(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     num_sel = (sel >= 0).sum(dim=-1).to(torch.int32)
     plen = seq if prompt_lens is None else prompt_lens.to(dev).long()
     final_seg = torch.div(plen - 1, sq, rounding_mode="floor")
-    dense = ((plen[:, None] < cfg.min_len) | (seg_abs == final_seg[:, None])) & row_ok
+    # the final segment and any after it (a preempted request recomputing prompt + output tokens)
+    dense = (plen[:, None] < cfg.min_len) | (seg_abs >= final_seg[:, None])
+    if row_dense is not None:
+        dense = dense | row_dense.to(dev, torch.bool)[:, None]
+    dense = dense & row_ok
     return CritiPrefillPlan(
         segment_size=sq, block_size=bk, topk=topk, sel_blocks=sel, num_sel=num_sel, dense=dense,
         first_segment=first.to(torch.int32), num_segments=nseg.to(torch.int32), all_dense=False,

@@ -13,6 +13,15 @@ signature):
     the keys ``[b*Bk, min((b+1)*Bk, seq_len))`` of block ``b``. A partial last block covers the keys
     that exist; blocks with no key (``b*Bk >= seq_len``) are 0 (they are never candidates).
 
+``update_block_representatives(kv_cache, block_table, seq_lens, first_block, block_size, max_blocks, reps, rep_slot)``
+    The incremental form the backend keeps per request (chunked prefill): for row ``i``, blocks
+    ``first_block[i] + j`` (``0 <= j < max_blocks``, host bound) that hold at least one key
+    (``b*Bk < seq_lens[i]``) are recomputed from the paged cache and written to
+    ``reps[rep_slot[i], 0 / 1, b]`` (``reps``: ``[slots, 2, NB, Hkv, D]``, any float dtype: a max or
+    min of cache values is exact in the cache's dtype). Blocks before ``first_block[i]`` are left as
+    they are, so a chunk costs its own blocks (plus the partial block it continues), never the
+    whole prefix. Rows may share a ``rep_slot`` only if it is a scratch slot nobody reads.
+
 ``query_segment_representatives(query, query_start_loc, seq_lens, segment_size, max_segments, *, out=None)``
     The query side (``Qmax, Qmin``) of a batch of prefill chunks: request ``i``'s queries (token rows
     ``query_start_loc[i]:query_start_loc[i+1]`` of ``query [T, Hq, D]``, positions
@@ -67,6 +76,38 @@ if HAS_TRITON:
         o = OUT + r.to(tl.int64) * s_o_r + b.to(tl.int64) * s_o_b + h.to(tl.int64) * s_o_h + offs_d
         tl.store(o, kmax, mask=dmask)
         tl.store(o + s_o_w, kmin, mask=dmask)
+
+    @triton.jit
+    def _block_reps_update_kernel(KV, BT, SEQ, FIRST, SLOT, OUT,
+                                  s_kv_p, s_kv_h, s_kv_n, s_kv_d,
+                                  s_bt_r, s_bt_p,
+                                  s_o_r, s_o_w, s_o_b, s_o_h,
+                                  D: tl.constexpr, D_PAD: tl.constexpr,
+                                  BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr):
+        j = tl.program_id(0)
+        r = tl.program_id(1)
+        h = tl.program_id(2)
+        seq = tl.load(SEQ + r).to(tl.int64)
+        b = tl.load(FIRST + r).to(tl.int64) + j
+        if b * BK >= seq:
+            return
+        slot = tl.load(SLOT + r).to(tl.int64)
+        offs_n = tl.arange(0, BK_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        pos = b * BK + offs_n
+        valid = (offs_n < BK) & (pos < seq)
+        page = tl.load(BT + r.to(tl.int64) * s_bt_r + (pos // PAGE) * s_bt_p, mask=valid, other=0).to(tl.int64)
+        off = pos % PAGE
+        dmask = offs_d < D
+        ptr = KV + page[:, None] * s_kv_p + h.to(tl.int64) * s_kv_h + off[:, None] * s_kv_n \
+            + offs_d[None, :] * s_kv_d
+        m2 = valid[:, None] & dmask[None, :]
+        k = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+        kmax = tl.max(tl.where(m2, k, float("-inf")), axis=0)
+        kmin = tl.min(tl.where(m2, k, float("inf")), axis=0)
+        o = OUT + slot * s_o_r + b * s_o_b + h.to(tl.int64) * s_o_h + offs_d
+        tl.store(o, kmax.to(OUT.dtype.element_ty), mask=dmask)
+        tl.store(o + s_o_w, kmin.to(OUT.dtype.element_ty), mask=dmask)
 
     @triton.jit
     def _query_reps_kernel(Q, QSL, SEQ, OUT,
@@ -173,6 +214,81 @@ def block_representatives(kv_cache: torch.Tensor, block_table: torch.Tensor, seq
     if use_triton(kv_cache):
         return block_representatives_triton(kv_cache, block_table, seq_lens, block_size, num_blocks, out=out)
     return block_representatives_torch(kv_cache, block_table, seq_lens, block_size, num_blocks, out=out)
+
+
+# ------------------------------------------------------------------------- incremental (per request)
+def _check_update(kv_cache: torch.Tensor, reps: torch.Tensor) -> None:
+    hkv, d = kv_cache.shape[1], kv_cache.shape[-1] // 2
+    if reps.dim() != 5 or reps.shape[1] != 2 or tuple(reps.shape[3:]) != (hkv, d) or reps.stride(-1) != 1:
+        raise ValueError(f"reps must be [slots, 2, NB, {hkv}, {d}] with a unit last stride, got "
+                         f"{tuple(reps.shape)}")
+
+
+def update_block_representatives_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                       seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
+                                       max_blocks: int, reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of :func:`update_block_representatives` (vectorised, no host sync)."""
+    _check_update(kv_cache, reps)
+    r = seq_lens.shape[0]
+    nb_max = reps.shape[2]
+    max_blocks = min(max_blocks, nb_max)          # a row's live blocks are fewer than NB
+    if r == 0 or max_blocks <= 0:
+        return reps
+    dev = kv_cache.device
+    page = kv_cache.shape[2]
+    k_cache, _ = split_kv(kv_cache)                                   # [P, H, N, D]
+    seq = seq_lens.to(dev).long()
+    blk = first_block.to(dev).long()[:, None] + torch.arange(max_blocks, device=dev)[None, :]   # [R, J]
+    pos = blk[..., None] * block_size + torch.arange(block_size, device=dev)                   # [R, J, Bk]
+    valid = pos < seq[:, None, None]
+    pidx = (pos // page).clamp(0, block_table.shape[1] - 1)
+    pages = torch.gather(block_table.to(dev).long(), 1, pidx.reshape(r, -1)).reshape(pidx.shape)
+    pages = torch.where(valid, pages, 0)
+    k = k_cache[pages, :, pos % page].float()                         # [R, J, Bk, H, D]
+    vm = valid[..., None, None]
+    kmax = k.masked_fill(~vm, float("-inf")).amax(dim=2)              # [R, J, H, D]
+    kmin = k.masked_fill(~vm, float("inf")).amin(dim=2)
+    live = valid[..., 0]                                              # the block holds a key
+    # Every entry writes (no host-side count): a dead one (no key) writes its location's current
+    # value back. Locations are taken modulo NB: a row's J <= NB consecutive blocks land on distinct
+    # locations, so a dead write never meets a live one of the same row.
+    slot = rep_slot.to(dev).long()[:, None].expand_as(blk)
+    b_w = blk % nb_max
+    cur = reps[slot, :, b_w]                                          # [R, J, 2, H, D]
+    new = torch.stack([kmax, kmin], dim=2).to(reps.dtype)
+    vals = torch.where(live[..., None, None, None], new, cur)
+    reps[slot.reshape(-1), :, b_w.reshape(-1)] = vals.reshape(-1, *vals.shape[2:])
+    return reps
+
+
+def update_block_representatives_triton(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                        seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
+                                        max_blocks: int, reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
+    _check_update(kv_cache, reps)
+    r = seq_lens.shape[0]
+    max_blocks = min(max_blocks, reps.shape[2])
+    if r == 0 or max_blocks <= 0:
+        return reps
+    hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
+    _block_reps_update_kernel[(max_blocks, r, hkv)](
+        kv_cache, block_table, seq_lens, first_block, rep_slot, reps,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0), block_table.stride(1),
+        reps.stride(0), reps.stride(1), reps.stride(2), reps.stride(3),
+        D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)), PAGE=page,
+    )
+    return reps
+
+
+def update_block_representatives(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                 first_block: torch.Tensor, block_size: int, max_blocks: int,
+                                 reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
+    """Recompute the blocks a chunk wrote into a per-request table (see the module docstring)."""
+    if use_triton(kv_cache):
+        return update_block_representatives_triton(kv_cache, block_table, seq_lens, first_block, block_size,
+                                                   max_blocks, reps, rep_slot)
+    return update_block_representatives_torch(kv_cache, block_table, seq_lens, first_block, block_size,
+                                              max_blocks, reps, rep_slot)
 
 
 # ------------------------------------------------------------------------------ query representatives

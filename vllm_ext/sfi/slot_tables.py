@@ -19,9 +19,10 @@ import torch
 from vllm_ext import metrics
 from vllm_ext.config import ConfigError, SpeedSfiConfig
 from vllm_ext.device_counters import DeviceCounters
+from vllm_ext.sfi.prompt_tail import TailRow, makes_prefill_selection, plan_prompt_tail
 from vllm_ext.sfi.step_plan import (NUM_STATS, STAT_CONTEXT, STAT_DENSE, STAT_FAST,
                                     STAT_PREFILL_END, STAT_RETAINED, STAT_SLOW, SfiPlanBuffers,
-                                    SfiStep, plan_prefill_end, plan_step)
+                                    SfiStep, plan_step)
 
 # what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
 # (kernel constants, buffer sizes, the schedule) and is refused loudly
@@ -63,6 +64,7 @@ class SfiSlotTables:
         self._free: list[int] = list(range(capacity - 1, -1, -1))
         self.slot_host: dict[int, int] = {}          # request slot -> compact slot
         self.k_host: dict[int, int] = {}
+        self.first_computed: dict[int, int] = {}     # request slot -> first position it computed
 
     @property
     def stats(self) -> torch.Tensor:
@@ -71,6 +73,7 @@ class SfiSlotTables:
     # ------------------------------------------------------------------ lifecycle (host)
     def assign(self, slot: int, overrides: Mapping[str, Any] | None) -> tuple[int, bool, int]:
         """Compact slot, on/off and ``k`` for a request taking request slot ``slot``."""
+        self.first_computed.pop(slot, None)
         cfg = self.config
         if overrides:
             try:
@@ -97,13 +100,16 @@ class SfiSlotTables:
         sfi_slot = self._free.pop()
         self.slot_host[slot] = sfi_slot
         self.k_host[slot] = k
+        metrics.bump("sfi.slots_assigned")       # exported: in use = assigned - released
         return sfi_slot, True, k
 
     def release(self, slot: int) -> None:
         sfi_slot = self.slot_host.pop(slot, None)
         self.k_host.pop(slot, None)
+        self.first_computed.pop(slot, None)
         if sfi_slot is not None:
             self._free.append(sfi_slot)
+            metrics.bump("sfi.slots_released")
 
     def apply_resets(self, idx: torch.Tensor, sfi_slot: torch.Tensor, sfi_k: torch.Tensor,
                      sfi_on: torch.Tensor) -> None:
@@ -125,32 +131,37 @@ class SfiSlotTables:
 
     def plan_prefill_end(self, *, num_reqs: int, row_slots: np.ndarray, row_is_decode: np.ndarray,
                          prompt_len: np.ndarray, host_geometry, row_slot_device: torch.Tensor):
-        """The requests whose prefill ends in this step (host geometry is exact for prefills)."""
+        """This step's prompt-tail writes and the requests whose prefill ends in it (host geometry
+        is exact for prefill rows); see :mod:`vllm_ext.sfi.prompt_tail`."""
         from vllm_ext.sfi.schedule import mark_selected
 
         cfg = self.cfg
         qsl, computed = host_geometry
-        rows, ends, q_lens, seqs, ks, sfi_slots = [], [], [], [], [], []
+        rows = []
         for row in range(num_reqs):
             slot = int(row_slots[row])
             if row_is_decode[row] or slot not in self.slot_host:
                 continue
-            q_len = int(qsl[row + 1] - qsl[row])
-            seq = int(computed[row]) + q_len
-            k = self.k_host[slot]
-            if seq < prompt_len[slot] or seq <= cfg.n_sink + cfg.n_recent + k:
+            p, k = int(prompt_len[slot]), self.k_host[slot]
+            if not makes_prefill_selection(cfg, p, k):
                 continue
-            rows.append(row); ends.append(int(qsl[row + 1])); q_lens.append(q_len)
-            seqs.append(seq); ks.append(k); sfi_slots.append(self.slot_host[slot])
-        plan = plan_prefill_end(cfg, rows=rows, query_end=ends, q_lens=q_lens, seq_lens=seqs, ks=ks,
-                                sfi_slots=sfi_slots, device=self.device)
-        if plan is not None:
+            done = int(computed[row])
+            first = self.first_computed.setdefault(slot, done)
+            rows.append(TailRow(row=row, token_start=int(qsl[row]), computed=done,
+                                q_len=int(qsl[row + 1] - qsl[row]), prompt_len=p, k=k,
+                                sfi_slot=self.slot_host[slot], first_computed=first))
+        plan, incomplete = plan_prompt_tail(cfg, rows, self.device)
+        if incomplete:
+            metrics.fallback("sfi_prompt_tail_incomplete", "a prefix-cache hit reached into the last "
+                             "w_prefill=%d prompt positions of %d request(s): their prefill-end "
+                             "evidence uses the queries they computed", cfg.w_prefill, incomplete)
+        if plan is not None and plan.num_ends:
             row_slot = row_slot_device[plan.rows]
             mark_selected(self.steps_since_slow, self.has_selection, row_slot,
                           torch.ones_like(plan.rows, dtype=torch.bool))
             n_sel = torch.minimum(plan.k, plan.allowed_hi - plan.allowed_lo)
             self.sel_count.index_copy_(0, row_slot.long(), n_sel)
-            self.stats[STAT_PREFILL_END] += plan.rows.shape[0]
+            self.stats[STAT_PREFILL_END] += plan.num_ends
         return plan
 
     def counter_values(self) -> dict[str, int]:

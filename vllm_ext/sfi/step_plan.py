@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.config import SfiConfig
+from vllm_ext.sfi.prompt_tail import SfiPrefillEnd  # noqa: F401  (the plan's prefill-end part)
 from vllm_ext.sfi.schedule import allowed_range, decide_slow, mark_selected
 
 STAT_SLOW, STAT_FAST, STAT_RETAINED, STAT_CONTEXT, STAT_DENSE = range(5)
@@ -222,49 +223,3 @@ def write_plan(buf: SfiPlanBuffers, rows: int, *, slow, fast, sparse, row_sfi_sl
         if rows:
             torch.index_select(block_table[:rows], 0, src, out=slow_bt[:cap])
     return buf.step_view(rows)
-
-
-@dataclass
-class SfiPrefillEnd:
-    """Requests whose prefill ends in this step and that make their first selection from their last
-    ``w_prefill`` prompt queries (ALGORITHMS.md §1: "prefill ends with a slow step"). Built on the
-    host, where prefill geometry is exact; prefill runs eagerly, outside CUDA graphs."""
-
-    rows: torch.Tensor              # int64 [n]: batch rows
-    token_idx: torch.Tensor         # int64 [n, W]: the queries' token indices in the step's batch
-    positions: torch.Tensor         # int64 [n, W]: their positions (-1 = padding query)
-    seq_lens: torch.Tensor          # int32 [n]
-    allowed_lo: torch.Tensor        # int32 [n]
-    allowed_hi: torch.Tensor        # int32 [n]
-    k: torch.Tensor                 # int32 [n]
-    sfi_slot: torch.Tensor          # int32 [n]
-
-
-def plan_prefill_end(cfg: SfiConfig, *, rows, query_end, q_lens, seq_lens, ks, sfi_slots,
-                     device: torch.device) -> SfiPrefillEnd | None:
-    """Host lists of the ending prefills (already filtered: SFI on, a compact slot, and a history
-    longer than ``n_sink + n_recent + k``) -> device tensors."""
-    import numpy as np
-
-    n = len(rows)
-    if n == 0:
-        return None
-    w = cfg.w_prefill
-    j = np.arange(w)
-    q_lens = np.asarray(q_lens)
-    seq = np.asarray(seq_lens)
-    real = j[None, :] >= (w - np.minimum(q_lens, w))[:, None]             # right-aligned queries
-    token = np.asarray(query_end)[:, None] - w + j[None, :]
-    pos = seq[:, None] - w + j[None, :]
-    token = np.where(real, token, np.asarray(query_end)[:, None] - 1)
-    pos = np.where(real, pos, -1)
-    lo = np.full(n, cfg.n_sink, dtype=np.int32)
-    hi = np.maximum(lo, seq - cfg.n_recent).astype(np.int32)
-
-    def dev(a, dtype):
-        return torch.as_tensor(np.asarray(a), dtype=dtype).to(device, non_blocking=True)
-
-    return SfiPrefillEnd(rows=dev(rows, torch.int64), token_idx=dev(token, torch.int64),
-                         positions=dev(pos, torch.int64), seq_lens=dev(seq, torch.int32),
-                         allowed_lo=dev(lo, torch.int32), allowed_hi=dev(hi, torch.int32),
-                         k=dev(ks, torch.int32), sfi_slot=dev(sfi_slots, torch.int32))

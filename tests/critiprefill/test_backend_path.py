@@ -1,0 +1,301 @@
+"""CritiPrefill as the backend runs it (host plan of ``vllm_ext.critiprefill.slots`` + the per-layer path
+of ``vllm_ext.backend.critiprefill_path``), driven chunk by chunk over a paged cache, against an
+independent oracle: ``select_for_sequence`` on contiguous tensors + attention over explicit visible sets.
+
+Properties (README, "CritiPrefill and chunked prefill"):
+- every chunking gives the oracle of that chunking: each chunk's segments are represented by their
+  queries from the segment's start (the carried part included) to the chunk's end, key blocks are
+  complete, fusion runs over the sparse layers of the step;
+- chunk boundaries on segment boundaries give the unchunked result; other boundaries change only the
+  queries of a cut segment that lie in the earlier chunk;
+- the device counters agree with the host's count of sparse segments and the budget.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import cfg as make_cfg
+from vllm_ext.backend.critiprefill_path import (CritiPrefillLayerBuffers, CritiPrefillRuntime,
+                                                critiprefill_prefill)
+from vllm_ext.critiprefill import LayerFusion, select_for_sequence
+from vllm_ext.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
+                                         STAT_SPARSE_SEGMENTS, CritiPrefillSlots, first_sparse_segment,
+                                         sparse_range)
+from vllm_ext.kernels.paged_reference import attention_over
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+HQ, HKV, D, PAGE = 4, 2, 16, 16
+N = 333                                  # prompt length (final segment 5 is partial)
+SPARSE_LAYERS = (1, 2)                   # layer 0 is dense (dense_layers=(0,)): the path never runs it
+SCALE = 0.25
+
+
+@pytest.fixture(autouse=True)
+def _twins(monkeypatch):
+    """The PyTorch twins (the CPU build's path); the Triton kernels have their own test below."""
+    monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "1")
+
+
+def _cfg(**kw):
+    base = dict(segment_size=64, block_size=16, budget=32, min_len=0, dense_layers=(0,))
+    base.update(kw)
+    return make_cfg(**base)
+
+
+def _data(seed=0, n=N):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in SPARSE_LAYERS:
+        k = torch.randn(n, HKV, D, generator=g)
+        k = k + 1.5 * torch.randn(-(-n // 16), HKV, D, generator=g).repeat_interleave(16, 0)[:n]
+        out[layer] = (torch.randn(n, HQ, D, generator=g), k, torch.randn(n, HKV, D, generator=g))
+    return out
+
+
+def _paged(k, v, seed):
+    """``k``/``v`` of one request in a shuffled paged cache; block table row."""
+    n = k.shape[0]
+    pages = -(-n // PAGE)
+    perm = torch.randperm(pages + 3, generator=torch.Generator().manual_seed(seed))
+    cache = torch.randn(pages + 3, PAGE, HKV, 2 * D).transpose(1, 2) * 9.0   # NHD, junk elsewhere
+    for i in range(pages):
+        a, e = i * PAGE, min(n, (i + 1) * PAGE)
+        cache[perm[i], :, :e - a, :D] = k[a:e].transpose(0, 1)
+        cache[perm[i], :, :e - a, D:] = v[a:e].transpose(0, 1)
+    return cache, perm[:pages].to(torch.int32)
+
+
+def run_path(cfg, data, chunks, *, companion=True, capacity=2, stats=None):
+    """The prompt prefilled in ``chunks`` (lengths) through the backend path. Each step also holds a
+    decode row of another request (before the sub-batch) and, after the prompt's row, the chunk of
+    a short prompt that stays dense. Returns ``{layer: output [N, Hq, D]}``."""
+    n = sum(chunks)
+    slots = CritiPrefillSlots(capacity, max_rows=4, cfg=cfg, device=torch.device("cpu"))
+    rt = CritiPrefillRuntime(cfg, capacity=capacity, num_kv_heads=HKV, max_len=512,
+                             max_num_batched_tokens=max(chunks) + 64, device=torch.device("cpu"))
+    bufs = {layer: CritiPrefillLayerBuffers(capacity, HQ, HKV, D, 512, cfg, torch.float32, torch.device("cpu"))
+            for layer in SPARSE_LAYERS}
+    caches = {}
+    for layer, (q, k, v) in data.items():
+        # the full prompt is in the cache from the start: the path must only read positions < seq
+        cache, bt = _paged(k, v, seed=layer)
+        caches[layer] = (cache, bt)
+    outs = {layer: torch.zeros(n, HQ, D) for layer in SPARSE_LAYERS}
+    short = 40                                                    # the dense companion prompt
+    ctx = 0
+    for step_id, ql in enumerate(chunks):
+        seq = ctx + ql
+        sq = min(8, short)                                        # the short prompt's chunk
+        rows_q = [1, ql, sq] if companion else [ql]
+        qsl = np.cumsum([0] + rows_q)
+        computed = np.array([100, ctx, 0] if companion else [ctx])
+        slots_np = np.array([1, 0, 2] if companion else [0])
+        decode = np.array([1, 0, 0] if companion else [0])
+        prompt_len = np.array([n, 50, short])
+        step = slots.plan(num_reqs=len(rows_q), row_slots=slots_np, row_is_decode=decode,
+                          prompt_len=prompt_len, host_geometry=(qsl, computed), step_id=step_id)
+        for layer in SPARSE_LAYERS:
+            q, _, _ = data[layer]
+            cache, bt = caches[layer]
+            table = bt[None, :].repeat(len(rows_q), 1)            # the other rows' keys: any pages
+            query = torch.randn(int(qsl[-1]) + 3, HQ, D) * 5.0       # other rows and padding: junk
+            mine = slice(int(qsl[1]), int(qsl[2])) if companion else slice(0, ql)
+            query[mine] = q[ctx:seq]
+            out = torch.full_like(query, float("nan"))
+            if step is not None:
+                critiprefill_prefill(query, cache, table, step, cfg, bufs[layer], rt, layer, SCALE, out,
+                                     stats=stats)
+                assert step.first_row == (1 if companion else 0)
+                assert torch.isnan(out[:int(qsl[step.first_row])]).all()   # rows before: untouched
+                outs[layer][ctx:seq] = out[mine]
+            else:
+                outs[layer][ctx:seq] = _dense(q[ctx:seq], data[layer], ctx, seq)
+        ctx = seq
+    return outs
+
+
+def _dense(q, layer_data, ctx, seq):
+    _, k, v = layer_data
+    pos = torch.arange(ctx, seq)
+    mask = torch.arange(seq)[None, :] <= pos[:, None]
+    return attention_over(q, k[:seq].transpose(0, 1), v[:seq].transpose(0, 1), SCALE, mask)[0]
+
+
+def oracle(cfg, data, chunks):
+    """Per chunk: ``select_for_sequence`` from the chunk's first segment start (the carried queries)
+    to its end, layer fusion over the step's sparse layers, attention over the visible sets."""
+    n = sum(chunks)
+    sq, bk = cfg.segment_size, cfg.block_size
+    outs = {layer: torch.zeros(n, HQ, D) for layer in SPARSE_LAYERS}
+    ctx = 0
+    for ql in chunks:
+        seq = ctx + ql
+        s0 = ctx // sq * sq
+        fusion = LayerFusion(cfg.fusion, cfg.alpha)
+        for layer in SPARSE_LAYERS:
+            q, k, v = data[layer]
+            r = select_for_sequence(q[s0:seq], k[:seq], cfg, fusion, ctx_len=s0, prompt_len=n)
+            mask = torch.zeros(ql, HQ, seq, dtype=torch.bool)
+            g = HQ // HKV
+            for p in range(ctx, seq):
+                j = p // sq
+                loc = j - ctx // sq
+                for h in range(HKV):
+                    vis = torch.zeros(seq, dtype=torch.bool)
+                    if r.dense[loc]:
+                        vis[:j * sq] = True
+                    else:
+                        for blk in r.sel[loc, h].tolist():
+                            if blk >= 0:
+                                vis[blk * bk:(blk + 1) * bk] = True
+                    vis[j * sq:p + 1] = True
+                    mask[p - ctx, h * g:(h + 1) * g] = vis
+            o, _ = attention_over(q[ctx:seq], k[:seq].transpose(0, 1), v[:seq].transpose(0, 1), SCALE, mask)
+            outs[layer][ctx:seq] = o
+        ctx = seq
+    return outs
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+SCHEDULES = {
+    "one chunk": [N],
+    "segment aligned": [128, 64, 141],
+    "cut mid-segment": [100, 37, 130, 66],
+    "one-token chunk": [100, 1, 232],
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("score,fusion", [("paper", "paper"), ("code", "ema")])
+def test_path_equals_the_oracle_of_its_chunking(name, score, fusion):
+    cfg = _cfg(score=score, fusion=fusion)
+    data = _data(1)
+    chunks = SCHEDULES[name]
+    got = run_path(cfg, data, chunks)
+    if name == "one-token chunk":
+        # the one-token chunk (position 100) attends densely; the rest is the oracle of [100, 233]
+        want = oracle(cfg, data, [100, 233])
+        for layer in SPARSE_LAYERS:
+            _close(got[layer][100], _dense(data[layer][0][100:101], data[layer], 100, 101)[0])
+            _close(got[layer][:100], want[layer][:100])
+            _close(got[layer][101:], _oracle_tail(cfg, data, layer))
+        return
+    want = oracle(cfg, data, chunks)
+    for layer in SPARSE_LAYERS:
+        _close(got[layer], want[layer])
+
+
+def _oracle_tail(cfg, data, layer):
+    """Chunk [101, 333) after the dense one-token chunk: the segment holding 101 is represented by
+    its queries from 101 on (the carry does not span the dense chunk)."""
+    n, ctx = N, 101
+    seq = n
+    out = torch.zeros(n - ctx, HQ, D)
+    fusion = LayerFusion(cfg.fusion, cfg.alpha)
+    sq, bk = cfg.segment_size, cfg.block_size
+    for lyr in SPARSE_LAYERS:
+        q, k, v = data[lyr]
+        r = select_for_sequence(q[ctx:seq], k[:seq], cfg, fusion, ctx_len=ctx, prompt_len=n)
+        if lyr != layer:
+            continue
+        g = HQ // HKV
+        mask = torch.zeros(seq - ctx, HQ, seq, dtype=torch.bool)
+        for p in range(ctx, seq):
+            j = p // sq
+            loc = j - ctx // sq
+            for h in range(HKV):
+                vis = torch.zeros(seq, dtype=torch.bool)
+                if r.dense[loc]:
+                    vis[:j * sq] = True
+                else:
+                    for blk in r.sel[loc, h].tolist():
+                        if blk >= 0:
+                            vis[blk * bk:(blk + 1) * bk] = True
+                vis[j * sq:p + 1] = True
+                mask[p - ctx, h * g:(h + 1) * g] = vis
+        out, _ = attention_over(q[ctx:seq], k[:seq].transpose(0, 1), v[:seq].transpose(0, 1), SCALE, mask)
+    return out
+
+
+def test_what_depends_on_the_chunk_boundaries():
+    cfg = _cfg()
+    data = _data(4)                  # (with some seeds the partial queries happen to select the same)
+    whole = run_path(cfg, data, [N])
+    aligned = run_path(cfg, data, [64, 192, 77])
+    cut = run_path(cfg, data, [100, 37, 130, 66])
+    for layer in SPARSE_LAYERS:
+        _close(aligned[layer], whole[layer])                 # boundaries on segments: no change
+        # cuts at 100, 137, 267: only [64, 100), [128, 137), [256, 267) may differ
+        earlier = torch.zeros(N, dtype=torch.bool)
+        for c in (100, 137, 267):
+            earlier[c // 64 * 64:c] = True
+        _close(cut[layer][~earlier], whole[layer][~earlier])
+        diff = (cut[layer][earlier] - whole[layer][earlier]).abs().amax()
+        assert diff > 1e-3, "the earlier part of a cut segment selects from its own queries"
+    # and the sparse path really is sparse: it differs from dense attention
+    dense = _dense(data[1][0], data[1], 0, N)
+    assert (whole[1] - dense).abs().amax() > 1e-2
+
+
+def test_budget_covering_the_prompt_plans_nothing():
+    """Every segment's candidates fit the budget: no row runs CritiPrefill (the dense path does)."""
+    cfg = _cfg(budget=512)
+    lo, hi = sparse_range(cfg, N)
+    assert lo >= hi
+    slots = CritiPrefillSlots(2, max_rows=4, cfg=cfg, device=torch.device("cpu"))
+    assert slots.plan(num_reqs=1, row_slots=np.array([0]), row_is_decode=np.array([0]),
+                      prompt_len=np.array([N]), host_geometry=(np.array([0, N]), np.array([0])),
+                      step_id=0) is None
+
+
+def test_device_counters_match_the_host_plan():
+    cfg = _cfg()
+    data = _data(4)
+    stats = torch.zeros(3, dtype=torch.int64)
+    run_path(cfg, data, [64, 192, 77], stats=stats)
+    # sparse segments: 64-token segments 1..4 (segment 0 has no candidate beyond the sink, 5 is final);
+    # segment j: 4j candidate blocks, 1 + budget/Bk = 3 selected, per KV head and sparse layer
+    j_lo = first_sparse_segment(cfg)
+    segs = list(range(j_lo, (N - 1) // 64))
+    assert segs == [1, 2, 3, 4]
+    per = HKV * len(SPARSE_LAYERS)
+    assert stats[STAT_SPARSE_SEGMENTS] == len(segs) * per
+    assert stats[STAT_BLOCKS_CANDIDATE] == sum(4 * j for j in segs) * per
+    assert stats[STAT_BLOCKS_SELECTED] == 3 * len(segs) * per
+
+
+def test_min_len_and_short_prompts_stay_dense():
+    cfg = _cfg(min_len=N + 1)
+    slots = CritiPrefillSlots(2, max_rows=4, cfg=cfg, device=torch.device("cpu"))
+    step = slots.plan(num_reqs=1, row_slots=np.array([0]), row_is_decode=np.array([0]),
+                      prompt_len=np.array([N]), host_geometry=(np.array([0, N]), np.array([0])), step_id=0)
+    assert step is None
+
+
+def test_triton_kernels_in_the_path_match_the_twins(monkeypatch):
+    from vllm_ext.kernels.triton_utils import HAS_TRITON, interpret_mode
+
+    if not HAS_TRITON or not (torch.cuda.is_available() or interpret_mode()):
+        pytest.skip("no Triton")
+    cfg = _cfg()
+    data = _data(5, n=200)
+    chunks = [90, 110]
+    twin = run_path(cfg, data, chunks)
+    monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "0")
+    from vllm_ext.kernels import block_representatives, block_sparse_prefill
+
+    def twin_ran(*args, **kwargs):
+        raise AssertionError("a PyTorch twin ran where the Triton kernel should")
+
+    for module, name in [(block_sparse_prefill, "block_sparse_prefill_torch"),
+                         (block_representatives, "update_block_representatives_torch"),
+                         (block_representatives, "query_segment_representatives_torch")]:
+        monkeypatch.setattr(module, name, twin_ran)
+    tri = run_path(cfg, data, chunks)
+    for layer in SPARSE_LAYERS:
+        torch.testing.assert_close(tri[layer], twin[layer], rtol=1e-4, atol=1e-5)

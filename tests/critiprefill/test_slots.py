@@ -1,0 +1,102 @@
+"""The host plan of CritiPrefill's rows (``vllm_ext.critiprefill.slots``): which rows, the sub-batch,
+slot lifetime and capacity, what each chunk recomputes, when the query carry is valid."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import cfg as make_cfg
+from vllm_ext import metrics
+from vllm_ext.critiprefill.slots import CritiPrefillSlots, first_sparse_segment, sparse_range
+
+
+def _cfg(**kw):
+    base = dict(segment_size=64, block_size=16, budget=32, min_len=0, dense_layers=(0,))
+    base.update(kw)
+    return make_cfg(**base)
+
+
+class Driver:
+    """Rows: (request slot, is_decode, tokens computed, q_len); prompt lengths per request slot."""
+
+    def __init__(self, capacity=2, **kw):
+        self.cfg = _cfg(**kw)
+        self.slots = CritiPrefillSlots(capacity, max_rows=8, cfg=self.cfg, device=torch.device("cpu"))
+        self.prompt_len = np.zeros(8, dtype=np.int32)
+        self.step_id = 0
+
+    def step(self, rows):
+        qsl = np.cumsum([0] + [r[3] for r in rows])
+        self.step_id += 1
+        return self.slots.plan(num_reqs=len(rows), row_slots=np.array([r[0] for r in rows]),
+                               row_is_decode=np.array([r[1] for r in rows]), prompt_len=self.prompt_len,
+                               host_geometry=(qsl, np.array([r[2] for r in rows])), step_id=self.step_id)
+
+
+def test_sparse_range_rules():
+    c = _cfg()                                   # 4 blocks per segment, 2 selected + sink
+    assert first_sparse_segment(c) == 1          # segment 1: 4 candidates > 1 + 2
+    assert sparse_range(c, 333) == (64, 320)     # final segment 5 is dense
+    assert sparse_range(c, 64) == (64, 0)        # one segment: nothing sparse
+    assert sparse_range(_cfg(min_len=400), 333) == (0, 0)
+    assert first_sparse_segment(_cfg(budget=64)) == 2     # segment 1's 3 candidates all fit 4
+
+
+def test_sub_batch_rows_and_dense_rows():
+    d = Driver()
+    d.prompt_len[:4] = [500, 30, 333, 200]
+    # decode row, one-token chunk of a long prompt, a long chunk, a short prompt's chunk
+    st = d.step([(3, 1, 200, 1), (0, 0, 150, 1), (2, 0, 0, 200), (1, 0, 0, 30)])
+    assert st.first_row == 2 and st.rows == 2 and st.token_start == 2 and st.token_end == 232
+    assert st.query_start_loc.tolist() == [0, 200, 230]
+    assert st.row_dense.tolist() == [False, True]
+    assert st.rep_slot.tolist() == [0, 2]          # slot 0; the scratch slot C = 2
+    assert st.update_first.tolist() == [0, 2]      # new slot: every block; dense row: nothing
+    assert st.last_segment.tolist() == [3, 0]
+    assert st.sparse_tokens == 200 - 64 and st.sparse_segments == 3
+    assert d.slots.slot_of == {2: 0}
+
+
+def test_chunks_update_their_blocks_and_carry_cut_segments():
+    d = Driver()
+    d.prompt_len[0] = 333
+    st = d.step([(0, 0, 0, 100)])
+    assert st.update_first.tolist() == [0] and st.max_update_blocks == 7 and not st.carry_valid[0]
+    st = d.step([(0, 0, 100, 37)])                 # continues block 6 and segment 1
+    assert st.update_first.tolist() == [6] and st.max_update_blocks == 3 and bool(st.carry_valid[0])
+    st = d.step([(0, 0, 137, 1)])                  # a one-token chunk: dense, no CritiPrefill row
+    assert st is None
+    st = d.step([(0, 0, 138, 62)])                 # catches up from block 8; carry is stale
+    assert st.update_first.tolist() == [8] and not st.carry_valid[0]
+    st = d.step([(0, 0, 200, 133)])                # ends the prompt: the slot frees at the next step
+    assert d.slots.slot_of == {0: 0}
+    assert d.step([(0, 1, 333, 1)]) is None and d.slots.slot_of == {}
+
+
+def test_prefix_cache_hit_computes_the_cached_blocks_once():
+    d = Driver()
+    d.prompt_len[0] = 333
+    st = d.step([(0, 0, 192, 100)])                # 192 tokens came from the prefix cache
+    assert st.update_first.tolist() == [0] and st.max_update_blocks == 19
+    st = d.step([(0, 0, 292, 41)])
+    assert st.update_first.tolist() == [18]
+
+
+def test_capacity_fallback_and_release():
+    metrics.reset()
+    d = Driver(capacity=1)
+    d.prompt_len[:2] = [333, 333]
+    st = d.step([(0, 0, 0, 100), (1, 0, 0, 100)])
+    assert st.first_row == 0 and st.row_dense.tolist() == [False, True]
+    assert metrics.snapshot()["fallback.critiprefill_capacity"] == 1
+    d.slots.release(0)                             # request 0 finished / was preempted
+    st = d.step([(1, 0, 100, 100)])                # request 1 takes the slot: every block from 0
+    assert st.rep_slot.tolist() == [0] and st.update_first.tolist() == [0]
+    assert not st.carry_valid[0]
+
+
+@pytest.mark.parametrize("decode", [0, 1])
+def test_rows_without_sparse_segments_plan_nothing(decode):
+    d = Driver()
+    d.prompt_len[0] = 333
+    assert d.step([(0, decode, 0 if not decode else 333, 64 if not decode else 1)]) is None

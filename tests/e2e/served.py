@@ -1,0 +1,104 @@
+"""A real ``vllm serve --attention-backend speedsfi`` process for tests (CPU build), its OpenAI client
+and its ``/metrics``; torn down on exit (the process group is signalled, nothing else)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, base: str, model_name: str, proc: subprocess.Popen, log_path: str):
+        self.base, self.model_name, self.proc, self.log_path = base, model_name, proc, log_path
+
+    def client(self, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base + "/v1", api_key="unused", **kwargs)
+
+    def healthy(self) -> bool:
+        import httpx
+
+        try:
+            return (self.proc.poll() is None
+                    and httpx.get(self.base + "/health", timeout=10).status_code == 200)
+        except httpx.HTTPError:
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {name{labels}: value} (comments dropped)."""
+        import httpx
+
+        text = httpx.get(self.base + "/metrics", timeout=30).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def events(self) -> dict[str, int]:
+        """SPEEDSFI's counters (``speedsfi_events_total{event=...}``), summed over the processes."""
+        pat = re.compile(r'^speedsfi_events_total\{event="([^"]+)"\}$')
+        return {m.group(1): int(v) for k, v in self.metrics().items() if (m := pat.match(k))}
+
+    def log_tail(self, n: int = 6000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def vllm_serve(model: str, log_path: str, *, additional_config: dict | None = None,
+               args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               startup_timeout_s: float = 300):
+    port = _free_port()
+    name = "speedsfi-test"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+           "--attention-backend", "speedsfi", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", name, "--enforce-eager", "--dtype", "float32", *args]
+    if additional_config is not None:
+        cmd += ["--additional-config", json.dumps(additional_config)]
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                    SPEEDSFI_FORCE_TORCH_KERNELS="1", VLLM_EXT_TRACE_INTERVAL_S="0")
+    full_env.update(env or {})
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", name, proc, log_path)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not server.healthy():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not become healthy (exit code {proc.poll()}):\n"
+                                   + server.log_tail())
+            time.sleep(0.5)
+        yield server
+    finally:
+        _stop(proc)

@@ -1,0 +1,73 @@
+"""An answer depends only on its request (DESIGN.md, 2026-11-23): the same prompt gives the same greedy
+tokens with SFI on however its prefill is split into chunks (the token budget decides here; under
+load the other requests do) and whatever an earlier request left in the prefix cache. Real vLLM,
+CPU build, fp32, the issue's SFI budget (``k`` 64, ``n_recent`` 64, ``w_prefill`` 16)."""
+
+import pytest
+
+from tests.e2e.engine import engine, greedy, model_runner, random_prompts
+from vllm_ext.runner_hooks import table_of
+from vllm_ext.sfi.step_plan import STAT_FAST, STAT_PREFILL_END
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SFI = {"enabled": True, "k": 64, "n_recent": 64}
+PROMPT = random_prompts(lengths=(1001,), seed=13)[0]
+# budget -> chunks of the 1001-token prompt: one chunk; 997 + 4; 500 + 500 + 1; 256 x 3 + 233
+BUDGETS = (1001, 997, 500, 256)
+MAX_TOKENS = 24
+
+
+def _run(model, budget, sfi):
+    extra = {"speedsfi": {"sfi": sfi}} if sfi else {}
+    with engine(model, "SPEEDSFI", max_model_len=2048, max_num_batched_tokens=budget,
+                additional_config=extra) as llm:
+        table = table_of(model_runner(llm))
+        table.recorder = []
+        tokens = greedy(llm, [PROMPT], max_tokens=MAX_TOKENS)[0]
+        stats = table.sfi_stats.tolist() if table.sfi is not None else None
+        chunks = sum(1 for step in table.recorder for v in step.values() if not v["is_decode"])
+    return tokens, stats, chunks
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models):
+    return {(sfi, budget): _run(tiny_models["qwen3"], budget, SFI if sfi else None)
+            for sfi in (False, True) for budget in BUDGETS}
+
+
+def test_chunking_does_not_change_sfi_tokens(runs):
+    sfi = {b: runs[True, b] for b in BUDGETS}
+    for budget, (_, stats, chunks) in sfi.items():
+        assert chunks == -(-len(PROMPT) // budget)          # the prefill really was split so
+        assert stats[STAT_PREFILL_END] == 1 and stats[STAT_FAST] > 0
+    one_chunk = sfi[BUDGETS[0]][0]
+    for budget, (tokens, _, _) in sfi.items():
+        assert tokens == one_chunk, f"max_num_batched_tokens={budget} changed the answer"
+
+
+def test_dense_control(runs):
+    dense = {b: runs[False, b][0] for b in BUDGETS}
+    assert all(t == dense[BUDGETS[0]] for t in dense.values())
+    # SFI really decodes sparsely here: its answer is not the dense one
+    assert runs[True, BUDGETS[0]][0] != dense[BUDGETS[0]]
+
+
+def test_prefix_cache_hit_reaching_into_the_prompt_tail(tiny_models):
+    """645 tokens with 32-token blocks: vLLM would reuse 640 cached tokens and compute 5, fewer than
+    ``w_prefill``. The hit is cut to 608 so the request computes its whole evidence window, and a
+    different prompt that used the same compact slot in between changes nothing."""
+    from vllm import SamplingParams
+
+    a, b = random_prompts(lengths=(645, 645), seed=21)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with engine(tiny_models["qwen3"], "SPEEDSFI", max_model_len=2048, max_num_batched_tokens=1024,
+                enable_prefix_caching=True, additional_config={"speedsfi": {"sfi": SFI}}) as llm:
+        table = table_of(model_runner(llm))
+        cold = greedy(llm, [a], max_tokens=MAX_TOKENS)[0]
+        greedy(llm, [b], max_tokens=MAX_TOKENS)
+        warm = llm.generate([{"prompt_token_ids": a}], sp, use_tqdm=False)[0]
+        stats = table.sfi_stats.tolist()
+    assert warm.num_cached_tokens == 608
+    assert list(warm.outputs[0].token_ids) == cold
+    assert stats[STAT_PREFILL_END] == 3 and stats[STAT_FAST] > 0

@@ -1,0 +1,48 @@
+"""The vLLM 0.32 internals CritiPrefill's CUDA route relies on: the Triton delegate can attend a
+prefix of the batch's rows from its metadata cut to those rows (``metadata.delegate_head``)."""
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+
+def test_delegate_head_cuts_the_triton_metadata_to_the_first_rows():
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
+
+    from vllm_ext.backend.metadata import delegate_head
+
+    q_lens = [1, 1, 7, 40, 5]                       # two decodes, a dense prefill, the sub-batch
+    qsl = torch.tensor([0, 1, 2, 9, 49, 54], dtype=torch.int32)
+    seq = torch.tensor([30, 12, 7, 300, 5], dtype=torch.int32)
+    bt = torch.arange(50, dtype=torch.int32).reshape(5, 10)
+    slots = torch.arange(64)
+    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=5,
+                                 num_actual_tokens=64, max_query_len=40, max_seq_len=300,
+                                 block_table_tensor=bt, slot_mapping=slots)
+    scratch = torch.zeros(1)
+    md = TritonAttentionMetadata(num_actual_tokens=64, max_query_len=40, query_start_loc=qsl,
+                                 max_seq_len=300, seq_lens=seq, block_table=bt, slot_mapping=slots,
+                                 seq_threshold_3D=0, num_par_softmax_segments=16,
+                                 softmax_segm_output=scratch, softmax_segm_max=scratch,
+                                 softmax_segm_expsum=scratch, causal=True)
+    head = delegate_head(md, cm, 3)
+    assert head.num_actual_tokens == 9 and head.max_query_len == 7
+    assert head.query_start_loc.tolist() == [0, 1, 2, 9] and head.seq_lens.tolist() == [30, 12, 7]
+    assert torch.equal(head.block_table, bt[:3]) and head.slot_mapping.shape[0] == 9
+    assert head.max_seq_len == 300 and head.softmax_segm_output is scratch
+    assert md.num_actual_tokens == 64                # the full metadata is left as it is
+    assert delegate_head(md, cm, 0) is None
+    # what the delegate's forward reads of its metadata: every per-row field is cut above
+    src = inspect.getsource(TritonAttentionImpl.forward)
+    per_row = {"query_start_loc", "seq_lens", "block_table", "num_actual_tokens", "max_query_len"}
+    read = {f.name for f in dataclasses.fields(TritonAttentionMetadata) if f"attn_metadata.{f.name}" in src}
+    assert per_row <= read
+    assert read - per_row <= {"max_seq_len", "seq_threshold_3D", "num_par_softmax_segments",
+                              "softmax_segm_output", "softmax_segm_max", "softmax_segm_expsum",
+                              "causal", "mm_prefix_range", "mm_prefix_range_tensor", "rswa_prefix_lens",
+                              "rswa_window"}
