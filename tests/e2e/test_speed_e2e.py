@@ -191,3 +191,29 @@ def test_prompt_logprobs_are_refused_and_abort_frees_both_groups(speed_models):
         # the engine still answers exactly after the aborts
         assert greedy(llm, PROMPTS[:2], max_tokens=MAX_TOKENS) == \
             speed_greedy(speed_models["llama"], PROMPTS[:2], MAX_TOKENS, L_CUT)
+
+
+def test_speed_with_critiprefill_sparsifies_only_the_lower_layers(speed_models):
+    """CritiPrefill runs on the lower layers' prefill (the upper layers hold no prompt): a covering
+    budget is SPEED exactly; a small one runs the sparse path in the lower layers only."""
+    from vllm_ext import metrics
+
+    model = speed_models["llama"]
+    small = {"enabled": True, "segment_size": 64, "block_size": 16, "budget": 32, "min_len": 0,
+             "dense_layers": []}
+
+    def run(cp):
+        metrics.reset()
+        cfg = {"speedsfi": {"speed": {"enabled": True, "l_cut": L_CUT}, "critiprefill": cp}}
+        with engine(model, "SPEEDSFI", additional_config=cfg, enable_prefix_caching=False) as llm:
+            tokens = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
+            return tokens, metrics.snapshot()
+
+    covering, _ = run(dict(small, budget=1024))
+    assert covering == speed_greedy(model, PROMPTS, MAX_TOKENS, L_CUT)
+    sparse, counts = run(small)
+    segs = counts["critiprefill.sparse_segments"]
+    assert segs > 0
+    # every sparse segment ran in the L_CUT lower layers (x 2 KV heads), never in the upper one
+    assert counts["critiprefill.sparse_segment_heads"] == segs * 2 * L_CUT
+    assert sparse != covering
