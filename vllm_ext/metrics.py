@@ -133,17 +133,61 @@ def totals(trace_dir: str | None = None) -> dict[str, int]:
     return dict(merged)
 
 
+_HIST_PREFIX = "sfi.fast_retained_fraction_le_"
+_HIST_SUM = "sfi.fast_retained_fraction_sum_ppm"
+# counters also exported under their own names, with units (Prometheus conventions)
+_NAMED_COUNTERS = (
+    ("sfi.fast_retained_tokens", "speedsfi_sfi_fast_retained_tokens",
+     "KV tokens read by SFI fast decode steps (per row and step)"),
+    ("sfi.fast_context_tokens", "speedsfi_sfi_fast_context_tokens",
+     "context tokens of the rows on SFI fast decode steps (retained / context = retained fraction)"),
+    ("speed.blocks_saved", "speedsfi_speed_kv_blocks_saved",
+     "upper-layer KV blocks SPEED never allocated (interior prompt blocks)"),
+    ("speed.upper_tokens_skipped", "speedsfi_speed_upper_layer_tokens_skipped",
+     "prompt tokens that skipped the layers at and above l_cut"),
+    ("critiprefill.prefill_tokens", "speedsfi_critiprefill_prefill_tokens",
+     "prompt tokens prefilled block-sparsely by CritiPrefill"),
+)
+
+
+def prometheus_families(counts: dict[str, int]):
+    """The metric families of ``counts`` (every process's counters summed):
+
+    * ``speedsfi_events_total{event}``: every counter (fallbacks, steps, slots, ...);
+    * ``speedsfi_sfi_slots_in_use`` / ``speedsfi_request_slots_in_use``: gauges (assigned - released);
+    * ``speedsfi_sfi_fast_retained_fraction``: histogram of retained / context tokens per fast row-step
+      (buckets 1, 2, 5, 10, 20, 50 %, +Inf = the fast row-steps), from the device counters;
+    * the main token and block counters under their own names (``*_tokens_total``, ``*_blocks_total``).
+    """
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    events = CounterMetricFamily("speedsfi_events", "SPEEDSFI backend events (vllm_ext)", labels=["event"])
+    for key, value in sorted(counts.items()):
+        if not key.startswith(_HIST_PREFIX) and key != _HIST_SUM:
+            events.add_metric([key], value)
+    yield events
+    yield GaugeMetricFamily("speedsfi_request_slots_in_use", "requests holding a SPEEDSFI request slot",
+                            value=counts.get("slots.acquired", 0) - counts.get("slots.released", 0))
+    yield GaugeMetricFamily("speedsfi_sfi_slots_in_use",
+                            "requests holding an SFI compact-segment slot (at most sfi.max_requests)",
+                            value=counts.get("sfi.slots_assigned", 0) - counts.get("sfi.slots_released", 0))
+    for key, name, doc in _NAMED_COUNTERS:
+        if key in counts:
+            yield CounterMetricFamily(name, doc, value=counts[key])
+    bounds = sorted((int(k[len(_HIST_PREFIX):-3]), v) for k, v in counts.items() if k.startswith(_HIST_PREFIX))
+    if bounds:
+        buckets = [(f"{pct / 100:g}", v) for pct, v in bounds] + [("+Inf", counts.get("sfi.fast_steps", 0))]
+        yield HistogramMetricFamily(
+            "speedsfi_sfi_fast_retained_fraction",
+            "retained / context tokens of each row on an SFI fast decode step", buckets=buckets,
+            sum_value=counts.get(_HIST_SUM, 0) / 1e6)
+
+
 class PrometheusCollector:
-    """``speedsfi_events_total{event}``: every counter, summed over the engine's processes."""
+    """SPEEDSFI's metrics on vLLM's ``/metrics``, summed over the engine's processes on each scrape."""
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        family = CounterMetricFamily("speedsfi_events", "SPEEDSFI backend events (vllm_ext)",
-                                     labels=["event"])
-        for key, value in sorted(totals().items()):
-            family.add_metric([key], value)
-        yield family
+        yield from prometheus_families(totals())
 
 
 _collector_registered = False

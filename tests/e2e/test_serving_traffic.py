@@ -107,6 +107,13 @@ def test_concurrent_answers_equal_one_at_a_time_answers(tiny_models, tmp_path):
         assert events["sfi.fast_steps"] > events["sfi.slow_steps"] > 0
         assert events.get("sfi.prefix_hit_tokens_cut", 0) > 0          # the cache was hit, and cut
         assert not {k for k in events if k.startswith("fallback.")}
+        # the same in Prometheus form: gauges of the slots in use, the retained-fraction histogram
+        assert vllm_metrics["speedsfi_sfi_slots_in_use"] == 0 == vllm_metrics["speedsfi_request_slots_in_use"]
+        hist = "speedsfi_sfi_fast_retained_fraction"
+        assert vllm_metrics[f"{hist}_count"] == events["sfi.fast_steps"]
+        assert vllm_metrics[hist + '_bucket{le="+Inf"}'] == events["sfi.fast_steps"]
+        assert 0 < vllm_metrics[f"{hist}_sum"] < events["sfi.fast_steps"]
+        assert vllm_metrics["speedsfi_sfi_fast_context_tokens_total"] == events["sfi.fast_context_tokens"]
         # idle: nothing moves any more
         sfi_counters = {k: v for k, v in events.items() if k.startswith("sfi.")}
         time.sleep(2)

@@ -15,8 +15,12 @@ from __future__ import annotations
 import torch
 
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
+from vllm_ext.sfi.step_plan import NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT
 
 _SCHEDULE_CODE = {"boundary": 0, "periodic": 1, "always_slow": 2}
+# _plan_kernel spells out the counter layout (slots 8-13 the histogram, 14 the ppm sum)
+assert RETAINED_FRACTION_BOUNDS_PCT == (1, 2, 5, 10, 20, 50) and NUM_STATS == 15, \
+    "update _plan_kernel's counters together with vllm_ext.sfi.step_plan's layout"
 
 if HAS_TRITON:
     import triton
@@ -73,6 +77,16 @@ if HAS_TRITON:
         tl.store(STATS + 2, tl.load(STATS + 2) + tl.sum(retained.to(tl.int64), 0))
         tl.store(STATS + 3, tl.load(STATS + 3) + tl.sum(tl.where(fast, t, 0).to(tl.int64), 0))
         tl.store(STATS + 4, tl.load(STATS + 4) + tl.sum((dec & ~sparse).to(tl.int64), 0))
+        # retained-fraction histogram (bounds in percent: step_plan.RETAINED_FRACTION_BOUNDS_PCT)
+        r100 = retained * 100
+        tl.store(STATS + 8, tl.load(STATS + 8) + tl.sum((fast & (r100 <= t)).to(tl.int64), 0))
+        tl.store(STATS + 9, tl.load(STATS + 9) + tl.sum((fast & (r100 <= 2 * t)).to(tl.int64), 0))
+        tl.store(STATS + 10, tl.load(STATS + 10) + tl.sum((fast & (r100 <= 5 * t)).to(tl.int64), 0))
+        tl.store(STATS + 11, tl.load(STATS + 11) + tl.sum((fast & (r100 <= 10 * t)).to(tl.int64), 0))
+        tl.store(STATS + 12, tl.load(STATS + 12) + tl.sum((fast & (r100 <= 20 * t)).to(tl.int64), 0))
+        tl.store(STATS + 13, tl.load(STATS + 13) + tl.sum((fast & (r100 <= 50 * t)).to(tl.int64), 0))
+        ppm = retained.to(tl.int64) * 1000000 // tl.maximum(t, 1).to(tl.int64)
+        tl.store(STATS + 14, tl.load(STATS + 14) + tl.sum(tl.where(fast, ppm, 0), 0))
         # per-row plan
         tl.store(O_SLOW + r, slow, mask=rm)
         tl.store(O_FAST + r, fast, mask=rm)

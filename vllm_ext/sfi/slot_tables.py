@@ -20,9 +20,10 @@ from vllm_ext import metrics
 from vllm_ext.config import ConfigError, SpeedSfiConfig
 from vllm_ext.device_counters import DeviceCounters
 from vllm_ext.sfi.prompt_tail import TailRow, makes_prefill_selection, plan_prompt_tail
-from vllm_ext.sfi.step_plan import (NUM_STATS, STAT_CONTEXT, STAT_DENSE, STAT_FAST,
-                                    STAT_PREFILL_END, STAT_RETAINED, STAT_SLOW, SfiPlanBuffers,
-                                    SfiStep, plan_step)
+from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_DENSE,
+                                    STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
+                                    STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW,
+                                    SfiPlanBuffers, SfiStep, plan_step)
 
 # what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
 # (kernel constants, buffer sizes, the schedule) and is refused loudly
@@ -31,7 +32,10 @@ PER_REQUEST_FIELDS = frozenset({"sfi.enabled", "sfi.k"})
 STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
               STAT_DENSE: "sfi.dense_rows", STAT_RETAINED: "sfi.fast_retained_tokens",
               STAT_CONTEXT: "sfi.fast_context_tokens",
-              STAT_PREFILL_END: "sfi.prefill_end_selections"}
+              STAT_PREFILL_END: "sfi.prefill_end_selections",
+              STAT_RETAINED_FRACTION_PPM: "sfi.fast_retained_fraction_sum_ppm",
+              **{STAT_RETAINED_HIST + j: f"sfi.fast_retained_fraction_le_{pct}pct"
+                 for j, pct in enumerate(RETAINED_FRACTION_BOUNDS_PCT)}}
 
 
 def _changed_fields(base: SpeedSfiConfig, other: SpeedSfiConfig) -> set[str]:

@@ -29,7 +29,13 @@ from vllm_ext.sfi.schedule import allowed_range, decide_slow, mark_selected
 
 STAT_SLOW, STAT_FAST, STAT_RETAINED, STAT_CONTEXT, STAT_DENSE = range(5)
 STAT_PREFILL_END = 7
-NUM_STATS = 8
+# histogram of the retained fraction (retained / context tokens) of each fast row-step: cumulative
+# counts at these upper bounds, in percent (the +Inf bucket is STAT_FAST), and the sum of the
+# fractions in parts per million (integer counters, so the device never holds a float sum)
+RETAINED_FRACTION_BOUNDS_PCT = (1, 2, 5, 10, 20, 50)
+STAT_RETAINED_HIST = 8
+STAT_RETAINED_FRACTION_PPM = STAT_RETAINED_HIST + len(RETAINED_FRACTION_BOUNDS_PCT)
+NUM_STATS = STAT_RETAINED_FRACTION_PPM + 1
 
 
 @dataclass
@@ -170,6 +176,10 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     stats[STAT_DENSE] += (decode & ~sparse).sum()
     stats[STAT_RETAINED] += retained.sum()
     stats[STAT_CONTEXT] += torch.where(fast, t, 0).sum()
+    for j, pct in enumerate(RETAINED_FRACTION_BOUNDS_PCT):
+        stats[STAT_RETAINED_HIST + j] += (fast & (retained * 100 <= pct * t)).sum()
+    stats[STAT_RETAINED_FRACTION_PPM] += torch.where(
+        fast, retained.long() * 1_000_000 // torch.clamp(t, min=1).long(), 0).sum()
     row_sfi_slot = torch.where(sparse, sfi_slot, 0).to(torch.int32)
     if buffers is None:
         return SfiStep(row_slow=slow, row_fast=fast, row_sparse=sparse, row_sfi_slot=row_sfi_slot,
