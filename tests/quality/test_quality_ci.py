@@ -5,8 +5,8 @@
 * SFI with a budget that covers the whole context decodes exactly like dense, token for token;
 * SFI at a sparse budget (k 256, n_recent 64: about 16% of the KV on fast steps) runs fast steps at
   that retention, keeps the dense prefill's first token, and still answers when a single needle lies
-  in the recent window. (Needles further back are mostly lost at this budget on this model: see
-  bench/QUALITY.md.)
+  in the recent window. (How many needles further back it keeps is measured, not asserted: a better
+  selector must never fail a test; bench/QUALITY.md has the numbers.)
 * the same budget with ``select_span 4`` answers the single / multi-key / key-value needles further
   back too.
 
@@ -79,7 +79,6 @@ def test_sfi_sparse_budget_runs_sparse_and_keeps_recent_needles(dense, sparse):
     assert 0.1 < fraction < 0.2                          # (4 + 256 + 64) / ~2060
     # the first answer token comes from the prefill, which is dense under SFI
     assert [t[0] for t in tokens] == [d[0] for d in dense]
-    assert tokens != dense                               # the comparison is sensitive
     # A single needle or key-value pair inside the recent window (depth 1) is still copied. The
     # multi-key / multi-value needles there are not: this model disambiguates them with diffuse
     # attention over the haystack, which the sparse set drops (bench/QUALITY.md).
@@ -89,14 +88,13 @@ def test_sfi_sparse_budget_runs_sparse_and_keeps_recent_needles(dense, sparse):
         [(s.task, T.words_of(out)) for s, out in recent]
 
 
-def test_select_span_brings_back_the_needles_further_back(dense, sparse):
-    # The prefill's evidence points at the key and the first value token; the paper's selector then
-    # drops the value's later tokens, which the model copies one by one. With select_span 4 they
+def test_select_span_brings_back_the_needles_further_back(dense):
+    # The prefill's evidence points at the key and the first value token; the paper's selector may
+    # drop the value's later tokens, which the model copies one by one. With select_span 4 they
     # come with their first token (bench/QUALITY.md): same budget, same retained fraction.
     tokens, counts = _generate({"enabled": True, "k": 256, "n_recent": 64, "select_span": 4})
     fraction = counts["sfi.fast_retained_tokens"] / counts["sfi.fast_context_tokens"]
     assert 0.1 < fraction < 0.2
     back = [i for i, s in enumerate(SAMPLES) if s.depth < 1.0 and s.task != "niah_multivalue"]
     with_span = sum(T.exact_match(SAMPLES[i], tokens[i]) for i in back)
-    without = sum(T.exact_match(SAMPLES[i], sparse[0][i]) for i in back)
-    assert with_span >= len(back) - 1 and without <= len(back) // 3, (with_span, without, len(back))
+    assert with_span >= len(back) - 1, (with_span, len(back))
