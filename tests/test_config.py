@@ -26,6 +26,29 @@ def test_explicit_fields_override_preset():
     assert cfg.sfi.enabled and cfg.sfi.k == 512 and cfg.sfi.n_recent == 256 and cfg.preset == "sfi"
 
 
+def test_boundary_schedule_fields():
+    from vllm_ext.config import SfiConfig
+
+    # the defaults keep our schedule: fire at the step after a trigger, no cooldown, no gap
+    s = SpeedSfiConfig.from_dict(None).sfi
+    assert (s.schedule, s.fire_at, s.sentence_cooldown, s.min_boundary_gap) == ("boundary", "sentence_end", 0, 0)
+    # the sfi presets mirror the authors' RefreshTriggerConfig defaults
+    for name, k in (("sfi", 2048), ("sfi-quality", 4096)):
+        s = SpeedSfiConfig.from_dict({"preset": name}).sfi
+        assert (s.enabled, s.k, s.n_sink, s.n_recent, s.refresh) == (True, k, 4, 256, 32), name
+        assert (s.schedule, s.fire_at, s.sentence_cooldown, s.min_boundary_gap) == \
+            ("boundary", "sentence_start", 2, 16), name
+    # explicit fields override the preset (back to our schedule)
+    s = SpeedSfiConfig.from_dict({"preset": "sfi", "sfi": {"fire_at": "sentence_end", "sentence_cooldown": 0,
+                                                            "min_boundary_gap": 0}}).sfi
+    assert (s.fire_at, s.sentence_cooldown, s.min_boundary_gap) == ("sentence_end", 0, 0)
+    # a dataclass built in code is validated too
+    with pytest.raises(ConfigError, match="speedsfi.sfi.fire_at must be 'sentence_end' or 'sentence_start'"):
+        SfiConfig(fire_at="later").validate()
+    with pytest.raises(ConfigError, match="speedsfi.sfi.sentence_cooldown must be >= 0"):
+        SfiConfig(sentence_cooldown=-3).validate()
+
+
 def test_every_shipped_preset_parses():
     names = preset_names()
     assert {"dense", "sfi", "speed", "critiprefill", "all"} <= set(names)
@@ -57,6 +80,12 @@ def test_preset_by_path(tmp_path):
     ({"sfi": {"trigger_chars": ["..", "?"]}}, "speedsfi.sfi.trigger_chars: each entry must be one character"),
     ({"sfi": {"select_span": -1}}, "speedsfi.sfi.select_span must be >= 0"),
     ({"sfi": {"select_span": 33}}, "speedsfi.sfi.select_span (33) must be <= 32"),
+    ({"sfi": {"fire_at": "sentence_middle"}},
+     "speedsfi.sfi.fire_at: expected one of 'sentence_end', 'sentence_start', got 'sentence_middle'"),
+    ({"sfi": {"sentence_cooldown": -1}}, "speedsfi.sfi.sentence_cooldown must be >= 0, got -1"),
+    ({"sfi": {"sentence_cooldown": 1.5}}, "speedsfi.sfi.sentence_cooldown: expected an integer"),
+    ({"sfi": {"sentence_cooldown": 1 << 21}}, "speedsfi.sfi.sentence_cooldown (2097152) must be <= 1048576"),
+    ({"sfi": {"min_boundary_gap": -2}}, "speedsfi.sfi.min_boundary_gap must be >= 0, got -2"),
     ({"speed": {"l_cut": 0}}, "speedsfi.speed.l_cut must be > 0"),
     ({"speed": {"anchor": "eos"}}, "speedsfi.speed.anchor: expected one of 'bos', 'none'"),
     ({"critiprefill": {"budget": 100}}, "must be a multiple of critiprefill.block_size"),

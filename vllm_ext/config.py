@@ -48,6 +48,7 @@ def _in_unit(name: str, v: float, *, closed_low: bool = True) -> None:
 
 
 MAX_SELECT_SPAN = 32
+MAX_SENTENCE_COOLDOWN = 1 << 20       # the per-slot trigger state packs it with one flag in an int32
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,18 @@ class SfiConfig:
     w_prefill: int = 16                # prefill evidence window (last prompt queries)
     schedule: Literal["boundary", "periodic", "always_slow"] = "boundary"
     trigger_chars: tuple[str, ...] = (".", "?", "!", ";", "\n", "。", "？", "！")
-    min_boundary_gap: int = 0          # optional guard: min decode steps between boundary refreshes (0 = off)
+    # optional guard (schedule boundary): a boundary refresh needs at least `min_boundary_gap` decode steps
+    # since the last slow step (this step counted); a boundary inside the gap is dropped (0 = off)
+    min_boundary_gap: int = 0
+    # where a boundary refresh fires (schedule boundary), on the latest sampled token of each decode step:
+    #   "sentence_end": at the step right after a trigger token (ALGORITHMS.md §1; our default);
+    #   "sentence_start": a trigger token arms the request, and the refresh fires at the step after the
+    #     next token that is neither a trigger nor whitespace-only (the first token of the next
+    #     sentence), as the SFI authors' code does.
+    fire_at: Literal["sentence_end", "sentence_start"] = "sentence_end"
+    # after a trigger arms (or a sentence start fires), triggers are ignored for this many decode steps
+    # (the authors' sentence cooldown, 2); 0 = off
+    sentence_cooldown: int = 0
     # evidence and prior
     alpha: float = 0.5
     gamma_k: float = 0.5
@@ -91,8 +103,8 @@ class SfiConfig:
     def validate(self) -> None:
         for name in ("k", "refresh", "w_prefill", "side_stream_slots"):
             _positive(f"sfi.{name}", getattr(self, name))
-        for name in ("k_min", "n_sink", "n_recent", "min_boundary_gap", "nms_radius", "select_span", "mu", "lam_x",
-                     "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):
+        for name in ("k_min", "n_sink", "n_recent", "min_boundary_gap", "sentence_cooldown", "nms_radius",
+                     "select_span", "mu", "lam_x", "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):
             _non_negative(f"sfi.{name}", getattr(self, name))
         if self.select_span > MAX_SELECT_SPAN:
             raise ConfigError(f"speedsfi.sfi.select_span ({self.select_span}) must be <= {MAX_SELECT_SPAN} "
@@ -106,6 +118,12 @@ class SfiConfig:
         _positive("sfi.eps", self.eps)
         if self.max_requests is not None:
             _positive("sfi.max_requests", self.max_requests)
+        if self.fire_at not in ("sentence_end", "sentence_start"):
+            raise ConfigError(f"speedsfi.sfi.fire_at must be 'sentence_end' or 'sentence_start', "
+                              f"got {self.fire_at!r}")
+        if self.sentence_cooldown > MAX_SENTENCE_COOLDOWN:
+            raise ConfigError(f"speedsfi.sfi.sentence_cooldown ({self.sentence_cooldown}) must be <= "
+                              f"{MAX_SENTENCE_COOLDOWN} (decode steps during which triggers are ignored)")
         if self.schedule == "boundary" and not self.trigger_chars:
             raise ConfigError("speedsfi.sfi.trigger_chars must not be empty with schedule 'boundary'")
         for c in self.trigger_chars:

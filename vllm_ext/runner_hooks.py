@@ -40,19 +40,21 @@ def _make_table(runner) -> RequestStateTable:
     cfg = resolve_config(runner.vllm_config)
     lut = None
     if cfg.sfi.enabled:
-        from vllm_ext.sfi.triggers import trigger_lut, trigger_token_ids
+        from vllm_ext.sfi.triggers import boundary_token_ids, trigger_lut
 
         model_config = runner.vllm_config.model_config
         from vllm.tokenizers import cached_tokenizer_from_config
 
         tokenizer = cached_tokenizer_from_config(model_config)
-        ids = trigger_token_ids(tokenizer, cfg.sfi.trigger_chars)
-        lut = trigger_lut(ids, model_config.get_vocab_size(), runner.device)
+        ids, spaces = boundary_token_ids(tokenizer, cfg.sfi.trigger_chars)
+        lut = trigger_lut(ids, model_config.get_vocab_size(), runner.device, whitespace_ids=spaces)
         import logging
 
         logging.getLogger("vllm_ext").info("vllm_ext: SFI trigger set: %d of %d vocabulary ids end in "
-                                           "%r", len(ids), model_config.get_vocab_size(),
-                                           "".join(cfg.sfi.trigger_chars))
+                                           "%r (%d whitespace-only ids; refreshes fire at the %s)",
+                                           len(ids), model_config.get_vocab_size(),
+                                           "".join(cfg.sfi.trigger_chars), len(spaces),
+                                           cfg.sfi.fire_at.replace("_", " "))
     from vllm_ext.backend.metadata import critiprefill_capacity, sfi_capacity
 
     table = RequestStateTable(runner.max_num_reqs, runner.device, config=cfg,

@@ -24,19 +24,34 @@ def _state(n_slots, device, gen):
         steps_since_slow=torch.randint(0, 5, (n_slots,), generator=gen, dtype=torch.int32),
         has_selection=torch.rand(n_slots, generator=gen) < 0.5,
         sel_count=torch.randint(0, 8, (n_slots,), generator=gen, dtype=torch.int32),
-        stats=torch.zeros(NUM_STATS, dtype=torch.int64))
+        stats=torch.zeros(NUM_STATS, dtype=torch.int64),
+        # cooldown << 1 | armed, from any earlier history
+        trigger_state=(torch.randint(0, 4, (n_slots,), generator=gen, dtype=torch.int32) << 1)
+        | (torch.rand(n_slots, generator=gen) < 0.5).to(torch.int32))
 
 
-@pytest.mark.parametrize("schedule, gap", [("boundary", 0), ("boundary", 3), ("periodic", 0),
-                                           ("always_slow", 0)])
-def test_plan_kernel_equals_twin(schedule, gap):
+ENDERS, SPACES = [3, 17], [5, 17]          # 17: "\n" (both), 5: " "
+
+
+@pytest.mark.parametrize("schedule, gap, fire_at, cooldown, track", [
+    ("boundary", 0, "sentence_end", 0, True), ("boundary", 3, "sentence_end", 0, True),
+    ("boundary", 0, "sentence_end", 0, False), ("boundary", 3, "sentence_end", 2, True),
+    ("boundary", 0, "sentence_start", 0, True), ("boundary", 3, "sentence_start", 2, True),
+    ("periodic", 0, "sentence_end", 0, True), ("periodic", 0, "sentence_start", 2, True),
+    ("always_slow", 0, "sentence_end", 0, True)])
+def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track):
     gen = torch.Generator().manual_seed(7)
-    cfg = SfiConfig(enabled=True, k=16, k_min=4, n_sink=4, n_recent=8, refresh=4, schedule=schedule,
-                    min_boundary_gap=gap)
+    cfg = SfiConfig(enabled=True, k=16, k_min=4, n_sink=4, n_recent=8, refresh=4 if gap < 3 else 6,
+                    schedule=schedule, min_boundary_gap=gap, fire_at=fire_at, sentence_cooldown=cooldown)
     n_slots, rows, cap = 9, 8, 6
-    lut = torch.zeros(50, dtype=torch.bool)
-    lut[[3, 17]] = True
-    twin = {k: v.clone() for k, v in _state(n_slots, "cpu", gen).items()}
+    lut = torch.zeros(50, dtype=torch.int8)
+    lut[ENDERS] |= 1
+    lut[SPACES] |= 2
+    state = _state(n_slots, "cpu", gen)
+    if not track:
+        del state["trigger_state"]
+        lut = lut & 1 != 0                 # today's bool LUT still works where no state is kept
+    twin = {k: v.clone() for k, v in state.items()}
     kern = {k: v.clone().to(DEVICE) for k, v in twin.items()}
     b_twin = SfiPlanBuffers(rows, cap, torch.device("cpu"))
     b_kern = SfiPlanBuffers(rows, cap, DEVICE)
@@ -44,8 +59,13 @@ def test_plan_kernel_equals_twin(schedule, gap):
     row_slot = torch.tensor([4, 0, 1, 3, 5, 6, 2, 8], dtype=torch.int32)
     bt = torch.arange(rows * 5, dtype=torch.int32).reshape(rows, 5)
     seq = torch.tensor([40, 29, 300, 50, 20, 61, 33, 0], dtype=torch.int32)
-    for step in range(12):
+    for step in range(24):
         tok = torch.randint(0, 60, (rows,), generator=gen, dtype=torch.int32)   # some out of the LUT
+        # plenty of enders and whitespace-only tokens so that arms, cooldowns and firings all happen
+        pick = torch.rand(rows, generator=gen)
+        boundary = torch.tensor(ENDERS + SPACES, dtype=torch.int32)[
+            torch.randint(0, 4, (rows,), generator=gen)]
+        tok = torch.where(pick < 0.4, boundary, tok)
         dec = torch.tensor([1, 1, int(step > 2), 1, 1, 1, 1, 0], dtype=torch.int32)
         plan_step(cfg, row_slot=row_slot, row_last_token=tok, row_is_decode=dec, seq_lens=seq,
                   trigger_lut=lut, buffers=b_twin, block_table=bt, **twin)
@@ -64,8 +84,9 @@ def test_plan_kernel_equals_twin(schedule, gap):
                 f"step {step}: {name}"
         live = b_twin.slow_rows[:cap] >= 0
         assert torch.equal(b_twin.slow_block_table[:cap][live], b_kern.slow_block_table[:cap][live].cpu())
-        for name in ("steps_since_slow", "has_selection", "sel_count", "stats"):
-            assert torch.equal(twin[name], kern[name].cpu()), f"step {step}: {name}"
+        for name in ("steps_since_slow", "has_selection", "sel_count", "stats", "trigger_state"):
+            if name in twin:
+                assert torch.equal(twin[name], kern[name].cpu()), f"step {step}: {name}"
         seq = seq + (dec.bool() & (seq > 0)).to(torch.int32)
     # the run exercised every mode the schedule has
     assert twin["stats"][0] > 0 and twin["stats"][4] > 0

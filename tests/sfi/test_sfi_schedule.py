@@ -189,3 +189,210 @@ def test_cuda_graph_replay():
         g.replay()
         seen.append(slow.tolist()[0])
     assert seen == [False, True, False, False, True]     # refresh 3: the 3rd step after the slow one
+
+
+# ---------------------------------------------------------------------------------------------------
+# sentence boundaries: fire_at = "sentence_start", sentence_cooldown (the SFI authors' refresh trigger)
+# ---------------------------------------------------------------------------------------------------
+
+NL, SP = 10, 11                          # "\n" (an ender and whitespace-only) and " " (whitespace-only)
+W = 1                                    # a word
+ENDERS, SPACES = (T, 9, NL), (NL, SP)
+
+
+def bits_lut(device="cpu"):
+    from vllm_ext.sfi.triggers import trigger_lut as build
+
+    return build(ENDERS, VOCAB, device, whitespace_ids=SPACES)
+
+
+class AuthorsRef:
+    """One request's refresh decisions, written from the authors' rules (per decode step, on the
+    latest sampled token): a sentence ender arms when the cooldown is 0 (cooldown = C), else a
+    positive cooldown counts down; an armed request fires at the first token that is neither an
+    ender nor whitespace-only (disarm, cooldown = max(cooldown, C)); a firing needs `min_gap` steps
+    since the last refresh (else it is dropped); the refresh budget and "no selection yet" force a
+    refresh. fire_at="sentence_end" fires at the arm itself."""
+
+    def __init__(self, fire_at, cooldown, min_gap, refresh, has_selection):
+        self.fire_at, self.c, self.min_gap, self.refresh = fire_at, cooldown, min_gap, refresh
+        self.has = has_selection
+        self.cooldown, self.armed, self.since = 0, False, 0
+        self.boundary_fires = 0          # slow steps only a sentence boundary asked for
+
+    def advance_boundary(self, tok):
+        """Rules 1-2 only (also what an exactly-dense decode row does): returns 'wants a refresh'."""
+        want = False
+        if self.cooldown == 0 and tok in ENDERS:
+            self.cooldown = self.c
+            self.armed = True
+            if self.fire_at == "sentence_end":
+                self.armed, want = False, True
+        elif self.cooldown > 0:
+            self.cooldown -= 1
+        if self.fire_at == "sentence_start" and self.armed and tok not in ENDERS and tok not in SPACES:
+            self.armed = False
+            self.cooldown = max(self.cooldown, self.c)
+            want = True
+        return want
+
+    def step(self, tok):
+        want = self.advance_boundary(tok)
+        nth = self.since + 1
+        boundary = want and nth >= self.min_gap
+        self.boundary_fires += boundary and nth < self.refresh and self.has
+        slow = nth >= self.refresh or not self.has or boundary
+        self.since = 0 if slow else nth
+        self.has = self.has or slow
+        return slow
+
+    def state(self):
+        return (self.cooldown << 1) | int(self.armed)
+
+    def reset(self):
+        self.cooldown, self.armed, self.since, self.has = 0, False, 0, False
+
+
+def run_boundary(tokens, *, fire_at="sentence_start", cooldown=2, min_gap=0, refresh=100,
+                 has_selection=True):
+    steps = torch.zeros(1, dtype=torch.int32)
+    has = torch.tensor([has_selection])
+    state = torch.zeros(1, dtype=torch.int32)
+    ref = AuthorsRef(fire_at, cooldown, min_gap, refresh, has_selection)
+    out = []
+    for tok in tokens:
+        slow = decide_slow(torch.tensor([tok]), torch.tensor([0]), torch.tensor([True]), steps, has,
+                           bits_lut(), refresh=refresh, min_boundary_gap=min_gap, fire_at=fire_at,
+                           sentence_cooldown=cooldown, trigger_state=state)
+        mark_selected(steps, has, torch.tensor([0]), slow)
+        out.append(int(slow[0]))
+        assert bool(slow[0]) == ref.step(tok)
+        assert int(state[0]) == ref.state() and int(steps[0]) == ref.since
+    return out
+
+
+def test_sentence_start_fires_at_the_first_word():
+    # step i decides on tokens[i] (sampled by step i - 1): ". \n word" fires at the word's step
+    assert run_boundary([W, T, NL, W, W]) == [0, 0, 0, 1, 0]
+    assert run_boundary([W, T, SP, SP, W, W]) == [0, 0, 0, 0, 1, 0]
+    assert run_boundary([T, 9, T, W], cooldown=0) == [0, 0, 0, 1]        # enders in a row: one firing
+    # our sentence_end firing, with and without the cooldown
+    assert run_boundary([W, T, NL, W, W], fire_at="sentence_end", cooldown=0) == [0, 1, 1, 0, 0]
+    assert run_boundary([W, T, NL, W, W], fire_at="sentence_end", cooldown=2) == [0, 1, 0, 0, 0]
+
+
+def test_sentence_start_default_config_is_todays_schedule():
+    """fire_at sentence_end, cooldown 0 with a trigger_state = without one (the old rule)."""
+    rng = random.Random(3)
+    tokens = [rng.choice([W, 2, T, 9, NL, SP, -1]) for _ in range(80)]
+    with_state = run_boundary(tokens, fire_at="sentence_end", cooldown=0, min_gap=3, refresh=6)
+    # without a state: the bool LUT rule of run_stream (NL counts as a trigger there too)
+    steps, has = torch.zeros(1, dtype=torch.int32), torch.tensor([True])
+    old = []
+    for tok in tokens:
+        slow = decide_slow(torch.tensor([tok]), torch.tensor([0]), torch.tensor([True]), steps, has,
+                           bits_lut(), refresh=6, min_boundary_gap=3)
+        mark_selected(steps, has, torch.tensor([0]), slow)
+        old.append(int(slow[0]))
+    assert with_state == old
+
+
+def test_cooldown_blocks_rearming():
+    # the firing at step 1 sets the cooldown to 2: the ender at step 2 is inside it and arms nothing
+    assert run_boundary([T, W, T, W, W, T, W]) == [0, 1, 0, 0, 0, 0, 1]
+    # an ender right after an arm (cooldown 2) does not re-arm either; the arm itself stays
+    assert run_boundary([T, T, W, W], cooldown=2) == [0, 0, 1, 0]
+
+
+def test_start_inside_min_gap_is_dropped():
+    # min gap 4, the prefill selection counts as the last refresh: the start at step 1 (2nd step) is
+    # inside the gap, so it is consumed and never fires later; the next sentence fires normally
+    assert run_boundary([T, W, W, W, W, W, T, W], cooldown=0, min_gap=4) == [0, 0, 0, 0, 0, 0, 0, 1]
+    assert run_boundary([W, W, T, W, W], cooldown=0, min_gap=4) == [0, 0, 0, 1, 0]   # 4th step: fires
+
+
+def test_refresh_budget_and_no_selection_still_force_slow():
+    assert run_boundary([W] * 8, refresh=4) == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert run_boundary([W] * 4, refresh=100, has_selection=False) == [1, 0, 0, 0]
+    # an arm survives a budget refresh; its start then falls inside the min gap and is dropped
+    assert run_boundary([W, W, T, W, W, W], refresh=3, min_gap=2) == [0, 0, 1, 0, 0, 1]
+
+
+def test_boundary_state_non_decode_rows_and_reset():
+    lut_ = bits_lut()
+    steps = torch.tensor([0, 0, 0], dtype=torch.int32)
+    has = torch.tensor([True, True, True])
+    state = torch.tensor([0, 5, 0], dtype=torch.int32)           # slot 1: cooldown 2, armed
+    kw = dict(refresh=100, fire_at="sentence_start", sentence_cooldown=2, trigger_state=state)
+    # a decode row on slot 0 (ender: arms), a prefill row on slot 1 (a word: would fire), a padding
+    # row at -1 and a padding row on slot 0
+    slow = decide_slow(torch.tensor([T, W, W, W]), torch.tensor([0, 1, -1, 0]),
+                       torch.tensor([True, False, False, False]), steps, has, lut_, **kw)
+    assert slow.tolist() == [False] * 4
+    assert state.tolist() == [5, 5, 0] and steps.tolist() == [1, 0, 0]
+    # an `advance` row that is not a decode row (an exactly-dense decode row) moves the state only
+    slow = decide_slow(torch.tensor([W, W]), torch.tensor([0, 1]), torch.tensor([False, False]),
+                       steps, has, lut_, advance=torch.tensor([True, False]), **kw)
+    assert slow.tolist() == [False, False]
+    assert state.tolist() == [4, 5, 0] and steps.tolist() == [1, 0, 0]  # fired (and disarmed) unseen
+    # reset clears the arm and the cooldown of the reset slots only
+    reset_slots(steps, has, torch.tensor([1, 0]), torch.tensor([True, False]), trigger_state=state)
+    assert state.tolist() == [4, 0, 0] and has.tolist() == [True, False, True]
+    mark_selected(steps, has, torch.tensor([1]), torch.tensor([True]))
+    slow = decide_slow(torch.tensor([W]), torch.tensor([1]), torch.tensor([True]), steps, has, lut_, **kw)
+    assert slow.tolist() == [False]                                # the old arm is gone
+    with pytest.raises(ValueError, match="trigger_state"):
+        decide_slow(torch.tensor([W]), torch.tensor([1]), torch.tensor([True]), steps, has, lut_,
+                    fire_at="sentence_start")
+    with pytest.raises(ValueError, match="fire_at"):
+        decide_slow(torch.tensor([W]), torch.tensor([1]), torch.tensor([True]), steps, has, lut_,
+                    fire_at="sentence_middle", trigger_state=state)
+
+
+@pytest.mark.parametrize("fire_at, cooldown, min_gap, refresh", [
+    ("sentence_start", 2, 16, 32), ("sentence_start", 2, 3, 7), ("sentence_start", 0, 0, 5),
+    ("sentence_start", 3, 2, 100), ("sentence_end", 2, 3, 7), ("sentence_end", 0, 2, 5)])
+def test_random_streams_vs_authors_reference(fire_at, cooldown, min_gap, refresh):
+    rng = random.Random(f"{fire_at}-{cooldown}-{min_gap}-{refresh}")
+    slots = 6
+    refs = {s: AuthorsRef(fire_at, cooldown, min_gap, refresh, False) for s in range(slots)}
+    steps = torch.zeros(slots, dtype=torch.int32)
+    has = torch.zeros(slots, dtype=torch.bool)
+    state = torch.zeros(slots, dtype=torch.int32)
+    lut_ = bits_lut()
+    fired = 0
+    for it in range(300):
+        if rng.random() < 0.03:                                   # a slot changes hands
+            s = rng.randrange(slots)
+            refs[s].reset()
+            reset_slots(steps, has, torch.tensor([s]), trigger_state=state)
+        if rng.random() < 0.05:                                   # a prefill ends with a selection
+            s = rng.randrange(slots)
+            refs[s].has, refs[s].since = True, 0
+            mark_selected(steps, has, torch.tensor([s]), torch.tensor([True]))
+        rows = rng.randint(1, slots + 2)
+        perm = rng.sample(range(slots), k=min(rows, slots))
+        slot_idx = perm + [rng.choice([-1, 0]) for _ in range(rows - len(perm))]
+        kind = [rng.choices(["decode", "dense", "prefill"], [0.75, 0.1, 0.15])[0] if i < len(perm)
+                else "pad" for i in range(rows)]
+        tokens = [rng.choices([W, 2, T, 9, NL, SP, -1, 99], [30, 10, 8, 3, 6, 6, 1, 1])[0] for _ in slot_idx]
+        want = []
+        for s, k, tok in zip(slot_idx, kind, tokens):
+            if k == "decode":
+                want.append(refs[s].step(tok))
+            else:
+                if k == "dense":
+                    refs[s].advance_boundary(tok)
+                want.append(False)
+        is_decode = torch.tensor([k == "decode" for k in kind])
+        advance = torch.tensor([k in ("decode", "dense") for k in kind])
+        slow = decide_slow(torch.tensor(tokens), torch.tensor(slot_idx), is_decode, steps, has, lut_,
+                           refresh=refresh, min_boundary_gap=min_gap, fire_at=fire_at,
+                           sentence_cooldown=cooldown, trigger_state=state, advance=advance)
+        mark_selected(steps, has, torch.tensor(slot_idx), slow)
+        assert slow.tolist() == want, f"step {it}"
+        assert steps.tolist() == [refs[s].since for s in range(slots)], f"step {it}"
+        assert state.tolist() == [refs[s].state() for s in range(slots)], f"step {it}"
+        assert has.tolist() == [refs[s].has for s in range(slots)], f"step {it}"
+        fired += sum(want)
+    assert fired > 20 and sum(r.boundary_fires for r in refs.values()) > 5

@@ -9,7 +9,9 @@ tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from vllm_ext.config import SfiConfig  # noqa: E402
-from vllm_ext.sfi.triggers import ends_in_trigger, trigger_lut, trigger_token_ids  # noqa: E402
+from vllm_ext.sfi.schedule import is_trigger, lut_bits  # noqa: E402
+from vllm_ext.sfi.triggers import (LUT_ENDER, LUT_SPACE, boundary_token_ids, ends_in_trigger,  # noqa: E402
+                                   is_whitespace_only, trigger_lut, trigger_token_ids)
 
 CHARS = SfiConfig().trigger_chars          # . ? ! ; \n 。 ？ ！
 
@@ -148,6 +150,49 @@ def test_generic_decode_only_object():
 
 def test_lut():
     lut = trigger_lut([1, 5, 9, 100, -3], vocab_size=10, device="cpu")
-    assert lut.dtype == torch.bool and lut.shape == (10,)
+    assert lut.dtype == torch.int8 and lut.shape == (10,)
     assert lut.nonzero().flatten().tolist() == [1, 5, 9]
+    assert set(lut.tolist()) == {0, LUT_ENDER}
     assert not trigger_lut([], 4).any()
+
+
+def test_lut_whitespace_bit():
+    lut = trigger_lut([1, 5, 9, 100], vocab_size=10, whitespace_ids=[2, 5, 12, -1])
+    assert lut.dtype == torch.int8
+    # bit 0 = ender, bit 1 = whitespace-only; 5 is both (e.g. "\n"); out-of-range ids are dropped
+    assert lut.tolist() == [0, 1, 2, 0, 0, 3, 0, 0, 0, 1]
+    assert LUT_ENDER == 1 and LUT_SPACE == 2
+    tok = torch.tensor([0, 1, 2, 5, 9, -1, 10, 1000])
+    # is_trigger keeps its meaning (bit 0), whatever the other bits, and ids outside the LUT are 0
+    assert is_trigger(tok, lut).tolist() == [False, True, False, True, True, False, False, False]
+    assert lut_bits(tok, lut).tolist() == [0, 1, 2, 3, 1, 0, 0, 0]
+    # a bool LUT (ender bit only) still reads the same
+    assert is_trigger(tok, lut != 0).tolist() == [False, True, True, True, True, False, False, False]
+    assert lut_bits(tok, (lut & 1) != 0).tolist() == [0, 1, 0, 1, 1, 0, 0, 0]
+
+
+def test_whitespace_rule_on_strings():
+    for text in ("\n", "\n\n", " ", "  ", "\t", "\r\n", "\u3000"):
+        assert is_whitespace_only(text), repr(text)
+    for text in ("", "a", " a", ".\n", "\ufffd", " \ufffd", "\n."):
+        assert not is_whitespace_only(text), repr(text)
+
+
+def test_trained_tokenizer_whitespace_ids(trained):
+    enders, spaces = boundary_token_ids(trained, CHARS)
+    assert enders == trigger_token_ids(trained, CHARS)
+    spaces = set(spaces)
+    for token in ("Ċ", "ĊĊ", "Ġ"):                         # "\n", "\n\n", " "
+        assert _id(trained, token) in spaces, token
+    for token in (".", "a", "the", "Ġ.", "wait ", "ãĢ", "[END.]", "<s>"):
+        assert _id(trained, token) not in spaces, token
+    # every whitespace-only id decodes to whitespace, and "\n" is in both sets
+    for i in spaces:
+        assert trained.decode([i], skip_special_tokens=False).isspace()
+    assert _id(trained, "Ċ") in set(enders)
+    # without trigger characters: no enders, the whitespace set is the same
+    assert boundary_token_ids(trained, ())[0] == [] and set(boundary_token_ids(trained, ())[1]) == spaces
+    lut = trigger_lut(enders, trained.get_vocab_size(), whitespace_ids=spaces)
+    nl, sp, dot = _id(trained, "Ċ"), _id(trained, "Ġ"), _id(trained, ".")
+    assert lut[nl].item() == LUT_ENDER | LUT_SPACE and lut[sp].item() == LUT_SPACE
+    assert lut[dot].item() == LUT_ENDER

@@ -5,8 +5,9 @@ the metadata builder's per-step work is two launches instead of some fifty small
 
 One program walks all rows of the step (``BLOCK_R`` = the next power of two of the row count; a
 step has at most ``max_num_seqs`` rows): modes, allowed sets, the schedule update, the counters and
-the compaction of the slow rows (a prefix sum in row order). Rows that are not decode rows (prefill
-chunks, padding) never touch the per-slot state. Importable without vLLM; on CPU the twin runs
+the compaction of the slow rows (a prefix sum in row order), and the sentence-boundary state
+(``fire_at``, ``sentence_cooldown``; see :mod:`vllm_ext.sfi.schedule`). Rows that are not decode rows
+(prefill chunks, padding) never touch the per-slot state. Importable without vLLM; on CPU the twin runs
 unless the Triton interpreter is on.
 """
 
@@ -18,6 +19,7 @@ from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
 from vllm_ext.sfi.step_plan import NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT
 
 _SCHEDULE_CODE = {"boundary": 0, "periodic": 1, "always_slow": 2}
+_FIRE_AT_CODE = {"sentence_end": 0, "sentence_start": 1}
 # _plan_kernel spells out the counter layout (slots 8-13 the histogram, 14 the ppm sum)
 assert RETAINED_FRACTION_BOUNDS_PCT == (1, 2, 5, 10, 20, 50) and NUM_STATS == 15, \
     "update _plan_kernel's counters together with vllm_ext.sfi.step_plan's layout"
@@ -29,11 +31,12 @@ if HAS_TRITON:
     @triton.jit
     def _plan_kernel(
         ROW_SLOT, ROW_TOK, ROW_DEC, SEQ,
-        SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS,
+        SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS, TSTATE,
         O_SLOW, O_FAST, O_SPARSE, O_DENSE, O_SFI_SLOT, O_K, O_RSTART, O_LO, O_HI, O_SCRATCH,
         S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT, S_COUNT,
-        R, CAP, VOCAB, N_SINK, N_RECENT, REFRESH, MIN_GAP,
-        SCHEDULE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+        R, CAP, VOCAB, N_SINK, N_RECENT, REFRESH, MIN_GAP, COOLDOWN,
+        SCHEDULE: tl.constexpr, FIRE_AT: tl.constexpr, TRACK: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
         r = tl.arange(0, BLOCK_R)
         rm = r < R
@@ -54,7 +57,30 @@ if HAS_TRITON:
             slow = (nth >= REFRESH) | (~has)
             if SCHEDULE == 0:
                 inside = (tok >= 0) & (tok < VOCAB)
-                trig = (tl.load(LUT + tl.where(inside, tok, 0), mask=rm & inside, other=0) != 0) & inside
+                bits = tl.load(LUT + tl.where(inside, tok, 0), mask=rm & inside, other=0).to(tl.int32)
+                bits = tl.where(inside, bits, 0)
+                ender = (bits & 1) != 0                     # schedule.LUT_ENDER
+                if TRACK:
+                    # sentence boundaries (schedule.boundary_step): state = cooldown << 1 | armed,
+                    # advanced by every decode row of an SFI request (dense rows too)
+                    space = (bits & 2) != 0                 # schedule.LUT_SPACE
+                    st = tl.load(TSTATE + slot, mask=on, other=0)
+                    cd = st >> 1
+                    armed = (st & 1) != 0
+                    arm = ender & (cd == 0)
+                    cd = tl.where(arm, COOLDOWN, tl.maximum(cd - 1, 0))
+                    if FIRE_AT == 0:                        # sentence_end: fire at the arm
+                        trig = arm
+                        new_st = cd << 1
+                    else:                                   # sentence_start
+                        armed = armed | arm
+                        trig = armed & (~ender) & (~space)
+                        armed = armed & (~trig)
+                        cd = tl.where(trig, tl.maximum(cd, COOLDOWN), cd)
+                        new_st = (cd << 1) | armed.to(tl.int32)
+                    tl.store(TSTATE + slot, new_st, mask=on)
+                else:
+                    trig = ender
                 if MIN_GAP > 0:
                     trig = trig & (nth >= MIN_GAP)
                 slow = slow | trig
@@ -134,9 +160,16 @@ if HAS_TRITON:
 
 def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, seq_lens,
                      sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count,
-                     trigger_lut, stats, block_table=None) -> int:
+                     trigger_lut, stats, block_table=None, trigger_state=None) -> int:
     """Launch the plan into ``buffers`` (a ``SfiPlanBuffers``); returns the row count."""
+    from vllm_ext.sfi.schedule import needs_trigger_state
+
     rows = row_slot.shape[0]
+    track = trigger_state is not None and cfg.schedule == "boundary"
+    if (not track and cfg.schedule == "boundary"
+            and needs_trigger_state(cfg.fire_at, cfg.sentence_cooldown)):
+        raise ValueError(f"SFI fire_at={cfg.fire_at!r} with sentence_cooldown={cfg.sentence_cooldown} "
+                         "needs the per-slot trigger_state")
     if rows > buffers.max_rows:
         raise RuntimeError(f"SPEEDSFI: a step with {rows} rows exceeds the plan's {buffers.max_rows}")
     b = buffers
@@ -145,12 +178,14 @@ def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, s
     _plan_kernel[(1,)](
         row_slot, row_last_token, row_is_decode, seq_lens,
         sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count, trigger_lut, stats,
+        trigger_state if track else steps_since_slow,     # (a placeholder pointer when not tracked)
         b.row_slow, b.row_fast, b.row_sparse, b.row_dense, b.row_sfi_slot, b.row_k,
         b.recent_start, b.allowed_lo, b.allowed_hi, b.row_scratch,
         b.slow_rows, b.slow_seq, b.slow_lo, b.slow_hi, b.slow_k, b.slow_sfi_slot, b.slow_count,
         rows, cap, trigger_lut.shape[0], int(cfg.n_sink), int(cfg.n_recent), int(cfg.refresh),
-        int(cfg.min_boundary_gap),
-        SCHEDULE=_SCHEDULE_CODE[cfg.schedule], BLOCK_R=block_r,
+        int(cfg.min_boundary_gap), int(cfg.sentence_cooldown),
+        SCHEDULE=_SCHEDULE_CODE[cfg.schedule], FIRE_AT=_FIRE_AT_CODE[cfg.fire_at], TRACK=track,
+        BLOCK_R=block_r,
         BLOCK_S=max(16, next_pow2(cap)), num_warps=4)
     if block_table is not None:
         dst = b.block_table_buffer(block_table.shape[1])

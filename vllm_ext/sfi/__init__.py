@@ -5,10 +5,10 @@ Selector. Pure PyTorch; imports neither vLLM nor Triton (the Triton selector is
 from vllm_ext.sfi.schedule import (SCHEDULES, allowed_range, decide_slow, dense_threshold, is_exactly_dense,
                                    is_trigger, mark_selected, reset_slots)
 from vllm_ext.sfi.selector import select, selector_scores
-from vllm_ext.sfi.triggers import ends_in_trigger, trigger_lut, trigger_token_ids
+from vllm_ext.sfi.triggers import boundary_token_ids, ends_in_trigger, trigger_lut, trigger_token_ids
 
 __all__ = [
-    "SCHEDULES", "allowed_range", "decide_slow", "dense_threshold", "ends_in_trigger", "is_exactly_dense",
-    "is_trigger", "mark_selected", "reset_slots", "select", "selector_scores", "trigger_lut",
-    "trigger_token_ids",
+    "SCHEDULES", "allowed_range", "boundary_token_ids", "decide_slow", "dense_threshold",
+    "ends_in_trigger", "is_exactly_dense", "is_trigger", "mark_selected", "reset_slots", "select",
+    "selector_scores", "trigger_lut", "trigger_token_ids",
 ]

@@ -2,7 +2,8 @@
 :class:`vllm_ext.request_state.RequestStateTable`, and the step plan built from them.
 
 Per slot (device): the compact-segment slot (or -1), SFI on/off and ``k`` for the request, steps
-since the last slow step, whether a selection exists, and the tokens selected at the last slow step.
+since the last slow step, whether a selection exists, the tokens selected at the last slow step, and
+the sentence-boundary state (``trigger_state``: cooldown and arm, :mod:`vllm_ext.sfi.schedule`).
 Compact slots are fewer than request slots (``sfi.max_requests``): a request without one decodes
 densely and is counted (``fallback.sfi_capacity``). Counters live on the device (``stats``) and are
 read asynchronously (:class:`vllm_ext.device_counters.DeviceCounters`). Torch only (no vLLM).
@@ -55,7 +56,7 @@ class SfiSlotTables:
         self.capacity = capacity
         self.device = device
         self.trigger_lut = (trigger_lut if trigger_lut is not None
-                            else torch.zeros(1, dtype=torch.bool, device=device))
+                            else torch.zeros(1, dtype=torch.int8, device=device))
         i32 = dict(dtype=torch.int32, device=device)
         self.sfi_slot_of = torch.full((n_slots,), -1, **i32)
         self.sfi_on = torch.zeros(n_slots, dtype=torch.bool, device=device)
@@ -63,6 +64,7 @@ class SfiSlotTables:
         self.sel_count = torch.zeros(n_slots, **i32)
         self.steps_since_slow = torch.zeros(n_slots, **i32)
         self.has_selection = torch.zeros(n_slots, dtype=torch.bool, device=device)
+        self.trigger_state = torch.zeros(n_slots, **i32)     # cooldown << 1 | armed; 0 = fresh
         self.counters = DeviceCounters(NUM_STATS, device)
         self.plan_buffers = SfiPlanBuffers(max_rows, capacity, device)
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -123,6 +125,7 @@ class SfiSlotTables:
         self.sel_count.index_fill_(0, idx, 0)
         self.steps_since_slow.index_fill_(0, idx, 0)
         self.has_selection.index_fill_(0, idx, False)
+        self.trigger_state.index_fill_(0, idx, 0)
 
     # ------------------------------------------------------------------ per step (device)
     def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table) -> SfiStep:
@@ -131,7 +134,8 @@ class SfiSlotTables:
                          sfi_slot_of=self.sfi_slot_of, sfi_on=self.sfi_on, sfi_k=self.sfi_k,
                          steps_since_slow=self.steps_since_slow, has_selection=self.has_selection,
                          sel_count=self.sel_count, trigger_lut=self.trigger_lut, stats=self.stats,
-                         buffers=self.plan_buffers, block_table=block_table)
+                         buffers=self.plan_buffers, block_table=block_table,
+                         trigger_state=self.trigger_state)
 
     def plan_prefill_end(self, *, num_reqs: int, row_slots: np.ndarray, row_is_decode: np.ndarray,
                          prompt_len: np.ndarray, host_geometry, row_slot_device: torch.Tensor):

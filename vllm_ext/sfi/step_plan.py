@@ -6,7 +6,7 @@ same addresses every step); pure tensor code with fixed shapes, no host synchron
 
 Row modes (decode rows of requests with SFI on and a compact slot; every other row is ``dense``):
 - dense: ``t <= n_sink + n_recent + k`` (the sparse set is the whole history) — exactly dense;
-- slow: the schedule says so (trigger token, refresh budget, no selection yet): dense attention plus
+- slow: the schedule says so (sentence boundary, refresh budget, no selection yet): dense attention plus
   evidence, then the selector and the gather refresh the compact segment;
 - fast: attention over the compact segment (sink + selected) and the recent window in place.
 
@@ -130,14 +130,20 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
               sfi_on: torch.Tensor, sfi_k: torch.Tensor, steps_since_slow: torch.Tensor,
               has_selection: torch.Tensor, sel_count: torch.Tensor, trigger_lut: torch.Tensor,
               stats: torch.Tensor, buffers: SfiPlanBuffers | None = None,
-              block_table: torch.Tensor | None = None) -> SfiStep:
+              block_table: torch.Tensor | None = None,
+              trigger_state: torch.Tensor | None = None) -> SfiStep:
     """Decide each row's mode, advance the per-slot schedule state in place, and (with ``buffers``)
     write the plan and the compacted slow list into the persistent buffers.
 
     Per-slot tables (indexed by the request slot): ``sfi_slot_of`` (compact slot or -1), ``sfi_on``,
     ``sfi_k``, ``steps_since_slow``, ``has_selection``, ``sel_count`` (tokens selected at the last
-    slow step). ``stats`` (int64 ``[NUM_STATS]``) accumulates slow/fast/dense row counts and the
-    retained and total context tokens of fast rows.
+    slow step), ``trigger_state`` (the sentence-boundary state, :func:`decide_slow`; needed with
+    ``fire_at = "sentence_start"`` or a ``sentence_cooldown``). ``stats`` (int64 ``[NUM_STATS]``)
+    accumulates slow/fast/dense row counts and the retained and total context tokens of fast rows.
+
+    The boundary state advances on every decode row of a request with SFI on and a compact slot,
+    exactly-dense rows included (the token stream is the request's, whatever the row's mode), and
+    only sparse rows can be slow.
     """
     rows = row_slot.shape[0]
     if buffers is not None and stats.device.type == "cuda":
@@ -149,7 +155,7 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
                              sfi_slot_of=sfi_slot_of, sfi_on=sfi_on, sfi_k=sfi_k,
                              steps_since_slow=steps_since_slow, has_selection=has_selection,
                              sel_count=sel_count, trigger_lut=trigger_lut, stats=stats,
-                             block_table=block_table)
+                             block_table=block_table, trigger_state=trigger_state)
             return buffers.step_view(rows)
     slot = row_slot.long()
     t = seq_lens[:rows].to(torch.int32)
@@ -160,7 +166,9 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     sparse = on & (t > cfg.n_sink + cfg.n_recent + k)
     slow = decide_slow(row_last_token, row_slot, sparse, steps_since_slow, has_selection,
                        trigger_lut, schedule=cfg.schedule, refresh=cfg.refresh,
-                       min_boundary_gap=cfg.min_boundary_gap)
+                       min_boundary_gap=cfg.min_boundary_gap, fire_at=cfg.fire_at,
+                       sentence_cooldown=cfg.sentence_cooldown, trigger_state=trigger_state,
+                       advance=on)
     fast = sparse & ~slow
     lo, hi = allowed_range(t, cfg.n_sink, cfg.n_recent)
     recent_start = torch.clamp(t - cfg.n_recent, min=0)

@@ -1,7 +1,9 @@
 """SFI trigger tokens: the vocabulary ids after which the next decode step is slow (ALGORITHMS.md §1).
 
 The set is built once from the tokenizer at start-up (never hard-coded ids); at run time only ids are
-compared, through a boolean look-up table on the device (:func:`trigger_lut`).
+compared, through an int8 look-up table of bits on the device (:func:`trigger_lut`): bit 0 marks the
+triggers (sentence enders), bit 1 the whitespace-only tokens (which never start a sentence under
+``fire_at = "sentence_start"``, :mod:`vllm_ext.sfi.schedule`).
 
 Rule ("ends in"), decided here and applied to every tokenizer the same way:
 
@@ -18,6 +20,11 @@ Rule ("ends in"), decided here and applied to every tokenizer the same way:
    stripped: ``". "`` and ``"▁."`` count as ``.``; ``".\\n\\n"`` counts as ``\\n`` (a trigger by
    default); ``"\\n  "`` counts as ``\\n``. A token that is only such whitespace is not a trigger.
 4. The token is a trigger when the remaining text's last character is one of ``trigger_chars``.
+
+A token is *whitespace-only* when its decoded text (rule 1, special tokens excluded) is not empty and
+every character is whitespace (``str.isspace``: ``"\n"``, ``"\n\n"``, ``" "``, ``"\t"``, ...); a
+partial character (U+FFFD) is not whitespace. ``"\n"`` is both a trigger (by default) and
+whitespace-only.
 
 Works with ``transformers`` tokenizers (slow and fast), a bare ``tokenizers.Tokenizer``, and any
 object that has ``decode`` (vLLM's tokenizer wrappers). Imports neither vLLM nor transformers.
@@ -96,30 +103,55 @@ def ends_in_trigger(text: str, trigger_chars: Iterable[str]) -> bool:
     return end > 0 and text[end - 1] in chars
 
 
+def is_whitespace_only(text: str) -> bool:
+    """The whitespace-only rule of the module docstring on one decoded token text."""
+    return bool(text) and text.isspace()
+
+
+def boundary_token_ids(tokenizer: Any, trigger_chars: Iterable[str]) -> tuple[list[int], list[int]]:
+    """``(trigger ids, whitespace-only ids)`` over the vocabulary (added tokens included, special
+    tokens excluded), from one decoding pass, under the rules of the module docstring. Sorted
+    ascending."""
+    chars = tuple(trigger_chars)
+    n = _vocab_size(tokenizer)
+    special = _special_ids(tokenizer)
+    ids = [i for i in range(n) if i not in special]
+    enders, spaces = [], []
+    for i, text in zip(ids, _decode_each(tokenizer, ids)):
+        if not text:
+            continue
+        if chars and ends_in_trigger(text, chars):
+            enders.append(i)
+        if is_whitespace_only(text):
+            spaces.append(i)
+    return enders, spaces
+
+
 def trigger_token_ids(tokenizer: Any, trigger_chars: Iterable[str]) -> list[int]:
     """Every vocabulary id (added tokens included, special tokens excluded) whose decoded text ends in
     one of ``trigger_chars`` under the rule of the module docstring. Sorted ascending."""
     chars = tuple(trigger_chars)
     if not chars:
         return []
-    n = _vocab_size(tokenizer)
-    special = _special_ids(tokenizer)
-    ids = [i for i in range(n) if i not in special]
-    found = []
-    for i, text in zip(ids, _decode_each(tokenizer, ids)):
-        if text and ends_in_trigger(text, chars):
-            found.append(i)
-    return found
+    return boundary_token_ids(tokenizer, chars)[0]
 
 
-def trigger_lut(ids: Iterable[int], vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean look-up table ``[vocab_size]``: ``lut[id]`` is True for trigger ids.
+LUT_ENDER = 1       # bit 0: a trigger (sentence ender)
+LUT_SPACE = 2       # bit 1: a whitespace-only token
+
+
+def trigger_lut(ids: Iterable[int], vocab_size: int, device: torch.device | str | None = None, *,
+                whitespace_ids: Iterable[int] = ()) -> torch.Tensor:
+    """Look-up table ``[vocab_size]`` int8 of bits: ``LUT_ENDER`` (bit 0) for the trigger ``ids``,
+    ``LUT_SPACE`` (bit 1) for ``whitespace_ids``. ``lut != 0`` is no longer "is a trigger": test bit 0
+    (:func:`vllm_ext.sfi.schedule.is_trigger`).
 
     ``vocab_size`` is the model's (possibly padded) vocabulary; ids outside ``[0, vocab_size)`` are
     ignored (ids the model cannot emit never trigger).
     """
-    lut = torch.zeros(int(vocab_size), dtype=torch.bool)
-    idx = torch.tensor([i for i in ids if 0 <= int(i) < vocab_size], dtype=torch.long)
-    if idx.numel():
-        lut[idx] = True
+    lut = torch.zeros(int(vocab_size), dtype=torch.int8)
+    for bit, group in ((LUT_ENDER, ids), (LUT_SPACE, whitespace_ids)):
+        idx = torch.tensor([int(i) for i in group if 0 <= int(i) < vocab_size], dtype=torch.long)
+        if idx.numel():
+            lut[idx] |= bit
     return lut.to(device) if device is not None else lut

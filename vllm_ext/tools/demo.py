@@ -349,7 +349,7 @@ def _compare(args) -> int:
             rows.append((name, "(not in this build)", "-", "-", "-", ""))
             continue
         served = model
-        if name == "speed" and not text and SPEED_MODEL.is_dir():
+        if name == "speed" and not text and (SPEED_MODEL / "model.safetensors").is_file():
             served = str(SPEED_MODEL)
             print(f"[demo] {name}: serving {os.path.relpath(served, REPO)} (fine-tuned for SPEED)")
         elif name == "speed":
@@ -393,8 +393,8 @@ def _compare(args) -> int:
         fallbacks = {k: v for k, v in d.items() if k.startswith("fallback.")}
         rows.append((name, answer, correct, kept, f"{dt:.1f} s", ", ".join(fallbacks) or ""))
     print()
-    print("[demo] summary (greedy, fp32; 'kept': the fraction of the KV each method reads or keeps, "
-          "from its counters)")
+    print("[demo] summary (greedy; 'kept': the fraction of the KV each method reads or keeps, from "
+          "its counters)")
     width = max(len(r[1]) for r in rows) if rows else 10
     print(f"    {'method':<13} {'answer':<{width}}  {'correct':<8} {'kept':<6} {'time':<8} fallbacks")
     for name, answer, correct, kept, dt, fb in rows:
