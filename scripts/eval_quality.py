@@ -378,6 +378,36 @@ def main(argv=None):
     stem = args.name or f"quality_{device}_{model_name}"
     log(f"{len(samples)} samples x {len(configs)} configurations on {device} ({device_desc}); "
         f"model {args.model}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, stem)
+
+    def write(done: list[dict], complete: bool):
+        # after every configuration (a long run leaves its tables so far: "complete": false), and
+        # at the end
+        import vllm
+
+        table = summarise(args, done, samples, results)
+        meta = dict(
+            command="python scripts/eval_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            model=args.model if not args.model.startswith(ROOT) else os.path.relpath(args.model, ROOT),
+            device=device, device_desc=device_desc, vllm=vllm.__version__, torch=torch.__version__,
+            python=platform.python_version(), date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            prompts="text" if args.text else "token ids (tiny vocabulary)",
+            tasks=list(dict.fromkeys(s.task for s in samples)),
+            lengths=sorted({s.meta.get("requested_length", s.length) for s in samples}),
+            depths=sorted({s.depth for s in samples}), per_cell=args.per_cell, seed=args.seed,
+            n_samples=len(samples), wall_s=time.time() - t_start, complete=complete,
+            configs_run=[c["name"] for c in done],
+            metric=("RULER string-match-all (a sample counts when every value is in the output)" if args.text
+                    else "exact match of the greedy answer (all answer tokens and the final '.')"),
+            retained_fraction=("fast_retained_fraction = sfi.fast_retained_tokens / sfi.fast_context_tokens "
+                               "(fast steps only); read_fraction = KV read over all decode steps, slow and "
+                               "dense steps counting as 1"),
+        )
+        with open(path + ".json", "w") as f:
+            json.dump(dict(meta=meta, configs=table), f, indent=1)
+        return table, meta, write_report(path, meta, table)
+
     results = {}
     for i, cfg in enumerate(configs):
         log(f"[{i + 1}/{len(configs)}] {cfg['name']}: {json.dumps(cfg['speedsfi'])}")
@@ -387,30 +417,9 @@ def main(argv=None):
                    for s in samples)
         log(f"[{i + 1}/{len(configs)}] {cfg['name']}: accuracy {n_ok}/{len(samples)} "
             f"({wall:.0f} s, {time.time() - t_start:.0f} s so far)")
-    table = summarise(args, configs, samples, results)
-    import vllm
-
-    meta = dict(
-        command="python scripts/eval_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        model=args.model if not args.model.startswith(ROOT) else os.path.relpath(args.model, ROOT),
-        device=device, device_desc=device_desc, vllm=vllm.__version__, torch=torch.__version__,
-        python=platform.python_version(), date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        prompts="text" if args.text else "token ids (tiny vocabulary)",
-        tasks=list(dict.fromkeys(s.task for s in samples)),
-        lengths=sorted({s.meta.get("requested_length", s.length) for s in samples}),
-        depths=sorted({s.depth for s in samples}), per_cell=args.per_cell, seed=args.seed,
-        n_samples=len(samples), wall_s=time.time() - t_start,
-        metric=("RULER string-match-all (a sample counts when every value is in the output)" if args.text
-                else "exact match of the greedy answer (all answer tokens and the final '.')"),
-        retained_fraction=("fast_retained_fraction = sfi.fast_retained_tokens / sfi.fast_context_tokens "
-                           "(fast steps only); read_fraction = KV read over all decode steps, slow and "
-                           "dense steps counting as 1"),
-    )
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, stem)
-    with open(path + ".json", "w") as f:
-        json.dump(dict(meta=meta, configs=table), f, indent=1)
-    md = write_report(path, meta, table)
+        if i + 1 < len(configs):
+            write(configs[:i + 1], complete=False)
+    table, meta, md = write(configs, complete=True)
     if not args.no_plots:
         title = f"{model_name} on {device} ({len(samples)} samples; lengths {meta['lengths']})"
         plot(path, table, samples, title)

@@ -86,6 +86,15 @@ def test_preset_by_path(tmp_path):
     ({"sfi": {"sentence_cooldown": 1.5}}, "speedsfi.sfi.sentence_cooldown: expected an integer"),
     ({"sfi": {"sentence_cooldown": 1 << 21}}, "speedsfi.sfi.sentence_cooldown (2097152) must be <= 1048576"),
     ({"sfi": {"min_boundary_gap": -2}}, "speedsfi.sfi.min_boundary_gap must be >= 0, got -2"),
+    ({"sfi": {"selector": "h2o"}}, "speedsfi.sfi.selector: expected one of 'sfi', 'quest', got 'h2o'"),
+    ({"sfi": {"page_size": 0}}, "speedsfi.sfi.page_size must be > 0, got 0"),
+    ({"sfi": {"page_size": 512}}, "speedsfi.sfi.page_size (512) must be <= 256"),
+    ({"sfi": {"selector": "quest", "k": 100}},
+     "speedsfi.sfi.k (100) must be a multiple of sfi.page_size (16) with selector 'quest'"),
+    ({"sfi": {"selector": "quest", "k": 256, "select_span": 4}},
+     "speedsfi.sfi.select_span must be 0 with selector 'quest'"),
+    ({"sfi": {"selector": "quest", "k": 256, "schedule": "always_slow"}},
+     "speedsfi.sfi.schedule 'always_slow' (dense decode) does not apply to selector 'quest'"),
     ({"speed": {"l_cut": 0}}, "speedsfi.speed.l_cut must be > 0"),
     ({"speed": {"anchor": "eos"}}, "speedsfi.speed.anchor: expected one of 'bos', 'none'"),
     ({"critiprefill": {"budget": 100}}, "must be a multiple of critiprefill.block_size"),
@@ -97,6 +106,16 @@ def test_bad_input_names_the_field(raw, field):
     with pytest.raises(ConfigError) as e:
         SpeedSfiConfig.from_dict(raw)
     assert field in str(e.value)
+
+
+def test_quest_selector_accepted():
+    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "selector": "quest", "k": 96, "page_size": 32,
+                                            "schedule": "periodic", "refresh": 1}})
+    assert cfg.sfi.selector == "quest" and cfg.sfi.page_size == 32
+    assert SpeedSfiConfig.from_dict({}).sfi.selector == "sfi"      # the paper's selector by default
+    # a per-request budget that breaks the page rule is refused like any invalid override
+    with pytest.raises(ConfigError, match="multiple of sfi.page_size"):
+        cfg.with_overrides({"sfi": {"k": 100}})
 
 
 def test_model_dependent_checks():

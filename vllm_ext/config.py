@@ -48,6 +48,7 @@ def _in_unit(name: str, v: float, *, closed_low: bool = True) -> None:
 
 
 MAX_SELECT_SPAN = 32
+MAX_PAGE_SIZE = 256
 MAX_SENTENCE_COOLDOWN = 1 << 20       # the per-slot trigger state packs it with one flag in an int32
 
 
@@ -95,6 +96,17 @@ class SfiConfig:
     # before it, so a selected token brings the tokens that follow it (a multi-token value that the
     # evidence points at by its first token). 0 = the paper's selector. bench/QUALITY.md.
     select_span: int = 0
+    # which selector a slow row runs (bench/QUALITY.md, "Quest-style page selection"):
+    #   "sfi": the paper's selector (dense pass + attention evidence, prior, Soft-NMS, exclusivity);
+    #   "quest": Quest-style pages (Tang et al. 2024): per `page_size` tokens the element-wise max/min
+    #     of K is kept per request and layer; a selection row (a "slow" row of the schedule: with
+    #     schedule periodic, `refresh` 1 = every step) scores every page by the upper bound of q.k
+    #     (max over the query heads of the GQA group) instead of a dense pass, keeps the best pages
+    #     up to `k` tokens per KV head and attends over sink + those pages + the recent window in the
+    #     same step. The first decode step after prefill is a selection step. Needs k a multiple of
+    #     page_size; select_span and schedule always_slow do not apply.
+    selector: Literal["sfi", "quest"] = "sfi"
+    page_size: int = 16                # Quest page in tokens (selector quest)
     # system
     max_requests: int | None = None    # requests holding SFI state at once; None = min(max_num_seqs, 32)
     dual_stream: bool = True           # selector + gather on a side stream (CUDA); False = serial
@@ -109,6 +121,22 @@ class SfiConfig:
         if self.select_span > MAX_SELECT_SPAN:
             raise ConfigError(f"speedsfi.sfi.select_span ({self.select_span}) must be <= {MAX_SELECT_SPAN} "
                               "(each unit is one more load per score in the top-K kernel)")
+        _positive("sfi.page_size", self.page_size)
+        if self.page_size > MAX_PAGE_SIZE:
+            raise ConfigError(f"speedsfi.sfi.page_size ({self.page_size}) must be <= {MAX_PAGE_SIZE}")
+        if self.selector not in ("sfi", "quest"):
+            raise ConfigError(f"speedsfi.sfi.selector must be 'sfi' or 'quest', got {self.selector!r}")
+        if self.selector == "quest":
+            if self.k % self.page_size:
+                raise ConfigError(f"speedsfi.sfi.k ({self.k}) must be a multiple of sfi.page_size "
+                                  f"({self.page_size}) with selector 'quest' (whole pages are kept)")
+            if self.select_span:
+                raise ConfigError("speedsfi.sfi.select_span must be 0 with selector 'quest' (the page is "
+                                  "the unit of selection)")
+            if self.schedule == "always_slow":
+                raise ConfigError("speedsfi.sfi.schedule 'always_slow' (dense decode) does not apply to "
+                                  "selector 'quest'; use schedule 'periodic' with refresh 1 to select "
+                                  "pages every step")
         if self.k_min > self.k:
             raise ConfigError(f"speedsfi.sfi.k_min ({self.k_min}) must be <= sfi.k ({self.k})")
         _in_unit("sfi.alpha", self.alpha, closed_low=False)

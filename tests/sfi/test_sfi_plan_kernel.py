@@ -33,16 +33,20 @@ def _state(n_slots, device, gen):
 ENDERS, SPACES = [3, 17], [5, 17]          # 17: "\n" (both), 5: " "
 
 
+@pytest.mark.parametrize("selector", ["sfi", "quest"])
 @pytest.mark.parametrize("schedule, gap, fire_at, cooldown, track", [
     ("boundary", 0, "sentence_end", 0, True), ("boundary", 3, "sentence_end", 0, True),
     ("boundary", 0, "sentence_end", 0, False), ("boundary", 3, "sentence_end", 2, True),
     ("boundary", 0, "sentence_start", 0, True), ("boundary", 3, "sentence_start", 2, True),
     ("periodic", 0, "sentence_end", 0, True), ("periodic", 0, "sentence_start", 2, True),
     ("always_slow", 0, "sentence_end", 0, True)])
-def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track):
+def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, selector):
+    if selector == "quest" and (schedule == "always_slow" or (fire_at, cooldown, gap) != ("sentence_end", 0, 0)):
+        pytest.skip("quest: one boundary and one periodic case are enough (always_slow is refused)")
     gen = torch.Generator().manual_seed(7)
     cfg = SfiConfig(enabled=True, k=16, k_min=4, n_sink=4, n_recent=8, refresh=4 if gap < 3 else 6,
-                    schedule=schedule, min_boundary_gap=gap, fire_at=fire_at, sentence_cooldown=cooldown)
+                    schedule=schedule, min_boundary_gap=gap, fire_at=fire_at, sentence_cooldown=cooldown,
+                    selector=selector, page_size=4)
     n_slots, rows, cap = 9, 8, 6
     lut = torch.zeros(50, dtype=torch.int8)
     lut[ENDERS] |= 1
@@ -73,7 +77,7 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track):
                          row_is_decode=dec.to(DEVICE), seq_lens=seq.to(DEVICE),
                          trigger_lut=lut.to(DEVICE), block_table=bt.to(DEVICE), **kern)
         for name in ("row_slow", "row_fast", "row_sparse", "row_dense", "row_k", "recent_start",
-                     "allowed_lo", "allowed_hi", "row_scratch"):
+                     "allowed_lo", "allowed_hi", "row_scratch", "row_page_slot"):
             assert torch.equal(getattr(b_twin, name)[:rows], getattr(b_kern, name)[:rows].cpu()), \
                 f"step {step}: {name}"
         sf = torch.equal(b_twin.row_sfi_slot[:rows], b_kern.row_sfi_slot[:rows].cpu())
@@ -91,3 +95,6 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track):
     # the run exercised every mode the schedule has
     assert twin["stats"][0] > 0 and twin["stats"][4] > 0
     assert (twin["stats"][1] > 0) == (schedule != "always_slow")
+    if selector == "quest":
+        # a selection row attends sparsely: it is counted fast too
+        assert twin["stats"][1] >= twin["stats"][0] > 0

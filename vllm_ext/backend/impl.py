@@ -89,17 +89,26 @@ class SpeedSfiImpl(AttentionImpl):
             device = _device()
             self._sfi_layer = SfiLayerBuffers(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
                                               self.head_size, act_dtype, device,
-                                              num_heads=self.num_heads)
-            metrics.log_once("sfi_buffers", "vllm_ext: SFI per layer %.1f MiB: compact segments C %d "
-                             "request slots x Hkv %d x (n_sink + k) %d entries x 2D + prompt-tail "
-                             "queries C x w_prefill %d x Hq %d x D %d (%.2f MiB)",
-                             SfiLayerBuffers.nbytes(self._sfi_capacity, self.num_kv_heads,
-                                                    self.config.sfi, self.head_size, act_dtype,
-                                                    num_heads=self.num_heads) / 2**20,
-                             self._sfi_capacity, self.num_kv_heads,
-                             self.config.sfi.n_sink + self.config.sfi.k, self.config.sfi.w_prefill,
-                             self.num_heads, self.head_size,
-                             self._sfi_layer.prompt_tail.queries.nbytes / 2**20)
+                                              num_heads=self.num_heads, max_len=self._max_len)
+            layer_mib = SfiLayerBuffers.nbytes(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
+                                               self.head_size, act_dtype, num_heads=self.num_heads,
+                                               max_len=self._max_len) / 2**20
+            if self._sfi_layer.page_reps is not None:
+                metrics.log_once("sfi_buffers", "vllm_ext: SFI (selector quest) per layer %.1f MiB: "
+                                 "compact segments C %d request slots x Hkv %d x (n_sink + k) %d "
+                                 "entries x 2D + page max/min of K (C + 1) x 2 x ceil(max_model_len "
+                                 "%d / page_size %d) x Hkv x D (%.2f MiB)", layer_mib,
+                                 self._sfi_capacity, self.num_kv_heads,
+                                 self.config.sfi.n_sink + self.config.sfi.k, self._max_len,
+                                 self.config.sfi.page_size, self._sfi_layer.page_reps.nbytes / 2**20)
+            else:
+                metrics.log_once("sfi_buffers", "vllm_ext: SFI per layer %.1f MiB: compact segments C "
+                                 "%d request slots x Hkv %d x (n_sink + k) %d entries x 2D + "
+                                 "prompt-tail queries C x w_prefill %d x Hq %d x D %d (%.2f MiB)",
+                                 layer_mib, self._sfi_capacity, self.num_kv_heads,
+                                 self.config.sfi.n_sink + self.config.sfi.k,
+                                 self.config.sfi.w_prefill, self.num_heads, self.head_size,
+                                 self._sfi_layer.prompt_tail.queries.nbytes / 2**20)
             self._sfi_rt = shared_runtime(self.config.sfi, capacity=self._sfi_capacity,
                                           max_rows=self._max_rows, num_heads=self.num_heads,
                                           num_kv_heads=self.num_kv_heads, head_size=self.head_size,
@@ -206,6 +215,11 @@ class SpeedSfiImpl(AttentionImpl):
         return output
 
     def _sfi_prefill_end(self, query, kv_cache, md, sfi) -> None:
+        if sfi.quest_pages is not None:
+            from vllm_ext.backend.sfi_path import quest_prefill_pages
+
+            quest_prefill_pages(kv_cache, md.block_table, sfi.quest_pages, self.config.sfi,
+                                self._sfi_layer)
         if sfi.prefill_end is None:
             return
         from vllm_ext.backend.sfi_path import sfi_prefill_end

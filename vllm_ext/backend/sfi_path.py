@@ -24,7 +24,9 @@ from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence, paged_decode,
                                                     prefill_evidence)
+from vllm_ext.kernels.block_representatives import update_block_representatives
 from vllm_ext.kernels.gather_compact import gather_compact
+from vllm_ext.kernels.quest_pages import quest_page_evidence
 from vllm_ext.kernels.sfi_selector import select
 from vllm_ext.kernels.two_segment_decode import two_segment_decode
 from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
@@ -32,7 +34,7 @@ from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
 
 def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
               sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None) -> None:
-    selected, n_sel = select(evidence, norms, lo, hi, cfg, k, k_cap=cfg.k,
+    selected, n_sel = select(evidence, norms, lo, hi, rt.select_cfg, k, k_cap=cfg.k,
                              workspace=rt.selector_workspace, count=count)
     gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
                    layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count)
@@ -52,6 +54,9 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     overlaps it with the next layers; the compact segments it writes are read at the next step,
     after the step's join (``MaintenanceRing.join``).
     """
+    if cfg.selector == "quest":
+        return _quest_decode(query, kv_cache, block_table, seq_lens, step, cfg, layer, rt,
+                             layer_index, scale, out, dense_done=dense_done)
     rows = query.shape[0]
     on_cpu = query.device.type == "cpu"
     fast = step.row_fast[:rows]
@@ -106,3 +111,62 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     rt.ring.submit(entry, lambda: _maintain(
         rt, cfg, layer, kv_cache, tables, plan.sfi_slot, plan.seq_lens, evidence, norms,
         plan.allowed_lo, plan.allowed_hi, plan.k))
+
+
+# ------------------------------------------------------------------------------ selector "quest"
+def quest_page_update(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      page_slot: torch.Tensor, cfg: SfiConfig, layer: SfiLayerBuffers) -> None:
+    """Each decode row of a request holding a compact slot (``page_slot >= 0``) rewrites the page
+    max/min of K of the page holding its newest token (position ``seq_len - 1``): one page per row
+    and layer. Other rows write nothing (their length reads as 0, their slot is the scratch entry)."""
+    reps = layer.page_reps
+    on = page_slot >= 0
+    seq = torch.where(on, seq_lens, 0)
+    first = torch.div(torch.clamp(seq_lens - 1, min=0), cfg.page_size, rounding_mode="floor")
+    slot = torch.where(on, page_slot, reps.shape[0] - 1)
+    update_block_representatives(kv_cache, block_table, seq, first, cfg.page_size, 1, reps, slot)
+
+
+def quest_prefill_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, plan, cfg: SfiConfig,
+                        layer: SfiLayerBuffers) -> None:
+    """The pages the step's prefill chunks wrote (``QuestPrefillPages``, host-planned; eager). The
+    chunk's K/V must be in the cache."""
+    update_block_representatives(kv_cache, block_table[plan.rows], plan.seq_lens, plan.first_page,
+                                 cfg.page_size, plan.max_pages, layer.page_reps, plan.sfi_slot)
+
+
+def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: SfiConfig,
+                  layer: SfiLayerBuffers, rt: SfiRuntime, layer_index: int, scale: float,
+                  out: torch.Tensor, *, dense_done: bool) -> torch.Tensor:
+    """Decode rows with the Quest-style selector (``sfi.selector = "quest"``):
+
+    1. every SFI decode row updates its newest page's max/min of K;
+    2. dense rows attend densely (unless ``dense_done``);
+    3. selection rows (the plan's slow rows) write the page bounds as pooled log evidence into the
+       ring scratch, and the selector (neutral refinements) + gather refresh their compact segments
+       now, on the main stream: the selection is used in this step;
+    4. fast rows, the selection rows included (the plan marks them fast too), attend over the
+       compact segment + the recent window ``[t - n_recent, t)`` (the selection's allowed set ends
+       at ``t - n_recent``, so the two are disjoint and cover sink + selected + recent).
+    """
+    rows = query.shape[0]
+    on_cpu = query.device.type == "cpu"
+    fast = step.row_fast[:rows]
+    dense = step.row_dense[:rows]
+    quest_page_update(kv_cache, block_table, seq_lens, step.row_page_slot[:rows], cfg, layer)
+    if not dense_done and (not on_cpu or bool(dense.any())):
+        paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=dense,
+                     workspace=rt.dense_workspace)
+    if not on_cpu or bool(step.row_slow[:rows].any()):
+        _, scratch = rt.ring.entry(layer_index)
+        quest_page_evidence(query, layer.page_reps, scale, step.slow_rows, step.slow_sfi_slot,
+                            step.slow_lo, step.slow_hi, cfg.page_size, scratch.log_evidence,
+                            count=step.slow_count)
+        _maintain(rt, cfg, layer, kv_cache, step.slow_block_table, step.slow_sfi_slot,
+                  step.slow_seq, scratch.log_evidence, scratch.key_norms, step.slow_lo,
+                  step.slow_hi, step.slow_k, step.slow_count)
+    if not on_cpu or bool(fast.any()):
+        two_segment_decode(query, kv_cache, block_table, seq_lens, step.recent_start[:rows],
+                           layer.compact_kv, layer.compact_len, step.row_sfi_slot[:rows], scale, out,
+                           row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace)
+    return out

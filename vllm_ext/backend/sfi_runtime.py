@@ -32,29 +32,49 @@ logger = logging.getLogger("vllm_ext")
 class SfiLayerBuffers:
     """One layer's compact segments ``[C, Hkv, n_sink + k, 2D]`` and their lengths ``[C]``, and (with
     ``num_heads``) its prompt-tail queries ``[C, w_prefill, Hq, D]``
-    (:class:`vllm_ext.sfi.prompt_tail.PromptTailQueries`, the prefill-end evidence window)."""
+    (:class:`vllm_ext.sfi.prompt_tail.PromptTailQueries`, the prefill-end evidence window).
+
+    Selector ``quest`` (needs ``max_len``): instead of the prompt tail, the page max/min of K
+    ``page_reps [C + 1, 2, ceil(max_len / page_size), Hkv, D]`` (activation dtype; entry ``C`` is a
+    scratch slot that rows without a compact slot write to), kept up to date by the prefill chunks
+    and by every decode step (the page of the newest token)."""
 
     def __init__(self, capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
-                 dtype: torch.dtype, device: torch.device, num_heads: int | None = None):
+                 dtype: torch.dtype, device: torch.device, num_heads: int | None = None,
+                 max_len: int | None = None):
         from vllm_ext.sfi.prompt_tail import PromptTailQueries
 
+        quest = cfg.selector == "quest"
+        if quest and max_len is None:
+            raise ValueError("SfiLayerBuffers: selector 'quest' needs max_len (the page tables)")
         self.compact_kv = torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k, 2 * head_size,
                                       dtype=dtype, device=device)
         self.compact_len = torch.zeros(capacity, dtype=torch.int32, device=device)
-        self.prompt_tail = (None if num_heads is None else
+        self.prompt_tail = (None if num_heads is None or quest else
                             PromptTailQueries(capacity, cfg.w_prefill, num_heads, head_size, dtype,
                                               device))
+        self.page_reps = None
+        if quest:
+            from vllm_ext.kernels.quest_pages import page_count
+
+            self.page_reps = torch.zeros(capacity + 1, 2, page_count(max_len, cfg.page_size),
+                                         num_kv_heads, head_size, dtype=dtype, device=device)
 
     @staticmethod
     def nbytes(capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
-               dtype: torch.dtype, num_heads: int | None = None) -> int:
+               dtype: torch.dtype, num_heads: int | None = None, max_len: int | None = None) -> int:
         from vllm_ext.sfi.prompt_tail import PromptTailQueries
 
         elem = torch.empty((), dtype=dtype).element_size()
-        tail = (0 if num_heads is None else
+        quest = cfg.selector == "quest"
+        tail = (0 if num_heads is None or quest else
                 PromptTailQueries.nbytes(capacity, cfg.w_prefill, num_heads, head_size, dtype))
+        pages = 0
+        if quest and max_len is not None:
+            pages = ((capacity + 1) * 2 * (-(-max_len // cfg.page_size)) * num_kv_heads * head_size
+                     * elem)
         return (capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem + capacity * 4
-                + tail)
+                + tail + pages)
 
 
 @dataclass
@@ -145,8 +165,20 @@ class SfiRuntime:
         self.shape = (max_rows, num_heads, num_kv_heads, head_size, max_len)
         dual = cfg.dual_stream and device.type == "cuda"
         n = cfg.side_stream_slots if dual else 1
+        self.quest = cfg.selector == "quest"
+        if self.quest:
+            # quest mode selects synchronously on the main stream: one scratch slot, no side stream
+            from vllm_ext.kernels.quest_pages import quest_selector_config
+
+            dual, n = False, 1
+            self.select_cfg = quest_selector_config(cfg)
+        else:
+            self.select_cfg = cfg
         self.ring = MaintenanceRing([SfiScratch.allocate(capacity, num_kv_heads, max_len, device)
                                      for _ in range(n)], device, dual)
+        if self.quest:
+            for e in self.ring.entries:
+                e.key_norms.fill_(1.0)   # the prior is off (weight 0); a finite norm keeps 0 * log finite
         est_fast = cfg.n_sink + cfg.k + cfg.n_recent
         dense_rs = max_row_splits(max_rows, lambda r: dense_num_splits(r, num_kv_heads, max_len,
                                                                         device))
@@ -162,7 +194,7 @@ class SfiRuntime:
                                                      row_splits=fast_rs)
         width = max(cfg.k, cfg.k_min)
         self.selector_workspace = selector_workspace(capacity, num_kv_heads, max_len, width, device,
-                                                     cfg)
+                                                     self.select_cfg)
 
     @property
     def nbytes(self) -> int:

@@ -33,10 +33,11 @@ if HAS_TRITON:
         ROW_SLOT, ROW_TOK, ROW_DEC, SEQ,
         SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS, TSTATE,
         O_SLOW, O_FAST, O_SPARSE, O_DENSE, O_SFI_SLOT, O_K, O_RSTART, O_LO, O_HI, O_SCRATCH,
+        O_PAGE_SLOT,
         S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT, S_COUNT,
         R, CAP, VOCAB, N_SINK, N_RECENT, REFRESH, MIN_GAP, COOLDOWN,
         SCHEDULE: tl.constexpr, FIRE_AT: tl.constexpr, TRACK: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, QUEST: tl.constexpr,
     ):
         r = tl.arange(0, BLOCK_R)
         rm = r < R
@@ -85,7 +86,10 @@ if HAS_TRITON:
                     trig = trig & (nth >= MIN_GAP)
                 slow = slow | trig
             slow = slow & sparse
-        fast = sparse & (~slow)
+        if QUEST:
+            fast = sparse                           # a selection row attends like a fast row
+        else:
+            fast = sparse & (~slow)
         lo = tl.zeros([BLOCK_R], dtype=tl.int32) + N_SINK
         hi = tl.maximum(t - N_RECENT, lo)
         rstart = tl.maximum(t - N_RECENT, 0)
@@ -96,7 +100,11 @@ if HAS_TRITON:
         n_sel = tl.minimum(k, tl.maximum(hi - lo, 0))
         old_sel = tl.load(SEL_COUNT + slot, mask=rm, other=0)
         tl.store(SEL_COUNT + slot, n_sel, mask=slow)
-        retained = tl.where(fast, N_SINK + old_sel + (t - rstart), 0)
+        if QUEST:
+            cur_sel = tl.where(slow, n_sel, old_sel)    # a selection row reads what it selected
+        else:
+            cur_sel = old_sel
+        retained = tl.where(fast, N_SINK + cur_sel + (t - rstart), 0)
         # counters (one program: plain read-modify-write)
         tl.store(STATS + 0, tl.load(STATS + 0) + tl.sum(slow.to(tl.int64), 0))
         tl.store(STATS + 1, tl.load(STATS + 1) + tl.sum(fast.to(tl.int64), 0))
@@ -123,6 +131,7 @@ if HAS_TRITON:
         tl.store(O_RSTART + r, rstart, mask=rm)
         tl.store(O_LO + r, lo, mask=rm)
         tl.store(O_HI + r, hi, mask=rm)
+        tl.store(O_PAGE_SLOT + r, tl.where(on, sfi_slot, -1), mask=rm)
         # compaction of the slow rows, in row order
         slow_i = slow.to(tl.int32)
         entry = tl.cumsum(slow_i, 0) - slow_i
@@ -180,13 +189,13 @@ def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, s
         sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count, trigger_lut, stats,
         trigger_state if track else steps_since_slow,     # (a placeholder pointer when not tracked)
         b.row_slow, b.row_fast, b.row_sparse, b.row_dense, b.row_sfi_slot, b.row_k,
-        b.recent_start, b.allowed_lo, b.allowed_hi, b.row_scratch,
+        b.recent_start, b.allowed_lo, b.allowed_hi, b.row_scratch, b.row_page_slot,
         b.slow_rows, b.slow_seq, b.slow_lo, b.slow_hi, b.slow_k, b.slow_sfi_slot, b.slow_count,
         rows, cap, trigger_lut.shape[0], int(cfg.n_sink), int(cfg.n_recent), int(cfg.refresh),
         int(cfg.min_boundary_gap), int(cfg.sentence_cooldown),
         SCHEDULE=_SCHEDULE_CODE[cfg.schedule], FIRE_AT=_FIRE_AT_CODE[cfg.fire_at], TRACK=track,
         BLOCK_R=block_r,
-        BLOCK_S=max(16, next_pow2(cap)), num_warps=4)
+        BLOCK_S=max(16, next_pow2(cap)), QUEST=cfg.selector == "quest", num_warps=4)
     if block_table is not None:
         dst = b.block_table_buffer(block_table.shape[1])
         width = block_table.shape[1]

@@ -11,7 +11,7 @@ read asynchronously (:class:`vllm_ext.device_counters.DeviceCounters`). Torch on
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 import numpy as np
@@ -29,6 +29,16 @@ from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STA
 # what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
 # (kernel constants, buffer sizes, the schedule) and is refused loudly
 PER_REQUEST_FIELDS = frozenset({"sfi.enabled", "sfi.k"})
+
+@dataclass
+class QuestPrefillPages:
+    """Selector ``quest``: one step's prefill page updates (rows of requests holding a compact slot)."""
+    rows: torch.Tensor              # int64 [n]: batch rows (their block-table rows)
+    seq_lens: torch.Tensor          # int32 [n]: tokens in the cache after this step
+    first_page: torch.Tensor        # int32 [n]: first page the row rewrites
+    sfi_slot: torch.Tensor          # int32 [n]: compact slot (the page table's entry)
+    max_pages: int                  # host bound of the pages one row rewrites
+
 
 STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
               STAT_DENSE: "sfi.dense_rows", STAT_RETAINED: "sfi.fast_retained_tokens",
@@ -171,6 +181,38 @@ class SfiSlotTables:
             self.sel_count.index_copy_(0, row_slot.long(), n_sel)
             self.stats[STAT_PREFILL_END] += plan.num_ends
         return plan
+
+    def plan_quest_pages(self, *, num_reqs: int, row_slots: np.ndarray, row_is_decode: np.ndarray,
+                         host_geometry) -> "QuestPrefillPages | None":
+        """Selector ``quest``: the pages each prefill row of a request holding a compact slot writes
+        this step (its first own chunk also covers a prefix-cache hit: pages from 0), whatever the
+        prompt's length (a short prompt grows into a sparse request). Host geometry is exact for
+        prefill rows; prefill runs eagerly."""
+        page = self.cfg.page_size
+        qsl, computed = host_geometry
+        rows, seqs, firsts, slots, n_pages = [], [], [], [], 0
+        for row in range(num_reqs):
+            slot = int(row_slots[row])
+            if row_is_decode[row] or slot not in self.slot_host:
+                continue
+            done = int(computed[row])
+            end = done + int(qsl[row + 1] - qsl[row])
+            first = self.first_computed.setdefault(slot, done)
+            first_page = 0 if done <= first else done // page
+            rows.append(row)
+            seqs.append(end)
+            firsts.append(first_page)
+            slots.append(self.slot_host[slot])
+            n_pages = max(n_pages, -(-end // page) - first_page)
+        if not rows:
+            return None
+
+        def dev(a, dtype):
+            return torch.as_tensor(np.asarray(a), dtype=dtype).to(self.device, non_blocking=True)
+
+        return QuestPrefillPages(rows=dev(rows, torch.int64), seq_lens=dev(seqs, torch.int32),
+                                 first_page=dev(firsts, torch.int32), sfi_slot=dev(slots, torch.int32),
+                                 max_pages=n_pages)
 
     def counter_values(self) -> dict[str, int]:
         values = self.counters.read()

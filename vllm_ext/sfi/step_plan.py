@@ -10,6 +10,15 @@ Row modes (decode rows of requests with SFI on and a compact slot; every other r
   evidence, then the selector and the gather refresh the compact segment;
 - fast: attention over the compact segment (sink + selected) and the recent window in place.
 
+With ``sfi.selector = "quest"`` a slow row is a *selection* row that does not attend densely: it
+scores the pages, refreshes its compact segment at once and then attends like a fast row, so the
+plan marks it both slow and fast (``row_fast = row_sparse``). The counters follow what is read:
+``sfi.fast_*`` (steps, retained and context tokens, the histogram) cover every row that attends over
+sink + selected + recent (selection rows with the selection made in the step), and
+``sfi.slow_steps`` counts the selections (a subset of ``sfi.fast_steps`` in this mode).
+``row_page_slot`` (every mode) is the compact slot of each decode row of a request holding one (the
+exactly-dense rows included), -1 elsewhere: quest mode keeps those requests' page max/min of K.
+
 Slow rows are compacted, in row order, into ``slow_rows[:S]`` (``S`` = the SFI request capacity, so
 the list never overflows: every sparse row holds its own compact slot); entry ``e`` is the evidence
 scratch slot of row ``slow_rows[e]`` and ``row_scratch[row] = e``. Unused entries have
@@ -61,6 +70,8 @@ class SfiStep:
     slow_block_table: torch.Tensor | None = None  # int32 [S, max_blocks]: its block-table row
     slow_count: torch.Tensor | None = None    # int32 [1]: live entries (they are slow_rows[:count])
     prefill_end: "SfiPrefillEnd | None" = None
+    row_page_slot: torch.Tensor | None = None  # int32 [rows]: compact slot of an SFI decode row, else -1
+    quest_pages: "object | None" = None        # quest mode: the step's prefill page updates (host plan)
 
 
 class SfiPlanBuffers:
@@ -82,6 +93,7 @@ class SfiPlanBuffers:
         self.allowed_lo = torch.zeros(n, **i32)
         self.allowed_hi = torch.zeros(n, **i32)
         self.row_scratch = torch.full((n,), -1, **i32)
+        self.row_page_slot = torch.full((n,), -1, **i32)
         self.row_index = torch.arange(n, **i32)
         # compacted slow entries; index ``capacity`` is a trash entry for scatters of other rows
         s = capacity + 1
@@ -117,7 +129,7 @@ class SfiPlanBuffers:
                        slow_lo=self.slow_lo[:cap], slow_hi=self.slow_hi[:cap],
                        slow_k=self.slow_k[:cap], slow_sfi_slot=self.slow_sfi_slot[:cap],
                        slow_block_table=None if bt is None else bt[:cap],
-                       slow_count=self.slow_count)
+                       slow_count=self.slow_count, row_page_slot=self.row_page_slot[:rows])
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +181,9 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
                        min_boundary_gap=cfg.min_boundary_gap, fire_at=cfg.fire_at,
                        sentence_cooldown=cfg.sentence_cooldown, trigger_state=trigger_state,
                        advance=on)
-    fast = sparse & ~slow
+    quest = cfg.selector == "quest"
+    fast = sparse if quest else sparse & ~slow
+    page_slot = torch.where(on, sfi_slot, -1).to(torch.int32)
     lo, hi = allowed_range(t, cfg.n_sink, cfg.n_recent)
     recent_start = torch.clamp(t - cfg.n_recent, min=0)
     mark_selected(steps_since_slow, has_selection, row_slot, slow)
@@ -192,14 +206,14 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     if buffers is None:
         return SfiStep(row_slow=slow, row_fast=fast, row_sparse=sparse, row_sfi_slot=row_sfi_slot,
                        row_k=k.to(torch.int32), recent_start=recent_start.to(torch.int32),
-                       allowed_lo=lo, allowed_hi=hi, row_dense=~sparse)
+                       allowed_lo=lo, allowed_hi=hi, row_dense=~sparse, row_page_slot=page_slot)
     return write_plan(buffers, rows, slow=slow, fast=fast, sparse=sparse,
                        row_sfi_slot=row_sfi_slot, k=k, recent_start=recent_start, lo=lo, hi=hi,
-                       t=t, block_table=block_table)
+                       t=t, block_table=block_table, page_slot=page_slot)
 
 
 def write_plan(buf: SfiPlanBuffers, rows: int, *, slow, fast, sparse, row_sfi_slot, k,
-               recent_start, lo, hi, t, block_table) -> SfiStep:
+               recent_start, lo, hi, t, block_table, page_slot=None) -> SfiStep:
     """Write row modes already decided into the persistent plan (and compact the slow rows).
     :func:`plan_step` calls it; tests and benchmarks use it to force modes."""
     if rows > buf.max_rows:
@@ -214,6 +228,8 @@ def write_plan(buf: SfiPlanBuffers, rows: int, *, slow, fast, sparse, row_sfi_sl
     buf.recent_start[:rows].copy_(recent_start)
     buf.allowed_lo[:rows].copy_(lo)
     buf.allowed_hi[:rows].copy_(hi)
+    buf.row_page_slot[:rows].copy_(page_slot if page_slot is not None else
+                                   torch.where(sparse, row_sfi_slot, -1))
     # compaction: the e-th slow row (in row order) takes entry e; other rows scatter to the trash
     entry = torch.cumsum(slow.to(torch.int32), 0, dtype=torch.int32) - 1
     entry = torch.where(slow & (entry < cap), entry, cap)

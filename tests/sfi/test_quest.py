@@ -1,0 +1,247 @@
+"""SFI with the Quest-style page selector (``sfi.selector = "quest"``).
+
+A brute-force Quest written out here (per page max/min of K over the keys that exist, the bound
+``scale * sum_d max(q_d kmax_d, q_d kmin_d)`` per query head, max over the GQA group, pages in
+descending bound order (ties: lower page first) filling ``k`` tokens of the allowed set, then
+softmax attention over sink + selected + recent) is the reference for:
+- the page-evidence twin + the PyTorch selector (selected sets and whole pages);
+- the Triton page-evidence kernel (under ``TRITON_INTERPRET=1`` on CPU) against its twin;
+- the SFI layer path (``sfi_decode``) in quest mode over two steps: selection rows read their
+  selection in the same step, the decode step updates the newest page's max/min, fast rows read the
+  previous selection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from vllm_ext.backend.sfi_path import quest_prefill_pages, sfi_decode
+from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.config import SfiConfig
+from vllm_ext.kernels.block_representatives import block_representatives_torch
+from vllm_ext.kernels.paged_reference import attention_over, gather_kv
+from vllm_ext.kernels.quest_pages import (quest_page_evidence_torch, quest_page_evidence_triton,
+                                          quest_selector_config)
+from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
+from vllm_ext.sfi import selector as torch_selector
+from vllm_ext.sfi.slot_tables import QuestPrefillPages
+from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
+
+HKV, D, BS = 2, 16, 16          # BS: the paged cache's block size (independent of the Quest page)
+
+
+@contextlib.contextmanager
+def torch_kernels():
+    old = os.environ.get("SPEEDSFI_FORCE_TORCH_KERNELS")
+    os.environ["SPEEDSFI_FORCE_TORCH_KERNELS"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SPEEDSFI_FORCE_TORCH_KERNELS")
+        else:
+            os.environ["SPEEDSFI_FORCE_TORCH_KERNELS"] = old
+
+
+def make_cache(lens, gen, extra=2):
+    max_blocks = -(-(max(lens) + extra) // BS) + 1
+    nb = len(lens) * max_blocks + 2
+    kv = torch.randn(nb, BS, HKV, 2 * D, generator=gen).transpose(1, 2)      # [nb, H, BS, 2D]
+    bt = torch.randperm(nb, generator=gen)[: len(lens) * max_blocks].reshape(len(lens), max_blocks)
+    return kv, bt.to(torch.int32)
+
+
+def brute_quest(q, kv, bt_row, t, cfg, scale, k, sel_from=None):
+    """Brute-force Quest for one decode query ``q [Hq, D]`` at length ``t``: returns the output
+    ``[Hq, D]`` and the selected positions per KV head. ``sel_from``: attend with a given selection
+    (a fast row reading an older one) instead of selecting now."""
+    page = cfg.page_size
+    keys, vals = gather_kv(kv, bt_row, torch.arange(t))                      # [H, t, D]
+    hq = q.shape[0]
+    g = hq // HKV
+    lo, hi = cfg.n_sink, t - cfg.n_recent
+    sels = []
+    for h in range(HKV):
+        if sel_from is not None:
+            sels.append(sel_from[h])
+            continue
+        bounds = []
+        for p in range(-(-t // page)):
+            kp = keys[h, p * page:min((p + 1) * page, t)].double()
+            kmax, kmin = kp.max(0).values, kp.min(0).values
+            bounds.append(max(float(torch.maximum(q[i].double() * kmax, q[i].double() * kmin).sum() * scale)
+                              for i in range(h * g, (h + 1) * g)))
+        chosen = []
+        for p in sorted(range(len(bounds)), key=lambda p: (-bounds[p], p)):
+            for j in range(p * page, min((p + 1) * page, t)):
+                if lo <= j < hi and len(chosen) < k:
+                    chosen.append(j)
+        sels.append(sorted(chosen))
+    out = torch.empty(hq, D)
+    for h in range(HKV):
+        idx = sorted(set(range(min(cfg.n_sink, t))) | set(sels[h]) | set(range(max(t - cfg.n_recent, 0), t)))
+        o, _ = attention_over(q[h * g:(h + 1) * g][None], keys[h:h + 1, idx], vals[h:h + 1, idx], scale)
+        out[h * g:(h + 1) * g] = o[0]
+    return out, sels
+
+
+def page_reps(kv, bt, lens, page, slots, n_slots, nb):
+    reps = torch.zeros(n_slots, 2, nb, HKV, D)
+    full = block_representatives_torch(kv, bt, torch.tensor(lens, dtype=torch.int32), page, nb)
+    for i, s in enumerate(slots):
+        reps[s] = full[i]
+    return reps
+
+
+GRID = [
+    # (g, page_size, k, n_sink, n_recent, lens): partial last pages, allowed sets cut inside a page
+    (1, 8, 16, 4, 8, [61, 100]),
+    (4, 16, 32, 4, 16, [97, 130]),
+    (2, 32, 32, 0, 32, [160, 147]),         # page-aligned allowed set for the first row
+    (4, 8, 8, 2, 5, [45, 33]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(GRID)))
+def test_twin_selection_equals_brute_force(case):
+    g, page, k, n_sink, n_recent, lens = GRID[case]
+    cfg = SfiConfig(enabled=True, selector="quest", page_size=page, k=k, k_min=min(4, k),
+                    n_sink=n_sink, n_recent=n_recent)
+    gen = torch.Generator().manual_seed(case)
+    kv, bt = make_cache(lens, gen)
+    scale = D ** -0.5
+    q = torch.randn(len(lens), HKV * g, D, generator=gen)
+    length = max(lens) + 3
+    nb = -(-length // page)
+    reps = page_reps(kv, bt, lens, page, [1, 0], 3, nb)
+    rows = torch.tensor([0, 1, -1], dtype=torch.int32)
+    t = torch.tensor(lens, dtype=torch.int32)
+    lo = torch.tensor([n_sink, n_sink, 0], dtype=torch.int32)
+    hi = torch.tensor([lens[0] - n_recent, lens[1] - n_recent, 0], dtype=torch.int32)
+    ev = torch.full((3, HKV, length), 5.0)
+    quest_page_evidence_torch(q, reps, scale, rows, torch.tensor([1, 0, 2], dtype=torch.int32), lo, hi,
+                              page, ev)
+    assert torch.all(ev[2] == 5.0), "an unused entry was written"
+    sel, n_sel = torch_selector.select(ev[:2], torch.ones(2, HKV, length), lo[:2], hi[:2],
+                                       quest_selector_config(cfg), k)
+    for r in range(2):
+        _, ref = brute_quest(q[r], kv, bt[r], lens[r], cfg, scale, k)
+        for h in range(HKV):
+            got = sel[r, h, :int(n_sel[r])].tolist()
+            assert got == ref[h], f"row {r} head {h}"
+            pages = {j // page for j in got}
+            if n_sink % page == 0 and (lens[r] - n_recent) % page == 0:
+                # an allowed set made of whole pages and k a multiple of the page: whole pages
+                assert len(got) == len(pages) * page
+
+
+@pytest.mark.skipif(not (HAS_TRITON and use_triton(torch.device("cpu"))),
+                    reason="needs the Triton interpreter (CPU) or CUDA")
+@pytest.mark.parametrize("g, page, d", [(1, 8, 16), (4, 16, 16), (3, 4, 24)])
+def test_triton_page_evidence_equals_twin(g, page, d):
+    gen = torch.Generator().manual_seed(g * 10 + page)
+    s_entries, n_slots, nb, length = 4, 5, 9, 9 * page + 5
+    hkv = 2
+    q = torch.randn(3, hkv * g, d, generator=gen)
+    reps = torch.randn(n_slots, 2, nb, hkv, d, generator=gen)
+    rows = torch.tensor([2, -1, 0, 1], dtype=torch.int32)
+    slot = torch.tensor([4, 0, 1, 3], dtype=torch.int32)
+    lo = torch.tensor([3, 0, 0, page], dtype=torch.int32)
+    hi = torch.tensor([5 * page + 3, 0, length, 7 * page], dtype=torch.int32)
+    count = torch.tensor([3], dtype=torch.int32)          # entry 3 is past the count: untouched
+    outs = []
+    for fn in (quest_page_evidence_torch, quest_page_evidence_triton):
+        out = torch.full((s_entries, hkv, length), 7.0)
+        fn(q, reps, 0.3, rows, slot, lo, hi, page, out, count=count)
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert torch.all(outs[0][1] == 7.0) and torch.all(outs[0][3] == 7.0)
+    assert torch.all(outs[0][0, :, 5 * page + 3:] == 7.0)          # positions >= hi untouched
+    assert torch.all(outs[0][0, :, :3] == float("-inf"))           # [0, lo) masked
+
+
+# ------------------------------------------------------------------------ the layer path
+DENSE, SLOW, FAST, PAD = "dense", "slow", "fast", "pad"
+
+
+def quest_plan(buffers, cfg, modes, lens, slots, bt):
+    t = torch.tensor([0 if m == PAD else n for m, n in zip(modes, lens)], dtype=torch.int32)
+    slow = torch.tensor([m == SLOW for m in modes])
+    sparse = torch.tensor([m in (SLOW, FAST) for m in modes])
+    s = torch.tensor(slots, dtype=torch.int32)
+    on = torch.tensor([m != PAD for m in modes])
+    return write_plan(buffers, len(modes), slow=slow, fast=sparse, sparse=sparse,
+                      row_sfi_slot=torch.where(sparse, s, 0), k=torch.full_like(t, cfg.k),
+                      recent_start=torch.clamp(t - cfg.n_recent, min=0),
+                      lo=torch.full_like(t, cfg.n_sink), hi=torch.clamp(t - cfg.n_recent, min=cfg.n_sink),
+                      t=t, block_table=bt, page_slot=torch.where(on, s, -1)), t
+
+
+@pytest.mark.parametrize("kernels", ["twins", "triton"])
+@pytest.mark.parametrize("g, n_recent", [(1, 12), (4, 3), (2, 3)])
+def test_layer_path_equals_brute_force(g, n_recent, kernels):
+    if kernels == "triton" and not (HAS_TRITON and use_triton(torch.device("cpu"))):
+        pytest.skip("needs the Triton interpreter")
+    if kernels == "triton" and g != 4:
+        pytest.skip("one interpreted case is enough")
+    # n_recent 3 < page 8: the newest token's page reaches into the allowed set, so the decode
+    # step's update of that page's max/min decides the selection
+    cfg = SfiConfig(enabled=True, selector="quest", page_size=8, k=24, k_min=4, n_sink=4,
+                    n_recent=n_recent)
+    lens = [30, 100, 124, 50, 79]         # row 0 dense; partial last pages
+    slots = [3, 0, 2, 1, 4]
+    gen = torch.Generator().manual_seed(g)
+    kv, bt = make_cache(lens, gen, extra=4)
+    scale = D ** -0.5
+    hq = HKV * g
+    max_len = max(lens) + 8
+    ctx = torch_kernels() if kernels == "twins" else contextlib.nullcontext()
+    with ctx:
+        layer = SfiLayerBuffers(5, HKV, cfg, D, torch.float32, torch.device("cpu"), num_heads=hq,
+                                max_len=max_len)
+        rt = SfiRuntime(cfg, capacity=5, max_rows=5, num_heads=hq, num_kv_heads=HKV, head_size=D,
+                        max_len=max_len, device=torch.device("cpu"))
+        buffers = SfiPlanBuffers(5, 5, torch.device("cpu"))
+        # prefill wrote positions [0, t - 1) (two chunks for row 1: the second starts inside a page)
+        pre = [n - 1 for n in lens]
+        quest_prefill_pages(kv, bt, QuestPrefillPages(
+            rows=torch.tensor([0, 1, 2, 3, 4]), seq_lens=torch.tensor([p if i != 1 else 50 for i, p in enumerate(pre)],
+                                                                      dtype=torch.int32),
+            first_page=torch.zeros(5, dtype=torch.int32), sfi_slot=torch.tensor(slots, dtype=torch.int32),
+            max_pages=-(-max(pre) // 8)), cfg, layer)
+        quest_prefill_pages(kv, bt, QuestPrefillPages(
+            rows=torch.tensor([1]), seq_lens=torch.tensor([pre[1]], dtype=torch.int32),
+            first_page=torch.tensor([50 // 8], dtype=torch.int32), sfi_slot=torch.tensor([0], dtype=torch.int32),
+            max_pages=-(-pre[1] // 8) - 50 // 8), cfg, layer)
+        steps = [([DENSE, SLOW, SLOW, PAD, SLOW], lens),
+                 ([DENSE, FAST, SLOW, PAD, FAST], [n + 1 for n in lens])]
+        prev_sel = {}
+        for modes, cur in steps:
+            plan, t = quest_plan(buffers, cfg, modes, cur, slots, bt)
+            q = torch.randn(5, hq, D, generator=gen)
+            out = torch.full_like(q, 7.0)
+            sfi_decode(q, kv, bt, t, plan, cfg, layer, rt, 0, scale, out, dense_done=False)
+            # every SFI row's page table (the exactly-dense row's too) covers its keys [0, t)
+            live = [r for r, m in enumerate(modes) if m != PAD]
+            full = block_representatives_torch(kv, bt[live], t[live], cfg.page_size,
+                                               layer.page_reps.shape[2])
+            for i, r in enumerate(live):
+                torch.testing.assert_close(layer.page_reps[slots[r]], full[i], msg=f"row {r} pages")
+            for r, m in enumerate(modes):
+                if m == PAD:
+                    assert torch.all(out[r] == 7.0)
+                    continue
+                if m == DENSE:
+                    keys, vals = gather_kv(kv, bt[r], torch.arange(cur[r]))
+                    ref = attention_over(q[r][None], keys, vals, scale)[0][0]
+                else:
+                    ref, sel = brute_quest(q[r], kv, bt[r], cur[r], cfg, scale, cfg.k,
+                                           sel_from=prev_sel.get(r) if m == FAST else None)
+                    if m == SLOW:
+                        prev_sel[r] = sel
+                torch.testing.assert_close(out[r], ref, atol=2e-4, rtol=2e-4, msg=f"row {r} ({m})")
+    assert set(prev_sel) == {1, 2, 4}

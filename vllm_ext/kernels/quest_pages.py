@@ -1,0 +1,183 @@
+"""Quest-style page scores for the SFI selector (``sfi.selector = "quest"``; Tang et al. 2024).
+
+Per KV page of ``page_size`` tokens the backend keeps the element-wise max and min of K
+(:func:`vllm_ext.kernels.block_representatives.update_block_representatives` with
+``block_size = page_size``). At a selection step the upper bound of a query's logit on any key of
+page ``p`` is ``ub_g(p) = scale * sum_d max(q_gd * kmax_pd, q_gd * kmin_pd)``; the KV head's pages are
+ranked by the max of that bound over the query heads of its GQA group (the tightest bound on the
+group's largest logit on the page: a page that could hold the maximum of any head is kept).
+
+Public function (Triton on CUDA / under ``TRITON_INTERPRET=1``, else the ``*_torch`` twin of the same
+signature):
+
+``quest_page_evidence(query, reps, scale, rows, rep_slot, lo, hi, page_size, out, *, count=None)``
+    ``query``: ``[R, Hq, D]`` (one decode query per row); ``reps``: ``[slots, 2, NB, Hkv, D]`` (max,
+    min; any float dtype); ``rows``, ``rep_slot``, ``lo``, ``hi``: int32 ``[S]`` per entry ``e``: the
+    query row (``-1`` = unused entry), its page-table slot and its allowed set ``[lo, hi)``;
+    ``out``: fp32 ``[>= S, Hkv, L]``, the selector's 3-dim pooled log evidence. For every live entry
+    writes ``out[e, h, j] = max_g ub_g(j // page_size)`` for ``j`` in ``[lo, hi)`` (each page's bound
+    expanded to every token of the page, so the selector's top-K with ties to the lower position keeps
+    whole pages) and ``-inf`` for ``j`` in ``[0, lo)``; positions ``>= hi`` (and past the page table) are left as
+    they are (the selector masks them). Unused entries (``rows < 0``, or ``e >= count[0]`` with ``count``) touch
+    nothing. Fixed grid (``S x Hkv x cdiv(L, pages per program * page_size)``), no host sync, no
+    allocation: a CUDA graph can capture it.
+
+:func:`quest_selector_config` gives the ``SfiConfig`` the selector runs with in this mode (prior,
+fusion, Soft-NMS, cross-head exclusivity and span made neutral). Imports neither vLLM nor CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm_ext.config import SfiConfig
+from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _quest_kernel(Q, REPS, ROWS, SLOT, LO, HI, COUNT, OUT,
+                      s_q_r, s_q_h, s_q_d,
+                      s_r_s, s_r_w, s_r_b, s_r_h,
+                      s_o_e, s_o_h, s_o_l,
+                      scale, L, NB,
+                      G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                      PAGE: tl.constexpr, PAGE_PAD: tl.constexpr, BLOCK_PG: tl.constexpr,
+                      HAS_COUNT: tl.constexpr):
+        e = tl.program_id(0)
+        h = tl.program_id(1)
+        tile = tl.program_id(2)
+        row = tl.load(ROWS + e)
+        live = row >= 0
+        if HAS_COUNT:
+            live = live & (e < tl.load(COUNT))
+        lo = tl.load(LO + e)
+        hi = tl.minimum(tl.load(HI + e), L)
+        p0 = tile * BLOCK_PG
+        if live & (p0 * PAGE < hi):
+            slot = tl.load(SLOT + e).to(tl.int64)
+            offs_g = tl.arange(0, G_PAD)
+            offs_d = tl.arange(0, D_PAD)
+            gm = offs_g < G
+            dm = offs_d < D
+            qh = h * G + offs_g
+            q = tl.load(Q + row.to(tl.int64) * s_q_r + qh[:, None] * s_q_h + offs_d[None, :] * s_q_d,
+                        mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)         # [G, D]
+            pg = p0 + tl.arange(0, BLOCK_PG)
+            pm = pg < NB
+            base = REPS + slot * s_r_s + h.to(tl.int64) * s_r_h
+            rp = base + pg[:, None].to(tl.int64) * s_r_b + offs_d[None, :]
+            m2 = pm[:, None] & dm[None, :]
+            kmax = tl.load(rp, mask=m2, other=0.0).to(tl.float32)                            # [P, D]
+            kmin = tl.load(rp + s_r_w, mask=m2, other=0.0).to(tl.float32)
+            a = q[:, None, :] * kmax[None, :, :]                                             # [G, P, D]
+            b = q[:, None, :] * kmin[None, :, :]
+            ub = tl.sum(tl.maximum(a, b), axis=2) * scale                                    # [G, P]
+            ub = tl.where(gm[:, None], ub, float("-inf"))
+            score = tl.max(ub, axis=0)                                                       # [P]
+            offs_i = tl.arange(0, PAGE_PAD)
+            pos = pg[:, None] * PAGE + offs_i[None, :]                                       # [P, PAGE]
+            wm = (offs_i[None, :] < PAGE) & (pos < hi) & pm[:, None]
+            val = tl.where(pos >= lo, score[:, None] + tl.zeros([BLOCK_PG, PAGE_PAD], tl.float32),
+                           float("-inf"))
+            tl.store(OUT + e.to(tl.int64) * s_o_e + h.to(tl.int64) * s_o_h + pos.to(tl.int64) * s_o_l,
+                     val, mask=wm)
+
+
+def quest_selector_config(cfg: SfiConfig) -> SfiConfig:
+    """The selector's configuration in quest mode: the evidence is the page bound, and nothing may
+    move a token away from its page's score (no prior, no fusion, no Soft-NMS, no cross-head
+    exclusivity, no span), so the top-K keeps pages whole (ties: the lower position first)."""
+    return dataclasses.replace(cfg, w_k=0.0, w_pos=0.0, lambda_max=0.0, mu=0.0, lam_x=0.0,
+                               select_span=0)
+
+
+def _check(query, reps, rows, out) -> None:
+    if reps.dim() != 5 or reps.shape[1] != 2 or reps.stride(-1) != 1:
+        raise ValueError(f"reps must be [slots, 2, NB, Hkv, D] with a unit last stride, got {tuple(reps.shape)}")
+    hkv, d = reps.shape[3], reps.shape[4]
+    if query.dim() != 3 or query.shape[2] != d or query.shape[1] % hkv:
+        raise ValueError(f"query must be [R, Hq, {d}] with Hq a multiple of {hkv}, got {tuple(query.shape)}")
+    if out.dim() != 3 or out.dtype != torch.float32 or out.shape[0] < rows.shape[0] or out.shape[1] != hkv:
+        raise ValueError(f"out must be fp32 [>= {rows.shape[0]}, {hkv}, L], got {out.dtype} {tuple(out.shape)}")
+
+
+def quest_page_evidence_torch(query: torch.Tensor, reps: torch.Tensor, scale: float, rows: torch.Tensor,
+                              rep_slot: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_size: int,
+                              out: torch.Tensor, *, count: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch twin of :func:`quest_page_evidence` (vectorised over the entries, no host sync)."""
+    _check(query, reps, rows, out)
+    s = rows.shape[0]
+    if s == 0 or query.shape[0] == 0:
+        return out
+    dev = out.device
+    hkv, d = reps.shape[3], reps.shape[4]
+    nb = reps.shape[2]
+    length = out.shape[2]
+    g = query.shape[1] // hkv
+    e_idx = torch.arange(s, device=dev)
+    live = rows.to(dev).long() >= 0
+    if count is not None:
+        live = live & (e_idx < count.to(dev).long()[0])
+    q = query[rows.to(dev).long().clamp(0, query.shape[0] - 1)].float().reshape(s, hkv, g, d)
+    r = reps[rep_slot.to(dev).long().clamp(0, reps.shape[0] - 1)].float()          # [S, 2, NB, H, D]
+    kmax, kmin = r[:, 0].transpose(1, 2), r[:, 1].transpose(1, 2)                  # [S, H, NB, D]
+    a = q[:, :, :, None, :] * kmax[:, :, None, :, :]                               # [S, H, G, NB, D]
+    b = q[:, :, :, None, :] * kmin[:, :, None, :, :]
+    score = (torch.maximum(a, b).sum(-1) * scale).amax(dim=2)                      # [S, H, NB]
+    pos = torch.arange(length, device=dev)
+    page = (pos // page_size).clamp_max(nb - 1)
+    val = score[:, :, page]                                                        # [S, H, L]
+    lo_ = lo.to(dev).long()[:, None, None]
+    hi_ = hi.to(dev).long()[:, None, None]
+    val = torch.where(pos[None, None, :] >= lo_, val, float("-inf"))
+    write = live[:, None, None] & (pos[None, None, :] < hi_) & (pos < nb * page_size)[None, None, :]
+    out[:s] = torch.where(write, val, out[:s])
+    return out
+
+
+def quest_page_evidence_triton(query: torch.Tensor, reps: torch.Tensor, scale: float, rows: torch.Tensor,
+                               rep_slot: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_size: int,
+                               out: torch.Tensor, *, count: torch.Tensor | None = None) -> torch.Tensor:
+    _check(query, reps, rows, out)
+    s = rows.shape[0]
+    if s == 0 or query.shape[0] == 0:
+        return out
+    hkv, d, nb = reps.shape[3], reps.shape[4], reps.shape[2]
+    g = query.shape[1] // hkv
+    length = out.shape[2]
+    d_pad, g_pad = max(16, next_pow2(d)), max(1, next_pow2(g))
+    # pages per program: keep the [G, P, D] products near 8K elements
+    block_pg = max(1, min(64, 8192 // (g_pad * d_pad)))
+    block_pg = 1 << (block_pg.bit_length() - 1)
+    n_tiles = triton.cdiv(triton.cdiv(length, page_size), block_pg)
+    _quest_kernel[(s, hkv, n_tiles)](
+        query, reps, rows, rep_slot, lo, hi, count if count is not None else rows, out,
+        query.stride(0), query.stride(1), query.stride(2),
+        reps.stride(0), reps.stride(1), reps.stride(2), reps.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        float(scale), length, nb,
+        G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, PAGE=page_size, PAGE_PAD=max(2, next_pow2(page_size)),
+        BLOCK_PG=block_pg, HAS_COUNT=count is not None,
+    )
+    return out
+
+
+def quest_page_evidence(query: torch.Tensor, reps: torch.Tensor, scale: float, rows: torch.Tensor,
+                        rep_slot: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_size: int,
+                        out: torch.Tensor, *, count: torch.Tensor | None = None) -> torch.Tensor:
+    """Quest page bounds as the selector's pooled log evidence (see the module docstring)."""
+    if use_triton(query):
+        return quest_page_evidence_triton(query, reps, scale, rows, rep_slot, lo, hi, page_size, out,
+                                          count=count)
+    return quest_page_evidence_torch(query, reps, scale, rows, rep_slot, lo, hi, page_size, out,
+                                     count=count)
+
+
+def page_count(max_len: int, page_size: int) -> int:
+    """Pages per request for ``max_len`` tokens."""
+    return -(-int(max_len) // int(page_size))
