@@ -52,6 +52,9 @@ def parse(argv=None):
     p.add_argument("--text", action="store_true",
                    help="RULER text prompts sized with the model's tokenizer (any HF model); "
                         "default: the tiny model's word-level prompts (token ids)")
+    p.add_argument("--filler", choices=T.FILLERS, default="plain",
+                   help="haystack style of the token-id prompts (tasks.make_sample): plain (the default) "
+                        "or prose (3-25-word sentences with commas, . ; ? enders, paragraph breaks)")
     p.add_argument("--tasks", default=",".join(T.TASKS))
     p.add_argument("--lengths", default="512,1024,2048")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1")
@@ -126,7 +129,7 @@ def build_samples(args, tokenizer):
     lengths = [int(x) for x in args.lengths.split(",") if x]
     depths = [float(x) for x in args.depths.split(",") if x]
     if not args.text:
-        return T.make_suite(tasks, lengths, depths, args.per_cell, seed=args.seed)
+        return T.make_suite(tasks, lengths, depths, args.per_cell, seed=args.seed, filler=args.filler)
     return [T.make_text_sample(t, n, d, args.seed + i, tokenizer) for t in tasks for n in lengths
             for d in depths for i in range(args.per_cell)]
 
@@ -393,6 +396,7 @@ def main(argv=None):
             device=device, device_desc=device_desc, vllm=vllm.__version__, torch=torch.__version__,
             python=platform.python_version(), date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
             prompts="text" if args.text else "token ids (tiny vocabulary)",
+            filler=None if args.text else args.filler,
             tasks=list(dict.fromkeys(s.task for s in samples)),
             lengths=sorted({s.meta.get("requested_length", s.length) for s in samples}),
             depths=sorted({s.depth for s in samples}), per_cell=args.per_cell, seed=args.seed,

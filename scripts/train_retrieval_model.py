@@ -9,6 +9,8 @@ pairs; several questions per document, loss on the answer tokens only), with a c
 thread count, data drawn from per-step seeded generators).
 
     .venv/bin/python scripts/train_retrieval_model.py            # writes models/retrieval-llama/
+    # the second quality model: Qwen3 (q/k RMSNorm), 8 query / 2 KV heads, plain + prose haystacks
+    .venv/bin/python scripts/train_retrieval_model.py --arch qwen3 --filler mix   # models/retrieval-qwen3/
 
 Accuracy is exact match of the whole answer under teacher forcing, which is the same as greedy
 decoding's exact match (greedy emits the answer iff every answer token is the arg-max given the
@@ -50,7 +52,13 @@ CURRICULUM = [(64, 64, 900, 1.0), (128, 32, 400, 0.1), (256, 16, 300, 0.1), (512
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(ROOT, "models", "retrieval-llama"))
+    p.add_argument("--arch", choices=("llama", "qwen3"), default="llama",
+                   help="llama: LlamaForCausalLM (models/retrieval-llama); qwen3: Qwen3ForCausalLM "
+                        "(RMSNorm on every query / key head before RoPE)")
+    p.add_argument("--filler", choices=("plain", "prose", "mix"), default="plain",
+                   help="haystack style of the training documents (tasks.make_sample's filler); mix: "
+                        "each document draws one, half and half; the final evaluation covers each style used")
+    p.add_argument("--out", default=None, help="default models/retrieval-<arch>")
     p.add_argument("--work-dir", default="/tmp/retrieval-train",
                    help="checkpoints for --resume (not part of the model)")
     p.add_argument("--seed", type=int, default=1234)
@@ -62,6 +70,9 @@ def parse():
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--heads", type=int, default=None, help="query heads; default hidden/32 (llama), 8 (qwen3)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads; default hidden/64 (llama), 2 (qwen3)")
+    p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--rope-theta", type=float, default=500000.0,
                    help="Llama-3's base: more slowly rotating RoPE pairs for content matching over 2K+")
     p.add_argument("--zero-from", type=int, default=2, help="layers from here start as the identity")
@@ -69,7 +80,14 @@ def parse():
     p.add_argument("--eval-per-cell", type=int, default=4, help="samples per (task, length, depth)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--resume", action="store_true")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.out is None:
+        args.out = os.path.join(ROOT, "models", f"retrieval-{args.arch}")
+    if args.heads is None:
+        args.heads = args.hidden // 32 if args.arch == "llama" else 8
+    if args.kv_heads is None:
+        args.kv_heads = args.hidden // 64 if args.arch == "llama" else 2
+    return args
 
 
 def repeat_document(rng: random.Random, length: int) -> tuple[list[int], list[int]]:
@@ -104,17 +122,31 @@ def build_tokenizer(out_dir: str):
 
 def build_model(args):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(args.seed)
-    cfg = LlamaConfig(vocab_size=len(T.VOCAB), hidden_size=args.hidden,
-                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                      num_attention_heads=args.hidden // 32, num_key_value_heads=args.hidden // 64,
-                      head_dim=32, max_position_embeddings=8192, rope_theta=args.rope_theta,
-                      tie_word_embeddings=False, bos_token_id=T.BOS, eos_token_id=T.EOS,
-                      pad_token_id=T.PAD, attn_implementation="sdpa", torch_dtype="float32",
-                      rms_norm_eps=1e-5)
-    model = LlamaForCausalLM(cfg)
+    if args.arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=len(T.VOCAB), hidden_size=args.hidden,
+                          intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                          head_dim=args.head_dim, max_position_embeddings=8192, rope_theta=args.rope_theta,
+                          tie_word_embeddings=False, bos_token_id=T.BOS, eos_token_id=T.EOS,
+                          pad_token_id=T.PAD, attn_implementation="sdpa", torch_dtype="float32",
+                          rms_norm_eps=1e-5)
+        model = LlamaForCausalLM(cfg)
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(vocab_size=len(T.VOCAB), hidden_size=args.hidden,
+                          intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                          head_dim=args.head_dim, max_position_embeddings=8192,
+                          rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+                          tie_word_embeddings=False, bos_token_id=T.BOS, eos_token_id=T.EOS,
+                          pad_token_id=T.PAD, use_sliding_window=False, rms_norm_eps=1e-5)
+        cfg._attn_implementation = "sdpa"
+        model = Qwen3ForCausalLM(cfg)
     init_position_heads(model)
     zero_residual_outputs(model, args.zero_from)
     return model
@@ -129,7 +161,15 @@ def init_position_heads(model, offsets=(1, 2), n_freq=8, amp=12.0):
     on the ``n_freq`` fastest RoPE pairs, with phases set so that ``q . R(delta) k`` peaks at
     ``delta = offset`` (margin about ``0.58 * amp`` logits over every other delta up to 8K for theta
     5e5). Everything else stays random; training may change these weights like any other. Without
-    this, the copying warm-up sat on its loss plateau several times longer (measured)."""
+    this, the copying warm-up sat on its loss plateau several times longer (measured).
+
+    Qwen3 normalises every query and key head (RMSNorm over ``head_dim``, before RoPE), which throws
+    ``scale`` away: the position heads' q and k come out with RMS 1, a peak logit of ``sqrt(head_dim)``
+    instead of ``n_freq * amp``. The norm also makes them exactly constant over tokens (the input's
+    RMSNorm left a little variation), so the construction still holds once layer 0's ``q_norm`` /
+    ``k_norm`` gains on the dimensions the heads use (``[:n_freq]`` and, for q, ``[hd/2:hd/2+n_freq]``)
+    restore the peak; these gains are shared by all heads of the layer, so the other (random) heads of
+    layer 0 start with those dimensions scaled as well."""
     import torch
 
     cfg = model.config
@@ -149,6 +189,13 @@ def init_position_heads(model, offsets=(1, 2), n_freq=8, amp=12.0):
             phase = -off * inv_freq[:n_freq]
             rows[:n_freq, c0] = (scale * torch.cos(phase)).float()
             rows[hd // 2:hd // 2 + n_freq, c0] = (scale * torch.sin(phase)).float()
+        if hasattr(attn, "q_norm"):
+            # after the norms the heads' q and k have RMS 1 over hd: per used pair |q| |k| = hd / n_freq;
+            # gain g on both makes the peak logit g^2 * hd / sqrt(hd) = n_freq * amp, as without norms
+            g = (n_freq * amp / hd ** 0.5) ** 0.5
+            attn.q_norm.weight[:n_freq] = g
+            attn.q_norm.weight[hd // 2:hd // 2 + n_freq] = g
+            attn.k_norm.weight[:n_freq] = g
 
 
 def zero_residual_outputs(model, from_layer: int):
@@ -197,17 +244,33 @@ def exact_match_tf(model, samples, batch_tokens=16384):
     return hits
 
 
-def evaluate(model, lengths, per_cell, seed=10_000):
+def evaluate(model, lengths, per_cell, seed=10_000, fillers=("plain",)):
+    """Teacher-forced exact match per task and length; keys ``task@length``, with `` prose`` appended
+    to the length for the prose filler."""
     depths = (0.0, 0.25, 0.5, 0.75, 1.0)
     out = {}
-    for n in lengths:
-        samples = T.make_suite(T.TASKS, [n], depths, per_cell, seed=seed)
-        hits = exact_match_tf(model, samples)
-        for task in T.TASKS:
-            h = [x for x, s in zip(hits, samples) if s.task == task]
-            out[f"{task}@{n}"] = sum(h) / len(h)
-        out[f"all@{n}"] = sum(hits) / len(hits)
+    for filler in fillers:
+        tag = "" if filler == "plain" else f" {filler}"
+        for n in lengths:
+            samples = T.make_suite(T.TASKS, [n], depths, per_cell, seed=seed, filler=filler)
+            hits = exact_match_tf(model, samples)
+            for task in T.TASKS:
+                h = [x for x, s in zip(hits, samples) if s.task == task]
+                out[f"{task}@{n}{tag}"] = sum(h) / len(h)
+            out[f"all@{n}{tag}"] = sum(hits) / len(hits)
     return out
+
+
+def draw_filler(rng: random.Random, filler: str) -> str:
+    """The haystack style of one document; ``mix`` draws (only then is ``rng`` used, so plain and prose
+    runs draw the same documents as before the option existed)."""
+    if filler != "mix":
+        return filler
+    return "prose" if rng.random() < 0.5 else "plain"
+
+
+def eval_fillers(filler: str) -> list[str]:
+    return ["plain", "prose"] if filler == "mix" else [filler]
 
 
 def lr_at(step, total, args):
@@ -262,7 +325,8 @@ def main():
                 gstep += 1
                 continue
             rng = random.Random(f"{args.seed}|train|{gstep}")
-            batch = [repeat_document(rng, length) if rng.random() < rep else T.training_document(rng, length)
+            batch = [repeat_document(rng, length) if rng.random() < rep
+                     else T.training_document(rng, length, draw_filler(rng, args.filler))
                      for _ in range(docs)]
             ids = torch.tensor([b[0] for b in batch])
             mask = torch.tensor([b[1] for b in batch])
@@ -290,7 +354,8 @@ def main():
         # end of stage: checkpoint + a quick teacher-forced check at this length
         if step >= gstep and steps and rep < 1.0:
             model.eval()
-            quick = evaluate(model, [max(length, 512)], 1, seed=20_000 + stage)
+            quick = evaluate(model, [max(length, 512)], 1, seed=20_000 + stage,
+                             fillers=eval_fillers(args.filler))
             model.train()
             print(json.dumps({"stage_end": stage, "length": length, "step": gstep,
                               "elapsed_min": round((time.time() - t0) / 60, 2), **quick}), flush=True)
@@ -300,7 +365,7 @@ def main():
     model.eval()
     t_eval = time.time()
     lengths = [int(x) for x in args.eval_lengths.split(",") if x]
-    final = evaluate(model, lengths, args.eval_per_cell)
+    final = evaluate(model, lengths, args.eval_per_cell, fillers=eval_fillers(args.filler))
     eval_s = time.time() - t_eval
     print(json.dumps({"final": final, "train_min": round(train_s / 60, 2),
                       "eval_min": round(eval_s / 60, 2)}), flush=True)
@@ -317,25 +382,45 @@ def write_card(args, curriculum, n_params, train_s, eval_s, final, history):
                      for k, v in final.items())
     with open(os.path.join(args.out, "training_log.json"), "w") as f:
         json.dump({"history": history, "final": final, "train_s": train_s}, f, indent=1)
-    text = f"""# retrieval-llama: a small model that really retrieves
+    name = os.path.basename(os.path.normpath(args.out))
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[args.arch]
+    norms = " RMSNorm on every query and key head (before RoPE)," if args.arch == "qwen3" else ""
+    filler = {"plain": "plain filler sentences (4-11 words, each ending in `.`)",
+              "prose": "prose filler (sentences of 3-25 words with commas, ended by `.` `;` `?`, paragraph "
+                       "breaks; `make_sample(..., filler=\"prose\")`)",
+              "mix": "half of the haystack documents with plain filler (4-11 words, `.`), half with prose "
+                     "filler (3-25 words, commas, `.` `;` `?` enders, paragraph breaks; "
+                     "`make_sample(..., filler=\"prose\")`)"}[args.filler]
+    qk_init = (" Under Qwen3's q/k norms the position heads' scale would be normalised away, so layer 0's "
+               "`q_norm` / `k_norm` gains on the dimensions those heads use start at "
+               f"{(8 * 12.0 / args.head_dim ** 0.5) ** 0.5:.2f} (same peak logit as without norms; the "
+               "gains are shared by all heads of layer 0)." if args.arch == "qwen3" else "")
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"""# {name}: a small model that really retrieves
 
 Trained from scratch by `scripts/train_retrieval_model.py` for the quality harness
 (`scripts/eval_quality.py`, `bench/QUALITY.md`). It answers the synthetic retrieval questions of
 `vllm_ext/quality/tasks.py` (its word-level vocabulary: {len(T.VOCAB)} tokens) and nothing else.
 
-- Architecture: `LlamaForCausalLM`, {args.layers} layers, hidden {args.hidden}, intermediate
-  {args.intermediate}, {args.hidden // 32} query / {args.hidden // 64} KV heads of size 32, RoPE
+- Architecture: `{arch}`, {args.layers} layers, hidden {args.hidden}, intermediate
+  {args.intermediate}, {args.heads} query / {args.kv_heads} KV heads of size {args.head_dim},{norms} RoPE
   (theta {args.rope_theta:g}), untied embeddings, fp32, {n_params / 1e6:.3f} M parameters.
 - Tokenizer: word level (`tokenizer.json`, `PreTrainedTokenizerFast`), `<s>` prepended, `.` `;` `?`
   and `\\n` are single tokens (SFI's trigger set is non-empty).
 - Data: documents from `vllm_ext.quality.tasks.training_document` (haystacks with needles, hard
   distractors sharing a key word, multi-value keys, key-value pairs; several questions per
-  document, loss on answer tokens only), drawn from generators seeded by (seed, step).
+  document, loss on answer tokens only), drawn from generators seeded by (seed, step); haystacks:
+  {filler}.
 - Initialisation: random (std 0.02) except two documented starts that shorten the loss plateau
   before copying ("induction") circuits form: layer 0's first KV head starts as fixed relative-
   position heads (query heads 0 and 1 look 1 and 2 tokens back, through RoPE phases on a constant
   embedding coordinate; `init_position_heads`), and layers {args.zero_from}+ start as the identity
-  (zero output projections). All weights are then trained.
+  (zero output projections).{qk_init} All weights are then trained.
 - Stage 0 is a copying warm-up (random tokens, then a segment of them again; loss on the repeat);
   later stages mix in a few such documents.
 - Curriculum (length, documents per step, steps, fraction of copying documents): {curriculum};
@@ -349,14 +434,15 @@ Trained from scratch by `scripts/train_retrieval_model.py` for the quality harne
 Seed {args.seed}; `torch.set_num_threads({args.threads})`; deterministic algorithms on.
 
 ## Machine and time
-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores visible (shared with other
+- {cpu} ({platform.machine()}), {os.cpu_count()} CPU cores visible (shared with other
   jobs while training), torch {torch.__version__}, transformers {transformers.__version__},
   Python {platform.python_version()}; finished {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}.
 - Wall time: **{train_s / 60:.1f} min** of training + {eval_s / 60:.1f} min of final evaluation.
 
 ## Final accuracy (exact match of the whole answer, greedy-equivalent, dense attention)
 {args.eval_per_cell} samples per (task, length, depth), depths 0, 0.25, 0.5, 0.75, 1; seeds from 10000
-(disjoint from training, which draws from its own per-step generators).
+(disjoint from training, which draws from its own per-step generators); "prose" after the length: the
+prose haystack.
 
 | task | length | exact match |
 |---|---|---|

@@ -40,6 +40,7 @@ def test_token_id_suite(tmp_path):
     assert list(by_name) == ["dense", "sfi_cover", "sfi_k64"]
     dense, cover, sparse = by_name["dense"], by_name["sfi_cover"], by_name["sfi_k64"]
     assert data["meta"]["n_samples"] == 4 and len(dense["samples"]) == 4
+    assert data["meta"]["filler"] == "plain"                # the default haystack
     assert dense["agreement_with_dense"] == 1.0 and dense["read_fraction"] == 1.0
     assert dense["accuracy"] == 1.0                     # the committed model at a trained length
     assert cover["agreement_with_dense"] == 1.0 and cover["fast_retained_fraction"] == 1.0

@@ -130,3 +130,127 @@ def test_text_samples_with_a_hf_tokenizer(tmp_path):
             assert min(abs(r - depth) for r in rel) < 0.05
             assert T.text_score(s, " ".join(values)) == 1.0
             assert T.text_score(s, "nothing") == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Haystack styles: the default ("plain") is what the committed models were trained and measured on
+# --------------------------------------------------------------------------------------------
+# SHA-256 of the samples / training documents below, computed before the `filler` option existed
+PLAIN_SAMPLES_SHA = "d150562edc2f129de5941192b010fc902c0ef01ea213023ea36b4ae1e8ad543b"
+PLAIN_DOCS_SHA = "5d5623152d655f758e7ce436e4b52d6e0a22af4729f74faf0ad716fc77889d46"
+
+
+def test_default_filler_is_unchanged():
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for task in T.TASKS:
+        for n in (256, 512, 2048):
+            for d in (0.0, 0.37, 1.0):
+                for seed in range(3):
+                    x = T.make_sample(task, n, d, seed)
+                    assert x == T.make_sample(task, n, d, seed, filler="plain")
+                    h.update(json.dumps([x.prompt_ids, x.answer_ids, x.target_spans, x.value_spans,
+                                         x.meta]).encode())
+    assert h.hexdigest() == PLAIN_SAMPLES_SHA
+    h = hashlib.sha256()
+    for i in range(40):
+        ids, mask = T.training_document(random.Random(f"doc|{i}"), [128, 256, 512, 1024, 2048][i % 5])
+        h.update(json.dumps([ids, mask]).encode())
+    assert h.hexdigest() == PLAIN_DOCS_SHA
+
+
+def _sentences(words):
+    """Split filler words into sentences (each ends in an ender, then maybe a paragraph break)."""
+    out, cur = [], []
+    for w in words:
+        if w == "\n":
+            assert not cur and out, "a paragraph break only right after a sentence ender"
+            out[-1].append(w)
+            continue
+        cur.append(w)
+        if w in T.PROSE_ENDERS:
+            out.append(cur)
+            cur = []
+    assert not cur, "the filler ends with a sentence ender"
+    return out
+
+
+def _check_prose_sentences(words):
+    sents = _sentences(words)
+    for s in sents:
+        body = [w for w in s if w not in T.PROSE_ENDERS and w != "\n"]
+        n_words = sum(w != "," for w in body)
+        assert 3 <= n_words <= 25, s
+        assert body[0] != "," and body[-1] != ","
+        assert all(not (a == b == ",") for a, b in zip(body, body[1:]))
+        assert all(w in T.FILLER or w in T.PROSE_GLUE or w in ("what", ",") for w in body), s
+        assert (s[len(body)] == "?") == (body[0] == "what")
+    return sents
+
+
+def test_prose_filler_exact_budget_and_sentences():
+    rng = random.Random(5)
+    for n in list(range(0, 80)) + [500, 1999]:
+        words, bounds = T._prose(rng, n)
+        assert len(words) == n
+        assert bounds[0] == 0 and bounds[-1] == n and bounds == sorted(set(bounds))
+        if n >= 4:
+            sents = _check_prose_sentences(words)
+            assert [0] + [sum(map(len, sents[:i + 1])) for i in range(len(sents))] == bounds
+
+
+@pytest.mark.parametrize("task", T.TASKS)
+@pytest.mark.parametrize("depth", (0.0, 0.5, 1.0))
+def test_prose_samples(task, depth):
+    plain = T.make_sample(task, 2048, depth, 4)
+    s = T.make_sample(task, 2048, depth, 4, filler="prose")
+    assert len(s.prompt_ids) == 2048 and s.prompt_ids[0] == T.BOS
+    # the same key, values and question: only the haystack differs
+    assert (s.meta["key"], s.answer_ids) == (plain.meta["key"], plain.answer_ids)
+    q = s.prompt_ids.index(T.WORD_ID["question"]) - 1            # the "\n" before "question"
+    assert s.prompt_ids[q:] == plain.prompt_ids[plain.prompt_ids.index(T.WORD_ID["question"]) - 1:]
+    if task == "kv_lookup":                                       # no filler: the same context
+        assert s.prompt_ids == plain.prompt_ids
+        return
+    assert s.prompt_ids != plain.prompt_ids and s.meta["filler"] == "prose"
+    # needles intact, at the requested depth (as close as plain), holding the answer's values
+    words = T.words_of(s.prompt_ids)
+    key = s.meta["key"].split()
+    for (a, b), (va, vb) in zip(s.target_spans, s.value_spans):
+        assert words[a] == "the" and words[b - 1] == "." and words[a:b].count(key[0]) == 1
+        assert words[b - 1 - T.N_DIGITS - 3:b - 1 - T.N_DIGITS] == [key[0], key[1], "is"]
+    digits = [i for i in s.answer_ids if T.VOCAB[i].isdigit()]
+    assert sum((s.prompt_ids[va:vb] for va, vb in s.value_spans), []) == digits
+    a0, p0 = s.target_spans[0][0], plain.target_spans[0][0]
+    assert abs(a0 - p0) <= 30
+    # what is left after cutting the needles out is prose: 3-25-word sentences, enders . ; ?
+    ctx = list(words[1:q])
+    starts = [i for i in range(len(ctx)) if ctx[i] == "the" and "magic" in ctx[i + 1:i + 3]]
+    keep, i = [], 0
+    for st in starts:
+        keep += ctx[i:st]
+        i = ctx.index(".", st) + 1
+    keep += ctx[i:]
+    _check_prose_sentences(keep)
+
+
+def test_prose_has_every_ender_and_paragraphs():
+    words = T._prose(random.Random(1), 5000)[0]
+    for tok in (".", ";", "?", ",", "\n"):
+        assert words.count(tok) >= 10, tok
+    lens = [sum(w not in (",", "\n") for w in s) - 1 for s in _sentences(words)]
+    assert min(lens) <= 5 and max(lens) >= 22                      # varied lengths
+
+
+def test_prose_training_documents():
+    rng = random.Random(3)
+    for length in (128, 512, 2048):
+        for _ in range(20):
+            ids, mask = T.training_document(rng, length, "prose")
+            assert len(ids) == len(mask) == length and ids[0] == T.BOS
+            first_q = ids.index(T.WORD_ID["question"])
+            assert not any(mask[:first_q]) and sum(mask) > T.N_DIGITS
+    with pytest.raises(ValueError):
+        T.make_sample("niah_single", 512, 0.5, 0, filler="poetry")

@@ -21,6 +21,13 @@ Tasks (RULER's names in brackets):
 * ``kv_lookup`` [kv retrieval]: the whole context is key-value pairs ``A B = D D D D ;``; the question
   asks for one key's value.
 
+Two haystack styles (``filler``): ``"plain"`` (the default, what the committed models were trained and
+measured on): filler sentences of 4-11 words, each ending in ``.``, sometimes a paragraph break;
+``"prose"``: sentences of 3-25 words with commas between clauses, a few template words used as glue
+(``the of is are``), ended by ``.``, ``;`` or (a ``what ...`` sentence) ``?``, paragraph breaks ``\n``,
+so the sentence-boundary refresh schedule of SFI fires about as often as in real text. ``kv_lookup``
+has no filler (its context is key-value pairs) and is the same in both styles.
+
 ``depth`` in [0, 1] places the target (the first value for ``niah_multivalue``, the queried pair
 for ``kv_lookup``) at that fraction of the context; ``length`` is the prompt length in tokens,
 BOS and question included. Everything is a pure function of ``(task, length, depth, seed)``.
@@ -183,7 +190,50 @@ def _filler(rng: random.Random, n: int) -> tuple[list[str], list[int]]:
     return words, bounds
 
 
-def _assemble(rng: random.Random, budget: int, needles: list[tuple[float | None, list[str]]]):
+PROSE_GLUE = ["the", "the", "of", "is", "are"]     # template words that prose filler also uses
+PROSE_P_GLUE = 0.2
+PROSE_P_QUESTION = 0.1                              # "what ... ?" sentences
+PROSE_P_SEMI = 0.15                                 # sentences ended by ";" (of the non-questions)
+PROSE_P_PARAGRAPH = 0.15                            # a "\n" after the sentence
+PROSE_ENDERS = (".", "?", ";")
+FILLERS = ("plain", "prose")
+
+
+def _prose_sentence(rng: random.Random, size: int) -> list[str]:
+    """One prose sentence of exactly ``size`` >= 4 tokens: 3-25 words (``size`` <= 26), commas between
+    clauses, an ender, sometimes a paragraph break after it."""
+    nl = int(size >= 6 and rng.random() < PROSE_P_PARAGRAPH)
+    body = size - 1 - nl                                # words and commas
+    n_commas = rng.randint(0, min(3, (body - 3) // 5)) if body >= 8 else 0
+    n_words = body - n_commas
+    question = rng.random() < PROSE_P_QUESTION
+    words = ["what"] if question else []
+    while len(words) < n_words:
+        words.append(rng.choice(PROSE_GLUE) if rng.random() < PROSE_P_GLUE else rng.choice(FILLER))
+    for gap in sorted(rng.sample(range(2, n_words - 1), n_commas), reverse=True):
+        words.insert(gap, ",")                          # never first / last, never two in a row
+    ender = "?" if question else (";" if rng.random() < PROSE_P_SEMI else ".")
+    return words + [ender] + ["\n"] * nl
+
+
+def _prose(rng: random.Random, n: int) -> tuple[list[str], list[int]]:
+    """Exactly ``n`` prose filler tokens and the sentence boundaries (0 and ``n`` included). Every
+    sentence has 3-25 words and ends in ``.`` ``;`` or ``?`` (then maybe ``\n``) when ``n`` >= 4."""
+    words: list[str] = []
+    bounds = [0]
+    while len(words) < n:
+        left = n - len(words)
+        if left < 4:                                    # only when n < 4: no room for a sentence
+            words += [rng.choice(FILLER) for _ in range(left - 1)] + ["."]
+        else:
+            size = left if left <= 26 else rng.randint(4, min(26, left - 4))   # leave room for one more
+            words += _prose_sentence(rng, size)
+        bounds.append(len(words))
+    return words, bounds
+
+
+def _assemble(rng: random.Random, budget: int, needles: list[tuple[float | None, list[str]]],
+              filler: str = "plain"):
     """Filler of ``budget - sum(len(needles))`` tokens with each needle inserted at a sentence boundary
     (None: a random boundary). A needle with a depth goes where its first token lands nearest to
     ``depth`` of the context (final coordinates, BOS excluded). Returns (words, [start of each
@@ -191,7 +241,7 @@ def _assemble(rng: random.Random, budget: int, needles: list[tuple[float | None,
     n_fill = budget - sum(len(w) for _, w in needles)
     if n_fill < 0:
         raise ValueError(f"length too small: the needles alone take {budget - n_fill} tokens")
-    fill, bounds = _filler(rng, n_fill)
+    fill, bounds = (_prose if filler == "prose" else _filler)(rng, n_fill)
     at: dict[int, int] = {}
     for i, (depth, _) in enumerate(needles):            # random ones first, distinct when possible
         if depth is None:
@@ -260,11 +310,14 @@ def _kv_context(rng: random.Random, budget: int, target_key, target_value, depth
     return words, start, pairs
 
 
-def make_sample(task: str, length: int, depth: float, seed: int) -> Sample:
+def make_sample(task: str, length: int, depth: float, seed: int, filler: str = "plain") -> Sample:
     """One evaluation sample of ``task`` with ``length`` prompt tokens (BOS and question included)
-    and the target at ``depth``, for the tiny model's vocabulary."""
+    and the target at ``depth``, for the tiny model's vocabulary; ``filler``: the haystack style
+    (``"plain"``, the default, or ``"prose"``; the key, values and question are the same in both)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+    if filler not in FILLERS:
+        raise ValueError(f"unknown filler {filler!r}; known: {FILLERS}")
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(f"{task}|{length}|{depth:.6f}|{seed}")
@@ -294,12 +347,14 @@ def make_sample(task: str, length: int, depth: float, seed: int) -> Sample:
         if task in ("niah_multikey", "niah_multivalue"):
             for k in _keys(rng, N_DISTRACTORS, hard_for=key, n_hard=N_HARD):
                 needles.append((None, _needle(k, _value(rng))))
-        ctx, starts = _assemble(rng, budget, needles)
+        ctx, starts = _assemble(rng, budget, needles, filler)
         n_t = N_MULTIVALUE if task == "niah_multivalue" else 1
         spans = [(s, s + len(needles[i][1])) for i, s in enumerate(starts[:n_t])]
         off = 2 if task == "niah_multivalue" else 1
         vspans = [(s + off + 6, s + off + 6 + N_DIGITS) for s in starts[:n_t]]
         meta["n_needles"] = len(needles)
+    if filler != "plain":
+        meta["filler"] = filler
     words = ctx + q
     ans = _answer(kind, values, key)
     prompt_ids = [BOS] + ids_of(words)
@@ -311,9 +366,9 @@ def make_sample(task: str, length: int, depth: float, seed: int) -> Sample:
 
 def make_suite(tasks: Sequence[str] = TASKS, lengths: Sequence[int] = (2048,),
                depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), n_per_cell: int = 2,
-               seed: int = 0) -> list[Sample]:
+               seed: int = 0, filler: str = "plain") -> list[Sample]:
     """Every (task, length, depth) cell with ``n_per_cell`` samples (seeds ``seed .. seed+n-1``)."""
-    return [make_sample(t, n, d, seed + i) for t in tasks for n in lengths for d in depths
+    return [make_sample(t, n, d, seed + i, filler=filler) for t in tasks for n in lengths for d in depths
             for i in range(n_per_cell)]
 
 
@@ -324,11 +379,14 @@ def exact_match(sample: Sample, generated: Sequence[int]) -> bool:
 # --------------------------------------------------------------------------------------------
 # Training documents: the same families, several questions per document, loss on the answers
 # --------------------------------------------------------------------------------------------
-def training_document(rng: random.Random, length: int) -> tuple[list[int], list[int]]:
+def training_document(rng: random.Random, length: int, filler: str = "plain") -> tuple[list[int], list[int]]:
     """A document of exactly ``length`` tokens (BOS first) and its loss mask (1 on answer tokens,
     including the terminator ``.``). Families, mixed: haystack with several needles (some hard
     distractors, sometimes a multivalue key) and several questions; key-value pairs with several
-    questions."""
+    questions. ``filler``: the haystack style (as :func:`make_sample`; ``"plain"`` draws exactly the
+    documents the committed models were trained on)."""
+    if filler not in FILLERS:
+        raise ValueError(f"unknown filler {filler!r}; known: {FILLERS}")
     family = rng.random()
     n_q = max(1, min(8, length // 96 + rng.randint(0, 2)))
     if family < 0.3:                                     # kv pairs
@@ -367,7 +425,7 @@ def training_document(rng: random.Random, length: int) -> tuple[list[int], list[
         droppable = [j for j, i in enumerate(keep) if i not in asked]
         while sum(len(w) + 6 for _, w in needles) > budget and droppable:
             needles.pop(droppable.pop())
-        ctx, _ = _assemble(rng, budget, needles)
+        ctx, _ = _assemble(rng, budget, needles, filler)
     ids = [BOS] + ids_of(ctx)
     mask = [0] * len(ids)
     for j, (q, r, a) in enumerate(qa):
