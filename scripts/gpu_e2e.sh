@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Real vLLM 0.32.0 + SPEEDSFI end to end ON THE GPU MACHINE (run from the repository root), with the
-# payload of scripts/gpu_vllm_bundle.sh carried in (device tool: carry [".gpu_payload/carry"]).
+# payload of scripts/gpu_vllm_bundle.sh carried in (device tool: carry [".gpu_payload/carry",
+# ".gpu_payload/carry_deps"] when the bundle says "one call: ... (ok)", else see "stash").
 #
 #   scripts/gpu_e2e.sh STAGES [OUTDIR] [-- bench/vllm_e2e.py options]
 #
 # STAGES, comma separated (run in this order):
-#   stash    fallback call A: keep the whole _C library (carry [".gpu_payload/carry_so_full"]) on the
-#            warm machine; the next call (within ~30 s) unpacks with it instead of the sm_90-pruned one
+#   stash    keep the carried payload folders' archives on the warm machine for the next call (within
+#            ~30 s): carry [".gpu_payload/carry_deps"] when the two do not fit one call, then run with
+#            carry [".gpu_payload/carry"]; fallback: one stash call per ".gpu_payload/carry_so_full_<i>"
+#            makes later calls unpack the whole _C library instead of the sm_90-pruned one
 #   smoke    _C ops vs PyTorch, imports + plugin entry point, a 4-layer model through SPEEDSFI
 #            with a small SFI budget                                                        (~1.2 min)
 #   correct  Llama-3.1-8B and Qwen3-4B shapes (random weights, bf16, greedy, eager): TRITON_ATTN ==
@@ -18,7 +21,7 @@
 #            output, CUDA graphs and eager: TPOT, TTFT, tok/s, KV GB/s vs copy bandwidth    (~8-9 min)
 #   all      smoke,correct,quality,perf (more than one call's 10 minutes: split it)
 #
-# Two device calls (run, carry [".gpu_payload/carry"], timeout_s 600):
+# Two device calls (run, carry as above, timeout_s 600):
 #   scripts/gpu_e2e.sh smoke,correct,quality          then          scripts/gpu_e2e.sh perf
 # Options after "--" go to bench/vllm_e2e.py, e.g. -- --modes graph --batches 131072:max
 # (bench/vllm_e2e.py --help; "python3 bench/vllm_e2e.py perf --dry-run" prints a plan + estimate).
@@ -57,7 +60,7 @@ run_all() {
     | sed 's/^/[gpu_e2e] gpu: /'
   local t=$(date +%s)
   if ! "$PY" scripts/gpu_vllm_unpack.py --target "$SITE"; then
-    say "unpacking the payload failed: is .gpu_payload/carry in the device call's carry list?"
+    say "unpacking the payload failed: are .gpu_payload/carry and carry_deps carried (or stashed)?"
     "$PY" bench/vllm_e2e.py note --out "$OUTDIR" --error "payload unpack failed (see vllm_e2e.log)" || true
     return 2
   fi

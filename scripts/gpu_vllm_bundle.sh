@@ -6,19 +6,22 @@
 #
 #   scripts/gpu_vllm_bundle.sh [PAYLOAD_DIR]      # default .gpu_payload (ignored by git)
 #
-# Output (only the carry folders travel; cache/ stays here):
-#   PAYLOAD_DIR/carry/           ONE device call: everything, with the sm_90-pruned _C library
+# Output (only the carry folders travel; cache/ stays here). The device tool's 64 MiB per call counts
+# the project's files too, so the payload is split into folders that can travel together or in turns:
+#   PAYLOAD_DIR/carry/              the call that runs: the sm_90-pruned _C library + vLLM's Python tree
 #       _C_stable_libtorch.abi3.sm90.so.xz   vllm/_C_stable_libtorch.abi3.so, non-sm_90 cubins zeroed
-#       _vllm_fa3_C.abi3.so.xz               FlashAttention-3 (vllm.vllm_flash_attn must import)
 #       vllm_py_slim.tar.xz                  vLLM's Python tree + dist-info (no big binaries)
+#   PAYLOAD_DIR/carry_deps/         carried with carry/ when both fit one call, else stashed by an
+#                                   earlier call ('scripts/gpu_e2e.sh stash') on the warm machine
 #       deps_site.tar.xz                     the missing Python dependencies, installed into one folder
-#       MANIFEST.json                        sizes, SHA-256, versions
-#   PAYLOAD_DIR/carry_so_full/   fallback, a SEPARATE earlier call: the unpruned _C library
-#       _C_stable_libtorch.abi3.so.xz  (scripts/gpu_e2e.sh stash keeps it on the warm machine)
-#   PAYLOAD_DIR/cache/           downloads and scratch (never travels)
+#       _vllm_fa3_C.abi3.so.xz               FlashAttention-3 (vllm.vllm_flash_attn must import)
+#   PAYLOAD_DIR/carry_so_full_<i>/  fallback only: part i of the whole (unpruned) _C library's archive,
+#                                   each stashed by its own earlier call; joined once all are there
+#   each folder's MANIFEST.json     sizes, SHA-256, versions (and how parts join)
+#   PAYLOAD_DIR/cache/              downloads and scratch (never travels)
 #
-# Fails when the working tree that travels (git ls-files: tracked + untracked-not-ignored files)
-# plus one call's carry folder exceeds the device tool's 64 MiB (GPU_CARRY_LIMIT_MIB).
+# Prints which folders fit one call with the working tree (git ls-files: tracked + untracked-not-
+# ignored files); fails when a folder cannot travel at all (tree + folder > GPU_CARRY_LIMIT_MIB, 64).
 # Needs: python3 with pip (any version: wheels are chosen for cp312), xz, unzip, readelf.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,13 +29,22 @@ cd "$root"
 P=$(realpath -m "${1:-${GPU_PAYLOAD:-$root/.gpu_payload}}")
 C=${GPU_PAYLOAD_CACHE:-$P/cache}
 ONE=$P/carry
-FULL=$P/carry_so_full
+DEPS_DIR=$P/carry_deps
+FULL_PARTS=${GPU_FULL_SO_PARTS:-2}
 LIMIT_MIB=${GPU_CARRY_LIMIT_MIB:-64}
 PY=${PYTHON:-python3}
 XZ_THREADS=${XZ_THREADS:-0}
 VLLM_VERSION=0.32.0
 WHEEL=vllm-$VLLM_VERSION-cp38-abi3-manylinux_2_28_x86_64.whl
-mkdir -p "$C/dl" "$C/whl" "$ONE" "$FULL"
+mkdir -p "$C/dl" "$C/whl" "$ONE" "$DEPS_DIR"
+# an earlier layout kept every archive in carry/ and the whole _C in carry_so_full/: move, not rebuild
+for f in deps_site.tar.xz _vllm_fa3_C.abi3.so.xz; do
+  if [ -f "$ONE/$f" ]; then mv "$ONE/$f" "$DEPS_DIR/$f"; fi
+done
+if [ -f "$P/carry_so_full/_C_stable_libtorch.abi3.so.xz" ]; then
+  mv "$P/carry_so_full/_C_stable_libtorch.abi3.so.xz" "$C/"
+fi
+rm -rf "$P/carry_so_full"
 for tool in xz unzip readelf; do command -v $tool >/dev/null || { echo "[bundle] needs $tool" >&2; exit 1; }; done
 t0=$SECONDS
 say() { echo "[bundle $((SECONDS - t0))s] $*"; }
@@ -76,8 +88,8 @@ if [ ! -s "$C/_C_stable_libtorch.abi3.sm90.so" ] || [ "$SO" -nt "$C/_C_stable_li
   mv "$C/_C_stable_libtorch.abi3.sm90.so.part" "$C/_C_stable_libtorch.abi3.sm90.so"
 fi
 xz_to "$C/_C_stable_libtorch.abi3.sm90.so" "$ONE/_C_stable_libtorch.abi3.sm90.so.xz"
-xz_to "$SO" "$FULL/_C_stable_libtorch.abi3.so.xz"
-xz_to "$FA3" "$ONE/_vllm_fa3_C.abi3.so.xz" -9
+xz_to "$SO" "$C/_C_stable_libtorch.abi3.so.xz"
+xz_to "$FA3" "$DEPS_DIR/_vllm_fa3_C.abi3.so.xz" -9
 
 # 3. the Python tree without big binaries, CUDA headers, MoE tuning tables
 if [ ! -s "$ONE/vllm_py_slim.tar.xz" ] || [ "$X/.unpacked" -nt "$ONE/vllm_py_slim.tar.xz" ]; then
@@ -100,7 +112,7 @@ fi
 # 4. the Python dependencies the GPU image lacks (../shared/research/gpu_vllm_e2e.md, found by
 #    hiding packages), installed for cp312 into one folder
 DEPS=$root/scripts/gpu_vllm_deps.txt
-if [ ! -s "$ONE/deps_site.tar.xz" ] || [ "$DEPS" -nt "$ONE/deps_site.tar.xz" ]; then
+if [ ! -s "$DEPS_DIR/deps_site.tar.xz" ] || [ "$DEPS" -nt "$DEPS_DIR/deps_site.tar.xz" ]; then
   say "dependencies ($(grep -c '==' "$DEPS") wheels for cp312)"
   "${PIPDL[@]}" "${PLAT[@]}" -d "$C/whl" -r "$DEPS"
   rm -rf "$C/site" && mkdir -p "$C/site"
@@ -116,48 +128,76 @@ if [ ! -s "$ONE/deps_site.tar.xz" ] || [ "$DEPS" -nt "$ONE/deps_site.tar.xz" ]; 
       --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
       --target "$C/site" "${wheels[@]}"
   rm -rf "$C/site/bin"
-  (cd "$C/site" && tar cf - --sort=name --owner=0 --group=0 . | xz -9e -T"$XZ_THREADS" > "$ONE/deps_site.tar.xz.part")
-  mv "$ONE/deps_site.tar.xz.part" "$ONE/deps_site.tar.xz"
+  (cd "$C/site" && tar cf - --sort=name --owner=0 --group=0 . | xz -9e -T"$XZ_THREADS" > "$DEPS_DIR/deps_site.tar.xz.part")
+  mv "$DEPS_DIR/deps_site.tar.xz.part" "$DEPS_DIR/deps_site.tar.xz"
 fi
 
-# 5. manifest (scripts/gpu_vllm_unpack.py checks the SHA-256 of every file it unpacks)
-"$PY" - "$ONE" "$FULL" "$VLLM_VERSION" "$DEPS" <<'EOF'
-import hashlib, json, os, sys, time
-one, full, ver, deps = sys.argv[1:5]
-def entry(d, n):
-    p = os.path.join(d, n)
+# 5. the whole _C archive in parts, and the manifests (scripts/gpu_vllm_unpack.py checks the SHA-256
+#    of every file it unpacks and of a joined archive)
+"$PY" - "$P" "$C/_C_stable_libtorch.abi3.so.xz" "$FULL_PARTS" "$VLLM_VERSION" "$DEPS" <<'EOF'
+import glob, hashlib, json, os, shutil, sys, time
+P, whole, nparts, ver, deps = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+def sha(path):
     h = hashlib.sha256()
-    with open(p, "rb") as f:
+    with open(path, "rb") as f:
         for b in iter(lambda: f.read(1 << 20), b""):
             h.update(b)
-    return {"bytes": os.path.getsize(p), "sha256": h.hexdigest()}
-for d, extra in ((one, {"so": "sm90"}), (full, {"so": "full"})):
-    files = {n: entry(d, n) for n in sorted(os.listdir(d)) if n.endswith(".xz")}
-    man = {"vllm": ver, "python": "3.12", "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "deps": [l.split("#")[0].strip() for l in open(deps) if l.strip() and l[0].isalnum()],
-           "files": files, **extra}
+    return h.hexdigest()
+base = {"vllm": ver, "python": "3.12", "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "deps": [l.split("#")[0].strip() for l in open(deps) if l.strip() and l[0].isalnum()]}
+def manifest(d, role, **extra):
+    files = {n: {"bytes": os.path.getsize(os.path.join(d, n)), "sha256": sha(os.path.join(d, n))}
+             for n in sorted(os.listdir(d)) if n.endswith(".xz") or ".xz.part" in n}
     with open(os.path.join(d, "MANIFEST.json"), "w") as f:
-        json.dump(man, f, indent=1)
+        json.dump({**base, "role": role, "files": files, **extra}, f, indent=1)
+manifest(os.path.join(P, "carry"), "main", so="sm90")
+manifest(os.path.join(P, "carry_deps"), "deps")
+name, size = os.path.basename(whole), os.path.getsize(whole)
+step = -(-size // nparts)
+parts = [f"{name}.part{i + 1}of{nparts}" for i in range(nparts)]
+for old in glob.glob(os.path.join(P, "carry_so_full_*")):
+    shutil.rmtree(old)
+join = {name: {"bytes": size, "sha256": sha(whole), "parts": parts}}
+with open(whole, "rb") as f:
+    for i, part in enumerate(parts):
+        d = os.path.join(P, f"carry_so_full_{i + 1}")
+        os.makedirs(d)
+        with open(os.path.join(d, part), "wb") as o:
+            o.write(f.read(step))
+        manifest(d, "so_full_part", so="full", joins=join)
 EOF
 
-# 6. sizes: the working tree + each call's carry folder must fit the device tool's limit
+# 6. sizes: the working tree + the folders a call carries must fit the device tool's limit
 tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null \
              | awk '{s+=$1} END {print s+0}')
 mib() { awk -v b="$1" 'BEGIN {printf "%.1f", b / 1048576}'; }
-dir_bytes() { find "$1" -type f -printf '%s\n' | awk '{s+=$1} END {print s+0}'; }
-one_bytes=$(dir_bytes "$ONE"); full_bytes=$(dir_bytes "$FULL")
+dir_bytes() { find "$@" -type f -printf '%s\n' | awk '{s+=$1} END {print s+0}'; }
 limit=$((LIMIT_MIB * 1048576))
 rel() { realpath --relative-to="$root" "$1"; }
 echo
 echo "[bundle] working tree that travels (git ls-files -co --exclude-standard): $(mib "$tree_bytes") MiB"
-for f in "$ONE"/* "$FULL"/*; do printf '[bundle]   %-58s %7s MiB\n' "$(rel "$f")" "$(mib "$(stat -c %s "$f")")"; done
+for f in "$P"/carry*/*; do printf '[bundle]   %-66s %7s MiB\n' "$(rel "$f")" "$(mib "$(stat -c %s "$f")")"; done
 status=0
-check() {  # label, carry bytes, carry dir
-  local total=$(( tree_bytes + $2 ))
-  local verdict=ok; [ "$total" -le "$limit" ] || { verdict="OVER THE ${LIMIT_MIB} MiB LIMIT"; status=1; }
-  echo "[bundle] $1: carry [\"$(rel "$3")\"] $(mib "$2") MiB + tree $(mib "$tree_bytes") MiB = $(mib "$total") MiB ($verdict)"
+fits() { [ $(( tree_bytes + $(dir_bytes "$@") )) -le "$limit" ]; }
+line() {  # verdict, label, folders...
+  local v=$1 label=$2; shift 2
+  local names="" d b
+  for d in "$@"; do names+="${names:+, }\"$(rel "$d")\""; done
+  b=$(dir_bytes "$@")
+  echo "[bundle] $label: carry [$names] $(mib "$b") MiB + tree $(mib "$tree_bytes") MiB = $(mib $(( tree_bytes + b ))) MiB ($v)"
 }
-check "one call (sm_90-pruned _C)" "$one_bytes" "$ONE"
-check "fallback call A (whole _C, then 'scripts/gpu_e2e.sh stash')" "$full_bytes" "$FULL"
+if fits "$ONE" "$DEPS_DIR"; then
+  line ok "one call" "$ONE" "$DEPS_DIR"
+else
+  line "over the ${LIMIT_MIB} MiB limit: use two calls" "one call" "$ONE" "$DEPS_DIR"
+fi
+for d in "$DEPS_DIR" "$ONE" "$P"/carry_so_full_*; do
+  case $d in
+    "$DEPS_DIR") label="two calls, A ('scripts/gpu_e2e.sh stash')" ;;
+    "$ONE") label="two calls, B (the run)" ;;
+    *) label="fallback, whole _C: stash call for part ${d##*_}" ;;
+  esac
+  if fits "$d"; then line ok "$label" "$d"; else line "OVER THE ${LIMIT_MIB} MiB LIMIT" "$label" "$d"; status=1; fi
+done
 say "done"
 exit $status

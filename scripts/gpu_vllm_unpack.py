@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Unpack the payload of ``scripts/gpu_vllm_bundle.sh`` on the GPU machine (stdlib only).
 
-    python3 scripts/gpu_vllm_unpack.py [--payload .gpu_payload/carry] [--target /tmp/vllm_site]
-                                       [--so auto|full|sm90]
-    python3 scripts/gpu_vllm_unpack.py --stash       # call A of the fallback: keep the whole _C
-                                                     # library (.gpu_payload/carry_so_full) on the
-                                                     # warm machine for the next call
+    python3 scripts/gpu_vllm_unpack.py [--target /tmp/vllm_site] [--so auto|full|sm90]
+    python3 scripts/gpu_vllm_unpack.py --stash       # keep the carried archives on the warm machine
+
+The payload is split into folders under ``.gpu_payload/`` so that each device call fits the tool's
+64 MiB (project files included): ``carry`` (the sm_90-pruned ``_C`` library and vLLM's Python tree),
+``carry_deps`` (the dependency folder and FlashAttention-3) and, for the fallback only,
+``carry_so_full_<i>`` (parts of the whole ``_C`` library). Each archive is taken from whichever carried
+folder holds it, else from the stash (``--stash-dir``) that an earlier ``--stash`` call on the same warm
+machine filled; a split archive is joined once all its parts are stashed.
 
 Into ``--target`` (put it on ``PYTHONPATH`` with the repository root): vLLM's Python tree, the
 dependency folder, ``vllm/_C_stable_libtorch.abi3.so`` and
@@ -14,9 +18,10 @@ dependency folder, ``vllm/_C_stable_libtorch.abi3.so`` and
 repository is on ``PYTHONPATH`` there, not pip-installed), so vLLM loads the plugin as it would
 after ``pip install``.
 
-``--so auto`` takes the whole library when it is stashed (or carried), else the sm_90-pruned one.
-Every archive's SHA-256 is checked against ``MANIFEST.json``; a second run with the same payload
-is a no-op (stamp ``<target>/.speedsfi_payload.json``). Exit status 1 with a message on any problem.
+``--so auto`` takes the whole library when it is available (stashed), else the sm_90-pruned one.
+Every archive's SHA-256 is checked against its folder's ``MANIFEST.json``; a second run with the same
+payload is a no-op (stamp ``<target>/.speedsfi_payload.json``). Exit status 1 with a message on any
+problem.
 """
 
 from __future__ import annotations
@@ -120,89 +125,145 @@ def write_plugin_dist_info(target: str) -> str:
     return d
 
 
-def stash(full_dir: str, stash_dir: str) -> int:
-    man = load_manifest(full_dir)
-    digest = verified(full_dir, FULL_XZ, man)
+def payload_folders(payload_root: str) -> list[str]:
+    """The carried folders of one payload (``carry``, ``carry_deps``, ``carry_so_full_<i>``) present here."""
+    if not os.path.isdir(payload_root):
+        return []
+    return [os.path.join(payload_root, n) for n in sorted(os.listdir(payload_root))
+            if n.startswith("carry") and os.path.isfile(os.path.join(payload_root, n, "MANIFEST.json"))]
+
+
+def _stashed(stash_dir: str, name: str) -> str | None:
+    """SHA-256 of ``name`` kept in the stash (checked when it was stashed), or None."""
+    path, stamp = os.path.join(stash_dir, name), os.path.join(stash_dir, name + ".sha256")
+    if os.path.isfile(path) and os.path.isfile(stamp):
+        return open(stamp).read().strip()
+    return None
+
+
+def locate(name: str, folders: list[str], stash_dir: str) -> tuple[str, str]:
+    """(path, SHA-256) of archive ``name``: from a carried folder (checked now) or the stash."""
+    for folder in folders:
+        man = load_manifest(folder)
+        if name in man.get("files", {}) and os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name), verified(folder, name, man)
+    digest = _stashed(stash_dir, name)
+    if digest:
+        return os.path.join(stash_dir, name), digest
+    where = ", ".join(os.path.relpath(f, ROOT) for f in folders) or "no carried payload folder"
+    raise SystemExit(f"[unpack] {name} is neither carried ({where}) nor stashed in {stash_dir}: carry the "
+                     "folder that holds it (scripts/gpu_vllm_bundle.sh prints which), or stash it in an "
+                     "earlier call (scripts/gpu_e2e.sh stash)")
+
+
+def stash(folders: list[str], stash_dir: str) -> int:
+    """Keep every archive of the carried ``folders`` (checked) in ``stash_dir`` for later calls on the
+    warm machine, and join an archive split over several calls once all its parts are stashed."""
     os.makedirs(stash_dir, exist_ok=True)
-    so = os.path.join(stash_dir, "_C_stable_libtorch.abi3.so")
-    stamp = so + ".sha256"
-    if os.path.isfile(so) and os.path.isfile(stamp) and open(stamp).read().strip() == digest:
-        log(f"whole _C library already stashed in {stash_dir}")
-        return 0
-    t = time.time()
-    unxz(os.path.join(full_dir, FULL_XZ), so)
-    with open(stamp, "w") as f:
-        f.write(digest)
-    log(f"stashed the whole _C library ({os.path.getsize(so) / 2**20:.1f} MiB) in {stash_dir} "
-        f"({time.time() - t:.1f} s); the next call (within the warm window) uses it")
+    if not folders:
+        raise SystemExit("[unpack] --stash: no payload folder is carried")
+    joins = {}
+    for folder in folders:
+        man = load_manifest(folder)
+        joins.update(man.get("joins", {}))
+        for name in man.get("files", {}):
+            digest = verified(folder, name, man)
+            if _stashed(stash_dir, name) == digest:
+                log(f"{name} already stashed")
+                continue
+            shutil.copyfile(os.path.join(folder, name), os.path.join(stash_dir, name + ".part"))
+            os.replace(os.path.join(stash_dir, name + ".part"), os.path.join(stash_dir, name))
+            with open(os.path.join(stash_dir, name + ".sha256"), "w") as f:
+                f.write(digest)
+            log(f"stashed {name} ({os.path.getsize(os.path.join(stash_dir, name)) / 2**20:.1f} MiB) "
+                f"from {os.path.relpath(folder, ROOT)}")
+    for whole, spec in joins.items():
+        if _stashed(stash_dir, whole) == spec["sha256"]:
+            continue
+        missing = [p for p in spec["parts"] if not _stashed(stash_dir, p)]
+        if missing:
+            log(f"{whole}: {len(spec['parts']) - len(missing)} of {len(spec['parts'])} parts stashed; "
+                f"the next stash call carries {', '.join(missing)}")
+            continue
+        out = os.path.join(stash_dir, whole)
+        with open(out + ".part", "wb") as fo:
+            for p in spec["parts"]:
+                with open(os.path.join(stash_dir, p), "rb") as fi:
+                    shutil.copyfileobj(fi, fo, 1 << 22)
+        got = sha256(out + ".part")
+        if got != spec["sha256"]:
+            os.remove(out + ".part")
+            raise SystemExit(f"[unpack] joined {whole}: SHA-256 {got} != MANIFEST {spec['sha256']}")
+        os.replace(out + ".part", out)
+        with open(out + ".sha256", "w") as f:
+            f.write(got)
+        for p in spec["parts"]:
+            os.remove(os.path.join(stash_dir, p))
+            os.remove(os.path.join(stash_dir, p + ".sha256"))
+        log(f"joined {whole} from {len(spec['parts'])} stashed parts; later calls (within the warm window) "
+            "use it")
     return 0
 
 
-def unpack(payload: str, target: str, so_choice: str, full_dir: str, stash_dir: str) -> dict:
+def _full_available(folders: list[str], stash_dir: str) -> bool:
+    try:
+        locate(FULL_XZ, folders, stash_dir)
+        return True
+    except SystemExit:
+        return False
+
+
+def unpack(folders: list[str], target: str, so_choice: str, stash_dir: str) -> dict:
     t0 = time.time()
-    man = load_manifest(payload)
-    digests = {n: verified(payload, n, man) for n in ("vllm_py_slim.tar.xz", "deps_site.tar.xz",
-                                                       "_vllm_fa3_C.abi3.so.xz")}
-    # which _C library
-    stashed = os.path.join(stash_dir, "_C_stable_libtorch.abi3.so")
-    full_carried = os.path.isfile(os.path.join(full_dir, FULL_XZ))
+    found = {n: locate(n, folders, stash_dir) for n in ("vllm_py_slim.tar.xz", "deps_site.tar.xz",
+                                                         "_vllm_fa3_C.abi3.so.xz")}
+    vllm_version = None
+    for folder in folders:
+        vllm_version = vllm_version or load_manifest(folder).get("vllm")
     if so_choice == "auto":
-        so_choice = "full" if (os.path.isfile(stashed) or full_carried) else "sm90"
-    if so_choice == "full":
-        if os.path.isfile(stashed) and os.path.isfile(stashed + ".sha256"):
-            so_src, so_digest = stashed, "full:" + open(stashed + ".sha256").read().strip()
-        elif full_carried:
-            so_src = os.path.join(full_dir, FULL_XZ)
-            so_digest = "full:" + verified(full_dir, FULL_XZ, load_manifest(full_dir))
-        else:
-            raise SystemExit("[unpack] --so full: no stashed library and no carried "
-                             f"{os.path.relpath(full_dir, ROOT)}/{FULL_XZ}")
-    else:
-        so_src = os.path.join(payload, SM90_XZ)
-        so_digest = "sm90:" + verified(payload, SM90_XZ, man)
-    want = dict(digests, so=so_digest, vllm=man.get("vllm"))
+        so_choice = "full" if _full_available(folders, stash_dir) else "sm90"
+    so_src, so_digest = locate(FULL_XZ if so_choice == "full" else SM90_XZ, folders, stash_dir)
+    so_digest = f"{so_choice}:{so_digest}"
+    want = dict({n: d for n, (_, d) in found.items()}, so=so_digest, vllm=vllm_version)
     stamp_path = os.path.join(target, STAMP)
     if os.path.isfile(stamp_path):
         with open(stamp_path) as f:
             have = json.load(f)
         if {k: have.get(k) for k in want} == want and os.path.isfile(os.path.join(target, SO_REL)):
             write_plugin_dist_info(target)
-            log(f"{target} is up to date (vLLM {man.get('vllm')}, _C {so_digest.split(':')[0]})")
+            log(f"{target} is up to date (vLLM {vllm_version}, _C {so_choice})")
             return have
     if os.path.isdir(target):
         shutil.rmtree(target)
     os.makedirs(target)
-    untar(os.path.join(payload, "vllm_py_slim.tar.xz"), target)
-    untar(os.path.join(payload, "deps_site.tar.xz"), target)
-    if so_src.endswith(".xz"):
-        unxz(so_src, os.path.join(target, SO_REL))
-    else:
-        shutil.copyfile(so_src, os.path.join(target, SO_REL))
-        os.chmod(os.path.join(target, SO_REL), 0o755)
-    unxz(os.path.join(payload, "_vllm_fa3_C.abi3.so.xz"), os.path.join(target, FA3_REL))
+    untar(found["vllm_py_slim.tar.xz"][0], target)
+    untar(found["deps_site.tar.xz"][0], target)
+    unxz(so_src, os.path.join(target, SO_REL))
+    unxz(found["_vllm_fa3_C.abi3.so.xz"][0], os.path.join(target, FA3_REL))
     dist = write_plugin_dist_info(target)
-    info = dict(want, so_variant=so_digest.split(":")[0], target=target, unpacked_s=round(time.time() - t0, 1),
+    info = dict(want, so_variant=so_choice, target=target, unpacked_s=round(time.time() - t0, 1),
                 plugin_dist_info=os.path.basename(dist))
     with open(stamp_path, "w") as f:
         json.dump(info, f, indent=1)
-    log(f"unpacked vLLM {man.get('vllm')} into {target} in {info['unpacked_s']} s "
-        f"(_C library: {info['so_variant']})")
+    log(f"unpacked vLLM {vllm_version} into {target} in {info['unpacked_s']} s (_C library: {so_choice})")
     return info
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--payload", default=os.path.join(ROOT, ".gpu_payload", "carry"))
-    ap.add_argument("--full-so-dir", default=os.path.join(ROOT, ".gpu_payload", "carry_so_full"))
-    ap.add_argument("--stash-dir", default=os.environ.get("VLLM_SO_STASH", "/tmp/vllm_so_stash"))
+    ap.add_argument("--payload-root", default=os.path.join(ROOT, ".gpu_payload"),
+                    help="the folder whose carried carry* subfolders are used")
+    ap.add_argument("--stash-dir", default=os.environ.get("VLLM_PAYLOAD_STASH", "/tmp/vllm_payload_stash"))
     ap.add_argument("--target", default=os.environ.get("VLLM_SITE", "/tmp/vllm_site"))
     ap.add_argument("--so", choices=("auto", "full", "sm90"), default=os.environ.get("VLLM_SO", "auto"))
-    ap.add_argument("--stash", action="store_true", help="only keep the whole _C library for the next call")
+    ap.add_argument("--stash", action="store_true",
+                    help="only keep the carried archives on the warm machine for the next call")
     args = ap.parse_args(argv)
+    folders = payload_folders(args.payload_root)
     try:
         if args.stash:
-            return stash(args.full_so_dir, args.stash_dir)
-        unpack(args.payload, args.target, args.so, args.full_so_dir, args.stash_dir)
+            return stash(folders, args.stash_dir)
+        unpack(folders, args.target, args.so, args.stash_dir)
         return 0
     except SystemExit as e:
         if isinstance(e.code, str):

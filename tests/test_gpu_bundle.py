@@ -92,16 +92,24 @@ def bundle():
 @pytest.mark.timeout(3000)
 def test_bundle_builds_and_each_call_fits_the_transfer_limit(bundle):
     payload, stdout = bundle
-    one, full = payload / "carry", payload / "carry_so_full"
-    names = {p.name for p in one.iterdir()}
-    assert {"_C_stable_libtorch.abi3.sm90.so.xz", "_vllm_fa3_C.abi3.so.xz", "vllm_py_slim.tar.xz",
-            "deps_site.tar.xz", "MANIFEST.json"} <= names
-    assert (full / "_C_stable_libtorch.abi3.so.xz").is_file()
+    one, deps = payload / "carry", payload / "carry_deps"
+    parts = sorted(payload.glob("carry_so_full_*"))
+    assert {p.name for p in one.iterdir()} == {"_C_stable_libtorch.abi3.sm90.so.xz", "vllm_py_slim.tar.xz",
+                                               "MANIFEST.json"}
+    assert {p.name for p in deps.iterdir()} == {"_vllm_fa3_C.abi3.so.xz", "deps_site.tar.xz", "MANIFEST.json"}
+    assert len(parts) >= 2
     tree = _tree_bytes()
-    assert tree + _dir_bytes(one) <= LIMIT, "one call: project files + payload over 64 MiB"
-    assert tree + _dir_bytes(full) <= LIMIT, "fallback call: project files + whole _C over 64 MiB"
-    assert "one call (sm_90-pruned _C)" in stdout and "(ok)" in stdout
-    assert ".gpu_payload/carry" in stdout or str(one) in stdout
+    # every folder travels in some call: alone (stash calls, the run) within the limit
+    for d in (one, deps, *parts):
+        assert tree + _dir_bytes(d) <= LIMIT, f"{d.name}: project files + folder over 64 MiB"
+    assert "two calls, B (the run)" in stdout and "OVER THE" not in stdout
+    one_call = tree + _dir_bytes(one) + _dir_bytes(deps) <= LIMIT
+    assert ("one call: " in stdout) and (("(ok)" in stdout.split("one call: ")[1].splitlines()[0]) == one_call)
+    # the parts join to the whole library's archive
+    join = json.loads((parts[0] / "MANIFEST.json").read_text())["joins"]["_C_stable_libtorch.abi3.so.xz"]
+    whole = b"".join((payload / f"carry_so_full_{i + 1}" / n).read_bytes() for i, n in enumerate(join["parts"]))
+    assert hashlib.sha256(whole).hexdigest() == join["sha256"] and len(whole) == join["bytes"]
+    assert lzma.LZMADecompressor().decompress(whole[:1 << 16])[:4] == b"\x7fELF"
     man = json.loads((one / "MANIFEST.json").read_text())
     assert man["vllm"] == "0.32.0"
     for name, meta in man["files"].items():
@@ -156,7 +164,7 @@ def test_pruned_library_keeps_every_sm90_cubin_and_all_ptx(bundle, prune):
 def test_built_payload_unpacks_to_vllms_layout(bundle, unpacker, tmp_path):
     payload, _ = bundle
     target = tmp_path / "site"
-    info = unpacker.unpack(str(payload / "carry"), str(target), "sm90", str(tmp_path / "no_full"),
+    info = unpacker.unpack(unpacker.payload_folders(str(payload)), str(target), "sm90",
                            str(tmp_path / "no_stash"))
     assert info["so_variant"] == "sm90"
     for rel in ("vllm/__init__.py", "vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
@@ -221,31 +229,47 @@ def _tar_xz(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
+def _manifest(folder: Path, **extra) -> None:
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in folder.iterdir() if p.name != "MANIFEST.json"}
+    (folder / "MANIFEST.json").write_text(json.dumps({"vllm": "0.32.0", "files": files, **extra}))
+
+
 def _fake_payload(d: Path, so_tag: bytes = b"sm90-so") -> Path:
-    one = d / "carry"
+    """The bundle's layout: carry/, carry_deps/ and the whole library's archive in two parts."""
+    one, deps = d / "carry", d / "carry_deps"
     one.mkdir(parents=True)
+    deps.mkdir()
     (one / "vllm_py_slim.tar.xz").write_bytes(_tar_xz({"vllm/__init__.py": b"__version__ = '0.32.0'\n",
                                                        "vllm/vllm_flash_attn/__init__.py": b"",
                                                        "vllm-0.32.0.dist-info/METADATA": b"Name: vllm\n"}))
-    (one / "deps_site.tar.xz").write_bytes(_tar_xz({"pydantic/__init__.py": b""}))
-    (one / "_vllm_fa3_C.abi3.so.xz").write_bytes(_xz(b"fa3"))
     (one / "_C_stable_libtorch.abi3.sm90.so.xz").write_bytes(_xz(so_tag))
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-             for p in one.iterdir()}
-    (one / "MANIFEST.json").write_text(json.dumps({"vllm": "0.32.0", "files": files, "so": "sm90"}))
-    full = d / "carry_so_full"
-    full.mkdir()
-    (full / "_C_stable_libtorch.abi3.so.xz").write_bytes(_xz(b"whole-so"))
-    (full / "MANIFEST.json").write_text(json.dumps({"vllm": "0.32.0", "so": "full", "files": {
-        "_C_stable_libtorch.abi3.so.xz": {"sha256": hashlib.sha256(
-            (full / "_C_stable_libtorch.abi3.so.xz").read_bytes()).hexdigest()}}}))
+    _manifest(one, so="sm90")
+    (deps / "deps_site.tar.xz").write_bytes(_tar_xz({"pydantic/__init__.py": b""}))
+    (deps / "_vllm_fa3_C.abi3.so.xz").write_bytes(_xz(b"fa3"))
+    _manifest(deps)
+    whole = _xz(b"whole-so" * 50)
+    name = "_C_stable_libtorch.abi3.so.xz"
+    parts = [f"{name}.part1of2", f"{name}.part2of2"]
+    join = {name: {"bytes": len(whole), "sha256": hashlib.sha256(whole).hexdigest(), "parts": parts}}
+    for i, chunk in enumerate((whole[:len(whole) // 2], whole[len(whole) // 2:])):
+        part_dir = d / f"carry_so_full_{i + 1}"
+        part_dir.mkdir()
+        (part_dir / parts[i]).write_bytes(chunk)
+        _manifest(part_dir, so="full", joins=join)
     return d
+
+
+def _carried(d: Path, *names: str) -> list[str]:
+    """The folders a device call carries (the others are absent there)."""
+    return [str(d / n) for n in names]
 
 
 def test_unpack_layout_stamp_and_plugin_entry_point(unpacker, tmp_path, capsys):
     d = _fake_payload(tmp_path / "p")
     target = tmp_path / "site"
-    info = unpacker.unpack(str(d / "carry"), str(target), "auto", str(tmp_path / "absent"), str(tmp_path / "stash"))
+    carried = _carried(d, "carry", "carry_deps")
+    info = unpacker.unpack(carried, str(target), "auto", str(tmp_path / "stash"))
     assert info["so_variant"] == "sm90"
     assert (target / "vllm" / "_C_stable_libtorch.abi3.so").read_bytes() == b"sm90-so"
     assert (target / "vllm" / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so").read_bytes() == b"fa3"
@@ -261,30 +285,81 @@ def test_unpack_layout_stamp_and_plugin_entry_point(unpacker, tmp_path, capsys):
     assert [(e.name, e.value) for e in eps] == [("speedsfi", "vllm_ext:register")]
     # a second run is a no-op
     capsys.readouterr()
-    unpacker.unpack(str(d / "carry"), str(target), "auto", str(tmp_path / "absent"), str(tmp_path / "stash"))
+    unpacker.unpack(carried, str(target), "auto", str(tmp_path / "stash"))
     assert "up to date" in capsys.readouterr().out
+
+
+def test_payload_folders_lists_the_carried_ones(unpacker, tmp_path):
+    d = _fake_payload(tmp_path / "p")
+    (d / "cache").mkdir()
+    assert [Path(f).name for f in unpacker.payload_folders(str(d))] == [
+        "carry", "carry_deps", "carry_so_full_1", "carry_so_full_2"]
+    assert unpacker.payload_folders(str(tmp_path / "absent")) == []
 
 
 def test_unpack_refuses_a_corrupt_archive(unpacker, tmp_path):
     d = _fake_payload(tmp_path / "p")
-    (d / "carry" / "deps_site.tar.xz").write_bytes(_tar_xz({"other/x.py": b""}))
+    (d / "carry_deps" / "deps_site.tar.xz").write_bytes(_tar_xz({"other/x.py": b""}))
     with pytest.raises(SystemExit, match="SHA-256"):
-        unpacker.unpack(str(d / "carry"), str(tmp_path / "site"), "auto", str(tmp_path / "absent"),
+        unpacker.unpack(_carried(d, "carry", "carry_deps"), str(tmp_path / "site"), "auto",
                         str(tmp_path / "stash"))
 
 
-def test_stash_then_unpack_uses_the_whole_library(unpacker, tmp_path):
+def test_unpack_names_what_is_neither_carried_nor_stashed(unpacker, tmp_path):
+    d = _fake_payload(tmp_path / "p")
+    with pytest.raises(SystemExit, match="deps_site.tar.xz is neither carried"):
+        unpacker.unpack(_carried(d, "carry"), str(tmp_path / "site"), "auto", str(tmp_path / "stash"))
+
+
+def test_two_calls_stash_the_dependencies_then_run(unpacker, tmp_path):
     d = _fake_payload(tmp_path / "p")
     stash = tmp_path / "stash"
-    assert unpacker.stash(str(d / "carry_so_full"), str(stash)) == 0
-    # the next call carries only the main payload; auto picks the stashed whole library
-    target = tmp_path / "site"
-    info = unpacker.unpack(str(d / "carry"), str(target), "auto", str(tmp_path / "absent"), str(stash))
+    assert unpacker.stash(_carried(d, "carry_deps"), str(stash)) == 0
+    info = unpacker.unpack(_carried(d, "carry"), str(tmp_path / "site"), "auto", str(stash))
+    assert info["so_variant"] == "sm90"
+    assert (tmp_path / "site" / "pydantic" / "__init__.py").is_file()
+    assert (tmp_path / "site" / "vllm" / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so").read_bytes() == b"fa3"
+
+
+def test_stash_refuses_a_corrupt_archive(unpacker, tmp_path):
+    d = _fake_payload(tmp_path / "p")
+    (d / "carry_deps" / "_vllm_fa3_C.abi3.so.xz").write_bytes(_xz(b"other"))
+    with pytest.raises(SystemExit, match="SHA-256"):
+        unpacker.stash(_carried(d, "carry_deps"), str(tmp_path / "stash"))
+    assert not (tmp_path / "stash" / "_vllm_fa3_C.abi3.so.xz").exists()
+
+
+def test_stashed_parts_join_to_the_whole_library(unpacker, tmp_path, capsys):
+    d = _fake_payload(tmp_path / "p")
+    stash = tmp_path / "stash"
+    carried = _carried(d, "carry", "carry_deps")
+    unpacker.stash(_carried(d, "carry_so_full_1"), str(stash))
+    assert "1 of 2 parts stashed" in capsys.readouterr().out
+    # one part alone is not the library: auto keeps the pruned one
+    info = unpacker.unpack(carried, str(tmp_path / "site"), "auto", str(stash))
+    assert info["so_variant"] == "sm90"
+    unpacker.stash(_carried(d, "carry_so_full_2"), str(stash))
+    assert "joined _C_stable_libtorch.abi3.so.xz from 2 stashed parts" in capsys.readouterr().out
+    assert not list(stash.glob("*.part?of2"))
+    info = unpacker.unpack(carried, str(tmp_path / "site"), "auto", str(stash))
     assert info["so_variant"] == "full"
-    assert (target / "vllm" / "_C_stable_libtorch.abi3.so").read_bytes() == b"whole-so"
+    assert (tmp_path / "site" / "vllm" / "_C_stable_libtorch.abi3.so").read_bytes() == b"whole-so" * 50
     # forcing the pruned one replaces it
-    info = unpacker.unpack(str(d / "carry"), str(target), "sm90", str(tmp_path / "absent"), str(stash))
-    assert (target / "vllm" / "_C_stable_libtorch.abi3.so").read_bytes() == b"sm90-so"
+    unpacker.unpack(carried, str(tmp_path / "site"), "sm90", str(stash))
+    assert (tmp_path / "site" / "vllm" / "_C_stable_libtorch.abi3.so").read_bytes() == b"sm90-so"
+
+
+def test_parts_that_do_not_join_are_refused(unpacker, tmp_path):
+    d = _fake_payload(tmp_path / "p")
+    part = next((d / "carry_so_full_2").glob("*.part2of2"))
+    part.write_bytes(part.read_bytes()[::-1])
+    man = json.loads((d / "carry_so_full_2" / "MANIFEST.json").read_text())
+    _manifest(d / "carry_so_full_2", so="full", joins=man["joins"])     # the part itself checks out
+    stash = tmp_path / "stash"
+    unpacker.stash(_carried(d, "carry_so_full_1"), str(stash))
+    with pytest.raises(SystemExit, match="joined _C_stable_libtorch.abi3.so.xz: SHA-256"):
+        unpacker.stash(_carried(d, "carry_so_full_2"), str(stash))
+    assert not (stash / "_C_stable_libtorch.abi3.so.xz").exists()
 
 
 # ---------------------------------------------------------------------------------------------
