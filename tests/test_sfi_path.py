@@ -7,11 +7,11 @@ Also: the plan's compacted slow list, and the runtime's memory sized by ``sfi.ma
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
 
+from tests.kernel_choice import torch_kernels
 from vllm_ext.backend.sfi_path import sfi_decode
 from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
@@ -23,19 +23,6 @@ DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 CFG = SfiConfig(enabled=True, k=24, k_min=4, n_sink=4, n_recent=16)
 HKV, D, BS = 2, 32, 16
 DENSE, SLOW, FAST, PAD = "dense", "slow", "fast", "pad"
-
-
-@contextlib.contextmanager
-def torch_kernels():
-    old = os.environ.get("SPEEDSFI_FORCE_TORCH_KERNELS")
-    os.environ["SPEEDSFI_FORCE_TORCH_KERNELS"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SPEEDSFI_FORCE_TORCH_KERNELS")
-        else:
-            os.environ["SPEEDSFI_FORCE_TORCH_KERNELS"] = old
 
 
 class Problem:

@@ -14,11 +14,11 @@ softmax attention over sink + selected + recent) is the reference for:
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
 
+from tests.kernel_choice import torch_kernels
 from vllm_ext.backend.sfi_path import quest_prefill_pages, sfi_decode
 from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
@@ -32,19 +32,6 @@ from vllm_ext.sfi.slot_tables import QuestPrefillPages
 from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
 
 HKV, D, BS = 2, 16, 16          # BS: the paged cache's block size (independent of the Quest page)
-
-
-@contextlib.contextmanager
-def torch_kernels():
-    old = os.environ.get("SPEEDSFI_FORCE_TORCH_KERNELS")
-    os.environ["SPEEDSFI_FORCE_TORCH_KERNELS"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SPEEDSFI_FORCE_TORCH_KERNELS")
-        else:
-            os.environ["SPEEDSFI_FORCE_TORCH_KERNELS"] = old
 
 
 def make_cache(lens, gen, extra=2):
@@ -181,13 +168,12 @@ def quest_plan(buffers, cfg, modes, lens, slots, bt):
                       t=t, block_table=bt, page_slot=torch.where(on, s, -1)), t
 
 
-@pytest.mark.parametrize("kernels", ["twins", "triton"])
-@pytest.mark.parametrize("g, n_recent", [(1, 12), (4, 3), (2, 3)])
+# the Triton path on one case: the interpreter is slow, and the kernels' own grids are in the tests above
+@pytest.mark.parametrize("g, n_recent, kernels", [(1, 12, "twins"), (4, 3, "twins"), (2, 3, "twins"),
+                                                  (4, 3, "triton")])
 def test_layer_path_equals_brute_force(g, n_recent, kernels):
     if kernels == "triton" and not (HAS_TRITON and use_triton(torch.device("cpu"))):
         pytest.skip("needs the Triton interpreter")
-    if kernels == "triton" and g != 4:
-        pytest.skip("one interpreted case is enough")
     # n_recent 3 < page 8: the newest token's page reaches into the allowed set, so the decode
     # step's update of that page's max/min decides the selection
     cfg = SfiConfig(enabled=True, selector="quest", page_size=8, k=24, k_min=4, n_sink=4,
