@@ -8,6 +8,8 @@ import torch
 from helpers import make_batch
 from vllm_ext.kernels.block_representatives import (
     block_representatives_torch,
+    update_block_representatives_from_torch,
+    update_block_representatives_from_triton,
     update_block_representatives_torch,
     update_block_representatives_triton,
 )
@@ -48,12 +50,23 @@ def _chunked(update, b, chunks, bk, nb, dtype, slot_of, scratch):
     return reps
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+def _from(update_from):
+    """The unbounded form (``*_from``: blocks from ``first`` to the last live one, no host bound)
+    under the bounded form's signature."""
+    return lambda kv, bt, seq, first, bk, _blocks, reps, slot: update_from(kv, bt, seq, first, bk, reps, slot)
+
+
+UPDATES = {"torch": update_block_representatives_torch, "triton": update_block_representatives_triton,
+           "torch_from": _from(update_block_representatives_from_torch),
+           "triton_from": _from(update_block_representatives_from_triton)}
+
+
+@pytest.mark.parametrize("impl", list(UPDATES))
 @pytest.mark.parametrize("page,bk,dtype", [(16, 32, torch.bfloat16), (32, 16, torch.float32), (16, 48, torch.float16)])
 def test_chunk_updates_equal_the_whole_prompt(impl, page, bk, dtype):
-    if impl == "triton" and not HAS_TRITON:
+    if impl.startswith("triton") and not HAS_TRITON:
         pytest.skip("triton is not installed")
-    update = update_block_representatives_torch if impl == "torch" else update_block_representatives_triton
+    update = UPDATES[impl]
     seqs = [301, 130, 77]
     chunks = [[100, 37, 1, 130, 33], [64, 66], [77]]     # mid-block, one-token and block-aligned cuts
     b = make_batch(seqs, [1] * 3, hq=2, hkv=2, d=32, page=page, dtype=dtype, seed=bk, device=DEV)

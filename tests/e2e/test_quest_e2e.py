@@ -66,3 +66,36 @@ def test_quest_prefix_cache_hit_gives_the_same_tokens(tiny_models):
         stats = table_of(model_runner(llm)).sfi_stats.tolist()
     assert first == again
     assert stats[STAT_SLOW] > 0
+
+
+def test_quest_resumed_with_one_token_to_compute_keeps_its_tokens(tiny_models):
+    """A small KV cache preempts and resumes requests. A resumed request takes a fresh slot; when the
+    prefix cache holds all but its last token it decodes at once, and its first decode row must write
+    every page of its context before selecting. Such a request gives the tokens of a run with room
+    for everyone (refresh 1: no schedule phase to lose). A resume that recomputes generated tokens
+    computes the last one in a dense prefill, so only the first kind is compared."""
+    prompts = random_prompts(lengths=(200, 190, 180, 170), seed=11)
+    extra = {"speedsfi": {"sfi": QUEST}}
+    runs = {}
+    for name, kw in (("roomy", {}), ("pressed", {"num_gpu_blocks_override": 20})):
+        with engine(tiny_models["qwen3"], "SPEEDSFI", max_num_seqs=4, max_model_len=512,
+                    additional_config=extra, **kw) as llm:
+            table = table_of(model_runner(llm))
+            table.recorder = []
+            runs[name] = (greedy(llm, prompts, max_tokens=120), table.recorder, table.counters.released)
+    tokens, records, released = runs["pressed"]
+    assert released > len(prompts), "no preemption happened: the test no longer tests resumes"
+    # request index -> its generations (slot lives); a generation after the first that starts with
+    # a decode row resumed with one token to compute
+    order = {}
+    first_rows = {}
+    for step in records:
+        for req, v in step.items():
+            order.setdefault(req, len(order))
+            first_rows.setdefault((req, v["generation"]), v)
+    one_token = {order[req] for (req, gen), v in first_rows.items() if gen > 1 and v["is_decode"]}
+    recomputed = {order[req] for (req, gen), v in first_rows.items() if gen > 1 and not v["is_decode"]}
+    clean = one_token - recomputed
+    assert clean, "no request resumed with one token to compute: the test no longer tests fresh slots"
+    for i in sorted(clean):
+        assert tokens[i] == runs["roomy"][0][i], f"request {i}"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
-from vllm_ext.backend.sfi_path import quest_prefill_pages, sfi_decode
+from vllm_ext.backend.sfi_path import quest_page_update, quest_prefill_pages, sfi_decode
 from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.block_representatives import block_representatives_torch
@@ -231,3 +231,83 @@ def test_layer_path_equals_brute_force(g, n_recent, kernels):
                         prev_sel[r] = sel
                 torch.testing.assert_close(out[r], ref, atol=2e-4, rtol=2e-4, msg=f"row {r} ({m})")
     assert set(prev_sel) == {1, 2, 4}
+
+
+def test_resumed_request_recomputing_generated_tokens_writes_its_pages():
+    """A request resumed after preemption whose prompt is a prefix hit recomputes only generated
+    tokens: one row of several tokens, all 'decode'. SFI runs it densely, but its pages must be
+    written (from page 0, it is the slot's first own chunk) before its first decode selects."""
+    import numpy as np
+
+    from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.sfi.slot_tables import SfiSlotTables
+
+    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "selector": "quest", "page_size": 8, "k": 32,
+                                            "k_min": 4, "n_recent": 8}})
+    tables = SfiSlotTables(4, 4, 4, cfg, None, torch.device("cpu"))
+    for slot in (0, 1, 2):
+        tables.assign(slot, None)
+    row_slots = np.array([0, 1, 2])
+    # row 0: resumed, 40 tokens cached, recomputes 6 generated tokens; row 1: one-token decode;
+    # row 2: a prompt chunk
+    qsl, computed = np.array([0, 6, 7, 27]), np.array([40, 90, 16])
+    plan = tables.plan_quest_pages(num_reqs=3, row_slots=row_slots, row_is_decode=np.array([1, 1, 0]),
+                                   host_geometry=(qsl, computed))
+    assert plan.rows.tolist() == [0, 2]
+    assert plan.seq_lens.tolist() == [46, 36]
+    assert plan.first_page.tolist() == [0, 0]            # both are their slot's first own chunk
+    assert plan.sfi_slot.tolist() == [tables.slot_host[0], tables.slot_host[2]]
+    # one-token decode rows alone plan nothing on the host
+    assert tables.plan_quest_pages(num_reqs=3, row_slots=row_slots, row_is_decode=np.array([1, 1, 1]),
+                                   host_geometry=(np.array([0, 1, 2, 3]), np.array([46, 91, 36]))) is None
+
+
+@pytest.mark.parametrize("kernels", ["twins", "triton"])
+def test_fresh_slot_over_a_cached_context_writes_every_page(kernels):
+    """A request that takes a fresh compact slot while its context is already in the cache (resumed
+    after preemption, the prefix hit leaving one token to compute) decodes at once: its first decode
+    row writes every page of the context; later rows write their newest page only; a slot whose
+    prefill chunks wrote its pages continues from there."""
+    import numpy as np
+
+    from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.sfi.slot_tables import SfiSlotTables
+
+    if kernels == "triton" and not (HAS_TRITON and use_triton(torch.device("cpu"))):
+        pytest.skip("needs the Triton interpreter")
+    page = 8
+    full = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "selector": "quest", "page_size": page, "k": 16,
+                                             "k_min": 4, "n_recent": 8}})
+    cfg = full.sfi
+    lens = [61, 100]
+    kv, bt = make_cache(lens, torch.Generator().manual_seed(3), extra=2)
+    ctx = torch_kernels() if kernels == "twins" else contextlib.nullcontext()
+    with ctx:
+        tables = SfiSlotTables(2, 2, 2, full, None, torch.device("cpu"))
+        sfi_slot = torch.tensor([tables.assign(s, None)[0] for s in (0, 1)], dtype=torch.int32)
+        tables.apply_resets(torch.tensor([0, 1]), sfi_slot, torch.full((2,), 16, dtype=torch.int32),
+                            torch.ones(2, dtype=torch.bool))
+        layer = SfiLayerBuffers(2, HKV, cfg, D, torch.float32, torch.device("cpu"), num_heads=HKV,
+                                max_len=max(lens) + 8)
+        layer.page_reps.fill_(float("nan"))
+        # request 1's prefill chunk wrote positions [0, 99): its pages are written (host plan)
+        pre = tables.plan_quest_pages(num_reqs=2, row_slots=np.array([0, 1]), row_is_decode=np.array([1, 0]),
+                                      host_geometry=(np.array([0, 1, 100]), np.array([60, 0])))
+        assert pre.rows.tolist() == [1]
+        assert pre.seq_lens.tolist() == [99]
+        quest_prefill_pages(kv, bt, pre, cfg, layer)
+        for step_lens in (lens, [n + 1 for n in lens]):
+            seq = torch.tensor(step_lens, dtype=torch.int32)
+            step = tables.plan(row_slot=torch.tensor([0, 1], dtype=torch.int32),
+                               row_last_token=torch.zeros(2, dtype=torch.int64),
+                               row_is_decode=torch.ones(2, dtype=torch.int32), seq_lens=seq, block_table=bt)
+            if step_lens is lens:
+                assert step.row_page_first.tolist() == [0, 99 // page]
+            else:
+                assert step.row_page_first.tolist() == [lens[0] // page, lens[1] // page]
+            quest_page_update(kv, bt, seq, step.row_page_slot, step.row_page_first, cfg, layer)
+        want = page_reps(kv, bt, [n + 1 for n in lens], page, sfi_slot.tolist(), 3, layer.page_reps.shape[2])
+        for i, n in enumerate(lens):
+            s = int(sfi_slot[i])
+            live = -(-(n + 1) // page)
+            torch.testing.assert_close(layer.page_reps[s, :, :live], want[s, :, :live], atol=0, rtol=0)

@@ -24,7 +24,8 @@ from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence, paged_decode,
                                                     prefill_evidence)
-from vllm_ext.kernels.block_representatives import update_block_representatives
+from vllm_ext.kernels.block_representatives import (update_block_representatives,
+                                                   update_block_representatives_from)
 from vllm_ext.kernels.gather_compact import gather_compact
 from vllm_ext.kernels.quest_pages import quest_page_evidence
 from vllm_ext.kernels.sfi_selector import select
@@ -115,16 +116,19 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 
 # ------------------------------------------------------------------------------ selector "quest"
 def quest_page_update(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                      page_slot: torch.Tensor, cfg: SfiConfig, layer: SfiLayerBuffers) -> None:
+                      page_slot: torch.Tensor, page_first: torch.Tensor, cfg: SfiConfig,
+                      layer: SfiLayerBuffers) -> None:
     """Each decode row of a request holding a compact slot (``page_slot >= 0``) rewrites the page
-    max/min of K of the page holding its newest token (position ``seq_len - 1``): one page per row
-    and layer. Other rows write nothing (their length reads as 0, their slot is the scratch entry)."""
+    max/min of K from page ``page_first`` (the plan's: the first its slot has not written) to the
+    page holding its newest token: one page per row and layer in the steady state. Other rows write
+    nothing (their length reads as 0, their slot is the scratch entry)."""
     reps = layer.page_reps
     on = page_slot >= 0
     seq = torch.where(on, seq_lens, 0)
-    first = torch.div(torch.clamp(seq_lens - 1, min=0), cfg.page_size, rounding_mode="floor")
     slot = torch.where(on, page_slot, reps.shape[0] - 1)
-    update_block_representatives(kv_cache, block_table, seq, first, cfg.page_size, 1, reps, slot)
+    if page_first is None:             # a plan without persistent buffers (tests): the newest page
+        page_first = torch.div(torch.clamp(seq_lens - 1, min=0), cfg.page_size, rounding_mode="floor")
+    update_block_representatives_from(kv_cache, block_table, seq, page_first, cfg.page_size, reps, slot)
 
 
 def quest_prefill_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, plan, cfg: SfiConfig,
@@ -140,7 +144,8 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
                   out: torch.Tensor, *, dense_done: bool) -> torch.Tensor:
     """Decode rows with the Quest-style selector (``sfi.selector = "quest"``):
 
-    1. every SFI decode row updates its newest page's max/min of K;
+    1. every SFI decode row updates its newest page's max/min of K (every page its slot has not
+       written yet, for a fresh slot over a cached context);
     2. dense rows attend densely (unless ``dense_done``);
     3. selection rows (the plan's slow rows) write the page bounds as pooled log evidence into the
        ring scratch, and the selector (neutral refinements) + gather refresh their compact segments
@@ -153,7 +158,8 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
     on_cpu = query.device.type == "cpu"
     fast = step.row_fast[:rows]
     dense = step.row_dense[:rows]
-    quest_page_update(kv_cache, block_table, seq_lens, step.row_page_slot[:rows], cfg, layer)
+    first = None if step.row_page_first is None else step.row_page_first[:rows]
+    quest_page_update(kv_cache, block_table, seq_lens, step.row_page_slot[:rows], first, cfg, layer)
     if not dense_done and (not on_cpu or bool(dense.any())):
         paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=dense,
                      workspace=rt.dense_workspace)

@@ -22,6 +22,12 @@ signature):
     they are, so a chunk costs its own blocks (plus the partial block it continues), never the
     whole prefix. Rows may share a ``rep_slot`` only if it is a scratch slot nobody reads.
 
+``update_block_representatives_from(kv_cache, block_table, seq_lens, first_block, block_size, reps, rep_slot)``
+    The same with no host bound: every block from ``first_block[i]`` to row ``i``'s last live block
+    (a loop inside the kernel, so the launch is fixed and CUDA graphs can capture it). Quest-style
+    page tables use it each decode step: one block normally, the whole prefix for a request that
+    just took a fresh slot with its context already cached.
+
 ``query_segment_representatives(query, query_start_loc, seq_lens, segment_size, max_segments, *, out=None)``
     The query side (``Qmax, Qmin``) of a batch of prefill chunks: request ``i``'s queries (token rows
     ``query_start_loc[i]:query_start_loc[i+1]`` of ``query [T, Hq, D]``, positions
@@ -78,20 +84,10 @@ if HAS_TRITON:
         tl.store(o + s_o_w, kmin, mask=dmask)
 
     @triton.jit
-    def _block_reps_update_kernel(KV, BT, SEQ, FIRST, SLOT, OUT,
-                                  s_kv_p, s_kv_h, s_kv_n, s_kv_d,
-                                  s_bt_r, s_bt_p,
-                                  s_o_r, s_o_w, s_o_b, s_o_h,
-                                  D: tl.constexpr, D_PAD: tl.constexpr,
-                                  BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr):
-        j = tl.program_id(0)
-        r = tl.program_id(1)
-        h = tl.program_id(2)
-        seq = tl.load(SEQ + r).to(tl.int64)
-        b = tl.load(FIRST + r).to(tl.int64) + j
-        if b * BK >= seq:
-            return
-        slot = tl.load(SLOT + r).to(tl.int64)
+    def _write_block_rep(KV, BT, OUT, r, h, b, seq, slot,
+                         s_kv_p, s_kv_h, s_kv_n, s_kv_d, s_bt_r, s_bt_p, s_o_r, s_o_w, s_o_b, s_o_h,
+                         D: tl.constexpr, D_PAD: tl.constexpr,
+                         BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr):
         offs_n = tl.arange(0, BK_PAD)
         offs_d = tl.arange(0, D_PAD)
         pos = b * BK + offs_n
@@ -108,6 +104,40 @@ if HAS_TRITON:
         o = OUT + slot * s_o_r + b * s_o_b + h.to(tl.int64) * s_o_h + offs_d
         tl.store(o, kmax.to(OUT.dtype.element_ty), mask=dmask)
         tl.store(o + s_o_w, kmin.to(OUT.dtype.element_ty), mask=dmask)
+
+    @triton.jit
+    def _block_reps_update_kernel(KV, BT, SEQ, FIRST, SLOT, OUT,
+                                  s_kv_p, s_kv_h, s_kv_n, s_kv_d,
+                                  s_bt_r, s_bt_p,
+                                  s_o_r, s_o_w, s_o_b, s_o_h,
+                                  D: tl.constexpr, D_PAD: tl.constexpr,
+                                  BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr):
+        j = tl.program_id(0)
+        r = tl.program_id(1)
+        h = tl.program_id(2)
+        seq = tl.load(SEQ + r).to(tl.int64)
+        b = tl.load(FIRST + r).to(tl.int64) + j
+        if b * BK >= seq:
+            return
+        slot = tl.load(SLOT + r).to(tl.int64)
+        _write_block_rep(KV, BT, OUT, r, h, b, seq, slot, s_kv_p, s_kv_h, s_kv_n, s_kv_d, s_bt_r, s_bt_p,
+                         s_o_r, s_o_w, s_o_b, s_o_h, D, D_PAD, BK, BK_PAD, PAGE)
+
+    @triton.jit
+    def _block_reps_range_kernel(KV, BT, SEQ, FIRST, SLOT, OUT,
+                                 s_kv_p, s_kv_h, s_kv_n, s_kv_d,
+                                 s_bt_r, s_bt_p,
+                                 s_o_r, s_o_w, s_o_b, s_o_h,
+                                 D: tl.constexpr, D_PAD: tl.constexpr,
+                                 BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        seq = tl.load(SEQ + r).to(tl.int64)
+        first = tl.load(FIRST + r).to(tl.int64)
+        slot = tl.load(SLOT + r).to(tl.int64)
+        for b in range(first, (seq + BK - 1) // BK):
+            _write_block_rep(KV, BT, OUT, r, h, b, seq, slot, s_kv_p, s_kv_h, s_kv_n, s_kv_d, s_bt_r, s_bt_p,
+                             s_o_r, s_o_w, s_o_b, s_o_h, D, D_PAD, BK, BK_PAD, PAGE)
 
     @triton.jit
     def _query_reps_kernel(Q, QSL, SEQ, OUT,
@@ -289,6 +319,52 @@ def update_block_representatives(kv_cache: torch.Tensor, block_table: torch.Tens
                                                    max_blocks, reps, rep_slot)
     return update_block_representatives_torch(kv_cache, block_table, seq_lens, first_block, block_size,
                                               max_blocks, reps, rep_slot)
+
+
+def update_block_representatives_from_triton(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                             seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
+                                             reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
+    _check_update(kv_cache, reps)
+    r = seq_lens.shape[0]
+    if r == 0:
+        return reps
+    hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
+    _block_reps_range_kernel[(r, hkv)](
+        kv_cache, block_table, seq_lens, first_block, rep_slot, reps,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0), block_table.stride(1),
+        reps.stride(0), reps.stride(1), reps.stride(2), reps.stride(3),
+        D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)), PAGE=page,
+    )
+    return reps
+
+
+def update_block_representatives_from_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                            seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
+                                            reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of :func:`update_block_representatives_from`. On the CPU it reads the largest
+    span to size its work; elsewhere (tests forcing the twins on a GPU) it spans the whole table
+    rather than synchronise."""
+    if seq_lens.shape[0] == 0:
+        return reps
+    if kv_cache.device.type == "cpu":
+        last = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
+        span = int((last - first_block.long()).max())
+    else:
+        span = reps.shape[2]
+    return update_block_representatives_torch(kv_cache, block_table, seq_lens, first_block, block_size, span,
+                                              reps, rep_slot)
+
+
+def update_block_representatives_from(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                      first_block: torch.Tensor, block_size: int, reps: torch.Tensor,
+                                      rep_slot: torch.Tensor) -> torch.Tensor:
+    """Every block from ``first_block`` to the last live one (see the module docstring)."""
+    if use_triton(kv_cache):
+        return update_block_representatives_from_triton(kv_cache, block_table, seq_lens, first_block,
+                                                        block_size, reps, rep_slot)
+    return update_block_representatives_from_torch(kv_cache, block_table, seq_lens, first_block, block_size,
+                                                   reps, rep_slot)
 
 
 # ------------------------------------------------------------------------------ query representatives

@@ -75,6 +75,9 @@ class SfiSlotTables:
         self.steps_since_slow = torch.zeros(n_slots, **i32)
         self.has_selection = torch.zeros(n_slots, dtype=torch.bool, device=device)
         self.trigger_state = torch.zeros(n_slots, **i32)     # cooldown << 1 | armed; 0 = fresh
+        # quest: per compact slot (+ a scratch entry), the positions whose page max/min are written;
+        # a fresh slot starts at 0, so its first decode row writes every page of a cached context
+        self.page_upto = torch.zeros(capacity + 1, **i32)
         self.counters = DeviceCounters(NUM_STATS, device)
         self.plan_buffers = SfiPlanBuffers(max_rows, capacity, device)
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -136,16 +139,33 @@ class SfiSlotTables:
         self.steps_since_slow.index_fill_(0, idx, 0)
         self.has_selection.index_fill_(0, idx, False)
         self.trigger_state.index_fill_(0, idx, 0)
+        if self.cfg.selector == "quest":
+            fresh = torch.where(sfi_slot >= 0, sfi_slot, self.capacity).long()
+            self.page_upto.index_fill_(0, fresh, 0)
 
     # ------------------------------------------------------------------ per step (device)
     def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table) -> SfiStep:
-        return plan_step(self.cfg, row_slot=row_slot, row_last_token=row_last_token,
+        step = plan_step(self.cfg, row_slot=row_slot, row_last_token=row_last_token,
                          row_is_decode=row_is_decode, seq_lens=seq_lens,
                          sfi_slot_of=self.sfi_slot_of, sfi_on=self.sfi_on, sfi_k=self.sfi_k,
                          steps_since_slow=self.steps_since_slow, has_selection=self.has_selection,
                          sel_count=self.sel_count, trigger_lut=self.trigger_lut, stats=self.stats,
                          buffers=self.plan_buffers, block_table=block_table,
                          trigger_state=self.trigger_state)
+        if self.cfg.selector == "quest" and step.row_page_first is not None:
+            self._plan_page_updates(step, seq_lens)
+        return step
+
+    def _plan_page_updates(self, step: SfiStep, seq_lens: torch.Tensor) -> None:
+        """Quest: each SFI decode row writes its pages from the first one its slot has not written
+        (normally the newest token's page; page 0 for a slot that is fresh while its context is
+        cached, e.g. a request resumed after preemption whose prefix hit left one token to compute)."""
+        ps = step.row_page_slot
+        on = ps >= 0
+        slot = torch.where(on, ps, self.capacity).long()
+        upto = self.page_upto[slot]
+        step.row_page_first.copy_(torch.where(on, torch.div(upto, self.cfg.page_size, rounding_mode="floor"), 0))
+        self.page_upto.index_put_((slot,), torch.where(on, seq_lens[:ps.shape[0]].to(upto.dtype), upto))
 
     def plan_prefill_end(self, *, num_reqs: int, row_slots: np.ndarray, row_is_decode: np.ndarray,
                          prompt_len: np.ndarray, host_geometry, row_slot_device: torch.Tensor):
@@ -184,16 +204,19 @@ class SfiSlotTables:
 
     def plan_quest_pages(self, *, num_reqs: int, row_slots: np.ndarray, row_is_decode: np.ndarray,
                          host_geometry) -> "QuestPrefillPages | None":
-        """Selector ``quest``: the pages each prefill row of a request holding a compact slot writes
-        this step (its first own chunk also covers a prefix-cache hit: pages from 0), whatever the
-        prompt's length (a short prompt grows into a sparse request). Host geometry is exact for
-        prefill rows; prefill runs eagerly."""
+        """Selector ``quest``: the pages each multi-token row of a request holding a compact slot
+        writes this step (its first own chunk also covers a prefix-cache hit: pages from 0), whatever
+        the prompt's length (a short prompt grows into a sparse request). Multi-token rows include a
+        request resumed after preemption that recomputes only generated tokens (its prompt a prefix
+        hit): SFI runs them densely, and their pages must still be written before its first decode
+        selects. One-token decode rows update their page on the device (``quest_page_update``). Host
+        geometry is exact for multi-token rows; such steps run eagerly."""
         page = self.cfg.page_size
         qsl, computed = host_geometry
         rows, seqs, firsts, slots, n_pages = [], [], [], [], 0
         for row in range(num_reqs):
             slot = int(row_slots[row])
-            if row_is_decode[row] or slot not in self.slot_host:
+            if slot not in self.slot_host or (row_is_decode[row] and qsl[row + 1] - qsl[row] == 1):
                 continue
             done = int(computed[row])
             end = done + int(qsl[row + 1] - qsl[row])
@@ -210,9 +233,11 @@ class SfiSlotTables:
         def dev(a, dtype):
             return torch.as_tensor(np.asarray(a), dtype=dtype).to(self.device, non_blocking=True)
 
-        return QuestPrefillPages(rows=dev(rows, torch.int64), seq_lens=dev(seqs, torch.int32),
+        plan = QuestPrefillPages(rows=dev(rows, torch.int64), seq_lens=dev(seqs, torch.int32),
                                  first_page=dev(firsts, torch.int32), sfi_slot=dev(slots, torch.int32),
                                  max_pages=n_pages)
+        self.page_upto.index_copy_(0, plan.sfi_slot.long(), plan.seq_lens)
+        return plan
 
     def counter_values(self) -> dict[str, int]:
         values = self.counters.read()

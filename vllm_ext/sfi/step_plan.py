@@ -71,6 +71,7 @@ class SfiStep:
     slow_count: torch.Tensor | None = None    # int32 [1]: live entries (they are slow_rows[:count])
     prefill_end: "SfiPrefillEnd | None" = None
     row_page_slot: torch.Tensor | None = None  # int32 [rows]: compact slot of an SFI decode row, else -1
+    row_page_first: torch.Tensor | None = None  # int32 [rows]: quest: first page the row (re)writes
     quest_pages: "object | None" = None        # quest mode: the step's prefill page updates (host plan)
 
 
@@ -94,6 +95,7 @@ class SfiPlanBuffers:
         self.allowed_hi = torch.zeros(n, **i32)
         self.row_scratch = torch.full((n,), -1, **i32)
         self.row_page_slot = torch.full((n,), -1, **i32)
+        self.row_page_first = torch.zeros(n, **i32)
         self.row_index = torch.arange(n, **i32)
         # compacted slow entries; index ``capacity`` is a trash entry for scatters of other rows
         s = capacity + 1
@@ -129,7 +131,8 @@ class SfiPlanBuffers:
                        slow_lo=self.slow_lo[:cap], slow_hi=self.slow_hi[:cap],
                        slow_k=self.slow_k[:cap], slow_sfi_slot=self.slow_sfi_slot[:cap],
                        slow_block_table=None if bt is None else bt[:cap],
-                       slow_count=self.slow_count, row_page_slot=self.row_page_slot[:rows])
+                       slow_count=self.slow_count, row_page_slot=self.row_page_slot[:rows],
+                       row_page_first=self.row_page_first[:rows])
 
     @property
     def nbytes(self) -> int:
