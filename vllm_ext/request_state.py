@@ -198,11 +198,13 @@ class RequestStateTable:
         return slot
 
     def sync_membership(self, reset_req_ids: Iterable[str],
-                        live: Mapping[str, tuple[int, Mapping[str, Any] | None]]) -> None:
+                        live: Mapping[str, tuple[int, Mapping[str, Any] | None]],
+                        resumed_req_ids: Iterable[str] = ()) -> None:
         """Release ``reset_req_ids`` (finished, aborted, resumed after preemption) and every slot
         whose request left the batch; acquire slots for batch members without one.
 
-        ``live``: req_id -> (prompt_len, per-request overrides) for the requests in the batch.
+        ``live``: req_id -> (prompt_len, per-request overrides) for the requests in the batch;
+        ``resumed_req_ids``: those resumed after preemption (also in ``reset_req_ids``).
         """
         for req_id in reset_req_ids:
             if req_id in self.slot_of and req_id in live:
@@ -210,9 +212,18 @@ class RequestStateTable:
             self.release(req_id)
         for req_id in [r for r in self.slot_of if r not in live]:
             self.release(req_id)
+        resumed = set(resumed_req_ids)
         for req_id, (prompt_len, overrides) in live.items():
             if req_id not in self.slot_of:
-                self.acquire(req_id, prompt_len, overrides)
+                slot = self.acquire(req_id, prompt_len, overrides)
+                if req_id in resumed and self.sfi is not None and slot in self.sfi.slot_host:
+                    # vLLM preempts by recomputation: the KV of the generated tokens is recomputed by
+                    # a dense prefill, not by the sparse decode steps that first wrote it
+                    metrics.fallback("sfi_preempted", "a request decoding with SFI was preempted and "
+                                     "resumes from a dense recompute of its context with a fresh "
+                                     "selection: its later tokens can differ from an unpreempted run "
+                                     "(preemption depends on other traffic; give the KV cache headroom "
+                                     "or lower --max-num-seqs to avoid it)")
 
     def _apply_resets(self) -> None:
         if not self._pending_resets:

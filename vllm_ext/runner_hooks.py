@@ -106,9 +106,9 @@ def _after_update_states(runner, scheduler_output) -> None:
     table = table_of(runner)
     if table is None:
         return
-    reset = set(scheduler_output.finished_req_ids)
-    reset |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
-    table.sync_membership(reset, _live_requests(runner))
+    resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
+    reset = set(scheduler_output.finished_req_ids) | set(resumed)
+    table.sync_membership(reset, _live_requests(runner), resumed)
 
 
 def _stage_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool) -> None:

@@ -120,6 +120,9 @@ def test_prefix_cache_hit_does_not_change_sfi_results(tiny_models):
 def test_preemption_with_sfi_resets_state(tiny_models):
     prompts = random_prompts(lengths=(200, 190, 180, 170), seed=11)
     extra = {"speedsfi": {"sfi": SMALL}}
+    from vllm_ext import metrics
+
+    before = metrics.snapshot().get("fallback.sfi_preempted", 0)
     with engine(tiny_models["qwen3"], "SPEEDSFI", num_gpu_blocks_override=20, max_num_seqs=4,
                 max_model_len=512, additional_config=extra) as llm:
         table = table_of(model_runner(llm))
@@ -130,6 +133,8 @@ def test_preemption_with_sfi_resets_state(tiny_models):
         released = table.counters.released
     assert all(len(t) == 120 for t in tokens)
     assert released > len(prompts)                      # preempted requests gave their slots back
+    # each resume of an SFI request is a counted fallback (its tokens can change)
+    assert metrics.snapshot()["fallback.sfi_preempted"] > before
     # a resumed request restarts from a fresh selection: its prefill-end selections count again
     assert stats[STAT_PREFILL_END] > len(prompts) and stats[STAT_FAST] > 0
     for step in records:
