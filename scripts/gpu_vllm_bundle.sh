@@ -55,12 +55,21 @@ PLAT=()
 for n in 2_39 2_35 2_34 2_31 2_28 2_27 2_26 2_24 2_17; do PLAT+=(--platform "manylinux_${n}_x86_64"); done
 PLAT+=(--platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
 
-# xz into $2 unless it exists and is newer than $1 (atomic: .part then mv)
+# Compression: xz -9e (-9 for FlashAttention-3) by default; GPU_BUNDLE_XZ_LEVEL (e.g. -6) trades
+# size for build time (tests/test_gpu_bundle.py uses -6 on a fresh CI build: every folder still fits).
+# Each archive remembers its level (cache/levels/) and is rebuilt when another is asked for.
+level_of() { echo "${GPU_BUNDLE_XZ_LEVEL:-$1}"; }
+mkdir -p "$C/levels"
+fresh() {  # archive, newer-than source, level: is the archive there, newer and at that level?
+  [ -s "$1" ] && [ "$1" -nt "$2" ] && [ "$(cat "$C/levels/$(basename "$1")" 2>/dev/null)" = "$3" ]
+}
+# xz into $2 unless it exists, is newer than $1 and has the level (atomic: .part then mv)
 xz_to() {
-  local src=$1 dst=$2 level=${3:--9e}
-  if [ -s "$dst" ] && [ "$dst" -nt "$src" ]; then say "have $(basename "$dst")"; return; fi
+  local src=$1 dst=$2 level; level=$(level_of "${3:--9e}")
+  if fresh "$dst" "$src" "$level"; then say "have $(basename "$dst")"; return; fi
   say "xz $level $(basename "$src") -> $(basename "$dst")"
   xz "$level" -T"$XZ_THREADS" -c "$src" > "$dst.part" && mv "$dst.part" "$dst"
+  echo "$level" > "$C/levels/$(basename "$dst")"
 }
 
 # 1. the vLLM wheel, unpacked
@@ -92,7 +101,7 @@ xz_to "$SO" "$C/_C_stable_libtorch.abi3.so.xz"
 xz_to "$FA3" "$DEPS_DIR/_vllm_fa3_C.abi3.so.xz" -9
 
 # 3. the Python tree without big binaries, CUDA headers, MoE tuning tables
-if [ ! -s "$ONE/vllm_py_slim.tar.xz" ] || [ "$X/.unpacked" -nt "$ONE/vllm_py_slim.tar.xz" ]; then
+if ! fresh "$ONE/vllm_py_slim.tar.xz" "$X/.unpacked" "$(level_of -9e)"; then
   say "slim Python tree"
   S=$C/slim
   rm -rf "$S" && mkdir -p "$S"
@@ -104,15 +113,16 @@ if [ ! -s "$ONE/vllm_py_slim.tar.xz" ] || [ "$X/.unpacked" -nt "$ONE/vllm_py_sli
    find vllm -name __pycache__ -prune -exec rm -rf {} +
    rm -f vllm/model_executor/layers/fused_moe/configs/*.json
    tar cf - --sort=name --owner=0 --group=0 vllm "vllm-$VLLM_VERSION.dist-info" \
-     | xz -9e -T"$XZ_THREADS" > "$ONE/vllm_py_slim.tar.xz.part")
+     | xz "$(level_of -9e)" -T"$XZ_THREADS" > "$ONE/vllm_py_slim.tar.xz.part")
   mv "$ONE/vllm_py_slim.tar.xz.part" "$ONE/vllm_py_slim.tar.xz"
+  level_of -9e > "$C/levels/vllm_py_slim.tar.xz"
   rm -rf "$S"
 fi
 
 # 4. the Python dependencies the GPU image lacks (../shared/research/gpu_vllm_e2e.md, found by
 #    hiding packages), installed for cp312 into one folder
 DEPS=$root/scripts/gpu_vllm_deps.txt
-if [ ! -s "$DEPS_DIR/deps_site.tar.xz" ] || [ "$DEPS" -nt "$DEPS_DIR/deps_site.tar.xz" ]; then
+if ! fresh "$DEPS_DIR/deps_site.tar.xz" "$DEPS" "$(level_of -9e)"; then
   say "dependencies ($(grep -c '==' "$DEPS") wheels for cp312)"
   "${PIPDL[@]}" "${PLAT[@]}" -d "$C/whl" -r "$DEPS"
   rm -rf "$C/site" && mkdir -p "$C/site"
@@ -128,8 +138,9 @@ if [ ! -s "$DEPS_DIR/deps_site.tar.xz" ] || [ "$DEPS" -nt "$DEPS_DIR/deps_site.t
       --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
       --target "$C/site" "${wheels[@]}"
   rm -rf "$C/site/bin"
-  (cd "$C/site" && tar cf - --sort=name --owner=0 --group=0 . | xz -9e -T"$XZ_THREADS" > "$DEPS_DIR/deps_site.tar.xz.part")
+  (cd "$C/site" && tar cf - --sort=name --owner=0 --group=0 . | xz "$(level_of -9e)" -T"$XZ_THREADS" > "$DEPS_DIR/deps_site.tar.xz.part")
   mv "$DEPS_DIR/deps_site.tar.xz.part" "$DEPS_DIR/deps_site.tar.xz"
+  level_of -9e > "$C/levels/deps_site.tar.xz"
 fi
 
 # 5. the whole _C archive in parts, and the manifests (scripts/gpu_vllm_unpack.py checks the SHA-256
