@@ -269,7 +269,7 @@ def server_env(pid: int) -> dict[str, str]:
     except (psutil.Error, OSError):
         return {}
     return {k: v for k, v in sorted(env.items())
-            if k.startswith(("VLLM_CPU", "SPEEDSFI_", "VLLM_EXT_", "TRITON_", "OMP_", "VLLM_USE"))}
+            if k.startswith(("VLLM_CPU", "SPEEDSFI_", "VLLM_EXT_", "TRITON_", "OMP_", "VLLM_USE", "MALLOC_"))}
 
 
 def speedsfi_events(base_url: str) -> dict[str, int]:
