@@ -71,3 +71,22 @@ def model_runner(llm):
     worker = executor.driver_worker
     worker = getattr(worker, "worker", worker)
     return worker.model_runner
+
+
+def run_recorded(model: str, sfi=None, prompts=None, max_tokens: int = 40, params=None, **kwargs):
+    """One SPEEDSFI engine (``sfi``: the ``speedsfi.sfi`` section, None = every method off) on
+    ``prompts``: (greedy tokens, or those of ``params``; SFI counters; per-step host snapshots)."""
+    from vllm_ext.runner_hooks import table_of
+
+    extra = {"speedsfi": {"sfi": sfi}} if sfi is not None else {}
+    with engine(model, "SPEEDSFI", additional_config=extra, **kwargs) as llm:
+        table = table_of(model_runner(llm))
+        table.recorder = []
+        if params is None:
+            tokens = greedy(llm, prompts, max_tokens=max_tokens)
+        else:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+        stats = table.sfi_stats.tolist() if table.sfi is not None else None
+        records = table.recorder
+    return tokens, stats, records

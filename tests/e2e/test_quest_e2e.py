@@ -3,7 +3,7 @@ build, PyTorch twins of the kernels)."""
 
 import pytest
 
-from tests.e2e.engine import engine, greedy, model_runner, random_prompts
+from tests.e2e.engine import engine, greedy, model_runner, random_prompts, run_recorded
 from vllm_ext.runner_hooks import table_of
 from vllm_ext.sfi.step_plan import (STAT_CONTEXT, STAT_DENSE, STAT_FAST, STAT_PREFILL_END,
                                      STAT_RETAINED, STAT_SLOW)
@@ -16,14 +16,7 @@ QUEST = {"enabled": True, "selector": "quest", "page_size": 8, "k": 16, "k_min":
 
 
 def _run(model, sfi=None, max_tokens=24):
-    extra = {"speedsfi": {"sfi": sfi}} if sfi is not None else {}
-    with engine(model, "SPEEDSFI", additional_config=extra) as llm:
-        table = table_of(model_runner(llm))
-        table.recorder = []
-        tokens = greedy(llm, PROMPTS, max_tokens=max_tokens)
-        stats = table.sfi_stats.tolist() if table.sfi is not None else None
-        records = table.recorder
-    return tokens, stats, records
+    return run_recorded(model, sfi, PROMPTS, max_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.e2e.engine import engine, greedy, model_runner, random_prompts
+from tests.e2e.engine import engine, greedy, model_runner, random_prompts, run_recorded
 from vllm_ext.runner_hooks import table_of
 from vllm_ext.sfi.step_plan import (STAT_CONTEXT, STAT_DENSE, STAT_FAST, STAT_PREFILL_END,
                                      STAT_RETAINED, STAT_SLOW)
@@ -14,18 +14,7 @@ SMALL = {"enabled": True, "k": 8, "k_min": 4, "n_sink": 4, "n_recent": 16, "refr
 
 
 def _run(model, sfi=None, max_tokens=40, params=None, prompts=PROMPTS, **kwargs):
-    extra = {"speedsfi": {"sfi": sfi}} if sfi is not None else {}
-    with engine(model, "SPEEDSFI", additional_config=extra, **kwargs) as llm:
-        table = table_of(model_runner(llm))
-        table.recorder = []
-        if params is None:
-            tokens = greedy(llm, prompts, max_tokens=max_tokens)
-        else:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            tokens = [list(o.outputs[0].token_ids) for o in outs]
-        stats = table.sfi_stats.tolist() if table.sfi is not None else None
-        records = table.recorder
-    return tokens, stats, records
+    return run_recorded(model, sfi, prompts, max_tokens, params, **kwargs)
 
 
 @pytest.fixture(scope="module")
