@@ -111,33 +111,28 @@ if HAS_TRITON:
                                   s_bt_r, s_bt_p,
                                   s_o_r, s_o_w, s_o_b, s_o_h,
                                   D: tl.constexpr, D_PAD: tl.constexpr,
-                                  BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr):
-        j = tl.program_id(0)
-        r = tl.program_id(1)
-        h = tl.program_id(2)
-        seq = tl.load(SEQ + r).to(tl.int64)
-        b = tl.load(FIRST + r).to(tl.int64) + j
-        if b * BK >= seq:
-            return
-        slot = tl.load(SLOT + r).to(tl.int64)
-        _write_block_rep(KV, BT, OUT, r, h, b, seq, slot, s_kv_p, s_kv_h, s_kv_n, s_kv_d, s_bt_r, s_bt_p,
-                         s_o_r, s_o_w, s_o_b, s_o_h, D, D_PAD, BK, BK_PAD, PAGE)
-
-    @triton.jit
-    def _block_reps_range_kernel(KV, BT, SEQ, FIRST, SLOT, OUT,
-                                 s_kv_p, s_kv_h, s_kv_n, s_kv_d,
-                                 s_bt_r, s_bt_p,
-                                 s_o_r, s_o_w, s_o_b, s_o_h,
-                                 D: tl.constexpr, D_PAD: tl.constexpr,
-                                 BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr):
-        r = tl.program_id(0)
-        h = tl.program_id(1)
+                                  BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr,
+                                  LOOP: tl.constexpr):
+        # LOOP False: program (j, r, h) writes block FIRST[r] + j (a host bound sizes the grid);
+        # LOOP True: program (r, h) writes every block from FIRST[r] to row r's last live one
+        if LOOP:
+            r = tl.program_id(0)
+            h = tl.program_id(1)
+        else:
+            r = tl.program_id(1)
+            h = tl.program_id(2)
         seq = tl.load(SEQ + r).to(tl.int64)
         first = tl.load(FIRST + r).to(tl.int64)
         slot = tl.load(SLOT + r).to(tl.int64)
-        for b in range(first, (seq + BK - 1) // BK):
-            _write_block_rep(KV, BT, OUT, r, h, b, seq, slot, s_kv_p, s_kv_h, s_kv_n, s_kv_d, s_bt_r, s_bt_p,
-                             s_o_r, s_o_w, s_o_b, s_o_h, D, D_PAD, BK, BK_PAD, PAGE)
+        if LOOP:
+            for b in range(first, (seq + BK - 1) // BK):
+                _write_block_rep(KV, BT, OUT, r, h, b, seq, slot, s_kv_p, s_kv_h, s_kv_n, s_kv_d, s_bt_r,
+                                 s_bt_p, s_o_r, s_o_w, s_o_b, s_o_h, D, D_PAD, BK, BK_PAD, PAGE)
+        else:
+            b = first + tl.program_id(0)
+            if b * BK < seq:
+                _write_block_rep(KV, BT, OUT, r, h, b, seq, slot, s_kv_p, s_kv_h, s_kv_n, s_kv_d, s_bt_r,
+                                 s_bt_p, s_o_r, s_o_w, s_o_b, s_o_h, D, D_PAD, BK, BK_PAD, PAGE)
 
     @triton.jit
     def _query_reps_kernel(Q, QSL, SEQ, OUT,
@@ -291,23 +286,33 @@ def update_block_representatives_torch(kv_cache: torch.Tensor, block_table: torc
     return reps
 
 
-def update_block_representatives_triton(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                                        seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
-                                        max_blocks: int, reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
+def _launch_update(kv_cache, block_table, seq_lens, first_block, block_size, reps, rep_slot,
+                   max_blocks: int | None) -> torch.Tensor:
+    """One program per (block, row, KV head) up to the host bound ``max_blocks``, or, with None, one
+    per (row, KV head) looping over the row's blocks."""
     _check_update(kv_cache, reps)
     r = seq_lens.shape[0]
-    max_blocks = min(max_blocks, reps.shape[2])
-    if r == 0 or max_blocks <= 0:
+    if max_blocks is not None:
+        max_blocks = min(max_blocks, reps.shape[2])
+    if r == 0 or (max_blocks is not None and max_blocks <= 0):
         return reps
     hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
-    _block_reps_update_kernel[(max_blocks, r, hkv)](
+    grid = (r, hkv) if max_blocks is None else (max_blocks, r, hkv)
+    _block_reps_update_kernel[grid](
         kv_cache, block_table, seq_lens, first_block, rep_slot, reps,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0), block_table.stride(1),
         reps.stride(0), reps.stride(1), reps.stride(2), reps.stride(3),
         D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)), PAGE=page,
+        LOOP=max_blocks is None,
     )
     return reps
+
+
+def update_block_representatives_triton(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                        seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
+                                        max_blocks: int, reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
+    return _launch_update(kv_cache, block_table, seq_lens, first_block, block_size, reps, rep_slot, max_blocks)
 
 
 def update_block_representatives(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -324,19 +329,7 @@ def update_block_representatives(kv_cache: torch.Tensor, block_table: torch.Tens
 def update_block_representatives_from_triton(kv_cache: torch.Tensor, block_table: torch.Tensor,
                                              seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
                                              reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
-    _check_update(kv_cache, reps)
-    r = seq_lens.shape[0]
-    if r == 0:
-        return reps
-    hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
-    _block_reps_range_kernel[(r, hkv)](
-        kv_cache, block_table, seq_lens, first_block, rep_slot, reps,
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0), block_table.stride(1),
-        reps.stride(0), reps.stride(1), reps.stride(2), reps.stride(3),
-        D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)), PAGE=page,
-    )
-    return reps
+    return _launch_update(kv_cache, block_table, seq_lens, first_block, block_size, reps, rep_slot, None)
 
 
 def update_block_representatives_from_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
