@@ -126,8 +126,6 @@ def quest_page_update(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len
     on = page_slot >= 0
     seq = torch.where(on, seq_lens, 0)
     slot = torch.where(on, page_slot, reps.shape[0] - 1)
-    if page_first is None:             # a plan without persistent buffers (tests): the newest page
-        page_first = torch.div(torch.clamp(seq_lens - 1, min=0), cfg.page_size, rounding_mode="floor")
     update_block_representatives_from(kv_cache, block_table, seq, page_first, cfg.page_size, reps, slot)
 
 
@@ -158,8 +156,8 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
     on_cpu = query.device.type == "cpu"
     fast = step.row_fast[:rows]
     dense = step.row_dense[:rows]
-    first = None if step.row_page_first is None else step.row_page_first[:rows]
-    quest_page_update(kv_cache, block_table, seq_lens, step.row_page_slot[:rows], first, cfg, layer)
+    quest_page_update(kv_cache, block_table, seq_lens, step.row_page_slot[:rows], step.row_page_first[:rows],
+                      cfg, layer)
     if not dense_done and (not on_cpu or bool(dense.any())):
         paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=dense,
                      workspace=rt.dense_workspace)

@@ -152,7 +152,7 @@ class SfiSlotTables:
                          sel_count=self.sel_count, trigger_lut=self.trigger_lut, stats=self.stats,
                          buffers=self.plan_buffers, block_table=block_table,
                          trigger_state=self.trigger_state)
-        if self.cfg.selector == "quest" and step.row_page_first is not None:
+        if self.cfg.selector == "quest":
             self._plan_page_updates(step, seq_lens)
         return step
 
