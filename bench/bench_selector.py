@@ -15,6 +15,8 @@ batch (= slow rows) 1 / 4 / 16:
   ``selector_workspace`` (no allocation; CUDA-graph replay, see ``common.time_op``);
   ``selector_scores_ms``: its first half alone (fusion statistics + scores), the rest is the top-K;
   ``selector_span4_ms``: the same with ``sfi.select_span = 4`` (bench/QUALITY.md);
+  ``selector_keep_ms``: a decode slow step with ``sfi.keep_prefill = K/2``, ``select_span = 6``,
+  ``select_span_back = 6`` (the K/2 kept positions excluded, the other K/2 selected; bench/QUALITY.md);
 - ``gather_ms``: ``gather_compact`` of sink + K selected entries per (row, KV head).
 
 ``maintenance_ms`` = selector + gather (what the side stream runs per layer) and
@@ -72,22 +74,24 @@ def model_bytes(mod, cfg, heads: int, sizes: list[int]) -> int:
     return int(sum(sizes) * heads * per_pos)
 
 
-def time_selector(mod, SfiConfig, sh, ev, kn, lo, hi, kt, dev, span: int) -> dict:
-    cfg = SfiConfig(k=sh["k"], select_span=span)
+def time_selector(mod, SfiConfig, sh, ev, kn, lo, hi, kt, dev, span: int, back: int = 0,
+                  exclude: torch.Tensor | None = None) -> dict:
+    cfg = SfiConfig(k=sh["k"], select_span=span, select_span_back=back,
+                    k_min=0 if exclude is not None else SfiConfig.k_min)
     b, hkv, ctx = kn.shape
     out: dict = {}
     ws = mod.selector_workspace(b, hkv, ctx, sh["k"], dev, cfg)
     res = {}
 
     def run():
-        res["out"] = mod.select(ev, kn, lo, hi, cfg, kt, k_cap=sh["k"], workspace=ws)
+        res["out"] = mod.select(ev, kn, lo, hi, cfg, kt, k_cap=sh["k"], workspace=ws, exclude=exclude)
     t = time_op(run, dev)
     out.update(ms=t["ms"], ms_eager=t["ms_eager"])
     if "graph_error" in t:
         out["graph_error"] = t["graph_error"]
     out["result"] = res["out"]
     out["ws"] = ws
-    if ws.score is not None and span == 0:                     # the Triton path: stage split, diagnostics
+    if ws.score is not None and span == 0 and exclude is None:   # the Triton path: stage split, diagnostics
         out["scores_ms"] = time_op(lambda: mod.selector_scores_triton(ev, kn, lo, hi, cfg, fill_outside=False,
                                                                      workspace=ws), dev)["ms"]
         run()
@@ -174,6 +178,13 @@ def run_config(ctx: int, batch: int, sh: dict, dev: torch.device, mod, SfiConfig
                     mod, SfiConfig, sh, ev, kn, lo, hi, kt, dev, SPAN)["ms"]
             except Exception as exc:
                 row["selector_span_error"] = f"{type(exc).__name__}: {exc}"[:400]
+            try:                       # sfi.keep_prefill: half the budget kept, excluded; the other half selected
+                half = sh["k"] // 2
+                kept = s_out[:, :, :half].clone()
+                row["selector_keep_ms"] = time_selector(
+                    mod, SfiConfig, sh, ev, kn, lo, hi, kt - half, dev, 6, 6, exclude=kept)["ms"]
+            except Exception as exc:
+                row["selector_keep_error"] = f"{type(exc).__name__}: {exc}"[:400]
     if "selector_ms" not in row:
         # random selection for the gather timing
         g = torch.Generator(device="cpu").manual_seed(0)

@@ -96,6 +96,15 @@ class SfiConfig:
     # before it, so a selected token brings the tokens that follow it (a multi-token value that the
     # evidence points at by its first token). 0 = the paper's selector. bench/QUALITY.md.
     select_span: int = 0
+    # not in the paper: the same towards the past: a selected token brings the `select_span_back`
+    # tokens before it (the start of a sentence the evidence points into). 0 = off.
+    select_span_back: int = 0
+    # not in the paper: of the `k` selected tokens, the prefill-end selection keeps its best
+    # `keep_prefill` for the whole decode (the tokens the question pointed at), and every decode-time
+    # selection chooses the other `k - keep_prefill` among the rest (a question's later answers:
+    # bench/QUALITY.md, "Multi-value"). The budget, and so the retained fraction, do not change.
+    # 0 = the paper's selector (each slow step replaces the whole selection).
+    keep_prefill: int = 0
     # which selector a slow row runs (bench/QUALITY.md, "Quest-style page selection"):
     #   "sfi": the paper's selector (dense pass + attention evidence, prior, Soft-NMS, exclusivity);
     #   "quest": Quest-style pages (Tang et al. 2024): per `page_size` tokens the element-wise max/min
@@ -116,11 +125,12 @@ class SfiConfig:
         for name in ("k", "refresh", "w_prefill", "side_stream_slots"):
             _positive(f"sfi.{name}", getattr(self, name))
         for name in ("k_min", "n_sink", "n_recent", "min_boundary_gap", "sentence_cooldown", "nms_radius",
-                     "select_span", "mu", "lam_x", "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):
+                     "select_span", "select_span_back", "keep_prefill", "mu", "lam_x", "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):
             _non_negative(f"sfi.{name}", getattr(self, name))
-        if self.select_span > MAX_SELECT_SPAN:
-            raise ConfigError(f"speedsfi.sfi.select_span ({self.select_span}) must be <= {MAX_SELECT_SPAN} "
-                              "(each unit is one more load per score in the top-K kernel)")
+        if self.select_span + self.select_span_back > MAX_SELECT_SPAN:
+            raise ConfigError(f"speedsfi.sfi.select_span + sfi.select_span_back ({self.select_span} + "
+                              f"{self.select_span_back}) must be <= {MAX_SELECT_SPAN} (the window's halo in "
+                              "the selector's score kernel)")
         _positive("sfi.page_size", self.page_size)
         if self.page_size > MAX_PAGE_SIZE:
             raise ConfigError(f"speedsfi.sfi.page_size ({self.page_size}) must be <= {MAX_PAGE_SIZE}")
@@ -130,15 +140,22 @@ class SfiConfig:
             if self.k % self.page_size:
                 raise ConfigError(f"speedsfi.sfi.k ({self.k}) must be a multiple of sfi.page_size "
                                   f"({self.page_size}) with selector 'quest' (whole pages are kept)")
-            if self.select_span:
-                raise ConfigError("speedsfi.sfi.select_span must be 0 with selector 'quest' (the page is "
-                                  "the unit of selection)")
+            if self.select_span or self.select_span_back:
+                raise ConfigError("speedsfi.sfi.select_span and select_span_back must be 0 with selector "
+                                  "'quest' (the page is the unit of selection)")
+            if self.keep_prefill:
+                raise ConfigError("speedsfi.sfi.keep_prefill must be 0 with selector 'quest' (it makes no "
+                                  "prefill-end selection)")
             if self.schedule == "always_slow":
                 raise ConfigError("speedsfi.sfi.schedule 'always_slow' (dense decode) does not apply to "
                                   "selector 'quest'; use schedule 'periodic' with refresh 1 to select "
                                   "pages every step")
         if self.k_min > self.k:
             raise ConfigError(f"speedsfi.sfi.k_min ({self.k_min}) must be <= sfi.k ({self.k})")
+        if self.keep_prefill and self.keep_prefill > self.k - self.k_min:
+            raise ConfigError(f"speedsfi.sfi.keep_prefill ({self.keep_prefill}) must be <= sfi.k - sfi.k_min "
+                              f"({self.k} - {self.k_min}): decode-time selections keep at least k_min "
+                              "tokens of their own")
         _in_unit("sfi.alpha", self.alpha, closed_low=False)
         _in_unit("sfi.lambda_max", self.lambda_max)
         _positive("sfi.pos_power", self.pos_power)

@@ -121,3 +121,54 @@ def test_count_driven_launch_equals_the_per_row_grid():
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert outs[0][1].tolist() == [24, 99, 24]
     assert torch.all(outs[2][0] == 9.0) and outs[2][1].tolist() == [99, 99, 99]
+
+
+@pytest.mark.parametrize("count", [None, 2])
+def test_offset_writes_after_the_kept_entries(count):
+    """sfi.keep_prefill: a first gather writes sink + kept entries; a second one with ``offset`` (the
+    kept count per row) writes its selection after them and leaves them as they are; the capacity
+    clamps the second selection. Kernel and twin write the same."""
+    from kernel_testlib import make_block_table, make_kv_cache
+
+    gen = torch.Generator().manual_seed(8)
+    lens, bs, hkv, d, n_sink, k, cap = [120, 75, 2], 16, 2, 32, 4, 20, 4 + 24
+    kv = make_kv_cache("LBNHC", 24, hkv, bs, d, torch.float32, gen=gen)
+    bt = make_block_table(lens, bs, 9, 24, gen).to(DEVICE)
+    perm = [[(torch.randperm(n - n_sink, generator=gen)[:2 * k] + n_sink) if n > n_sink + 2 * k else None
+             for _ in range(hkv)] for n in lens]
+    kept_n, rest_n = [10, 16, 0], [14, 20, 0]                 # row 1: 16 + 20 > 24 -> 8 of its 20 fit
+    kept = torch.full((3, hkv, k), -1, dtype=torch.int32)
+    rest = torch.full((3, hkv, k), -1, dtype=torch.int32)
+    for r in range(2):
+        for h in range(hkv):
+            kept[r, h, :kept_n[r]] = perm[r][h][:kept_n[r]].sort().values
+            rest[r, h, :rest_n[r]] = perm[r][h][k:k + rest_n[r]].sort().values
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    n_kept = torch.tensor(kept_n, dtype=torch.int32, device=DEVICE)
+    n_rest = torch.tensor(rest_n, dtype=torch.int32, device=DEVICE)
+    cnt = None if count is None else torch.tensor([count], dtype=torch.int32, device=DEVICE)
+    outs = []
+    for fn in (gather_compact, gather_compact_torch):
+        ckv = torch.full((3, hkv, cap, 2 * d), GARBAGE, device=DEVICE)
+        clen = torch.full((3,), -5, dtype=torch.int32, device=DEVICE)
+        kw = dict(seq_lens=seq) if fn is gather_compact_torch else dict(seq_lens=seq, count=cnt)
+        fn(kv, bt, slots, kept.to(DEVICE), n_kept, n_sink, ckv, clen, **kw)
+        fn(kv, bt, slots, rest.to(DEVICE), n_rest, n_sink, ckv, clen, offset=n_kept, **kw)
+        for r, s in ((0, 2), (1, 0)):
+            fit = min(rest_n[r], cap - n_sink - kept_n[r])
+            n = n_sink + kept_n[r] + fit
+            assert int(clen[s]) == n
+            for h in range(hkv):
+                pos = list(range(n_sink)) + kept[r, h, :kept_n[r]].tolist() + rest[r, h, :fit].tolist()
+                kk, vv = gather_kv(kv, bt[r], torch.tensor(pos, device=DEVICE))
+                assert torch.equal(ckv[s, h, :n], torch.cat([kk[h], vv[h]], dim=-1))
+                assert torch.all(ckv[s, h, n:] == GARBAGE)
+        if fn is gather_compact and count is not None:        # row 2 is past the live count: untouched
+            assert int(clen[1]) == -5 and torch.all(ckv[1] == GARBAGE)
+        else:                                                 # a 2-token row: its sink only
+            assert int(clen[1]) == 2 and torch.all(ckv[1, :, 2:] == GARBAGE)
+        outs.append((ckv, clen))
+    if count is not None:
+        return
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -163,6 +163,49 @@ def test_select_span_brings_the_tokens_after_a_peak():
     assert sel[0, 1].tolist() == [30, 31, 32, peak, peak + 1, peak + 2]
 
 
+def test_span_dilate_back_hand_computed():
+    score = torch.tensor([[[0.0, 5.0, 1.0, 2.0, 3.0, -1.0, float("nan"), 9.0]]])
+    out = S.span_dilate(score, torch.tensor([1]), torch.tensor([7]), 0, back=2)
+    assert out.tolist() == [[[NEG, 5.0, 3.0, 3.0, 3.0, -1.0, NEG, NEG]]]   # position 7 (outside A) never leaks
+    out = S.span_dilate(score, torch.tensor([1]), torch.tensor([7]), 1, back=1)
+    assert out.tolist() == [[[NEG, 5.0, 5.0, 3.0, 3.0, 3.0, -1.0, NEG]]]
+
+
+def test_select_span_back_brings_the_tokens_before_a_peak():
+    length, peak = 200, 120
+    ev = torch.full((1, 2, 1, length), -10.0)
+    ev[..., peak] = 5.0
+    norms = torch.ones(1, 2, length)
+    lo, hi = torch.tensor([4]), torch.tensor([180])
+    cfg = dataclasses.replace(SfiConfig(), k=7, k_min=1, w_k=0.0, w_pos=0.0, mu=0.0, lam_x=0.0,
+                              select_span=2, select_span_back=4)
+    sel, _ = S.select(ev, norms, lo, hi, cfg, 7)
+    assert sel[0, 0].tolist() == list(range(peak - 4, peak + 3))
+
+
+def test_exclude_positions_are_not_selected_again():
+    g = torch.Generator().manual_seed(3)
+    ev = torch.randn(2, 2, 3, 300, generator=g) * 2
+    norms = torch.rand(2, 2, 300, generator=g) + 0.1
+    lo, hi = torch.tensor([4, 4]), torch.tensor([236, 120])
+    cfg = dataclasses.replace(SfiConfig(), k=40, k_min=0, select_span=3)
+    top, n_top = S.select(ev, norms, lo, hi, cfg, 40)
+    kept, n_kept = S.select(ev, norms, lo, hi, cfg, 16, k_cap=40)
+    kept = kept[:, :, :16]
+    rest, n_rest = S.select(ev, norms, lo, hi, cfg, torch.tensor(40) - n_kept, k_cap=40, exclude=kept)
+    assert n_kept.tolist() == [16, 16] and n_rest.tolist() == [24, 24]
+    for r in range(2):
+        for h in range(2):
+            a, b = set(kept[r, h].tolist()), set(rest[r, h, :24].tolist())
+            assert not a & b                                   # disjoint
+            assert a | b == set(top[r, h].tolist())            # together: the top-k of the same scores
+    # padding (-1) and positions outside A exclude nothing
+    pad = torch.full((2, 2, 5), -1, dtype=torch.int32)
+    pad[0, 0, 0] = 299
+    same, _ = S.select(ev, norms, lo, hi, cfg, 40, exclude=pad)
+    assert torch.equal(same, top)
+
+
 def test_topk_ties_go_to_lower_positions():
     score = torch.tensor([[[1.0, 2.0, 2.0, 0.0, 2.0, 2.0, -0.0, 0.0]]])
     sel, n = S.topk_positions(score, torch.tensor([0]), torch.tensor([8]), torch.tensor([3]), 4)

@@ -109,6 +109,32 @@ def test_select_span(span, device):
     compare(peaks, norms[:2], lo2, hi2, flat, 6, check_scores=False, check_lam=False)
 
 
+@pytest.mark.parametrize("span, back", [(0, 3), (6, 6), (4, 12)])
+def test_select_span_back(span, back, device):
+    ev, norms = make(4, 4, 2, 300, device, seed=span + 7 * back)
+    lo, hi = bounds(300, device)
+    compare(ev, norms, lo, hi, dataclasses.replace(CFG, select_span=span, select_span_back=back), KSEL,
+            check_scores=False)
+
+
+def test_exclude_matches_twin(device):
+    ev, norms = make(4, 4, 2, 300, device, seed=11)
+    lo, hi = bounds(300, device)
+    cfg = dataclasses.replace(CFG, k_min=0, select_span=2, select_span_back=2)
+    kept, n_kept = S.select(ev.cpu(), norms.cpu(), lo.cpu(), hi.cpu(), cfg, 24, k_cap=KSEL)
+    kept = kept[:, :, :24].contiguous().to(device)
+    # the caller's rule: the rest of min(k, |A|), so that only finite scores are chosen
+    k_rest = (torch.minimum(torch.tensor(KSEL), (hi - lo).cpu().clamp_min(0)) - n_kept).clamp_min(0).to(device)
+    ref, n_ref = S.select(ev, norms, lo, hi, cfg, k_rest, k_cap=KSEL, exclude=kept)
+    tri, n_tri = K.select_triton(ev, norms, lo, hi, cfg, k_rest, k_cap=KSEL, exclude=kept)
+    assert torch.equal(n_tri, n_ref) and torch.equal(tri, ref)
+    live = n_kept > 0
+    assert live.any()
+    for r in torch.nonzero(live).flatten().tolist():
+        for h in range(4):
+            assert not set(kept[r, h].tolist()) & set(tri[r, h, :int(n_tri[r])].tolist())
+
+
 def test_ties_lower_position_wins(device):
     length = 100
     ev = torch.zeros(2, 4, 2, length, device=device)       # uniform evidence

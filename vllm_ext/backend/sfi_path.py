@@ -34,11 +34,41 @@ from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
 
 
 def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
-              sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None) -> None:
-    selected, n_sel = select(evidence, norms, lo, hi, rt.select_cfg, k, k_cap=cfg.k,
-                             workspace=rt.selector_workspace, count=count)
+              sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None, kept=None) -> None:
+    """Selector + gather of the rows ``[0, count)``. ``kept`` (``sfi.keep_prefill``, int32 per row):
+    the tokens each row's prefill-end selection keeps (compact entries after the sink, positions in
+    ``layer.kept_pos``); the row selects the rest of its budget among the other positions, and the
+    gather writes it after them."""
+    if kept is None:
+        selected, n_sel = select(evidence, norms, lo, hi, rt.select_cfg, k, k_cap=cfg.k,
+                                 workspace=rt.selector_workspace, count=count)
+        gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
+                       layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count)
+        return
+    exclude = layer.kept_pos[sfi_slot.clamp_min(0).long()]
+    selected, n_sel = select(evidence, norms, lo, hi, rt.kept_select_cfg, (k - kept).clamp_min(0),
+                             k_cap=cfg.k, workspace=rt.selector_workspace, count=count, exclude=exclude)
     gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
-                   layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count)
+                   layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count, offset=kept)
+
+
+def _prefill_end_select(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
+                        sfi_slot, seq_lens, evidence, norms, lo, hi, k) -> None:
+    """The first selection of requests whose prefill ends (eager). With ``sfi.keep_prefill`` its best
+    ``min(keep_prefill, k)`` tokens are kept for the whole decode (``layer.kept_pos`` and the compact
+    entries after the sink) and the rest of the budget is selected as at a decode slow step: the
+    union is the top-``k`` of the scores, as without keeping."""
+    if not cfg.keep_prefill:
+        _maintain(rt, cfg, layer, kv_cache, block_table, sfi_slot, seq_lens, evidence, norms, lo, hi, k)
+        return
+    kept_sel, n_kept = select(evidence, norms, lo, hi, rt.kept_select_cfg, k.clamp(max=cfg.keep_prefill),
+                              k_cap=cfg.k, workspace=rt.selector_workspace)
+    n_kept = n_kept.clone()
+    layer.kept_pos.index_copy_(0, sfi_slot.long(), kept_sel[:, :, :cfg.keep_prefill])
+    gather_compact(kv_cache, block_table, sfi_slot, kept_sel, n_kept, cfg.n_sink, layer.compact_kv,
+                   layer.compact_len, seq_lens=seq_lens)
+    _maintain(rt, cfg, layer, kv_cache, block_table, sfi_slot, seq_lens, evidence, norms, lo, hi, k,
+              kept=n_kept)
 
 
 def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -81,7 +111,7 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     rt.ring.submit(entry, lambda: _maintain(
         rt, cfg, layer, kv_cache, step.slow_block_table, step.slow_sfi_slot, step.slow_seq,
         scratch.log_evidence, scratch.key_norms, step.slow_lo, step.slow_hi, step.slow_k,
-        step.slow_count))
+        step.slow_count, kept=step.slow_kept if cfg.keep_prefill else None))
     return out
 
 
@@ -109,7 +139,7 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         prefill_evidence(queries[e], kv_cache, tables[e], plan.seq_lens[e], plan.allowed_lo[e],
                          plan.allowed_hi[e], scale, evidence[e], plan.positions[e],
                          alpha=cfg.alpha, key_norms=norms[e])
-    rt.ring.submit(entry, lambda: _maintain(
+    rt.ring.submit(entry, lambda: _prefill_end_select(
         rt, cfg, layer, kv_cache, tables, plan.sfi_slot, plan.seq_lens, evidence, norms,
         plan.allowed_lo, plan.allowed_hi, plan.k))
 

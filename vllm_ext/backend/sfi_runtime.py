@@ -19,6 +19,7 @@ Sizes follow the work, never ``max_num_seqs``:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -50,6 +51,10 @@ class SfiLayerBuffers:
         self.compact_kv = torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k, 2 * head_size,
                                       dtype=dtype, device=device)
         self.compact_len = torch.zeros(capacity, dtype=torch.int32, device=device)
+        # sfi.keep_prefill: the positions each slot's prefill-end selection keeps (compact entries
+        # [n_sink, n_sink + n_kept)), which decode-time selections exclude
+        self.kept_pos = (torch.full((capacity, num_kv_heads, cfg.keep_prefill), -1, dtype=torch.int32,
+                                    device=device) if cfg.keep_prefill else None)
         self.prompt_tail = (None if num_heads is None or quest else
                             PromptTailQueries(capacity, cfg.w_prefill, num_heads, head_size, dtype,
                                               device))
@@ -74,7 +79,7 @@ class SfiLayerBuffers:
             pages = ((capacity + 1) * 2 * (-(-max_len // cfg.page_size)) * num_kv_heads * head_size
                      * elem)
         return (capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem + capacity * 4
-                + tail + pages)
+                + capacity * num_kv_heads * cfg.keep_prefill * 4 + tail + pages)
 
 
 @dataclass
@@ -174,6 +179,9 @@ class SfiRuntime:
             self.select_cfg = quest_selector_config(cfg)
         else:
             self.select_cfg = cfg
+        # sfi.keep_prefill: the kept and the decode-time selections take exact budgets (their sum is
+        # the request's k; k_min applies to that sum through the config's validation)
+        self.kept_select_cfg = dataclasses.replace(self.select_cfg, k_min=0)
         self.ring = MaintenanceRing([SfiScratch.allocate(capacity, num_kv_heads, max_len, device)
                                      for _ in range(n)], device, dual)
         if self.quest:

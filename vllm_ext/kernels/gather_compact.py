@@ -9,7 +9,16 @@ KV head ``h``::
     compact_len[s]                 = ns + nsel
 
 with ``ns = min(n_sink, seq_lens[r])`` (``n_sink`` when ``seq_lens`` is not given) and
-``nsel = clamp(n_sel[r], 0, min(K, capacity - ns))``. Entries of ``selected`` at index ``>= nsel``
+``nsel = clamp(n_sel[r], 0, min(K, capacity - ns))``.
+
+With ``offset [R]`` (``sfi.keep_prefill``) the selected entries go after the ``off = offset[r]``
+entries a previous call left behind the sink, which are not touched::
+
+    compact_kv[s, h, ns + off + i] = kv_cache entry of position selected[r, h, i]     (i < nsel)
+    compact_len[s]                 = ns + off + nsel
+
+with ``nsel = clamp(n_sel[r], 0, min(K, capacity - ns - off))`` (``off`` clamped to
+``[0, capacity - ns]``). Entries of ``selected`` at index ``>= nsel``
 are unused (conventionally ``-1``); an entry ``< 0`` (or ``>= seq_lens[r]`` when given) inside the
 first ``nsel`` is a caller error: it is skipped, leaving that compact entry as it was.
 
@@ -30,11 +39,11 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ,
+    def _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ, OFF,
                       s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b, s_sel_r, s_sel_h, s_sel_k,
                       s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c, N_SINK, K, CAP,
                       C2: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
-                      HAS_SEQ: tl.constexpr, BLOCK_E: tl.constexpr):
+                      HAS_SEQ: tl.constexpr, HAS_OFF: tl.constexpr, BLOCK_E: tl.constexpr):
         # entries [eb * BLOCK_E, +BLOCK_E) of one (row, KV head); the row is live (slot >= 0)
         ns = N_SINK
         seq_len = 0
@@ -42,9 +51,12 @@ if HAS_TRITON:
             seq_len = tl.load(SEQ + row)
             ns = tl.minimum(ns, seq_len)
         ns = tl.minimum(ns, CAP)
-        nsel = tl.minimum(tl.maximum(tl.load(NSEL + row), 0), tl.minimum(K, CAP - ns))
+        off = 0
+        if HAS_OFF:
+            off = tl.minimum(tl.maximum(tl.load(OFF + row), 0), CAP - ns)
+        nsel = tl.minimum(tl.maximum(tl.load(NSEL + row), 0), tl.minimum(K, CAP - ns - off))
         if (h == 0) & (eb == 0):
-            tl.store(CLEN + slot, ns + nsel)
+            tl.store(CLEN + slot, ns + off + nsel)
         e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
         is_sink = e < ns
         si = e - ns
@@ -57,7 +69,9 @@ if HAS_TRITON:
             valid = valid & (pos < seq_len)
         blk = tl.load(BT + row.to(tl.int64) * s_bt_r + (pos // PAGE) * s_bt_b, mask=valid, other=0)
         src = blk.to(tl.int64) * s_kv_b + h * s_kv_h + (pos % PAGE).to(tl.int64) * s_kv_n
-        dst = slot.to(tl.int64) * s_ckv_s + h * s_ckv_h + e.to(tl.int64) * s_ckv_n
+        # entry e of the sink + selected list; selected entries land after the kept ones
+        de = tl.where(is_sink, e, e + off)
+        dst = slot.to(tl.int64) * s_ckv_s + h * s_ckv_h + de.to(tl.int64) * s_ckv_n
         offs_c = tl.arange(0, BLOCK_C)
         for c0 in range(0, C2, BLOCK_C):
             c = c0 + offs_c
@@ -67,14 +81,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _gather_compact_kernel(
-        KV, BT, SLOT, SEL, NSEL, CKV, CLEN, MASK, SEQ,
+        KV, BT, SLOT, SEL, NSEL, CKV, CLEN, MASK, SEQ, OFF,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
         s_sel_r, s_sel_h, s_sel_k,
         s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c,
         N_SINK, K, CAP,
         C2: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
-        HAS_MASK: tl.constexpr, HAS_SEQ: tl.constexpr, BLOCK_E: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_OFF: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
         row = tl.program_id(0)
         h = tl.program_id(1)
@@ -88,21 +102,21 @@ if HAS_TRITON:
         if HAS_SEQ:
             if tl.load(SEQ + row) <= 0:
                 return
-        _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ,
+        _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ, OFF,
                       s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b, s_sel_r, s_sel_h, s_sel_k,
                       s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c, N_SINK, K, CAP,
-                      C2, BLOCK_C, PAGE, HAS_SEQ, BLOCK_E)
+                      C2, BLOCK_C, PAGE, HAS_SEQ, HAS_OFF, BLOCK_E)
 
     @triton.jit
     def _gather_compact_persistent_kernel(
-        COUNT, KV, BT, SLOT, SEL, NSEL, CKV, CLEN, SEQ,
+        COUNT, KV, BT, SLOT, SEL, NSEL, CKV, CLEN, SEQ, OFF,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
         s_sel_r, s_sel_h, s_sel_k,
         s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c,
         N_SINK, K, CAP, NUM_EB,
         HKV: tl.constexpr, C2: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
-        HAS_SEQ: tl.constexpr, BLOCK_E: tl.constexpr,
+        HAS_SEQ: tl.constexpr, HAS_OFF: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
         # rows [0, COUNT) are live (a compacted list): a fixed grid walks only their blocks
         per_row = HKV * NUM_EB
@@ -111,22 +125,22 @@ if HAS_TRITON:
             h = (item % per_row) // NUM_EB
             eb = item % NUM_EB
             slot = tl.load(SLOT + row)
-            _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ,
+            _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ, OFF,
                           s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b, s_sel_r, s_sel_h,
                           s_sel_k, s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c, N_SINK, K, CAP,
-                          C2, BLOCK_C, PAGE, HAS_SEQ, BLOCK_E)
+                          C2, BLOCK_C, PAGE, HAS_SEQ, HAS_OFF, BLOCK_E)
 
 
 def gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, compact_kv,
-                   compact_len, row_mask=None, *, seq_lens=None, count=None):
+                   compact_len, row_mask=None, *, seq_lens=None, count=None, offset=None):
     """Build each active row's compact segment (see module doc). Returns ``compact_kv``.
 
     ``count`` (int32 ``[1]`` on the device, no ``row_mask``): rows ``[0, count)`` are the live ones
     (a compacted list; each has ``slot_idx >= 0`` and a positive length); a fixed grid then walks
-    only their work, so a launch with no live row costs one small wave."""
+    only their work, so a launch with no live row costs one small wave. ``offset``: see the module doc."""
     if not use_triton(kv_cache):
         return gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sink,
-                                    compact_kv, compact_len, row_mask, seq_lens=seq_lens)
+                                    compact_kv, compact_len, row_mask, seq_lens=seq_lens, offset=offset)
     num_rows = slot_idx.shape[0]
     hkv = kv_cache.shape[1]
     assert compact_kv.shape[1] == hkv and compact_kv.shape[-1] == kv_cache.shape[-1]
@@ -143,26 +157,27 @@ def gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, com
         progs = min(num_rows * hkv * num_eb, 2 * num_sms(kv_cache.device))
         _gather_compact_persistent_kernel[(max(progs, 1),)](
             count, kv_cache, block_table, slot_idx, selected, n_sel, compact_kv, compact_len,
-            seq_lens if seq_lens is not None else slot_idx,
+            seq_lens if seq_lens is not None else slot_idx, offset if offset is not None else slot_idx,
             *kv_cache.stride(), *block_table.stride(), *selected.stride(), *compact_kv.stride(),
             int(n_sink), k, cap, num_eb,
             HKV=hkv, C2=c2, BLOCK_C=min(next_pow2(c2), 256), PAGE=kv_cache.shape[2],
-            HAS_SEQ=seq_lens is not None, BLOCK_E=block_e)
+            HAS_SEQ=seq_lens is not None, HAS_OFF=offset is not None, BLOCK_E=block_e)
         return compact_kv
     grid = (num_rows, hkv, num_eb)
     _gather_compact_kernel[grid](
         kv_cache, block_table, slot_idx, selected, n_sel, compact_kv, compact_len,
         row_mask if row_mask is not None else slot_idx,
-        seq_lens if seq_lens is not None else slot_idx,
+        seq_lens if seq_lens is not None else slot_idx, offset if offset is not None else slot_idx,
         *kv_cache.stride(), *block_table.stride(), *selected.stride(), *compact_kv.stride(),
         int(n_sink), k, cap,
         C2=c2, BLOCK_C=min(next_pow2(c2), 256), PAGE=kv_cache.shape[2],
-        HAS_MASK=row_mask is not None, HAS_SEQ=seq_lens is not None, BLOCK_E=block_e)
+        HAS_MASK=row_mask is not None, HAS_SEQ=seq_lens is not None, HAS_OFF=offset is not None,
+        BLOCK_E=block_e)
     return compact_kv
 
 
 def gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, compact_kv,
-                         compact_len, row_mask=None, *, seq_lens=None):
+                         compact_len, row_mask=None, *, seq_lens=None, offset=None):
     """PyTorch twin of :func:`gather_compact` (no host sync, no row loop)."""
     num_rows = slot_idx.shape[0]
     if num_rows == 0:
@@ -172,7 +187,8 @@ def gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sin
     bs = kv_cache.shape[2]
     cap = compact_kv.shape[2]
     k = selected.shape[2]
-    n_ent = min(cap, int(n_sink) + k)
+    # with an offset the whole capacity is rewritten (the kept entries with their current values)
+    n_ent = cap if offset is not None else min(cap, int(n_sink) + k)
     slot = slot_idx.long()
     act = slot >= 0
     if row_mask is not None:
@@ -183,10 +199,12 @@ def gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sin
         act = act & (seq > 0)
         ns = torch.minimum(ns, seq)
     ns = ns.clamp(max=cap)
-    nsel = torch.minimum(n_sel.long().clamp_min(0), (cap - ns).clamp_max(k))          # [R]
+    off = (torch.zeros_like(ns) if offset is None else
+           torch.minimum(offset.long().clamp_min(0), cap - ns))
+    nsel = torch.minimum(n_sel.long().clamp_min(0), (cap - ns - off).clamp_max(k))    # [R]
     e = torch.arange(n_ent, device=dev)                                               # [E]
     is_sink = e[None, :] < ns[:, None]                                                # [R, E]
-    si = (e[None, :] - ns[:, None])
+    si = (e[None, :] - ns[:, None] - off[:, None])
     is_sel = (si >= 0) & (si < nsel[:, None])
     sel = torch.gather(selected.long(), 2,
                        si.clamp(0, max(k - 1, 0))[:, None, :].expand(num_rows, hkv, n_ent))
@@ -216,6 +234,6 @@ def gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sin
     new = torch.where(valid[..., None], src.to(compact_kv.dtype), cur)
     final = torch.where(has_o[:, None, None, None], new[oc], cur)
     compact_kv[s_idx[:, None], harange, :n_ent] = final
-    new_len = (ns + nsel).to(compact_len.dtype)
+    new_len = (ns + off + nsel).to(compact_len.dtype)
     compact_len[s_idx] = torch.where(has_o, new_len[oc], compact_len[s_idx])
     return compact_kv

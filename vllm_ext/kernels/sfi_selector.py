@@ -123,10 +123,11 @@ def _tile_t1(heads: int, tiles: Tiles) -> int:
     return max(16, tiles.elems_stats // max(2, _next_pow2(heads)))
 
 
-def _halos(cfg: SfiConfig, span: int) -> tuple[int, int, bool]:
+def _halos(cfg: SfiConfig, span: int, back: int = 0) -> tuple[int, int, bool]:
+    """Left / right halo of step 3's tile: Soft-NMS's radius, then the span window ``[j - span, j + back]``."""
     do_nms = cfg.nms_radius > 0 and cfg.mu != 0.0
     r = int(cfg.nms_radius) if do_nms else 0
-    return r + int(span), r, do_nms
+    return r + int(span), r + int(back), do_nms
 
 
 def _tile_t2(heads: int, halo_l: int, halo_r: int, tiles: Tiles) -> int:
@@ -222,7 +223,7 @@ def selector_workspace(rows: int, heads: int, length: int, width: int | None, de
     ws.thresh = torch.zeros((rows, heads, 2), **i32)
     ws.n_prev = torch.zeros((rows, heads), **i32)
     if not tiles.gather:                       # the global shift scratch of step 3 (fallback only)
-        halo_l, halo_r, _ = _halos(cfg, int(cfg.select_span))
+        halo_l, halo_r, _ = _halos(cfg, int(cfg.select_span), int(cfg.select_span_back))
         t2 = _tile_t2(heads, halo_l, halo_r, tiles)
         c2 = -(-max(length, 1) // (t2 - halo_l - halo_r))
         ws.scratch = torch.empty(rows * c2 * max(2, _next_pow2(heads)) * t2, **f32)
@@ -253,7 +254,8 @@ def _width(k: int | torch.Tensor, cfg: SfiConfig, k_cap: int | None) -> int:
 def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
            cfg: SfiConfig, k: int | torch.Tensor, *, k_cap: int | None = None,
            workspace: SelectorWorkspace | None = None,
-           count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           count: torch.Tensor | None = None,
+           exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`vllm_ext.sfi.selector.select`; Triton on CUDA / under the interpreter.
 
     With ``workspace`` (:func:`selector_workspace`) nothing is allocated and the results are views
@@ -261,8 +263,8 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     rows past it have an empty allowed set, which selects nothing there already)."""
     if use_triton(key_norms):
         return select_triton(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, workspace=workspace,
-                             count=count)
-    sel, n_sel = select_torch(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap)
+                             count=count, exclude=exclude)
+    sel, n_sel = select_torch(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, exclude=exclude)
     if workspace is None:
         return sel, n_sel
     rows, heads = sel.shape[:2]
@@ -555,7 +557,7 @@ if HAS_TRITON:
                       H, L, gamma_k, w_k, w_pos, pos_power, pos_eta, pos_beta, eps,
                       mu, inv_temp, lam_x, log_eps,
                       T: tl.constexpr, H_PAD: tl.constexpr, RADIUS: tl.constexpr, SPAN: tl.constexpr,
-                      HALO_L: tl.constexpr, HALO_R: tl.constexpr, OUT: tl.constexpr, DO_NMS: tl.constexpr, DO_X: tl.constexpr,
+                      SPAN_BACK: tl.constexpr, HALO_L: tl.constexpr, HALO_R: tl.constexpr, OUT: tl.constexpr, DO_NMS: tl.constexpr, DO_X: tl.constexpr,
                       NMS_GW: tl.constexpr, SPAN_GW: tl.constexpr, NMS_KL: tl.constexpr, SPAN_KL: tl.constexpr,
                       K_TENSOR: tl.constexpr, SKIP_ALL: tl.constexpr, GATHER: tl.constexpr, HAS_COUNT: tl.constexpr):
         for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * NC, tl.num_programs(0)):
@@ -607,10 +609,31 @@ if HAS_TRITON:
                     log_rho = tl.where(fin, z - lse[None, :], 0.0)
                     l = tl.where(fin, l + lam_x * tl.maximum(log_rho, log_eps), ninf)
                 l = tl.where(l != l, ninf, l)
-                if SPAN > 0:                               # sfi.select_span: max over [j - span, j] inside A
-                    l = tl.where(m2, _window_max(l, SPAN, 0, T, H_PAD, SPAN_GW, SPAN, SPAN_KL, GATHER, scr), ninf)
+                if SPAN + SPAN_BACK > 0:                   # sfi.select_span(_back): max over [j - span, j + back] in A
+                    l = tl.where(m2, _window_max(l, SPAN, SPAN_BACK, T, H_PAD, SPAN_GW, SPAN + SPAN_BACK, SPAN_KL,
+                                                 GATHER, scr), ninf)
                 om = m2 & ((i >= HALO_L) & (i < HALO_L + OUT))[None, :]
                 tl.store(out_ptr + rb * s_out_b + hb * s_out_h + offs[None, :], l, mask=om)
+
+    # ----------------------------------------------------------------- 3b. excluded positions
+    @triton.jit
+    def _exclude_kernel(COUNT, ROWS, score_ptr, s_sc_b, s_sc_h, ex_ptr, s_ex_b, s_ex_h, s_ex_e, E,
+                        lo_ptr, s_lo, hi_ptr, s_hi, H, L, BLOCK: tl.constexpr, HAS_COUNT: tl.constexpr):
+        # sfi.keep_prefill: the kept positions of a (row, head) score -inf before the top-K (the twin's
+        # exclude_positions); padding (< 0) and positions outside A are ignored
+        for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * H, tl.num_programs(0)):
+            pid = _i32(it)
+            row = pid // H
+            h = pid % H
+            lo, hi = _bounds(row, lo_ptr, s_lo, hi_ptr, s_hi, L)
+            sc = score_ptr + row.to(tl.int64) * s_sc_b + h.to(tl.int64) * s_sc_h
+            ex = ex_ptr + row.to(tl.int64) * s_ex_b + h.to(tl.int64) * s_ex_h
+            ar = tl.arange(0, BLOCK)
+            for e0 in range(0, E, BLOCK):
+                e = e0 + ar
+                pos = tl.load(ex + e * s_ex_e, mask=e < E, other=-1)
+                ok = (e < E) & (pos >= lo) & (pos < hi)
+                tl.store(sc + pos, tl.full([BLOCK], float("-inf"), tl.float32), mask=ok)
 
     # ------------------------------------------------------------------------- 4. histogram
     @triton.jit
@@ -856,7 +879,7 @@ class _Args:
     """Per-call scalars shared by the launches."""
 
     def __init__(self, lo, hi, k, k_val, k_min, width, k_tensor, rows, heads, length, cfg, ws, span,
-                 skip_all, count=None):
+                 skip_all, count=None, span_back=0):
         self.lo, self.hi, self.k = lo, hi, k
         self.s_lo = _row_stride(lo, rows, "lo")
         self.s_hi = _row_stride(hi, rows, "hi")
@@ -864,7 +887,7 @@ class _Args:
         self.k_val, self.k_min, self.width, self.k_tensor = k_val, k_min, width, k_tensor
         self.rows, self.heads, self.length, self.cfg, self.ws = rows, heads, length, cfg, ws
         self.h_pad = max(2, _next_pow2(heads))
-        self.span = span
+        self.span, self.span_back = span, span_back
         self.skip_all = skip_all
         self.count = count
         self.progs = 2 * triton_utils.num_sms(ws.device)
@@ -929,7 +952,7 @@ def _scores(evidence: torch.Tensor, key_norms: torch.Tensor, a: _Args, prep_topk
         T1=t1, C1_PAD=max(2, _next_pow2(c1_ws)), NB=NUM_BUCKETS, K_TENSOR=a.k_tensor, SKIP_ALL=a.skip_all,
         PREP_TOPK=prep_topk, WRITE_LAM=not prep_topk, HAS_COUNT=a.count is not None, num_warps=tiles.warps_row,
         num_stages=1)
-    halo_l, halo_r, do_nms = _halos(cfg, a.span)
+    halo_l, halo_r, do_nms = _halos(cfg, a.span, a.span_back)
     t2 = _tile_t2(a.heads, halo_l, halo_r, tiles)
     out_per = t2 - halo_l - halo_r
     c2 = -(-a.length // out_per)
@@ -948,9 +971,10 @@ def _scores(evidence: torch.Tensor, key_norms: torch.Tensor, a: _Args, prep_topk
         evidence, s_ev[0], s_ev[1], s_ev[2], key_norms, s_kn[0], s_kn[1], s_kn[2], *a.bounds(), *a.kargs(),
         ws.consts, sc, sc.stride(0), sc.stride(1), scr, a.heads, a.length, *prior,
         float(cfg.mu), 1.0 / float(cfg.cross_head_temperature), float(cfg.lam_x), math.log(cfg.eps),
-        T=t2, H_PAD=a.h_pad, RADIUS=radius, SPAN=a.span, HALO_L=halo_l, HALO_R=halo_r, OUT=out_per,
-        DO_NMS=do_nms, DO_X=do_x, NMS_GW=_gw(radius, radius), SPAN_GW=_gw(a.span, 0),
-        NMS_KL=(2 * radius + 1).bit_length() - 1, SPAN_KL=(a.span + 1).bit_length() - 1, K_TENSOR=a.k_tensor,
+        T=t2, H_PAD=a.h_pad, RADIUS=radius, SPAN=a.span, SPAN_BACK=a.span_back, HALO_L=halo_l, HALO_R=halo_r,
+        OUT=out_per, DO_NMS=do_nms, DO_X=do_x, NMS_GW=_gw(radius, radius), SPAN_GW=_gw(a.span, a.span_back),
+        NMS_KL=(2 * radius + 1).bit_length() - 1, SPAN_KL=(a.span + a.span_back + 1).bit_length() - 1,
+        K_TENSOR=a.k_tensor,
         SKIP_ALL=a.skip_all, GATHER=tiles.gather, HAS_COUNT=a.count is not None, num_warps=tiles.warps_score,
         num_stages=1)
 
@@ -1012,10 +1036,24 @@ def selector_scores_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: 
     return ws.score[:rows, :, :length], ws.consts[:rows, :, 3]
 
 
+def _exclude(exclude: torch.Tensor, a: _Args) -> None:
+    """``-inf`` into ``ws.score`` at the excluded positions (between the scores and the top-K)."""
+    if exclude.dim() != 3 or exclude.shape[:2] != (a.rows, a.heads):
+        raise ValueError(f"exclude must be [rows {a.rows}, Hkv {a.heads}, E], got {tuple(exclude.shape)}")
+    n_e = exclude.shape[2]
+    if n_e == 0:
+        return
+    sc = a.ws.score
+    _exclude_kernel[a.grid(a.heads)](
+        *a.live(), sc, sc.stride(0), sc.stride(1), exclude, *exclude.stride(), n_e, *a.bounds(), a.heads,
+        a.length, BLOCK=min(1024, max(16, _next_pow2(n_e))), HAS_COUNT=a.count is not None)
+
+
 def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                   cfg: SfiConfig, k: int | torch.Tensor, *, k_cap: int | None = None,
                   workspace: SelectorWorkspace | None = None,
-                  count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  count: torch.Tensor | None = None,
+                  exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of :func:`vllm_ext.sfi.selector.select` (same arguments and results).
 
     ``workspace``: see :func:`selector_workspace`; without one the buffers are allocated here.
@@ -1049,10 +1087,12 @@ def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Ten
     if isinstance(k, torch.Tensor):
         kt = _int_arg(k, device, "k")
         a = _Args(lo, hi, kt, 0, int(cfg.k_min), width, True, rows, heads, length, cfg, ws,
-                  int(cfg.select_span), True, count)
+                  int(cfg.select_span), True, count, int(cfg.select_span_back))
     else:
         a = _Args(lo, hi, lo, width, int(cfg.k_min), width, False, rows, heads, length, cfg, ws,
-                  int(cfg.select_span), True, count)
+                  int(cfg.select_span), True, count, int(cfg.select_span_back))
     _scores(evidence, key_norms, a, prep_topk=True)
+    if exclude is not None:
+        _exclude(exclude.to(device=device, dtype=torch.int32), a)
     _topk(a)
     return selected, n_sel

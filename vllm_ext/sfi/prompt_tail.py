@@ -90,6 +90,12 @@ def tail_window(cfg: SfiConfig, prompt_len: int) -> tuple[int, int]:
     return max(prompt_len - cfg.w_prefill, 0), prompt_len
 
 
+def kept_count(cfg: SfiConfig, k: torch.Tensor, n_sel: torch.Tensor) -> torch.Tensor:
+    """``sfi.keep_prefill``: the tokens a prefill-end selection of ``n_sel`` tokens (budget ``k``,
+    int32 tensors) keeps for the whole decode, ``min(keep_prefill, k, n_sel)``."""
+    return torch.minimum(torch.minimum(k, n_sel), torch.full_like(k, cfg.keep_prefill))
+
+
 def makes_prefill_selection(cfg: SfiConfig, prompt_len: int, k: int) -> bool:
     """A prefill makes a selection when its history exceeds ``n_sink + n_recent + k`` (otherwise the
     first decode steps are exactly dense)."""

@@ -174,17 +174,33 @@ def selector_scores(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.T
     return log_s, lam
 
 
-def span_dilate(score: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, span: int) -> torch.Tensor:
-    """``l(j) <- max_{0 <= d <= span, j - d in A} l(j - d)`` inside ``A`` (``-inf`` outside; NaN counts
-    as ``-inf``): a token the evidence picks brings the ``span`` tokens after it into the ranking."""
-    if span <= 0:
+def span_dilate(score: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, span: int,
+                back: int = 0) -> torch.Tensor:
+    """``l(j) <- max_{-back <= d <= span, j - d in A} l(j - d)`` inside ``A`` (``-inf`` outside; NaN
+    counts as ``-inf``): a token the evidence picks brings the ``span`` tokens after it and the
+    ``back`` tokens before it into the ranking."""
+    if span <= 0 and back <= 0:
         return score
     rows, heads, length = score.shape
     mask = allowed_mask(lo, hi, length)
     x = torch.where(mask & ~torch.isnan(score), score.float(), NEG_INF)
-    m = F.max_pool1d(F.pad(x.reshape(rows * heads, 1, length), (span, 0), value=NEG_INF),
-                     kernel_size=span + 1, stride=1).reshape(rows, heads, length)
+    m = F.max_pool1d(F.pad(x.reshape(rows * heads, 1, length), (span, back), value=NEG_INF),
+                     kernel_size=span + back + 1, stride=1).reshape(rows, heads, length)
     return torch.where(mask, m, NEG_INF)
+
+
+def exclude_positions(score: torch.Tensor, exclude: torch.Tensor | None) -> torch.Tensor:
+    """``score`` with ``-inf`` at the positions ``exclude [rows, Hkv, E]`` lists per (row, head) (entries
+    ``< 0`` or ``>= L`` are padding): a position kept by an earlier selection (``sfi.keep_prefill``)
+    is not chosen again while finite scores remain."""
+    if exclude is None or exclude.shape[-1] == 0:
+        return score
+    rows, heads, length = score.shape
+    idx = exclude.long()
+    idx = torch.where((idx >= 0) & (idx < length), idx, length)
+    padded = F.pad(score, (0, 1))
+    padded = padded.scatter(-1, idx, NEG_INF)
+    return padded[..., :length]
 
 
 # ---------------------------------------------------------------------------------- 5. top-K
@@ -235,7 +251,8 @@ def topk_positions(score: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_ef
 
 
 def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-           cfg: SfiConfig, k: int | torch.Tensor, *, k_cap: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           cfg: SfiConfig, k: int | torch.Tensor, *, k_cap: int | None = None,
+           exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The selected memory ``M_h`` of every (row, KV head) (ALGORITHMS.md §1 steps 1-5).
 
     Args:
@@ -246,6 +263,9 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
       cfg: the ``SfiConfig`` (constants and ``k_min``).
       k: budget per KV head, an int or an int tensor ``[rows]`` (see :func:`resolve_k`).
       k_cap: output width when ``k`` is a tensor (default ``cfg.k``).
+      exclude: ``[rows, Hkv, E]`` int positions per (row, head) whose final score is set to ``-inf``
+        before the top-K (:func:`exclude_positions`; ``-1`` pads). They still count in ``|A|``: the
+        caller lowers ``k`` by their number so that only finite scores are chosen.
 
     Returns ``(selected, n_sel)``: ``selected [rows, Hkv, width]`` int32 positions sorted ascending,
     padded with -1 after the first ``n_sel[row]`` entries; ``n_sel [rows]`` int32 = ``min(k_eff, |A|)``
@@ -254,5 +274,6 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     rows = key_norms.shape[0]
     width, k_eff = resolve_k(k, cfg, rows, key_norms.device, k_cap)
     score, _ = selector_scores(evidence, key_norms, lo, hi, cfg)
-    score = span_dilate(score, lo, hi, cfg.select_span)
+    score = span_dilate(score, lo, hi, cfg.select_span, cfg.select_span_back)
+    score = exclude_positions(score, exclude)
     return topk_positions(score, lo, hi, k_eff, width)

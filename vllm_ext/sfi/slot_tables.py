@@ -20,7 +20,7 @@ import torch
 from vllm_ext import metrics
 from vllm_ext.config import ConfigError, SpeedSfiConfig
 from vllm_ext.device_counters import DeviceCounters
-from vllm_ext.sfi.prompt_tail import TailRow, makes_prefill_selection, plan_prompt_tail
+from vllm_ext.sfi.prompt_tail import TailRow, kept_count, makes_prefill_selection, plan_prompt_tail
 from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_DENSE,
                                     STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                     STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW,
@@ -78,6 +78,9 @@ class SfiSlotTables:
         # quest: per compact slot (+ a scratch entry), the positions whose page max/min are written;
         # a fresh slot starts at 0, so its first decode row writes every page of a cached context
         self.page_upto = torch.zeros(capacity + 1, **i32)
+        # sfi.keep_prefill: per compact slot (+ a scratch entry), the tokens its prefill-end selection
+        # keeps for the whole decode (0 for a slot whose prefill made no selection)
+        self.n_kept = torch.zeros(capacity + 1, **i32)
         self.counters = DeviceCounters(NUM_STATS, device)
         self.plan_buffers = SfiPlanBuffers(max_rows, capacity, device)
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -139,9 +142,11 @@ class SfiSlotTables:
         self.steps_since_slow.index_fill_(0, idx, 0)
         self.has_selection.index_fill_(0, idx, False)
         self.trigger_state.index_fill_(0, idx, 0)
+        fresh = torch.where(sfi_slot >= 0, sfi_slot, self.capacity).long()
         if self.cfg.selector == "quest":
-            fresh = torch.where(sfi_slot >= 0, sfi_slot, self.capacity).long()
             self.page_upto.index_fill_(0, fresh, 0)
+        if self.cfg.keep_prefill:
+            self.n_kept.index_fill_(0, fresh, 0)
 
     # ------------------------------------------------------------------ per step (device)
     def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table) -> SfiStep:
@@ -154,6 +159,10 @@ class SfiSlotTables:
                          trigger_state=self.trigger_state)
         if self.cfg.selector == "quest":
             self._plan_page_updates(step, seq_lens)
+        if self.cfg.keep_prefill:
+            live = step.slow_sfi_slot >= 0
+            kept = self.n_kept[torch.where(live, step.slow_sfi_slot, self.capacity).long()]
+            step.slow_kept.copy_(torch.where(live, kept, 0))
         return step
 
     def _plan_page_updates(self, step: SfiStep, seq_lens: torch.Tensor) -> None:
@@ -199,6 +208,8 @@ class SfiSlotTables:
                           torch.ones_like(plan.rows, dtype=torch.bool))
             n_sel = torch.minimum(plan.k, plan.allowed_hi - plan.allowed_lo)
             self.sel_count.index_copy_(0, row_slot.long(), n_sel)
+            if cfg.keep_prefill:
+                self.n_kept.index_copy_(0, plan.sfi_slot.long(), kept_count(cfg, plan.k, n_sel))
             self.stats[STAT_PREFILL_END] += plan.num_ends
         return plan
 

@@ -69,6 +69,7 @@ class SfiStep:
     slow_sfi_slot: torch.Tensor | None = None  # int32 [S]: its compact slot (-1 unused)
     slow_block_table: torch.Tensor | None = None  # int32 [S, max_blocks]: its block-table row
     slow_count: torch.Tensor | None = None    # int32 [1]: live entries (they are slow_rows[:count])
+    slow_kept: torch.Tensor | None = None     # int32 [S]: sfi.keep_prefill: its kept tokens (0 unused)
     prefill_end: "SfiPrefillEnd | None" = None
     row_page_slot: torch.Tensor | None = None  # int32 [rows]: compact slot of an SFI decode row, else -1
     row_page_first: torch.Tensor | None = None  # int32 [rows]: quest: first page the row (re)writes
@@ -106,6 +107,7 @@ class SfiPlanBuffers:
         self.slow_k = torch.zeros(s, **i32)
         self.slow_sfi_slot = torch.full((s,), -1, **i32)
         self.slow_count = torch.zeros(1, **i32)
+        self.slow_kept = torch.zeros(s, **i32)
         self.slow_block_table: torch.Tensor | None = None
 
     def block_table_buffer(self, width: int) -> torch.Tensor:
@@ -131,7 +133,8 @@ class SfiPlanBuffers:
                        slow_lo=self.slow_lo[:cap], slow_hi=self.slow_hi[:cap],
                        slow_k=self.slow_k[:cap], slow_sfi_slot=self.slow_sfi_slot[:cap],
                        slow_block_table=None if bt is None else bt[:cap],
-                       slow_count=self.slow_count, row_page_slot=self.row_page_slot[:rows],
+                       slow_count=self.slow_count, slow_kept=self.slow_kept[:cap],
+                       row_page_slot=self.row_page_slot[:rows],
                        row_page_first=self.row_page_first[:rows])
 
     @property

@@ -1,0 +1,113 @@
+"""``sfi.keep_prefill`` on the SFI path (``vllm_ext.backend.sfi_path``): the prefill-end selection's
+best tokens stay in the compact segment for the whole decode, decode-time selections choose the rest
+of the budget among the other positions, and the two together hold ``min(k, |A|)`` tokens. Kernels
+(Triton, interpreted on CPU) against the twins, and both against the reference selector."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from tests.kernel_choice import torch_kernels
+from tests.test_sfi_path import BS, D, HKV, Problem
+from vllm_ext.backend.sfi_path import _prefill_end_select, sfi_decode
+from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.config import ConfigError, SfiConfig
+from vllm_ext.kernels.paged_reference import gather_kv
+from vllm_ext.sfi import selector as S
+from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
+
+CFG = SfiConfig(enabled=True, k=24, k_min=4, n_sink=4, n_recent=16, keep_prefill=10,
+                select_span=2, select_span_back=1)
+LENS = [130, 97, 161]
+SLOTS = [2, 0, 1]
+
+
+def positions_of(p, row, compact, n):
+    """Map compact entries back to positions (random K/V: every entry is unique)."""
+    k, v = gather_kv(p.kv, p.bt[row], torch.arange(p.lens[row], device=p.device))
+    full = torch.cat([k, v], dim=-1)                                   # [H, L, 2D]
+    out = []
+    for h in range(HKV):
+        eq = (compact[h, :n, None, :] == full[h][None]).all(-1)        # [n, L]
+        assert torch.all(eq.sum(-1) == 1), "a compact entry is no position of the row"
+        out.append(eq.float().argmax(-1).tolist())
+    return out
+
+
+def run(p, use_twins):
+    device = p.device
+    rows = len(LENS)
+    layer = SfiLayerBuffers(4, HKV, CFG, D, torch.float32, device)
+    rt = SfiRuntime(CFG, capacity=4, max_rows=rows, num_heads=p.hq, num_kv_heads=HKV, head_size=D,
+                    max_len=max(LENS) + 8, device=device)
+    gen = torch.Generator().manual_seed(1)
+    # prefill end: prompts of LENS - 20 tokens, pooled evidence over them
+    plen = torch.tensor([n - 20 for n in LENS], dtype=torch.int32)
+    L = max(LENS) + 8
+    ev = torch.randn(rows, HKV, L, generator=gen) * 3
+    norms = torch.rand(rows, HKV, L, generator=gen) + 0.1
+    lo = torch.full((rows,), CFG.n_sink, dtype=torch.int32)
+    hi = plen - CFG.n_recent
+    k = torch.full((rows,), CFG.k, dtype=torch.int32)
+    slot = torch.tensor(SLOTS, dtype=torch.int32)
+    dev = lambda t: t.to(device)                                        # noqa: E731
+    ctx = torch_kernels() if use_twins else contextlib.nullcontext()
+    with ctx:
+        _prefill_end_select(rt, CFG, layer, p.kv, p.bt, dev(slot), dev(plen), dev(ev), dev(norms), dev(lo),
+                            dev(hi), dev(k))
+        after_prefill = (layer.compact_kv.clone(), layer.compact_len.clone(), layer.kept_pos.clone())
+        # one decode step, every row slow: a dense pass writes the evidence, the selector excludes the
+        # kept positions and the gather writes after them
+        buffers = SfiPlanBuffers(rows, 4, device)
+        t = dev(torch.tensor(LENS, dtype=torch.int32))
+        slow = dev(torch.ones(rows, dtype=torch.bool))
+        plan = write_plan(buffers, rows, slow=slow, fast=~slow, sparse=slow, row_sfi_slot=dev(slot),
+                          k=dev(k), recent_start=t - CFG.n_recent, lo=dev(lo), hi=t - CFG.n_recent, t=t,
+                          block_table=p.bt)
+        plan.slow_kept[:rows].copy_(dev(torch.full((rows,), CFG.keep_prefill, dtype=torch.int32)))
+        q = (torch.randn(rows, p.hq, D, generator=gen) * 2).to(device)
+        out = torch.zeros_like(q)
+        sfi_decode(q, p.kv, p.bt, t, plan, CFG, layer, rt, 0, p.scale, out, dense_done=False)
+        rt.ring.join()
+    return after_prefill, (layer.compact_kv.clone(), layer.compact_len.clone()), (ev, norms, lo, hi)
+
+
+def test_config_bounds():
+    SfiConfig(enabled=True, k=64, k_min=32, keep_prefill=32).validate()
+    with pytest.raises(ConfigError, match="keep_prefill"):
+        SfiConfig(enabled=True, k=64, k_min=32, keep_prefill=33).validate()
+    with pytest.raises(ConfigError, match="keep_prefill"):
+        SfiConfig(enabled=True, k=64, selector="quest", keep_prefill=16).validate()
+    with pytest.raises(ConfigError, match="select_span_back"):
+        SfiConfig(enabled=True, k=64, select_span=20, select_span_back=13).validate()
+
+
+def test_kept_tokens_stay_and_decode_selects_the_rest():
+    p = Problem(LENS, 2, "cpu", seed=4)
+    (ckv0, clen0, kept), (ckv1, clen1), (ev, norms, lo, hi) = run(p, use_twins=False)
+    (tckv0, tclen0, tkept), (tckv1, tclen1), _ = run(p, use_twins=True)
+    assert torch.equal(kept, tkept) and torch.equal(clen0, tclen0) and torch.equal(clen1, tclen1)
+    ns, P = CFG.n_sink, CFG.keep_prefill
+    for r, s in enumerate(SLOTS):
+        assert int(clen0[s]) == ns + CFG.k and int(clen1[s]) == ns + CFG.k
+        torch.testing.assert_close(ckv0[s, :, :ns + CFG.k], tckv0[s, :, :ns + CFG.k])
+        torch.testing.assert_close(ckv1[s, :, :ns + CFG.k], tckv1[s, :, :ns + CFG.k])
+        # prefill end: the kept tokens are the reference's top-P, kept + rest its top-k
+        cfg0 = dataclasses.replace(CFG, k_min=0)
+        top_p, _ = S.select(ev[r:r + 1], norms[r:r + 1], lo[r:r + 1], hi[r:r + 1], cfg0, P)
+        top_k, _ = S.select(ev[r:r + 1], norms[r:r + 1], lo[r:r + 1], hi[r:r + 1], cfg0, CFG.k)
+        pos0 = positions_of(p, r, ckv0[s], ns + CFG.k)
+        pos1 = positions_of(p, r, ckv1[s], ns + CFG.k)
+        for h in range(HKV):
+            assert kept[s, h].tolist() == top_p[0, h].tolist()
+            assert pos0[h][:ns] == list(range(ns)) and pos0[h][ns:ns + P] == kept[s, h].tolist()
+            assert sorted(pos0[h][ns:]) == top_k[0, h].tolist()
+            # decode: the kept entries are untouched, the new selection is disjoint from them
+            assert pos1[h][:ns + P] == pos0[h][:ns + P]
+            new = pos1[h][ns + P:]
+            assert len(set(new)) == CFG.k - P and not set(new) & set(kept[s, h].tolist())
+            assert all(ns <= x < LENS[r] - CFG.n_recent for x in new)
