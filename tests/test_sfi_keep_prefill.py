@@ -68,7 +68,9 @@ def run(p, use_twins):
         plan = write_plan(buffers, rows, slow=slow, fast=~slow, sparse=slow, row_sfi_slot=dev(slot),
                           k=dev(k), recent_start=t - CFG.n_recent, lo=dev(lo), hi=t - CFG.n_recent, t=t,
                           block_table=p.bt)
+        # what SfiSlotTables.plan adds with keep_prefill: the kept count, and the budget besides it
         plan.slow_kept[:rows].copy_(dev(torch.full((rows,), CFG.keep_prefill, dtype=torch.int32)))
+        plan.slow_k[:rows].sub_(plan.slow_kept[:rows])
         q = (torch.randn(rows, p.hq, D, generator=gen) * 2).to(device)
         out = torch.zeros_like(q)
         sfi_decode(q, p.kv, p.bt, t, plan, CFG, layer, rt, 0, p.scale, out, dense_done=False)

@@ -136,13 +136,14 @@ def test_orchestration_kernels_equal_twins(device, g, grid):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dual", [True, False])
-def test_captured_step_replays_with_rows_flipping_modes(dual):
+@pytest.mark.parametrize("dual, keep", [(True, 0), (False, 0), (True, 8)])
+def test_captured_step_replays_with_rows_flipping_modes(dual, keep):
     """One capture, replays whose plans differ (slow <-> fast <-> dense, padded rows): each replay
-    equals the eager twin path run on the same sequence of plans."""
+    equals the eager twin path run on the same sequence of plans. ``keep``: ``sfi.keep_prefill``
+    with 8 kept positions per slot (excluded by the selector, gathered after by the offset)."""
     import dataclasses
 
-    cfg = dataclasses.replace(CFG, dual_stream=dual)
+    cfg = dataclasses.replace(CFG, dual_stream=dual, keep_prefill=keep, select_span_back=2 if keep else 0)
     p = Problem(LENS, 4, "cuda", seed=5)
     sequence = [GRIDS[0][0], GRIDS[0][1], GRIDS[1][1], [SLOW, DENSE, FAST, PAD, SLOW],
                 [FAST, DENSE, SLOW, PAD, FAST]]
@@ -152,7 +153,18 @@ def test_captured_step_replays_with_rows_flipping_modes(dual):
         layer = SfiLayerBuffers(5, HKV, cfg, D, torch.float32, torch.device("cuda"))
         rt = SfiRuntime(cfg, capacity=5, max_rows=5, num_heads=p.hq, num_kv_heads=HKV,
                         head_size=D, max_len=max(LENS) + 8, device=torch.device("cuda"))
+        if keep:
+            layer.kept_pos.copy_(torch.arange(CFG.n_sink, CFG.n_sink + keep, dtype=torch.int32,
+                                              device="cuda").expand_as(layer.kept_pos))
         return layer, rt, SfiPlanBuffers(5, 5, torch.device("cuda"))
+
+    def plan_with_keep(buf, modes):
+        plan, t = plan_for(buf, modes, LENS, SLOTS, p.bt, p.device)
+        if keep:                                      # what SfiSlotTables.plan adds
+            live = plan.slow_sfi_slot >= 0
+            plan.slow_kept.copy_(torch.where(live, keep, 0))
+            plan.slow_k.sub_(plan.slow_kept)
+        return plan, t
 
     # eager twins
     layer_t, rt_t, buf_t = state()
@@ -160,7 +172,7 @@ def test_captured_step_replays_with_rows_flipping_modes(dual):
     with torch_kernels():
         for modes, q in zip(sequence, qs):
             out = torch.full_like(q, 7.0)
-            plan, t = plan_for(buf_t, modes, LENS, SLOTS, p.bt, p.device)
+            plan, t = plan_with_keep(buf_t, modes)
             sfi_decode(q, p.kv, p.bt, t, plan, cfg, layer_t, rt_t, 0, p.scale, out, dense_done=False)
             rt_t.ring.join()
             expected.append(out.clone())
@@ -169,7 +181,7 @@ def test_captured_step_replays_with_rows_flipping_modes(dual):
     q_in = torch.empty_like(qs[0])
     out = torch.empty_like(qs[0])
     t_in = torch.zeros(5, dtype=torch.int32, device="cuda")
-    plan, t = plan_for(buf, sequence[0], LENS, SLOTS, p.bt, p.device)
+    plan, t = plan_with_keep(buf, sequence[0])
     q_in.copy_(qs[0])
 
     def step():
@@ -184,7 +196,7 @@ def test_captured_step_replays_with_rows_flipping_modes(dual):
     with torch.cuda.graph(graph):
         step()
     for i, (modes, q) in enumerate(zip(sequence, qs)):
-        _, t = plan_for(buf, modes, LENS, SLOTS, p.bt, p.device)    # rewrites the same buffers
+        _, t = plan_with_keep(buf, modes)                             # rewrites the same buffers
         t_in.copy_(t)
         q_in.copy_(q)
         out.fill_(7.0)

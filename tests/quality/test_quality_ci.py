@@ -104,3 +104,20 @@ def test_select_span_brings_back_the_needles_further_back(dense):
     assert 0.1 < fraction < 0.2
     with_span = sum(T.exact_match(SAMPLES[i], out) for i, out in zip(BACK, tokens))
     assert with_span >= len(BACK) - 1, (with_span, len(BACK))
+
+
+def test_keep_prefill_keeps_the_needles_and_the_budget(dense):
+    # sfi.keep_prefill: the prefill-end selection's best 192 of k 320 stay for the whole decode, and
+    # every slow step selects the other 128 (disjoint); with select_span / select_span_back whole
+    # needle sentences come with the evidence. The retained fraction is k's, the single-answer
+    # needles further back are answered as with select_span alone; the multi-value samples run
+    # through the same path (their accuracy is measured in bench/QUALITY.md, not asserted).
+    multi = [i for i, s in enumerate(SAMPLES) if s.task == "niah_multivalue"]
+    idx = BACK + multi
+    tokens, counts = _generate({"enabled": True, "k": 320, "n_recent": 64, "select_span": 6,
+                                "select_span_back": 6, "keep_prefill": 192}, [SAMPLES[i] for i in idx])
+    fraction = counts["sfi.fast_retained_tokens"] / counts["sfi.fast_context_tokens"]
+    assert 0.15 < fraction < 0.2                          # (4 + 320 + 64) / ~2060
+    assert counts["sfi.slow_steps"] > counts["sfi.prefill_end_selections"] > 0
+    hits = sum(T.exact_match(SAMPLES[i], out) for i, out in zip(idx, tokens) if i in BACK)
+    assert hits >= len(BACK) - 1, (hits, len(BACK))

@@ -128,6 +128,18 @@ def test_exclude_matches_twin(device):
     ref, n_ref = S.select(ev, norms, lo, hi, cfg, k_rest, k_cap=KSEL, exclude=kept)
     tri, n_tri = K.select_triton(ev, norms, lo, hi, cfg, k_rest, k_cap=KSEL, exclude=kept)
     assert torch.equal(n_tri, n_ref) and torch.equal(tri, ref)
+    # the decode path's form: a table of kept positions indexed by each row's slot (-1: none)
+    table = torch.full((5, 4, 24), -1, dtype=torch.int32, device=device)
+    slot = torch.tensor([3, -1, 0, 1], dtype=torch.int32, device=device)
+    for r, s_ in enumerate(slot.tolist()):
+        if s_ >= 0:
+            table[s_] = kept[r]
+    k_slot = torch.where(slot.cpu() >= 0, k_rest.cpu(), torch.minimum(torch.tensor(KSEL), (hi - lo).cpu())).to(device)
+    ref2, n_ref2 = S.select(ev, norms, lo, hi, cfg, k_slot, k_cap=KSEL,
+                            exclude=torch.where((slot >= 0)[:, None, None], kept, -1))
+    for fn in (K.select, K.select_triton):
+        got, n_got = fn(ev, norms, lo, hi, cfg, k_slot, k_cap=KSEL, exclude=table, exclude_slot=slot)
+        assert torch.equal(n_got, n_ref2) and torch.equal(got, ref2), fn.__name__
     live = n_kept > 0
     assert live.any()
     for r in torch.nonzero(live).flatten().tolist():

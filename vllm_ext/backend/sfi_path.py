@@ -37,17 +37,17 @@ def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, 
               sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None, kept=None) -> None:
     """Selector + gather of the rows ``[0, count)``. ``kept`` (``sfi.keep_prefill``, int32 per row):
     the tokens each row's prefill-end selection keeps (compact entries after the sink, positions in
-    ``layer.kept_pos``); the row selects the rest of its budget among the other positions, and the
-    gather writes it after them."""
+    ``layer.kept_pos`` of its slot); the row then selects ``k`` more among the other positions (``k``
+    is the rest of its budget), and the gather writes them after the kept ones."""
     if kept is None:
         selected, n_sel = select(evidence, norms, lo, hi, rt.select_cfg, k, k_cap=cfg.k,
                                  workspace=rt.selector_workspace, count=count)
         gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
                        layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count)
         return
-    exclude = layer.kept_pos[sfi_slot.clamp_min(0).long()]
-    selected, n_sel = select(evidence, norms, lo, hi, rt.kept_select_cfg, (k - kept).clamp_min(0),
-                             k_cap=cfg.k, workspace=rt.selector_workspace, count=count, exclude=exclude)
+    selected, n_sel = select(evidence, norms, lo, hi, rt.kept_select_cfg, k, k_cap=cfg.k,
+                             workspace=rt.selector_workspace, count=count, exclude=layer.kept_pos,
+                             exclude_slot=sfi_slot)
     gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
                    layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count, offset=kept)
 
@@ -67,8 +67,8 @@ def _prefill_end_select(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, 
     layer.kept_pos.index_copy_(0, sfi_slot.long(), kept_sel[:, :, :cfg.keep_prefill])
     gather_compact(kv_cache, block_table, sfi_slot, kept_sel, n_kept, cfg.n_sink, layer.compact_kv,
                    layer.compact_len, seq_lens=seq_lens)
-    _maintain(rt, cfg, layer, kv_cache, block_table, sfi_slot, seq_lens, evidence, norms, lo, hi, k,
-              kept=n_kept)
+    _maintain(rt, cfg, layer, kv_cache, block_table, sfi_slot, seq_lens, evidence, norms, lo, hi,
+              (k - n_kept).clamp_min(0), kept=n_kept)
 
 
 def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

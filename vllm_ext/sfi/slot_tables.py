@@ -163,6 +163,7 @@ class SfiSlotTables:
             live = step.slow_sfi_slot >= 0
             kept = self.n_kept[torch.where(live, step.slow_sfi_slot, self.capacity).long()]
             step.slow_kept.copy_(torch.where(live, kept, 0))
+            step.slow_k.sub_(step.slow_kept)          # what a slow step selects besides its kept tokens
         return step
 
     def _plan_page_updates(self, step: SfiStep, seq_lens: torch.Tensor) -> None:

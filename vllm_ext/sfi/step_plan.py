@@ -65,7 +65,7 @@ class SfiStep:
     slow_seq: torch.Tensor | None = None      # int32 [S]: its length (0 unused)
     slow_lo: torch.Tensor | None = None       # int32 [S]: its allowed set (empty unused)
     slow_hi: torch.Tensor | None = None
-    slow_k: torch.Tensor | None = None        # int32 [S]
+    slow_k: torch.Tensor | None = None        # int32 [S]: its budget (sfi.keep_prefill: besides the kept)
     slow_sfi_slot: torch.Tensor | None = None  # int32 [S]: its compact slot (-1 unused)
     slow_block_table: torch.Tensor | None = None  # int32 [S, max_blocks]: its block-table row
     slow_count: torch.Tensor | None = None    # int32 [1]: live entries (they are slow_rows[:count])
