@@ -38,11 +38,14 @@ def positions_of(p, row, compact, n):
     return out
 
 
-def run(p, use_twins):
+def run(p, use_twins, kept_counts=None, cfg=CFG):
+    """Prefill-end selections, then one decode step with every row slow. ``kept_counts``: the kept
+    count each row's decode uses (default ``keep_prefill``; 0 = a slot whose prefill kept nothing,
+    its table row still holding positions)."""
     device = p.device
     rows = len(LENS)
-    layer = SfiLayerBuffers(4, HKV, CFG, D, torch.float32, device)
-    rt = SfiRuntime(CFG, capacity=4, max_rows=rows, num_heads=p.hq, num_kv_heads=HKV, head_size=D,
+    layer = SfiLayerBuffers(4, HKV, cfg, D, torch.float32, device)
+    rt = SfiRuntime(cfg, capacity=4, max_rows=rows, num_heads=p.hq, num_kv_heads=HKV, head_size=D,
                     max_len=max(LENS) + 8, device=device)
     gen = torch.Generator().manual_seed(1)
     # prefill end: prompts of LENS - 20 tokens, pooled evidence over them
@@ -57,9 +60,10 @@ def run(p, use_twins):
     dev = lambda t: t.to(device)                                        # noqa: E731
     ctx = torch_kernels() if use_twins else contextlib.nullcontext()
     with ctx:
-        _prefill_end_select(rt, CFG, layer, p.kv, p.bt, dev(slot), dev(plen), dev(ev), dev(norms), dev(lo),
+        _prefill_end_select(rt, cfg, layer, p.kv, p.bt, dev(slot), dev(plen), dev(ev), dev(norms), dev(lo),
                             dev(hi), dev(k))
-        after_prefill = (layer.compact_kv.clone(), layer.compact_len.clone(), layer.kept_pos.clone())
+        after_prefill = (layer.compact_kv.clone(), layer.compact_len.clone(),
+                         None if layer.kept_pos is None else layer.kept_pos.clone())
         # one decode step, every row slow: a dense pass writes the evidence, the selector excludes the
         # kept positions and the gather writes after them
         buffers = SfiPlanBuffers(rows, 4, device)
@@ -69,13 +73,29 @@ def run(p, use_twins):
                           k=dev(k), recent_start=t - CFG.n_recent, lo=dev(lo), hi=t - CFG.n_recent, t=t,
                           block_table=p.bt)
         # what SfiSlotTables.plan adds with keep_prefill: the kept count, and the budget besides it
-        plan.slow_kept[:rows].copy_(dev(torch.full((rows,), CFG.keep_prefill, dtype=torch.int32)))
+        kept_n = kept_counts if kept_counts is not None else [cfg.keep_prefill] * rows
+        plan.slow_kept[:rows].copy_(dev(torch.tensor(kept_n, dtype=torch.int32)))
         plan.slow_k[:rows].sub_(plan.slow_kept[:rows])
         q = (torch.randn(rows, p.hq, D, generator=gen) * 2).to(device)
         out = torch.zeros_like(q)
-        sfi_decode(q, p.kv, p.bt, t, plan, CFG, layer, rt, 0, p.scale, out, dense_done=False)
+        sfi_decode(q, p.kv, p.bt, t, plan, cfg, layer, rt, 0, p.scale, out, dense_done=False)
         rt.ring.join()
     return after_prefill, (layer.compact_kv.clone(), layer.compact_len.clone()), (ev, norms, lo, hi)
+
+
+@pytest.mark.parametrize("use_twins", [False, True])
+def test_a_slot_without_kept_tokens_selects_the_whole_budget(use_twins):
+    """Row 1 decodes with 0 kept tokens while its slot's table row holds positions (a previous
+    request's): nothing is excluded, its selection is the one made without keep_prefill."""
+    p = Problem(LENS, 2, "cpu", seed=6)
+    _, (ckv, clen), _ = run(p, use_twins, kept_counts=[CFG.keep_prefill, 0, CFG.keep_prefill])
+    no_keep = dataclasses.replace(CFG, keep_prefill=0)
+    _, (ref_ckv, ref_clen), _ = run(p, use_twins, cfg=no_keep)
+    s = SLOTS[1]
+    assert int(clen[s]) == int(ref_clen[s]) == CFG.n_sink + CFG.k
+    got = positions_of(p, 1, ckv[s], CFG.n_sink + CFG.k)
+    want = positions_of(p, 1, ref_ckv[s], CFG.n_sink + CFG.k)
+    assert [sorted(h) for h in got] == [sorted(h) for h in want]
 
 
 def test_config_bounds():

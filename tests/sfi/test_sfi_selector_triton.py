@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.kernel_choice import torch_kernels
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import sfi_selector as K
 from vllm_ext.sfi import selector as S
@@ -140,6 +141,21 @@ def test_exclude_matches_twin(device):
     for fn in (K.select, K.select_triton):
         got, n_got = fn(ev, norms, lo, hi, cfg, k_slot, k_cap=KSEL, exclude=table, exclude_slot=slot)
         assert torch.equal(n_got, n_ref2) and torch.equal(got, ref2), fn.__name__
+    # exclude_count: only the first n entries of a row's list count (a previous request's positions
+    # may follow them in the slot's table row); here row 0 counts 5 of its 24, row 2 none
+    stale = table.clone()
+    n_ex = torch.tensor([5, 0, 0, 24], dtype=torch.int32, device=device)
+    want = torch.where((slot >= 0)[:, None, None], kept, -1)
+    want = torch.where(torch.arange(24, device=device) < n_ex.long()[:, None, None], want, -1)
+    k_cnt = (torch.minimum(torch.tensor(KSEL), (hi - lo).cpu().clamp_min(0)) - n_ex.cpu()).clamp_min(0).to(device)
+    ref3, n_ref3 = S.select(ev, norms, lo, hi, cfg, k_cnt, k_cap=KSEL, exclude=want)
+    got, n_got = K.select_triton(ev, norms, lo, hi, cfg, k_cnt, k_cap=KSEL, exclude=stale, exclude_slot=slot,
+                                 exclude_count=n_ex)
+    assert torch.equal(n_got, n_ref3) and torch.equal(got, ref3)
+    with torch_kernels():
+        twin, n_twin = K.select(ev, norms, lo, hi, cfg, k_cnt, k_cap=KSEL, exclude=stale, exclude_slot=slot,
+                                exclude_count=n_ex)
+    assert torch.equal(n_twin, n_ref3) and torch.equal(twin, ref3)
     live = n_kept > 0
     assert live.any()
     for r in torch.nonzero(live).flatten().tolist():

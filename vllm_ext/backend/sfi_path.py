@@ -47,7 +47,7 @@ def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, 
         return
     selected, n_sel = select(evidence, norms, lo, hi, rt.kept_select_cfg, k, k_cap=cfg.k,
                              workspace=rt.selector_workspace, count=count, exclude=layer.kept_pos,
-                             exclude_slot=sfi_slot)
+                             exclude_slot=sfi_slot, exclude_count=kept)
     gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
                    layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count, offset=kept)
 

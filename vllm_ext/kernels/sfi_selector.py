@@ -256,7 +256,8 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
            workspace: SelectorWorkspace | None = None,
            count: torch.Tensor | None = None,
            exclude: torch.Tensor | None = None,
-           exclude_slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           exclude_slot: torch.Tensor | None = None,
+           exclude_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`vllm_ext.sfi.selector.select`; Triton on CUDA / under the interpreter.
 
     With ``workspace`` (:func:`selector_workspace`) nothing is allocated and the results are views
@@ -264,13 +265,19 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     rows past it have an empty allowed set, which selects nothing there already).
     ``exclude_slot`` (int ``[rows]``): ``exclude`` is then a table ``[C, Hkv, E]`` and row ``r``
     excludes entry ``exclude_slot[r]`` of it (nothing when it is negative): the decode path's form,
-    which reads the kept positions in place (no gather on the hot path)."""
+    which reads the kept positions in place (no gather on the hot path). ``exclude_count`` (int
+    ``[rows]``): only the first ``exclude_count[r]`` entries of a row's list count (a slot's table
+    row may hold a previous request's positions past them)."""
     if use_triton(key_norms):
         return select_triton(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, workspace=workspace,
-                             count=count, exclude=exclude, exclude_slot=exclude_slot)
+                             count=count, exclude=exclude, exclude_slot=exclude_slot,
+                             exclude_count=exclude_count)
     if exclude is not None and exclude_slot is not None:
         slot = exclude_slot.long()
         exclude = torch.where((slot >= 0)[:, None, None], exclude[slot.clamp_min(0)], -1)
+    if exclude is not None and exclude_count is not None:
+        e = torch.arange(exclude.shape[-1], device=exclude.device)
+        exclude = torch.where(e < exclude_count.long().to(exclude.device)[:, None, None], exclude, -1)
     sel, n_sel = select_torch(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, exclude=exclude)
     if workspace is None:
         return sel, n_sel
@@ -625,8 +632,8 @@ if HAS_TRITON:
     # ----------------------------------------------------------------- 3b. excluded positions
     @triton.jit
     def _exclude_kernel(COUNT, ROWS, score_ptr, s_sc_b, s_sc_h, ex_ptr, s_ex_b, s_ex_h, s_ex_e, E, slot_ptr,
-                        lo_ptr, s_lo, hi_ptr, s_hi, H, L, BLOCK: tl.constexpr, HAS_COUNT: tl.constexpr,
-                        HAS_SLOT: tl.constexpr):
+                        n_ex_ptr, lo_ptr, s_lo, hi_ptr, s_hi, H, L, BLOCK: tl.constexpr,
+                        HAS_COUNT: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_N: tl.constexpr):
         # sfi.keep_prefill: the kept positions of a (row, head) score -inf before the top-K (the twin's
         # exclude_positions); padding (< 0) and positions outside A are ignored
         for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * H, tl.num_programs(0)):
@@ -641,11 +648,14 @@ if HAS_TRITON:
                 hi = tl.where(entry >= 0, hi, lo)
                 entry = tl.maximum(entry, 0)
             ex = ex_ptr + entry.to(tl.int64) * s_ex_b + h.to(tl.int64) * s_ex_h
+            n_e = E
+            if HAS_N:                                      # only the row's first n entries count
+                n_e = tl.minimum(tl.maximum(tl.load(n_ex_ptr + row), 0), E)
             ar = tl.arange(0, BLOCK)
             for e0 in range(0, E, BLOCK):
                 e = e0 + ar
-                pos = tl.load(ex + e * s_ex_e, mask=e < E, other=-1)
-                ok = (e < E) & (pos >= lo) & (pos < hi)
+                pos = tl.load(ex + e * s_ex_e, mask=e < n_e, other=-1)
+                ok = (e < n_e) & (pos >= lo) & (pos < hi)
                 tl.store(sc + pos, tl.full([BLOCK], float("-inf"), tl.float32), mask=ok)
 
     # ------------------------------------------------------------------------- 4. histogram
@@ -1049,7 +1059,7 @@ def selector_scores_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: 
     return ws.score[:rows, :, :length], ws.consts[:rows, :, 3]
 
 
-def _exclude(exclude: torch.Tensor, slot: torch.Tensor | None, a: _Args) -> None:
+def _exclude(exclude: torch.Tensor, slot: torch.Tensor | None, n_ex: torch.Tensor | None, a: _Args) -> None:
     """``-inf`` into ``ws.score`` at the excluded positions (between the scores and the top-K)."""
     if exclude.dim() != 3 or exclude.shape[1] != a.heads or (slot is None and exclude.shape[0] != a.rows):
         raise ValueError(f"exclude must be [rows {a.rows} (or a table with exclude_slot), Hkv {a.heads}, E], "
@@ -1060,8 +1070,9 @@ def _exclude(exclude: torch.Tensor, slot: torch.Tensor | None, a: _Args) -> None
     sc = a.ws.score
     _exclude_kernel[a.grid(a.heads)](
         *a.live(), sc, sc.stride(0), sc.stride(1), exclude, *exclude.stride(), n_e,
-        slot if slot is not None else a.lo, *a.bounds(), a.heads, a.length,
-        BLOCK=min(1024, max(16, _next_pow2(n_e))), HAS_COUNT=a.count is not None, HAS_SLOT=slot is not None)
+        slot if slot is not None else a.lo, n_ex if n_ex is not None else a.lo, *a.bounds(), a.heads, a.length,
+        BLOCK=min(1024, max(16, _next_pow2(n_e))), HAS_COUNT=a.count is not None, HAS_SLOT=slot is not None,
+        HAS_N=n_ex is not None)
 
 
 def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -1069,7 +1080,8 @@ def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Ten
                   workspace: SelectorWorkspace | None = None,
                   count: torch.Tensor | None = None,
                   exclude: torch.Tensor | None = None,
-                  exclude_slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  exclude_slot: torch.Tensor | None = None,
+                  exclude_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of :func:`vllm_ext.sfi.selector.select` (same arguments and results).
 
     ``workspace``: see :func:`selector_workspace`; without one the buffers are allocated here.
@@ -1110,6 +1122,7 @@ def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Ten
     _scores(evidence, key_norms, a, prep_topk=True)
     if exclude is not None:
         _exclude(exclude.to(device=device, dtype=torch.int32),
-                 None if exclude_slot is None else _int_arg(exclude_slot, device, "exclude_slot"), a)
+                 None if exclude_slot is None else _int_arg(exclude_slot, device, "exclude_slot"),
+                 None if exclude_count is None else _int_arg(exclude_count, device, "exclude_count"), a)
     _topk(a)
     return selected, n_sel
