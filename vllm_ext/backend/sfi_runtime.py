@@ -5,7 +5,7 @@ drive it without vLLM.
 Sizes follow the work, never ``max_num_seqs``:
 - per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = ``sfi.max_requests``),
   and the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
-  spans prefill chunks);
+  spans prefill chunks); with ``sfi.keep_prefill`` P the kept positions ``C x Hkv x P`` int32;
 - shared by the layers of a device (one :class:`SfiRuntime`):
   - the maintenance ring, ``N`` slots of evidence + key norms, ``2 x N x S x Hkv x L`` fp32
     (``S = C``: a step has at most one slow row per compact slot; ``L = max_model_len``);
