@@ -113,7 +113,7 @@ class SfiConfig:
     #     (max over the query heads of the GQA group) instead of a dense pass, keeps the best pages
     #     up to `k` tokens per KV head and attends over sink + those pages + the recent window in the
     #     same step. The first decode step after prefill is a selection step. Needs k a multiple of
-    #     page_size; select_span and schedule always_slow do not apply.
+    #     page_size; select_span(_back), keep_prefill and schedule always_slow do not apply.
     selector: Literal["sfi", "quest"] = "sfi"
     page_size: int = 16                # Quest page in tokens (selector quest)
     # system
