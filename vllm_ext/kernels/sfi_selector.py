@@ -25,10 +25,12 @@ runs once. Launches, in order:
    top-K histogram and candidate counter.
 3. ``_score_kernel``, (row, chunk), all KV heads: recomputes ``log f`` / ``log r`` from evidence and
    key norms (no workspace round trip), the fused ``log s``, Soft-NMS (window max over
-   ``+-nms_radius``), cross-head exclusivity and (``sfi.select_span``) the span dilation, on a tile
-   with halos, and writes the final score (fp32) once. Window maxima are van Herk / Gil-Werman
+   ``+-nms_radius``), cross-head exclusivity and (``sfi.select_span`` / ``select_span_back``) the span
+   dilation, on a tile with halos, and writes the final score (fp32) once. Window maxima are van Herk / Gil-Werman
    (two shifted copies from ``tl.gather`` and two block scans) when the window fits a power-of-two
    block, else a doubling sparse table (``log2(window)`` gathers).
+   With ``exclude`` (``sfi.keep_prefill``), ``_exclude_kernel`` (one program per row and KV head)
+   then writes ``-inf`` at the row's kept positions (a list per row, or a table row per slot).
 4. ``_hist_kernel``, (row x head, chunk): a 256-bucket histogram of the score's distance below the
    upper bound (log-spaced: 16 octaves x 16 sub-buckets, monotone in the score), merged with
    atomics (non-empty buckets only).
