@@ -13,7 +13,8 @@ MODEL = os.path.join(ROOT, "models", "retrieval-llama")
 
 @pytest.fixture(scope="module")
 def model():
-    transformers = pytest.importorskip("transformers")
+    import transformers                       # a dependency of vLLM: always installed with it
+
     return transformers.LlamaForCausalLM.from_pretrained(MODEL, attn_implementation="eager").eval()
 
 

@@ -264,23 +264,16 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
 
     With ``workspace`` (:func:`selector_workspace`) nothing is allocated and the results are views
     into it (same values as without). ``count``: see :func:`select_triton`; the twin ignores it (the
-    rows past it have an empty allowed set, which selects nothing there already).
-    ``exclude_slot`` (int ``[rows]``): ``exclude`` is then a table ``[C, Hkv, E]`` and row ``r``
-    excludes entry ``exclude_slot[r]`` of it (nothing when it is negative): the decode path's form,
-    which reads the kept positions in place (no gather on the hot path). ``exclude_count`` (int
-    ``[rows]``): only the first ``exclude_count[r]`` entries of a row's list count (a slot's table
-    row may hold a previous request's positions past them)."""
+    rows past it have an empty allowed set, which selects nothing there already). The table form of
+    ``exclude`` (``exclude_slot``) is the decode path's: the Triton path reads the kept positions in
+    place (no gather on the hot path); ``exclude_count`` leaves out what a slot's table row holds past
+    its kept count (a previous request's positions)."""
     if use_triton(key_norms):
         return select_triton(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, workspace=workspace,
                              count=count, exclude=exclude, exclude_slot=exclude_slot,
                              exclude_count=exclude_count)
-    if exclude is not None and exclude_slot is not None:
-        slot = exclude_slot.long()
-        exclude = torch.where((slot >= 0)[:, None, None], exclude[slot.clamp_min(0)], -1)
-    if exclude is not None and exclude_count is not None:
-        e = torch.arange(exclude.shape[-1], device=exclude.device)
-        exclude = torch.where(e < exclude_count.long().to(exclude.device)[:, None, None], exclude, -1)
-    sel, n_sel = select_torch(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, exclude=exclude)
+    sel, n_sel = select_torch(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, exclude=exclude,
+                              exclude_slot=exclude_slot, exclude_count=exclude_count)
     if workspace is None:
         return sel, n_sel
     rows, heads = sel.shape[:2]

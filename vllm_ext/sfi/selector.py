@@ -189,13 +189,23 @@ def span_dilate(score: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, span: i
     return torch.where(mask, m, NEG_INF)
 
 
-def exclude_positions(score: torch.Tensor, exclude: torch.Tensor | None) -> torch.Tensor:
+def exclude_positions(score: torch.Tensor, exclude: torch.Tensor | None,
+                      exclude_slot: torch.Tensor | None = None,
+                      exclude_count: torch.Tensor | None = None) -> torch.Tensor:
     """``score`` with ``-inf`` at the positions ``exclude [rows, Hkv, E]`` lists per (row, head) (entries
     ``< 0`` or ``>= L`` are padding): a position kept by an earlier selection (``sfi.keep_prefill``)
-    is not chosen again while finite scores remain."""
+    is not chosen again while finite scores remain. ``exclude_slot [rows]``: ``exclude`` is a table
+    ``[C, Hkv, E]`` and row ``r`` reads its entry ``exclude_slot[r]`` (none when negative);
+    ``exclude_count [rows]``: only a row's first ``exclude_count[r]`` entries count."""
     if exclude is None or exclude.shape[-1] == 0:
         return score
     rows, heads, length = score.shape
+    if exclude_slot is not None:
+        slot = exclude_slot.long()
+        exclude = torch.where((slot >= 0)[:, None, None], exclude[slot.clamp_min(0)], -1)
+    if exclude_count is not None:
+        e = torch.arange(exclude.shape[-1], device=exclude.device)
+        exclude = torch.where(e < exclude_count.long()[:, None, None], exclude, -1)
     idx = exclude.long()
     idx = torch.where((idx >= 0) & (idx < length), idx, length)
     padded = F.pad(score, (0, 1))
@@ -252,7 +262,8 @@ def topk_positions(score: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_ef
 
 def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
            cfg: SfiConfig, k: int | torch.Tensor, *, k_cap: int | None = None,
-           exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           exclude: torch.Tensor | None = None, exclude_slot: torch.Tensor | None = None,
+           exclude_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The selected memory ``M_h`` of every (row, KV head) (ALGORITHMS.md §1 steps 1-5).
 
     Args:
@@ -266,6 +277,8 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
       exclude: ``[rows, Hkv, E]`` int positions per (row, head) whose final score is set to ``-inf``
         before the top-K (:func:`exclude_positions`; ``-1`` pads). They still count in ``|A|``: the
         caller lowers ``k`` by their number so that only finite scores are chosen.
+      exclude_slot, exclude_count: the table form of ``exclude`` and the entries that count
+        (:func:`exclude_positions`).
 
     Returns ``(selected, n_sel)``: ``selected [rows, Hkv, width]`` int32 positions sorted ascending,
     padded with -1 after the first ``n_sel[row]`` entries; ``n_sel [rows]`` int32 = ``min(k_eff, |A|)``
@@ -275,5 +288,5 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     width, k_eff = resolve_k(k, cfg, rows, key_norms.device, k_cap)
     score, _ = selector_scores(evidence, key_norms, lo, hi, cfg)
     score = span_dilate(score, lo, hi, cfg.select_span, cfg.select_span_back)
-    score = exclude_positions(score, exclude)
+    score = exclude_positions(score, exclude, exclude_slot, exclude_count)
     return topk_positions(score, lo, hi, k_eff, width)
