@@ -102,8 +102,11 @@ def test_config_bounds():
     SfiConfig(enabled=True, k=64, k_min=32, keep_prefill=32).validate()
     with pytest.raises(ConfigError, match="keep_prefill"):
         SfiConfig(enabled=True, k=64, k_min=32, keep_prefill=33).validate()
+    # quest: the pages fill the budget besides the kept tokens, and the spans shape the kept part
+    SfiConfig(enabled=True, k=64, selector="quest", keep_prefill=16, select_span=6,
+              select_span_back=6).validate()
     with pytest.raises(ConfigError, match="keep_prefill"):
-        SfiConfig(enabled=True, k=64, selector="quest", keep_prefill=16).validate()
+        SfiConfig(enabled=True, k=64, k_min=32, selector="quest", keep_prefill=48).validate()
     with pytest.raises(ConfigError, match="select_span_back"):
         SfiConfig(enabled=True, k=64, select_span=20, select_span_back=13).validate()
 

@@ -113,13 +113,23 @@ class SfiConfig:
     #     (max over the query heads of the GQA group) instead of a dense pass, keeps the best pages
     #     up to `k` tokens per KV head and attends over sink + those pages + the recent window in the
     #     same step. The first decode step after prefill is a selection step. Needs k a multiple of
-    #     page_size; select_span(_back), keep_prefill and schedule always_slow do not apply.
+    #     page_size; schedule always_slow does not apply. With `keep_prefill` P > 0 (ours, not in
+    #     either paper) the prefill end still makes SFI's selection (dense evidence of the prompt's
+    #     last `w_prefill` queries, `select_span(_back)` applied) and keeps its best P tokens for the
+    #     whole decode; the pages fill the other `k - P` (the question's evidence stays, each step's
+    #     query finds what it copies next). Without it select_span(_back) must be 0.
     selector: Literal["sfi", "quest"] = "sfi"
     page_size: int = 16                # Quest page in tokens (selector quest)
     # system
     max_requests: int | None = None    # requests holding SFI state at once; None = min(max_num_seqs, 32)
     dual_stream: bool = True           # selector + gather on a side stream (CUDA); False = serial
     side_stream_slots: int = 4         # evidence scratch ring shared by the side stream and the layers
+
+    @property
+    def prefill_end_selection(self) -> bool:
+        """The prefill end makes SFI's first selection from the prompt's last `w_prefill` queries
+        (always with selector "sfi"; with "quest" only for `keep_prefill`)."""
+        return self.selector != "quest" or self.keep_prefill > 0
 
     def validate(self) -> None:
         for name in ("k", "refresh", "w_prefill", "side_stream_slots"):
@@ -140,12 +150,10 @@ class SfiConfig:
             if self.k % self.page_size:
                 raise ConfigError(f"speedsfi.sfi.k ({self.k}) must be a multiple of sfi.page_size "
                                   f"({self.page_size}) with selector 'quest' (whole pages are kept)")
-            if self.select_span or self.select_span_back:
+            if (self.select_span or self.select_span_back) and not self.keep_prefill:
                 raise ConfigError("speedsfi.sfi.select_span and select_span_back must be 0 with selector "
-                                  "'quest' (the page is the unit of selection)")
-            if self.keep_prefill:
-                raise ConfigError("speedsfi.sfi.keep_prefill must be 0 with selector 'quest' (it makes no "
-                                  "prefill-end selection)")
+                                  "'quest' unless keep_prefill > 0 (the page is the unit of the decode-time "
+                                  "selection; the spans apply to the kept prefill-end selection only)")
             if self.schedule == "always_slow":
                 raise ConfigError("speedsfi.sfi.schedule 'always_slow' (dense decode) does not apply to "
                                   "selector 'quest'; use schedule 'periodic' with refresh 1 to select "

@@ -310,12 +310,12 @@ class RequestStateTable:
                                      row_is_decode=sfi_rows, seq_lens=seq_lens[:num_rows],
                                      block_table=block_table)
             if st.real and st.host_geometry is not None and self.sfi.cfg.selector == "quest":
-                # quest: no prefill-end selection (the first decode step selects); the prefill
-                # chunks write their pages' max/min of K
+                # quest: the prefill chunks write their pages' max/min of K; without keep_prefill
+                # there is no prefill-end selection (the first decode step selects)
                 sfi_step.quest_pages = self.sfi.plan_quest_pages(
                     num_reqs=num_reqs, row_slots=slots, row_is_decode=self._row_is_decode.np,
                     host_geometry=st.host_geometry)
-            elif st.real and st.host_geometry is not None:
+            if st.real and st.host_geometry is not None and self.sfi.cfg.prefill_end_selection:
                 sfi_step.prefill_end = self.sfi.plan_prefill_end(
                     num_reqs=num_reqs, row_slots=slots, row_is_decode=self._row_is_decode.np,
                     prompt_len=self.prompt_len_np, host_geometry=st.host_geometry,

@@ -147,9 +147,9 @@ def _scheduler_sfi_config(scheduler):
             from vllm_ext.backend.startup import resolve_config
 
             sfi = resolve_config(scheduler.vllm_config).sfi
-            # selector quest reads no prompt-tail queries (its first decode step selects, and its
-            # page tables cover a prefix hit): nothing to cut
-            cached = sfi if sfi.enabled and sfi.selector != "quest" else None
+            # selector quest without keep_prefill reads no prompt-tail queries (its first decode
+            # step selects, and its page tables cover a prefix hit): nothing to cut
+            cached = sfi if sfi.enabled and sfi.prefill_end_selection else None
         scheduler.__dict__["_speedsfi_sfi"] = cached
     return cached
 

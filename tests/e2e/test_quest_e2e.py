@@ -13,6 +13,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PROMPTS = random_prompts(lengths=(300, 40, 200), seed=5)
 QUEST = {"enabled": True, "selector": "quest", "page_size": 8, "k": 16, "k_min": 4, "n_sink": 4,
          "n_recent": 16, "schedule": "periodic", "refresh": 1}
+# SFI's prefill-end selection keeps 8 tokens; the pages fill the other 8 at every step
+QUEST_KEEP = dict(QUEST, keep_prefill=8, select_span=2, select_span_back=1)
 
 
 def _run(model, sfi=None, max_tokens=24):
@@ -48,10 +50,23 @@ def test_quest_small_budget_counts_its_rows(tiny_models, dense_tokens, refresh):
     assert 0.05 < stats[STAT_RETAINED] / stats[STAT_CONTEXT] < 0.5
 
 
-def test_quest_prefix_cache_hit_gives_the_same_tokens(tiny_models):
+def test_quest_with_kept_prefill_selection(tiny_models, dense_tokens):
+    tokens, stats, records = _run(tiny_models["qwen3"], QUEST_KEEP)
+    plain, _, _ = _run(tiny_models["qwen3"], QUEST)
+    assert tokens != dense_tokens and tokens != plain        # the kept tokens change what is read
+    assert stats[STAT_PREFILL_END] == len(PROMPTS)           # every prompt is longer than 4 + 16 + 16
+    views = [v for step in records for v in step.values() if v["mode"] in ("slow", "fast")]
+    assert stats[STAT_FAST] == stats[STAT_SLOW] == len(views) > 0
+    # the kept tokens are part of the budget: the same reads as without them
+    assert stats[STAT_RETAINED] == len(views) * (4 + 16 + 16)
+
+
+@pytest.mark.parametrize("sfi", [QUEST, QUEST_KEEP], ids=["quest", "quest_keep"])
+def test_quest_prefix_cache_hit_gives_the_same_tokens(tiny_models, sfi):
     # the second request hits the first one's cached blocks: its first own prefill chunk must write
-    # the pages of the cached prefix too (else its page scores would read zeros)
-    with engine(tiny_models["qwen3"], "SPEEDSFI", additional_config={"speedsfi": {"sfi": QUEST}},
+    # the pages of the cached prefix too (else its page scores would read zeros); with keep_prefill
+    # the hit stops before the prompt's last w_prefill positions (their queries make the kept set)
+    with engine(tiny_models["qwen3"], "SPEEDSFI", additional_config={"speedsfi": {"sfi": sfi}},
                 enable_prefix_caching=True) as llm:
         first = greedy(llm, PROMPTS[:1], max_tokens=24)
         greedy(llm, PROMPTS[2:], max_tokens=4)         # reuses the compact slot: its pages now differ

@@ -42,10 +42,11 @@ def make_cache(lens, gen, extra=2):
     return kv, bt.to(torch.int32)
 
 
-def brute_quest(q, kv, bt_row, t, cfg, scale, k, sel_from=None):
+def brute_quest(q, kv, bt_row, t, cfg, scale, k, sel_from=None, kept=None):
     """Brute-force Quest for one decode query ``q [Hq, D]`` at length ``t``: returns the output
     ``[Hq, D]`` and the selected positions per KV head. ``sel_from``: attend with a given selection
-    (a fast row reading an older one) instead of selecting now."""
+    (a fast row reading an older one) instead of selecting now. ``kept`` (per KV head): positions
+    attended besides the pages (``keep_prefill``), which the pages skip."""
     page = cfg.page_size
     keys, vals = gather_kv(kv, bt_row, torch.arange(t))                      # [H, t, D]
     hq = q.shape[0]
@@ -65,12 +66,13 @@ def brute_quest(q, kv, bt_row, t, cfg, scale, k, sel_from=None):
         chosen = []
         for p in sorted(range(len(bounds)), key=lambda p: (-bounds[p], p)):
             for j in range(p * page, min((p + 1) * page, t)):
-                if lo <= j < hi and len(chosen) < k:
+                if lo <= j < hi and len(chosen) < k and (kept is None or j not in kept[h]):
                     chosen.append(j)
         sels.append(sorted(chosen))
     out = torch.empty(hq, D)
     for h in range(HKV):
-        idx = sorted(set(range(min(cfg.n_sink, t))) | set(sels[h]) | set(range(max(t - cfg.n_recent, 0), t)))
+        idx = sorted(set(range(min(cfg.n_sink, t))) | set(sels[h]) | set(range(max(t - cfg.n_recent, 0), t))
+                     | set(kept[h] if kept is not None else ()))
         o, _ = attention_over(q[h * g:(h + 1) * g][None], keys[h:h + 1, idx], vals[h:h + 1, idx], scale)
         out[h * g:(h + 1) * g] = o[0]
     return out, sels
@@ -312,3 +314,67 @@ def test_fresh_slot_over_a_cached_context_writes_every_page(kernels):
             s = int(sfi_slot[i])
             live = -(-(n + 1) // page)
             torch.testing.assert_close(layer.page_reps[s, :, :live], want[s, :, :live], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kernels", ["twins", "triton"])
+def test_kept_prefill_tokens_stay_and_pages_fill_the_rest(kernels):
+    """``keep_prefill`` with the quest selector: the prefill end makes SFI's selection (spans
+    applied) and keeps its best P tokens; a decode selection row keeps them in place and the pages
+    fill the other ``k - P`` tokens among the positions not kept, in the same step."""
+    import dataclasses
+
+    from vllm_ext.backend.sfi_path import _prefill_end_select
+
+    if kernels == "triton" and not (HAS_TRITON and use_triton(torch.device("cpu"))):
+        pytest.skip("needs the Triton interpreter")
+    g, page, keep = 2, 8, 10
+    cfg = SfiConfig(enabled=True, selector="quest", page_size=page, k=32, k_min=4, n_sink=4, n_recent=12,
+                    keep_prefill=keep, select_span=2, select_span_back=1)
+    lens = [101, 140]
+    slots = [1, 0]
+    gen = torch.Generator().manual_seed(11)
+    kv, bt = make_cache(lens, gen, extra=4)
+    scale = D ** -0.5
+    hq = HKV * g
+    max_len = max(lens) + 8
+    plen = torch.tensor([n - 6 for n in lens], dtype=torch.int32)
+    ctx = torch_kernels() if kernels == "twins" else contextlib.nullcontext()
+    with ctx:
+        layer = SfiLayerBuffers(2, HKV, cfg, D, torch.float32, torch.device("cpu"), num_heads=hq,
+                                max_len=max_len)
+        assert layer.prompt_tail is not None, "the prefill-end selection needs the prompt's last queries"
+        rt = SfiRuntime(cfg, capacity=2, max_rows=2, num_heads=hq, num_kv_heads=HKV, head_size=D,
+                        max_len=max_len, device=torch.device("cpu"))
+        # the decode step writes the pages of the tokens after the prompt
+        quest_prefill_pages(kv, bt, QuestPrefillPages(
+            rows=torch.tensor([0, 1]), seq_lens=plen, first_page=torch.zeros(2, dtype=torch.int32),
+            sfi_slot=torch.tensor(slots, dtype=torch.int32), max_pages=-(-int(plen.max()) // page)), cfg, layer)
+        length = max_len
+        ev = torch.randn(2, HKV, length, generator=gen) * 3
+        norms = torch.rand(2, HKV, length, generator=gen) + 0.1
+        lo = torch.full((2,), cfg.n_sink, dtype=torch.int32)
+        hi = plen - cfg.n_recent
+        k = torch.full((2,), cfg.k, dtype=torch.int32)
+        _prefill_end_select(rt, cfg, layer, kv, bt, torch.tensor(slots, dtype=torch.int32), plen, ev, norms,
+                            lo, hi, k)
+        kept_ref, _ = torch_selector.select(ev, norms, lo, hi, dataclasses.replace(cfg, k_min=0), keep)
+        kept = [[sorted(layer.kept_pos[slots[r], h].tolist()) for h in range(HKV)] for r in range(2)]
+        for r in range(2):
+            for h in range(HKV):
+                assert kept[r][h] == sorted(kept_ref[r, h, :keep].tolist()), f"row {r} head {h}: kept"
+        kept_entries = layer.compact_kv[:, :, cfg.n_sink:cfg.n_sink + keep].clone()
+        # one decode step, both rows select (as SfiSlotTables.plan sets them with keep_prefill)
+        buffers = SfiPlanBuffers(2, 2, torch.device("cpu"))
+        plan, t = quest_plan(buffers, cfg, [SLOW, SLOW], lens, slots, bt)
+        plan.slow_kept[:2].fill_(keep)
+        plan.slow_k[:2].sub_(keep)
+        q = torch.randn(2, hq, D, generator=gen)
+        out = torch.zeros_like(q)
+        sfi_decode(q, kv, bt, t, plan, cfg, layer, rt, 0, scale, out, dense_done=False)
+    assert torch.equal(layer.compact_kv[:, :, cfg.n_sink:cfg.n_sink + keep], kept_entries)
+    assert layer.compact_len[slots].tolist() == [cfg.n_sink + cfg.k] * 2
+    for r in range(2):
+        ref, sel = brute_quest(q[r], kv, bt[r], lens[r], cfg, scale, cfg.k - keep, kept=kept[r])
+        for h in range(HKV):
+            assert not set(sel[h]) & set(kept[r][h]) and len(sel[h]) == cfg.k - keep
+        torch.testing.assert_close(out[r], ref, atol=2e-4, rtol=2e-4, msg=f"row {r}")

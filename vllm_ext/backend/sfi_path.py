@@ -34,18 +34,20 @@ from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
 
 
 def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
-              sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None, kept=None) -> None:
+              sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None, kept=None,
+              rest_cfg: SfiConfig | None = None) -> None:
     """Selector + gather of the rows ``[0, count)``. ``kept`` (``sfi.keep_prefill``, int32 per row):
     the tokens each row's prefill-end selection keeps (compact entries after the sink, positions in
     ``layer.kept_pos`` of its slot); the row then selects ``k`` more among the other positions (``k``
-    is the rest of its budget), and the gather writes them after the kept ones."""
+    is the rest of its budget) with ``rest_cfg`` (default: the decode-time selector's,
+    ``rt.rest_select_cfg``), and the gather writes them after the kept ones."""
     if kept is None:
         selected, n_sel = select(evidence, norms, lo, hi, rt.select_cfg, k, k_cap=cfg.k,
                                  workspace=rt.selector_workspace, count=count)
         gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
                        layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count)
         return
-    selected, n_sel = select(evidence, norms, lo, hi, rt.kept_select_cfg, k, k_cap=cfg.k,
+    selected, n_sel = select(evidence, norms, lo, hi, rest_cfg or rt.rest_select_cfg, k, k_cap=cfg.k,
                              workspace=rt.selector_workspace, count=count, exclude=layer.kept_pos,
                              exclude_slot=sfi_slot, exclude_count=kept)
     gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
@@ -54,10 +56,10 @@ def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, 
 
 def _prefill_end_select(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
                         sfi_slot, seq_lens, evidence, norms, lo, hi, k) -> None:
-    """The first selection of requests whose prefill ends (eager). With ``sfi.keep_prefill`` its best
-    ``min(keep_prefill, k)`` tokens are kept for the whole decode (``layer.kept_pos`` and the compact
-    entries after the sink) and the rest of the budget is selected as at a decode slow step: the
-    union is the top-``k`` of the scores, as without keeping."""
+    """The first selection of requests whose prefill ends (eager; SFI's selector in either mode). With
+    ``sfi.keep_prefill`` its best ``min(keep_prefill, k)`` tokens are kept for the whole decode
+    (``layer.kept_pos`` and the compact entries after the sink) and the rest of the budget is selected
+    from the same scores: the union is the top-``k``, as without keeping."""
     if not cfg.keep_prefill:
         _maintain(rt, cfg, layer, kv_cache, block_table, sfi_slot, seq_lens, evidence, norms, lo, hi, k)
         return
@@ -67,8 +69,10 @@ def _prefill_end_select(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, 
     layer.kept_pos.index_copy_(0, sfi_slot.long(), kept_sel[:, :, :cfg.keep_prefill])
     gather_compact(kv_cache, block_table, sfi_slot, kept_sel, n_kept, cfg.n_sink, layer.compact_kv,
                    layer.compact_len, seq_lens=seq_lens)
+    # the rest from the same (SFI) evidence, also in quest mode: its pages replace it at the first
+    # decode selection
     _maintain(rt, cfg, layer, kv_cache, block_table, sfi_slot, seq_lens, evidence, norms, lo, hi,
-              (k - n_kept).clamp_min(0), kept=n_kept)
+              (k - n_kept).clamp_min(0), kept=n_kept, rest_cfg=rt.kept_select_cfg)
 
 
 def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -177,7 +181,9 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
     2. dense rows attend densely (unless ``dense_done``);
     3. selection rows (the plan's slow rows) write the page bounds as pooled log evidence into the
        ring scratch, and the selector (neutral refinements) + gather refresh their compact segments
-       now, on the main stream: the selection is used in this step;
+       now, on the main stream: the selection is used in this step. With ``sfi.keep_prefill`` the
+       pages fill the budget besides the tokens the prefill-end selection (SFI's) keeps, and the
+       gather writes them after those;
     4. fast rows, the selection rows included (the plan marks them fast too), attend over the
        compact segment + the recent window ``[t - n_recent, t)`` (the selection's allowed set ends
        at ``t - n_recent``, so the two are disjoint and cover sink + selected + recent).
@@ -198,7 +204,8 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
                             count=step.slow_count)
         _maintain(rt, cfg, layer, kv_cache, step.slow_block_table, step.slow_sfi_slot,
                   step.slow_seq, scratch.log_evidence, scratch.key_norms, step.slow_lo,
-                  step.slow_hi, step.slow_k, step.slow_count)
+                  step.slow_hi, step.slow_k, step.slow_count,
+                  kept=step.slow_kept if cfg.keep_prefill else None)
     if not on_cpu or bool(fast.any()):
         two_segment_decode(query, kv_cache, block_table, seq_lens, step.recent_start[:rows],
                            layer.compact_kv, layer.compact_len, step.row_sfi_slot[:rows], scale, out,

@@ -55,7 +55,7 @@ class SfiLayerBuffers:
         # [n_sink, n_sink + n_kept)), which decode-time selections exclude
         self.kept_pos = (torch.full((capacity, num_kv_heads, cfg.keep_prefill), -1, dtype=torch.int32,
                                     device=device) if cfg.keep_prefill else None)
-        self.prompt_tail = (None if num_heads is None or quest else
+        self.prompt_tail = (None if num_heads is None or not cfg.prefill_end_selection else
                             PromptTailQueries(capacity, cfg.w_prefill, num_heads, head_size, dtype,
                                               device))
         self.page_reps = None
@@ -72,7 +72,7 @@ class SfiLayerBuffers:
 
         elem = torch.empty((), dtype=dtype).element_size()
         quest = cfg.selector == "quest"
-        tail = (0 if num_heads is None or quest else
+        tail = (0 if num_heads is None or not cfg.prefill_end_selection else
                 PromptTailQueries.nbytes(capacity, cfg.w_prefill, num_heads, head_size, dtype))
         pages = 0
         if quest and max_len is not None:
@@ -180,8 +180,11 @@ class SfiRuntime:
         else:
             self.select_cfg = cfg
         # sfi.keep_prefill: the kept and the decode-time selections take exact budgets (their sum is
-        # the request's k; k_min applies to that sum through the config's validation)
-        self.kept_select_cfg = dataclasses.replace(self.select_cfg, k_min=0)
+        # the request's k; k_min applies to that sum through the config's validation). The
+        # prefill-end selection is SFI's in either mode (quest with keep_prefill: its pages select
+        # the rest at decode time)
+        self.kept_select_cfg = dataclasses.replace(cfg, k_min=0)
+        self.rest_select_cfg = dataclasses.replace(self.select_cfg, k_min=0)
         self.ring = MaintenanceRing([SfiScratch.allocate(capacity, num_kv_heads, max_len, device)
                                      for _ in range(n)], device, dual)
         if self.quest:

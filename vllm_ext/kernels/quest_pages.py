@@ -93,7 +93,7 @@ def quest_selector_config(cfg: SfiConfig) -> SfiConfig:
     move a token away from its page's score (no prior, no fusion, no Soft-NMS, no cross-head
     exclusivity, no span), so the top-K keeps pages whole (ties: the lower position first)."""
     return dataclasses.replace(cfg, w_k=0.0, w_pos=0.0, lambda_max=0.0, mu=0.0, lam_x=0.0,
-                               select_span=0)
+                               select_span=0, select_span_back=0, keep_prefill=0)
 
 
 def _check(query, reps, rows, out) -> None:
