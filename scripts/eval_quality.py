@@ -346,7 +346,28 @@ def markdown_table(table, tasks, lengths=None) -> str:
                          + " | ".join(pct([r for r in rows if r["task"] == t], "correct") for t in tasks)
                          + f" | **{pct(rows, 'correct')}** | {pct(rows, 'agree')} |")
         blocks.append(lines)
+    notes = [line for c in table if (line := page_table_note(c))]
+    if notes:
+        blocks.append(["\nNot in the read fraction: each Quest selection also reads the page table (max and min "
+                       "of K per page: 2 vectors per `page_size` keys = 1/page_size of the KV bytes):", ""]
+                      + notes)
     return "\n".join("\n".join(b) for b in blocks)
+
+
+def page_table_note(c) -> str | None:
+    """Selector quest: the page-table read as a fraction of the fast steps' context (selections /
+    fast steps / page_size; in quest mode every sparse row is a fast row)."""
+    sfi = c.get("speedsfi", {}).get("sfi", {})
+    if sfi.get("selector") != "quest":
+        return None
+    page = sfi.get("page_size", 16)
+    slow = sum(v.get("slow_steps", 0) for v in c["per_length"].values())
+    fast = sum(v.get("fast_steps", 0) for v in c["per_length"].values())
+    if not fast:
+        return None
+    extra = slow / fast / page
+    return (f"- {c['name']}: page {page}, {slow} selections / {fast} fast steps: +{extra:.3f} "
+            f"(fast-step read incl. the page table {c['fast_retained_fraction'] + extra:.3f})")
 
 
 def write_report(path, meta, table) -> str:

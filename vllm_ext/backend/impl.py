@@ -97,10 +97,13 @@ class SpeedSfiImpl(AttentionImpl):
                 metrics.log_once("sfi_buffers", "vllm_ext: SFI (selector quest) per layer %.1f MiB: "
                                  "compact segments C %d request slots x Hkv %d x (n_sink + k) %d "
                                  "entries x 2D + page max/min of K (C + 1) x 2 x ceil(max_model_len "
-                                 "%d / page_size %d) x Hkv x D (%.2f MiB)", layer_mib,
+                                 "%d / page_size %d) x Hkv x D (%.2f MiB)%s", layer_mib,
                                  self._sfi_capacity, self.num_kv_heads,
                                  self.config.sfi.n_sink + self.config.sfi.k, self._max_len,
-                                 self.config.sfi.page_size, self._sfi_layer.page_reps.nbytes / 2**20)
+                                 self.config.sfi.page_size, self._sfi_layer.page_reps.nbytes / 2**20,
+                                 "" if self._sfi_layer.prompt_tail is None else
+                                 " + prompt-tail queries (keep_prefill) %.2f MiB"
+                                 % (self._sfi_layer.prompt_tail.queries.nbytes / 2**20))
             else:
                 metrics.log_once("sfi_buffers", "vllm_ext: SFI per layer %.1f MiB: compact segments C "
                                  "%d request slots x Hkv %d x (n_sink + k) %d entries x 2D + "
