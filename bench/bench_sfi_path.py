@@ -20,6 +20,15 @@ What runs per decode step, for ``steps`` (>= 256) steps with the context growing
 - ``sfi_serial``: the same with maintenance on the main stream (``dual_stream = false``);
 - ``sfi_fast_only``: no triggers and no refresh after the first selection: every step fast.
 
+With ``--modes`` (``bench/QUALITY.md``, Quest-style selection; results in ``sfi_path_quest.json``):
+- ``quest``: ``sfi.selector = "quest"`` with 16-token pages and a selection every step (schedule
+  periodic, refresh 1): each layer updates its newest page's max/min of K, scores every page with the
+  query, runs the selector's top-K over the context and gathers ``k`` tokens, then the two-segment pass;
+- ``quest_keep``: the same with 8-token pages and ``keep_prefill`` = k/2 (the quality runs' best): the
+  kept half stays, each step selects and gathers the other half. Per layer the page table is
+  ``(batch + 1) x 2 x ctx/page x Hkv x D``; it is shared by all layers here (as the KV cache), so the
+  bytes read per layer are a real model's.
+
 The schedule is realistic: each row's last token is a trigger with probability 1/24 per step (a
 sentence end every ~24 tokens, as in prose) on top of the refresh budget (32); the rows' phases are
 random, so at batch 16 most steps carry a slow row. ``sfi_ms`` is the mean per step over the whole
@@ -90,6 +99,7 @@ class PathLoop:
         self.ws_dense = dense_decode_workspace(batch, hq, d, self.ns_dense, device)
         self.layers = [SfiLayerBuffers(batch, hkv, sfi_cfg, d, dtype, device)
                        for _ in range(cfg["layers"])]
+        self.quest = {}                      # mode -> (cfg, layers, runtime), built on first use
         self.runtimes = {dual: SfiRuntime(dataclasses.replace(sfi_cfg, dual_stream=dual),
                                           capacity=batch, max_rows=batch, num_heads=hq,
                                           num_kv_heads=hkv, head_size=d, max_len=self.max_len,
@@ -101,11 +111,49 @@ class PathLoop:
         self.no_triggers = torch.full_like(self.tokens, 7)
 
     # ------------------------------------------------------------------ state
-    def make_tables(self, *, fast_only: bool):
+    def quest_state(self, mode: str):
+        """Quest modes: their config, per-layer buffers (one page table shared by all layers, filled
+        from the shared KV cache) and runtime."""
+        if mode in self.quest:
+            return self.quest[mode]
+        from vllm_ext.backend.sfi_path import quest_prefill_pages
+        from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+        from vllm_ext.sfi.slot_tables import QuestPrefillPages
+
+        base = dict(selector="quest", schedule="periodic", refresh=1, dual_stream=False)
+        keep = self.sfi_cfg.k // 2 if mode == "quest_keep" else 0
+        cfg = dataclasses.replace(self.sfi_cfg, **base, page_size=8 if keep else 16, keep_prefill=keep,
+                                  select_span=6 if keep else 0, select_span_back=6 if keep else 0)
+        cfg.validate()
+        hq, hkv, d = self.cfg["hq"], self.cfg["hkv"], self.cfg["d"]
+        first = SfiLayerBuffers(self.batch, hkv, cfg, d, self.dtype, self.device, max_len=self.max_len)
+        idx = torch.arange(self.batch, device=self.device)
+        quest_prefill_pages(self.kv_cache, self.block_table, QuestPrefillPages(
+            rows=idx, seq_lens=torch.full((self.batch,), self.ctx, dtype=torch.int32, device=self.device),
+            first_page=torch.zeros(self.batch, dtype=torch.int32, device=self.device),
+            sfi_slot=idx.to(torch.int32), max_pages=-(-self.ctx // cfg.page_size)), cfg, first)
+        layers = [first]
+        for _ in range(self.cfg["layers"] - 1):
+            layer = SfiLayerBuffers(self.batch, hkv, dataclasses.replace(cfg, selector="sfi"), d,
+                                    self.dtype, self.device)
+            layer.page_reps = first.page_reps
+            layers.append(layer)
+        for layer in layers:
+            layer.compact_len.fill_(cfg.n_sink + cfg.k)
+            if keep:
+                # kept positions spread over the context; their entries were gathered at prefill end
+                pos = torch.linspace(cfg.n_sink, self.ctx - cfg.n_recent - 1, keep, device=self.device)
+                layer.kept_pos = pos.to(torch.int32).expand(self.batch, hkv, keep).contiguous()
+        rt = SfiRuntime(cfg, capacity=self.batch, max_rows=self.batch, num_heads=hq, num_kv_heads=hkv,
+                        head_size=d, max_len=self.max_len, device=self.device)
+        self.quest[mode] = (cfg, layers, rt)
+        return self.quest[mode]
+
+    def make_tables(self, *, fast_only: bool, cfg=None):
         from vllm_ext.config import SpeedSfiConfig
         from vllm_ext.sfi.slot_tables import SfiSlotTables
 
-        cfg = self.sfi_cfg
+        cfg = cfg or self.sfi_cfg
         if fast_only:
             cfg = dataclasses.replace(cfg, refresh=10 ** 9)
         lut = torch.zeros(16, dtype=torch.bool, device=self.device)
@@ -121,7 +169,13 @@ class PathLoop:
         t.apply_resets(idx, idx.to(torch.int32),
                        torch.full_like(idx, self.sfi_cfg.k, dtype=torch.int32),
                        torch.ones_like(idx, dtype=torch.bool))
-        if not fast_only:
+        if t.cfg.selector == "quest":
+            # the prefill wrote the context's pages; with keep_prefill it kept k/2 tokens
+            t.page_upto[: self.batch] = self.ctx
+            t.has_selection[: self.batch] = True
+            if t.cfg.keep_prefill:
+                t.n_kept[: self.batch] = t.cfg.keep_prefill
+        elif not fast_only:
             # stagger the refresh phases (requests started at different times)
             g = torch.Generator(device="cpu").manual_seed(1)
             t.steps_since_slow[: self.batch] = torch.randint(
@@ -145,6 +199,9 @@ class PathLoop:
         from vllm_ext.backend.sfi_path import sfi_decode
         from vllm_ext.kernels.dense_decode_evidence import paged_decode
 
+        sfi_cfg, layers = self.sfi_cfg, self.layers
+        if mode.startswith("quest"):
+            sfi_cfg, layers, _ = self.quest_state(mode)
         cfg = self.cfg
         hq, hkv, d = cfg["hq"], cfg["hkv"], cfg["d"]
         x = self.x0
@@ -158,8 +215,8 @@ class PathLoop:
                 paged_decode(q, self.kv_cache, self.block_table, self.seq_lens, self.scale,
                              self.attn_out, num_splits=self.ns_dense, workspace=self.ws_dense)
             else:
-                sfi_decode(q, self.kv_cache, self.block_table, self.seq_lens, plan, self.sfi_cfg,
-                           self.layers[li], rt, li, self.scale, self.attn_out, dense_done=False)
+                sfi_decode(q, self.kv_cache, self.block_table, self.seq_lens, plan, sfi_cfg,
+                           layers[li], rt, li, self.scale, self.attn_out, dense_done=False)
             x = x + self.attn_out.reshape(-1, hq * d) @ self.w_o.t()
             gu = self._rms(x) @ self.w_gu.t()
             gg, u = gu.chunk(2, dim=-1)
@@ -174,8 +231,12 @@ class PathLoop:
         dev = self.device
         cuda = dev.type == "cuda"
         fast_only = mode == "sfi_fast_only"
-        rt = None if mode == "dense" else self.runtimes[mode == "sfi" and cuda]
-        tables = None if mode == "dense" else self.make_tables(fast_only=fast_only)
+        if mode.startswith("quest"):
+            qcfg, _, rt = self.quest_state(mode)
+            tables = self.make_tables(fast_only=False, cfg=qcfg)
+        else:
+            rt = None if mode == "dense" else self.runtimes[mode == "sfi" and cuda]
+            tables = None if mode == "dense" else self.make_tables(fast_only=fast_only)
         tokens = self.no_triggers if fast_only else self.tokens
         rows = torch.arange(self.batch, dtype=torch.int32, device=dev)
         decode = torch.ones(self.batch, dtype=torch.int32, device=dev)
@@ -242,6 +303,10 @@ class PathLoop:
         t = self.ctx + self.steps / 2
         if mode == "dense":
             kv = self.batch * t * per_tok
+        elif mode.startswith("quest"):
+            s, _, _ = self.quest_state(mode)
+            # sink + selected + recent, and the page table (2 vectors per page vs 2 per token)
+            kv = self.batch * (s.n_sink + s.k + s.n_recent + t / s.page_size) * per_tok
         else:
             s = self.sfi_cfg
             fast = s.n_sink + s.k + s.n_recent
@@ -265,6 +330,9 @@ def main(argv=None):
         ap.add_argument("--ctxs", default=None, help="comma list of contexts")
         ap.add_argument("--batches", default=None, help="comma list of batch sizes")
         ap.add_argument("--steps", type=int, default=None)
+        ap.add_argument("--modes", default=None,
+                        help="comma list of modes (default: dense,sfi,sfi_serial,sfi_fast_only on CUDA); "
+                             "with quest or quest_keep the results go to sfi_path_quest.json")
         ap.add_argument("--profile", default=None, metavar="MODE",
                         help="instead of the sweep: torch.profiler kernel table of MODE (dense, sfi, "
                              "sfi_fast_only) for the first model/ctx/batch, written to "
@@ -284,6 +352,12 @@ def main(argv=None):
     rows = []
     modes = ["dense", "sfi", "sfi_serial", "sfi_fast_only"] if dev.type == "cuda" else \
         ["dense", "sfi", "sfi_fast_only"]
+    if args.modes:
+        modes = args.modes.split(",")
+        unknown = set(modes) - {"dense", "sfi", "sfi_serial", "sfi_fast_only", "quest", "quest_keep"}
+        if unknown or (dev.type != "cuda" and "sfi_serial" in modes):
+            raise SystemExit(f"bench_sfi_path: unknown modes {sorted(unknown)} (sfi_serial needs CUDA)")
+    quest_run = any(m.startswith("quest") for m in modes)
     for name, cfg in models.items():
         for ctx in ctxs:
             for batch in batches:
@@ -303,6 +377,12 @@ def main(argv=None):
                         if mode == "sfi":
                             row["slow_fraction"] = r["slow_fraction"]
                             row["slow_rows"] = r["slow_rows"]
+                        if mode.startswith("quest"):
+                            row[f"{mode}_selection_rows"] = r["slow_rows"]
+                            if "dense_ms" in row:
+                                row[f"{mode}_speedup"] = row["dense_ms"] / r["ms"]
+                                b = loop.bytes_per_step(mode)
+                                row[f"{mode}_kv_gbps"] = (b["weights"] + b["kv"]) / r["ms"] / 1e6
                 if "dense_ms" in row and "sfi_ms" in row:
                     row["speedup"] = row["dense_ms"] / row["sfi_ms"]
                     b = loop.bytes_per_step("sfi", row.get("slow_fraction", 0.0))
@@ -320,7 +400,9 @@ def main(argv=None):
                       f"  sfi {row.get('sfi_ms', 0):7.2f} ms (serial {row.get('sfi_serial_ms', 0):7.2f})"
                       f"  fast-only {row.get('fast_only_ms', 0):7.2f} ms  slow rows "
                       f"{row.get('slow_fraction', 0):.3f}  speed-up {row.get('speedup', 0):.2f}x"
-                      f" (fast-only {row.get('speedup_fast_only', 0):.2f}x)", flush=True)
+                      f" (fast-only {row.get('speedup_fast_only', 0):.2f}x)"
+                      + "".join(f"  {m} {row[m + '_ms']:7.2f} ms ({row.get(m + '_speedup', 0):.2f}x)"
+                                for m in ("quest", "quest_keep") if m + "_ms" in row), flush=True)
                 del loop
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
@@ -332,15 +414,26 @@ def main(argv=None):
                    timing="mean per step over the whole run (plan eager + step replayed from a "
                           "CUDA graph), CUDA events around the loop",
                    kv_gbps="(weights + KV bytes the step must read) / sfi_ms",
-                   rows=rows)
-    write_json(args.out, "sfi_path", payload)
+                   modes=modes, rows=rows)
+    stem = "sfi_path_quest" if quest_run else "sfi_path"
+    if quest_run:
+        payload["quest"] = ("selector quest, refresh 1: quest = page 16; quest_keep = page 8 with "
+                            "keep_prefill k/2; quest*_kv_gbps counts the page table read (ctx/page "
+                            "entries of 2 vectors per KV head)")
+    write_json(args.out, stem, payload)
     series = {}
     for name in models:
         for batch in batches:
             rs = [r for r in rows if r["model"] == name and r["batch"] == batch and "speedup" in r]
             if rs:
                 series[f"{name} b{batch}"] = ([r["ctx"] for r in rs], [r["speedup"] for r in rs])
-    plot(args.out, "sfi_path", f"SFI path speed-up over dense, whole run ({env['gpu']})",
+    for name in models:
+        for batch in batches:
+            for m in ("quest", "quest_keep"):
+                rs = [r for r in rows if r["model"] == name and r["batch"] == batch and f"{m}_speedup" in r]
+                if rs:
+                    series[f"{name} b{batch} {m}"] = ([r["ctx"] for r in rs], [r[f"{m}_speedup"] for r in rs])
+    plot(args.out, stem, f"SFI path speed-up over dense, whole run ({env['gpu']})",
          "context (tokens)", "speed-up (x)", series, logx=True)
     return payload
 

@@ -22,11 +22,11 @@ def _load(name):
         sys.path.remove(str(BENCH))
 
 
-def _run(name, tmp_path, monkeypatch):
+def _run(name, tmp_path, monkeypatch, *args):
     # parse_args sets SPEEDSFI_FORCE_TORCH_KERNELS; keep it scoped to this test
     monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "1")
     mod = _load(name)
-    mod.main(["--smoke", "--out", str(tmp_path)])
+    mod.main(["--smoke", "--out", str(tmp_path), *args])
     return mod
 
 
@@ -118,6 +118,20 @@ def test_bench_sfi_path_smoke(tmp_path, monkeypatch):
         assert r["speedup"] == pytest.approx(r["dense_ms"] / r["sfi_ms"])
         assert r["speedup_fast_only"] == pytest.approx(r["dense_ms"] / r["fast_only_ms"])
     _png(tmp_path, "sfi_path")
+
+
+def test_bench_sfi_path_quest_modes_smoke(tmp_path, monkeypatch):
+    """The Quest modes of the whole-path bench: every decode row of every step selects (refresh 1),
+    and the speed-ups and bandwidths follow from the times and the bytes (page table included)."""
+    _run("bench_sfi_path", tmp_path, monkeypatch, "--modes", "dense,quest,quest_keep")
+    d = _json(tmp_path, "sfi_path_quest")
+    assert d["modes"] == ["dense", "quest", "quest_keep"] and "page table" in d["quest"]
+    for r in d["rows"]:
+        for m in ("quest", "quest_keep"):
+            assert r[f"{m}_selection_rows"] == r["steps"] * r["batch"]
+            assert r[f"{m}_speedup"] == pytest.approx(r["dense_ms"] / r[f"{m}_ms"])
+            assert r[f"{m}_kv_gbps"] > 0
+    _png(tmp_path, "sfi_path_quest")
 
 
 def test_bench_speed_smoke(tmp_path, monkeypatch):
