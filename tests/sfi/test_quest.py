@@ -158,11 +158,12 @@ DENSE, SLOW, FAST, PAD = "dense", "slow", "fast", "pad"
 
 
 def quest_plan(buffers, cfg, modes, lens, slots, bt):
-    t = torch.tensor([0 if m == PAD else n for m, n in zip(modes, lens)], dtype=torch.int32)
-    slow = torch.tensor([m == SLOW for m in modes])
-    sparse = torch.tensor([m in (SLOW, FAST) for m in modes])
-    s = torch.tensor(slots, dtype=torch.int32)
-    on = torch.tensor([m != PAD for m in modes])
+    dev = bt.device
+    t = torch.tensor([0 if m == PAD else n for m, n in zip(modes, lens)], dtype=torch.int32, device=dev)
+    slow = torch.tensor([m == SLOW for m in modes], device=dev)
+    sparse = torch.tensor([m in (SLOW, FAST) for m in modes], device=dev)
+    s = torch.tensor(slots, dtype=torch.int32, device=dev)
+    on = torch.tensor([m != PAD for m in modes], device=dev)
     return write_plan(buffers, len(modes), slow=slow, fast=sparse, sparse=sparse,
                       row_sfi_slot=torch.where(sparse, s, 0), k=torch.full_like(t, cfg.k),
                       recent_start=torch.clamp(t - cfg.n_recent, min=0),
@@ -378,3 +379,106 @@ def test_kept_prefill_tokens_stay_and_pages_fill_the_rest(kernels):
         for h in range(HKV):
             assert not set(sel[h]) & set(kept[r][h]) and len(sel[h]) == cfg.k - keep
         torch.testing.assert_close(out[r], ref, atol=2e-4, rtol=2e-4, msg=f"row {r}")
+
+
+def _quest_sequence(device: str, *, keep: int, capture: bool, twins: bool):
+    """Quest (``keep`` > 0: with ``keep_prefill``) over a sequence of steps whose rows flip between
+    selection, dense and padding: the outputs of every step. ``capture``: the step is captured once
+    in a CUDA graph and replayed with each plan (the plan buffers rewritten in place)."""
+    cfg = SfiConfig(enabled=True, selector="quest", page_size=8, k=24, k_min=4, n_sink=4, n_recent=12,
+                    keep_prefill=keep, select_span=2 if keep else 0, select_span_back=1 if keep else 0)
+    g = 2
+    lens = [100, 130, 77]
+    slots = [1, 0, 2]
+    gen = torch.Generator().manual_seed(21)
+    kv, bt = make_cache([n + 4 for n in lens], gen, extra=4)
+    kv, bt = kv.to(device), bt.to(device)
+    scale = D ** -0.5
+    hq = HKV * g
+    max_len = max(lens) + 12
+    sequence = [[SLOW, SLOW, DENSE], [SLOW, PAD, SLOW], [DENSE, SLOW, SLOW], [SLOW, SLOW, SLOW]]
+    qs = [torch.randn(3, hq, D, generator=gen).to(device) for _ in sequence]
+    dev = torch.device(device)
+    ctx = torch_kernels() if twins else contextlib.nullcontext()
+    with ctx:
+        layer = SfiLayerBuffers(3, HKV, cfg, D, torch.float32, dev, num_heads=hq, max_len=max_len)
+        rt = SfiRuntime(cfg, capacity=3, max_rows=3, num_heads=hq, num_kv_heads=HKV, head_size=D,
+                        max_len=max_len, device=dev)
+        buffers = SfiPlanBuffers(3, 3, dev)
+        quest_prefill_pages(kv, bt, QuestPrefillPages(
+            rows=torch.arange(3, device=dev), seq_lens=torch.tensor([n - 1 for n in lens], dtype=torch.int32,
+                                                                    device=dev),
+            first_page=torch.zeros(3, dtype=torch.int32, device=dev),
+            sfi_slot=torch.tensor(slots, dtype=torch.int32, device=dev),
+            max_pages=-(-max(lens) // 8)), cfg, layer)
+        if keep:
+            # a prefill end kept `keep` positions per slot (their entries after the sink)
+            pos = torch.arange(cfg.n_sink, cfg.n_sink + 3 * keep, 3, dtype=torch.int32, device=dev)
+            layer.kept_pos.copy_(pos.expand_as(layer.kept_pos))
+            layer.compact_kv[:, :, cfg.n_sink:cfg.n_sink + keep] = 0.5
+
+        def plan(i):
+            modes = sequence[i]
+            p, t = quest_plan(buffers, cfg, modes, [n + i for n in lens], slots, bt)
+            if keep:                                  # what SfiSlotTables.plan adds
+                live = p.slow_sfi_slot >= 0
+                p.slow_kept.copy_(torch.where(live, keep, 0))
+                p.slow_k.sub_(p.slow_kept)
+            return p, t
+
+        outs = []
+        q_in = torch.empty_like(qs[0])
+        out = torch.empty_like(qs[0])
+        t_in = torch.zeros(3, dtype=torch.int32, device=dev)
+        p0, t0 = plan(0)
+
+        def step():
+            sfi_decode(q_in, kv, bt, t_in, p0, cfg, layer, rt, 0, scale, out, dense_done=False)
+
+        graph = None
+        if capture:
+            t_in.copy_(t0)
+            q_in.copy_(qs[0])
+            step()                                    # warm-up (compiles) outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        for i, q in enumerate(qs):
+            _, t = plan(i)                            # rewrites the same plan buffers
+            t_in.copy_(t)
+            q_in.copy_(q)
+            out.fill_(7.0)
+            if graph is not None:
+                graph.replay()
+                torch.cuda.synchronize()
+            else:
+                step()
+            outs.append([None if m == PAD else out[r].clone().cpu() for r, m in enumerate(sequence[i])])
+    return outs
+
+
+def _same_outputs(got, want, atol):
+    for i, (a, b) in enumerate(zip(got, want)):
+        for r, (x, y) in enumerate(zip(a, b)):
+            if y is not None:
+                torch.testing.assert_close(x, y, atol=atol, rtol=atol, msg=lambda s: f"step {i} row {r}: {s}")
+
+
+@pytest.mark.parametrize("keep", [0, 8])
+def test_quest_steps_with_rows_flipping_modes_kernels_equal_twins(keep):
+    if not (HAS_TRITON and use_triton(torch.device("cpu"))):
+        pytest.skip("needs the Triton interpreter")
+    _same_outputs(_quest_sequence("cpu", keep=keep, capture=False, twins=False),
+                  _quest_sequence("cpu", keep=keep, capture=False, twins=True), 2e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("keep", [0, 8])
+def test_quest_step_replays_from_a_cuda_graph(keep):
+    """One capture of the quest path (page update, page scores, selector with the kept positions
+    excluded, gather after them, two-segment pass), replayed with plans whose rows flip modes: each
+    replay equals the eager twins on the same sequence."""
+    _same_outputs(_quest_sequence("cuda", keep=keep, capture=True, twins=False),
+                  _quest_sequence("cuda", keep=keep, capture=False, twins=True), 2e-3)
