@@ -17,7 +17,11 @@ batch (= slow rows) 1 / 4 / 16:
   ``selector_span4_ms``: the same with ``sfi.select_span = 4`` (bench/QUALITY.md);
   ``selector_keep_ms``: a decode slow step with ``sfi.keep_prefill = K/2``, ``select_span = 6``,
   ``select_span_back = 6`` (the K/2 kept positions excluded, the other K/2 selected; bench/QUALITY.md);
-- ``gather_ms``: ``gather_compact`` of sink + K selected entries per (row, KV head).
+- ``gather_ms``: ``gather_compact`` of sink + K selected entries per (row, KV head);
+- ``quest_page16_evidence_ms`` / ``quest_page8_evidence_ms``: ``sfi.selector = "quest"``: the page
+  scores of the batch's queries over the page table (``ctx/page`` max/min pairs per KV head), which
+  replace the dense pass; a Quest selection is that + the selector (neutral refinements, about
+  ``selector_ms``) + the gather, at every step with ``refresh`` 1 (bench/QUALITY.md).
 
 ``maintenance_ms`` = selector + gather (what the side stream runs per layer) and
 ``maintenance_over_dense`` = maintenance / dense, against the issue-9 target of 0.15 at 32K-128K;
@@ -41,6 +45,7 @@ from common import (BASELINE_NOTE, DecodeProblem, device_for, env_info, gbps, pa
                     time_op, write_json)
 
 SPAN = 4                               # sfi.select_span timed beside the paper's selector
+QUEST_PAGES = (16, 8)                  # sfi.page_size of the timed Quest page scores
 TARGET = 0.15                          # issue 9: selector + gather <= 15 % of the layer's dense attention
 
 
@@ -185,6 +190,17 @@ def run_config(ctx: int, batch: int, sh: dict, dev: torch.device, mod, SfiConfig
                     mod, SfiConfig, sh, ev, kn, lo, hi, kt - half, dev, 6, 6, exclude=kept)["ms"]
             except Exception as exc:
                 row["selector_keep_error"] = f"{type(exc).__name__}: {exc}"[:400]
+        for page in QUEST_PAGES:       # selector quest: the page scores that replace the dense pass
+            try:
+                from vllm_ext.kernels.quest_pages import page_count, quest_page_evidence
+                g = torch.Generator(device="cpu").manual_seed(page)
+                reps = torch.randn(b, 2, page_count(ctx, page), hkv, prob.d, generator=g).to(dev, prob.dtype)
+                ent = torch.arange(b, dtype=torch.int32, device=dev)
+                row[f"quest_page{page}_evidence_ms"] = time_op(lambda: quest_page_evidence(
+                    prob.query, reps, prob.scale, ent, ent, lo, hi, page, ev), dev)["ms"]
+                del reps
+            except Exception as exc:
+                row[f"quest_page{page}_error"] = f"{type(exc).__name__}: {exc}"[:400]
     if "selector_ms" not in row:
         # random selection for the gather timing
         g = torch.Generator(device="cpu").manual_seed(0)
