@@ -49,6 +49,7 @@ def _in_unit(name: str, v: float, *, closed_low: bool = True) -> None:
 
 MAX_SELECT_SPAN = 32
 MAX_PAGE_SIZE = 256
+MAX_QUEST_RERANK = 16
 MAX_SENTENCE_COOLDOWN = 1 << 20       # the per-slot trigger state packs it with one flag in an int32
 
 
@@ -122,6 +123,12 @@ class SfiConfig:
     #     page_size 8 the best quality at <= 20 % retained on both quality models.
     selector: Literal["sfi", "quest"] = "sfi"
     page_size: int = 16                # Quest page in tokens (selector quest)
+    # not in Quest (ours): with selector "quest", a selection row takes the tokens of its best pages by
+    # bound, `quest_rerank` times its budget, as candidates, reads their K and keeps the candidates
+    # with the best exact logit (max over the GQA group's query heads): token granular, and no longer
+    # misled by a loose bound (bench/QUALITY.md, "Exact logits of the Quest candidates"). Costs K of
+    # `quest_rerank * budget` tokens per selection besides the page scan. 0 = Quest's page selection.
+    quest_rerank: int = 0
     # system
     max_requests: int | None = None    # requests holding SFI state at once; None = min(max_num_seqs, 32)
     dual_stream: bool = True           # selector + gather on a side stream (CUDA); False = serial
@@ -144,6 +151,13 @@ class SfiConfig:
                               f"{self.select_span_back}) must be <= {MAX_SELECT_SPAN} (the window's halo in "
                               "the selector's score kernel)")
         _positive("sfi.page_size", self.page_size)
+        _non_negative("sfi.quest_rerank", self.quest_rerank)
+        if self.quest_rerank > MAX_QUEST_RERANK:
+            raise ConfigError(f"speedsfi.sfi.quest_rerank ({self.quest_rerank}) must be <= {MAX_QUEST_RERANK} "
+                              "(candidates per budget token; the candidate buffers scale with it)")
+        if self.quest_rerank and self.selector != "quest":
+            raise ConfigError(f"speedsfi.sfi.quest_rerank ({self.quest_rerank}) applies to selector 'quest' "
+                              f"only (got selector {self.selector!r}); set it to 0 or use selector 'quest'")
         if self.page_size > MAX_PAGE_SIZE:
             raise ConfigError(f"speedsfi.sfi.page_size ({self.page_size}) must be <= {MAX_PAGE_SIZE}")
         if self.selector not in ("sfi", "quest"):

@@ -381,12 +381,14 @@ def test_kept_prefill_tokens_stay_and_pages_fill_the_rest(kernels):
         torch.testing.assert_close(out[r], ref, atol=2e-4, rtol=2e-4, msg=f"row {r}")
 
 
-def _quest_sequence(device: str, *, keep: int, capture: bool, twins: bool):
-    """Quest (``keep`` > 0: with ``keep_prefill``) over a sequence of steps whose rows flip between
-    selection, dense and padding: the outputs of every step. ``capture``: the step is captured once
-    in a CUDA graph and replayed with each plan (the plan buffers rewritten in place)."""
+def _quest_sequence(device: str, *, keep: int, capture: bool, twins: bool, rerank: int = 0):
+    """Quest (``keep`` > 0: with ``keep_prefill``; ``rerank`` > 0: with ``quest_rerank``) over a
+    sequence of steps whose rows flip between selection, dense and padding: the outputs of every
+    step. ``capture``: the step is captured once in a CUDA graph and replayed with each plan (the
+    plan buffers rewritten in place)."""
     cfg = SfiConfig(enabled=True, selector="quest", page_size=8, k=24, k_min=4, n_sink=4, n_recent=12,
-                    keep_prefill=keep, select_span=2 if keep else 0, select_span_back=1 if keep else 0)
+                    keep_prefill=keep, select_span=2 if keep else 0, select_span_back=1 if keep else 0,
+                    quest_rerank=rerank)
     g = 2
     lens = [100, 130, 77]
     slots = [1, 0, 2]
@@ -465,20 +467,24 @@ def _same_outputs(got, want, atol):
                 torch.testing.assert_close(x, y, atol=atol, rtol=atol, msg=lambda s: f"step {i} row {r}: {s}")
 
 
-@pytest.mark.parametrize("keep", [0, 8])
-def test_quest_steps_with_rows_flipping_modes_kernels_equal_twins(keep):
+SEQUENCE_CASES = [(0, 0), (8, 0), (0, 2), (8, 2)]        # (keep_prefill, quest_rerank)
+
+
+@pytest.mark.parametrize("keep, rerank", SEQUENCE_CASES)
+def test_quest_steps_with_rows_flipping_modes_kernels_equal_twins(keep, rerank):
     if not (HAS_TRITON and use_triton(torch.device("cpu"))):
         pytest.skip("needs the Triton interpreter")
-    _same_outputs(_quest_sequence("cpu", keep=keep, capture=False, twins=False),
-                  _quest_sequence("cpu", keep=keep, capture=False, twins=True), 2e-4)
+    _same_outputs(_quest_sequence("cpu", keep=keep, capture=False, twins=False, rerank=rerank),
+                  _quest_sequence("cpu", keep=keep, capture=False, twins=True, rerank=rerank), 2e-4)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("keep", [0, 8])
-def test_quest_step_replays_from_a_cuda_graph(keep):
-    """One capture of the quest path (page update, page scores, selector with the kept positions
-    excluded, gather after them, two-segment pass), replayed with plans whose rows flip modes: each
-    replay equals the eager twins on the same sequence."""
-    _same_outputs(_quest_sequence("cuda", keep=keep, capture=True, twins=False),
-                  _quest_sequence("cuda", keep=keep, capture=False, twins=True), 2e-3)
+@pytest.mark.parametrize("keep, rerank", SEQUENCE_CASES)
+def test_quest_step_replays_from_a_cuda_graph(keep, rerank):
+    """One capture of the quest path (page update, page scores, with ``quest_rerank`` the candidates'
+    top-K and exact logits, selector with the kept positions excluded, gather after them, two-segment
+    pass), replayed with plans whose rows flip modes: each replay equals the eager twins on the same
+    sequence."""
+    _same_outputs(_quest_sequence("cuda", keep=keep, capture=True, twins=False, rerank=rerank),
+                  _quest_sequence("cuda", keep=keep, capture=False, twins=True, rerank=rerank), 2e-3)

@@ -28,6 +28,7 @@ from vllm_ext.kernels.block_representatives import (update_block_representatives
                                                    update_block_representatives_from)
 from vllm_ext.kernels.gather_compact import gather_compact
 from vllm_ext.kernels.quest_pages import quest_page_evidence
+from vllm_ext.kernels.quest_rerank import quest_candidate_evidence
 from vllm_ext.kernels.sfi_selector import select
 from vllm_ext.kernels.two_segment_decode import two_segment_decode
 from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
@@ -171,6 +172,27 @@ def quest_prefill_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, plan,
                                  cfg.page_size, plan.max_pages, layer.page_reps, plan.sfi_slot)
 
 
+def _quest_rerank(query, kv_cache, step: SfiStep, cfg: SfiConfig, layer: SfiLayerBuffers,
+                  rt: SfiRuntime, scale: float, scratch) -> None:
+    """``sfi.quest_rerank``: the tokens of each selection row's best pages by bound, ``quest_rerank``
+    times its budget (the kept tokens left out), become candidates, and the row's evidence becomes
+    their exact share of the GQA group's attention (``-inf`` elsewhere), so the selection that
+    follows keeps the candidates that hold the most of it."""
+    n = step.slow_k.shape[0]
+    cand_k = rt.candidate_k[:n]
+    torch.mul(step.slow_k, cfg.quest_rerank, out=cand_k)
+    kept = step.slow_kept if cfg.keep_prefill else None
+    cand, n_cand = select(scratch.log_evidence, scratch.key_norms, step.slow_lo, step.slow_hi,
+                          rt.rest_select_cfg, cand_k, k_cap=cfg.quest_rerank * cfg.k,
+                          workspace=rt.candidate_workspace, count=step.slow_count,
+                          exclude=layer.kept_pos if kept is not None else None,
+                          exclude_slot=step.slow_sfi_slot if kept is not None else None,
+                          exclude_count=kept)
+    quest_candidate_evidence(query, kv_cache, step.slow_block_table, step.slow_rows, cand, n_cand,
+                             step.slow_hi, scale, scratch.log_evidence, count=step.slow_count,
+                             workspace=rt.candidate_scores)
+
+
 def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: SfiConfig,
                   layer: SfiLayerBuffers, rt: SfiRuntime, layer_index: int, scale: float,
                   out: torch.Tensor, *, dense_done: bool) -> torch.Tensor:
@@ -202,6 +224,8 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
         quest_page_evidence(query, layer.page_reps, scale, step.slow_rows, step.slow_sfi_slot,
                             step.slow_lo, step.slow_hi, cfg.page_size, scratch.log_evidence,
                             count=step.slow_count)
+        if cfg.quest_rerank:
+            _quest_rerank(query, kv_cache, step, cfg, layer, rt, scale, scratch)
         _maintain(rt, cfg, layer, kv_cache, step.slow_block_table, step.slow_sfi_slot,
                   step.slow_seq, scratch.log_evidence, scratch.key_norms, step.slow_lo,
                   step.slow_hi, step.slow_k, step.slow_count,

@@ -160,7 +160,9 @@ class SfiRuntime:
     def __init__(self, cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: int,
                  num_kv_heads: int, head_size: int, max_len: int, device: torch.device):
         from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
+        from vllm_ext.kernels.quest_rerank import quest_rerank_workspace
         from vllm_ext.kernels.sfi_selector import selector_workspace
+        from vllm_ext.kernels.triton_utils import use_triton
         from vllm_ext.kernels.two_segment_decode import (dense_num_splits, max_row_splits,
                                                          two_segment_num_splits,
                                                          two_segment_workspace)
@@ -206,12 +208,32 @@ class SfiRuntime:
         width = max(cfg.k, cfg.k_min)
         self.selector_workspace = selector_workspace(capacity, num_kv_heads, max_len, width, device,
                                                      self.select_cfg)
+        # sfi.quest_rerank: the candidates' own top-K (quest_rerank x the budget) and their budgets
+        self.candidate_workspace = None
+        self.candidate_k = None
+        self.candidate_scores = None
+        if self.quest and cfg.quest_rerank:
+            self.candidate_workspace = selector_workspace(capacity, num_kv_heads, max_len,
+                                                          cfg.quest_rerank * cfg.k, device,
+                                                          self.rest_select_cfg)
+            self.candidate_k = torch.zeros(capacity, dtype=torch.int32, device=device)
+            self.candidate_scores = None
+            if use_triton(device):
+                self.candidate_scores = quest_rerank_workspace(capacity, num_heads, num_kv_heads, head_size,
+                                                               cfg.quest_rerank * cfg.k, device)
 
     @property
     def nbytes(self) -> int:
         ring = sum(_nbytes(e.log_evidence) + _nbytes(e.key_norms) for e in self.ring.entries)
         return (ring + _nbytes(self.dense_workspace) + _nbytes(self.split_workspace)
-                + _nbytes(self.selector_workspace))
+                + _nbytes(self.selector_workspace) + self._candidate_nbytes)
+
+    @property
+    def _candidate_nbytes(self) -> int:
+        if self.candidate_workspace is None:
+            return 0
+        return (_nbytes(self.candidate_workspace) + _nbytes(self.candidate_k)
+                + (self.candidate_scores.nbytes if self.candidate_scores is not None else 0))
 
     def describe(self) -> str:
         max_rows, hq, hkv, d, max_len = self.shape
@@ -221,8 +243,10 @@ class SfiRuntime:
                 f"scores S x Hq {hq} x L x 4 B + split scratch "
                 f"({_nbytes(self.dense_workspace) / 2**20:.1f} MiB dense, "
                 f"{_nbytes(self.split_workspace) / 2**20:.1f} MiB fast) + selector "
-                f"{_nbytes(self.selector_workspace) / 2**20:.1f} MiB; S = sfi.max_requests, "
-                f"independent of max_num_seqs ({max_rows})")
+                f"{_nbytes(self.selector_workspace) / 2**20:.1f} MiB"
+                + (f" + quest_rerank candidates {self._candidate_nbytes / 2**20:.1f} MiB"
+                   if self.candidate_workspace is not None else "")
+                + f"; S = sfi.max_requests, independent of max_num_seqs ({max_rows})")
 
 
 _runtimes: dict[tuple, SfiRuntime] = {}
