@@ -25,7 +25,10 @@ With ``--modes`` (``bench/QUALITY.md``, Quest-style selection; results in ``sfi_
   periodic, refresh 1): each layer updates its newest page's max/min of K, scores every page with the
   query, runs the selector's top-K over the context and gathers ``k`` tokens, then the two-segment pass;
 - ``quest_keep``: the same with 8-token pages and ``keep_prefill`` = k/2 (the quality runs' best): the
-  kept half stays, each step selects and gathers the other half. Per layer the page table is
+  kept half stays, each step selects and gathers the other half;
+- ``quest_rerank``: 16-token pages with ``quest_rerank`` 4 (the quality runs' best without a kept set):
+  each step also takes the top 4k tokens by page bound as candidates, reads their K for the group's
+  attention mass and selects ``k`` of them. Per layer the page table is
   ``(batch + 1) x 2 x ctx/page x Hkv x D``; it is shared by all layers here (as the KV cache), so the
   bytes read per layer are a real model's.
 
@@ -123,7 +126,8 @@ class PathLoop:
         base = dict(selector="quest", schedule="periodic", refresh=1, dual_stream=False)
         keep = self.sfi_cfg.k // 2 if mode == "quest_keep" else 0
         cfg = dataclasses.replace(self.sfi_cfg, **base, page_size=8 if keep else 16, keep_prefill=keep,
-                                  select_span=6 if keep else 0, select_span_back=6 if keep else 0)
+                                  select_span=6 if keep else 0, select_span_back=6 if keep else 0,
+                                  quest_rerank=4 if mode == "quest_rerank" else 0)
         cfg.validate()
         hq, hkv, d = self.cfg["hq"], self.cfg["hkv"], self.cfg["d"]
         first = SfiLayerBuffers(self.batch, hkv, cfg, d, self.dtype, self.device, max_len=self.max_len)
@@ -305,14 +309,18 @@ class PathLoop:
             kv = self.batch * t * per_tok
         elif mode.startswith("quest"):
             s, _, _ = self.quest_state(mode)
-            # sink + selected + recent, and the page table (2 vectors per page vs 2 per token)
-            kv = self.batch * (s.n_sink + s.k + s.n_recent + t / s.page_size) * per_tok
+            # sink + selected + recent, the page table (2 vectors per page vs 2 per token) and the
+            # candidates' K (quest_rerank: half of each candidate row)
+            cand = s.quest_rerank * (s.k - s.keep_prefill) / 2
+            kv = self.batch * (s.n_sink + s.k + s.n_recent + t / s.page_size + cand) * per_tok
         else:
             s = self.sfi_cfg
             fast = s.n_sink + s.k + s.n_recent
             kv = self.batch * ((1 - slow_fraction) * fast + slow_fraction * t) * per_tok
         return {"weights": weights, "kv": kv}
 
+
+QUEST_MODES = ("quest", "quest_keep", "quest_rerank")
 
 def shapes(smoke: bool) -> dict:
     from vllm_ext.config import SfiConfig
@@ -332,7 +340,7 @@ def main(argv=None):
         ap.add_argument("--steps", type=int, default=None)
         ap.add_argument("--modes", default=None,
                         help="comma list of modes (default: dense,sfi,sfi_serial,sfi_fast_only on CUDA); "
-                             "with quest or quest_keep the results go to sfi_path_quest.json")
+                             "with quest, quest_keep or quest_rerank the results go to sfi_path_quest.json")
         ap.add_argument("--profile", default=None, metavar="MODE",
                         help="instead of the sweep: torch.profiler kernel table of MODE (dense, sfi, "
                              "sfi_fast_only) for the first model/ctx/batch, written to "
@@ -354,7 +362,7 @@ def main(argv=None):
         ["dense", "sfi", "sfi_fast_only"]
     if args.modes:
         modes = args.modes.split(",")
-        unknown = set(modes) - {"dense", "sfi", "sfi_serial", "sfi_fast_only", "quest", "quest_keep"}
+        unknown = set(modes) - {"dense", "sfi", "sfi_serial", "sfi_fast_only", *QUEST_MODES}
         if unknown or (dev.type != "cuda" and "sfi_serial" in modes):
             raise SystemExit(f"bench_sfi_path: unknown modes {sorted(unknown)} (sfi_serial needs CUDA)")
     quest_run = any(m.startswith("quest") for m in modes)
@@ -402,7 +410,7 @@ def main(argv=None):
                       f"{row.get('slow_fraction', 0):.3f}  speed-up {row.get('speedup', 0):.2f}x"
                       f" (fast-only {row.get('speedup_fast_only', 0):.2f}x)"
                       + "".join(f"  {m} {row[m + '_ms']:7.2f} ms ({row.get(m + '_speedup', 0):.2f}x)"
-                                for m in ("quest", "quest_keep") if m + "_ms" in row), flush=True)
+                                for m in QUEST_MODES if m + "_ms" in row), flush=True)
                 del loop
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
@@ -418,8 +426,9 @@ def main(argv=None):
     stem = "sfi_path_quest" if quest_run else "sfi_path"
     if quest_run:
         payload["quest"] = ("selector quest, refresh 1: quest = page 16; quest_keep = page 8 with "
-                            "keep_prefill k/2; quest*_kv_gbps counts the page table read (ctx/page "
-                            "entries of 2 vectors per KV head)")
+                            "keep_prefill k/2; quest_rerank = page 16 with quest_rerank 4; "
+                            "quest*_kv_gbps counts the page table read (ctx/page entries of 2 vectors "
+                            "per KV head) and the candidates' K")
     write_json(args.out, stem, payload)
     series = {}
     for name in models:
@@ -429,7 +438,7 @@ def main(argv=None):
                 series[f"{name} b{batch}"] = ([r["ctx"] for r in rs], [r["speedup"] for r in rs])
     for name in models:
         for batch in batches:
-            for m in ("quest", "quest_keep"):
+            for m in QUEST_MODES:
                 rs = [r for r in rows if r["model"] == name and r["batch"] == batch and f"{m}_speedup" in r]
                 if rs:
                     series[f"{name} b{batch} {m}"] = ([r["ctx"] for r in rs], [r[f"{m}_speedup"] for r in rs])

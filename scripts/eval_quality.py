@@ -349,7 +349,8 @@ def markdown_table(table, tasks, lengths=None) -> str:
     notes = [line for c in table if (line := page_table_note(c))]
     if notes:
         blocks.append(["\nNot in the read fraction: each Quest selection also reads the page table (max and min "
-                       "of K per page: 2 vectors per `page_size` keys = 1/page_size of the KV bytes):", ""]
+                       "of K per page: 2 vectors per `page_size` keys = 1/page_size of the KV bytes) and, with "
+                       "`quest_rerank` r, the K half of r x (k - keep_prefill) candidate rows:", ""]
                       + notes)
     return "\n".join("\n".join(b) for b in blocks)
 
@@ -366,8 +367,18 @@ def page_table_note(c) -> str | None:
     if not fast:
         return None
     extra = slow / fast / page
-    return (f"- {c['name']}: page {page}, {slow} selections / {fast} fast steps: +{extra:.3f} "
-            f"(fast-step read incl. the page table {c['fast_retained_fraction'] + extra:.3f})")
+    note = f"- {c['name']}: page {page}, {slow} selections / {fast} fast steps: +{extra:.3f}"
+    from vllm_ext.config import SfiConfig
+
+    rerank = sfi.get("quest_rerank", 0)
+    ctx = sum(v.get("sfi.fast_context_tokens", 0) for v in c["counters"].values())
+    if rerank and ctx:
+        # K of each candidate row: half its KV bytes (exact at 2048 tokens, where the allowed set
+        # holds more than r x (k - keep_prefill) positions)
+        cand = slow * rerank * (sfi.get("k", SfiConfig.k) - sfi.get("keep_prefill", 0)) / 2 / ctx
+        note += f" page table, +{cand:.3f} candidates' K"
+        extra += cand
+    return note + f" (fast-step read incl. these {c['fast_retained_fraction'] + extra:.3f})"
 
 
 def write_report(path, meta, table) -> str:

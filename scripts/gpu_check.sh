@@ -64,9 +64,9 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
     if [ "$rc" -ne 0 ]; then echo "[gpu_check] $b failed ($rc)"; status=1; fi
   done
   # the Quest selector's whole path (a selection every step; page 16, and page 8 with keep_prefill)
-  echo "[gpu_check] bench/bench_sfi_path.py --modes dense,quest,quest_keep"
+  echo "[gpu_check] bench/bench_sfi_path.py --modes dense,quest,quest_keep,quest_rerank"
   timeout "${GPU_CHECK_BENCH_TIMEOUT:-300}" "$PY" bench/bench_sfi_path.py --out "$RESULTS" \
-      --models Llama-3.1-8B --batches 1,16 --modes dense,quest,quest_keep 2>&1 \
+      --models Llama-3.1-8B --batches 1,16 --modes dense,quest,quest_keep,quest_rerank 2>&1 \
       | tee "$RESULTS/bench_sfi_path_quest.log" | grep -v '^\[bench\] wrote' | tail -n 20
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then echo "[gpu_check] quest path bench failed ($rc)"; status=1; fi

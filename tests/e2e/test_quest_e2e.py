@@ -61,6 +61,21 @@ def test_quest_with_kept_prefill_selection(tiny_models, dense_tokens):
     assert stats[STAT_RETAINED] == len(views) * (4 + 16 + 16)
 
 
+def test_quest_rerank_covering_the_allowed_set_does_not_depend_on_the_page(tiny_models, dense_tokens):
+    """``quest_rerank`` 16 x k 32 = 512 candidates cover every allowed set here (at most 300 + 24 - 4 -
+    16 positions): the selection is the top-k by the group's attention mass whatever the page size,
+    so pages of 8 and of 16 give the same tokens; plain Quest's pages give other ones."""
+    rerank = dict(QUEST, k=32, quest_rerank=16)
+    by8, stats, records = _run(tiny_models["qwen3"], rerank)
+    by16, _, _ = _run(tiny_models["qwen3"], dict(rerank, page_size=16))
+    plain, _, _ = _run(tiny_models["qwen3"], dict(QUEST, k=32, page_size=16))
+    assert by8 == by16
+    assert by8 != plain and by8 != dense_tokens
+    views = [v for step in records for v in step.values() if v["mode"] in ("slow", "fast")]
+    assert stats[STAT_FAST] == stats[STAT_SLOW] == len(views) > 0
+    assert stats[STAT_RETAINED] == len(views) * (4 + 32 + 16)        # the budget is unchanged
+
+
 @pytest.mark.parametrize("sfi", [QUEST, QUEST_KEEP], ids=["quest", "quest_keep"])
 def test_quest_prefix_cache_hit_gives_the_same_tokens(tiny_models, sfi):
     # the second request hits the first one's cached blocks: its first own prefill chunk must write

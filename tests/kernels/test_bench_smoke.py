@@ -125,11 +125,12 @@ def test_bench_sfi_path_smoke(tmp_path, monkeypatch):
 def test_bench_sfi_path_quest_modes_smoke(tmp_path, monkeypatch):
     """The Quest modes of the whole-path bench: every decode row of every step selects (refresh 1),
     and the speed-ups and bandwidths follow from the times and the bytes (page table included)."""
-    _run("bench_sfi_path", tmp_path, monkeypatch, "--modes", "dense,quest,quest_keep")
+    _run("bench_sfi_path", tmp_path, monkeypatch, "--modes", "dense,quest,quest_keep,quest_rerank")
     d = _json(tmp_path, "sfi_path_quest")
-    assert d["modes"] == ["dense", "quest", "quest_keep"] and "page table" in d["quest"]
+    assert d["modes"] == ["dense", "quest", "quest_keep", "quest_rerank"] and "page table" in d["quest"]
+    assert "candidates" in d["quest"]
     for r in d["rows"]:
-        for m in ("quest", "quest_keep"):
+        for m in ("quest", "quest_keep", "quest_rerank"):
             assert r[f"{m}_selection_rows"] == r["steps"] * r["batch"]
             assert r[f"{m}_speedup"] == pytest.approx(r["dense_ms"] / r[f"{m}_ms"])
             assert r[f"{m}_kv_gbps"] > 0
