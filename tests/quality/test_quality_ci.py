@@ -140,3 +140,22 @@ def test_quest_pages_beside_the_kept_selection_keep_the_needles(dense):
     assert counts["sfi.prefill_end_selections"] == len(idx)
     hits = sum(T.exact_match(SAMPLES[i], out) for i, out in zip(idx, tokens) if i in BACK)
     assert hits >= len(BACK) - 1, (hits, len(BACK))
+
+
+def test_quest_candidates_by_group_mass_keep_the_needles_and_the_values(dense):
+    # selector quest with quest_rerank 4: the best 16-token pages by bound give 4 x 320 candidates,
+    # the group's attention mass over them chooses the 320 (bench/QUALITY.md, "Exact scores of the
+    # Quest candidates"). Same budget, a selection on every decode row; the single-answer needles
+    # further back answered, and the multi-value answers at least as often as dense but one.
+    multi = [i for i, s in enumerate(SAMPLES) if s.task == "niah_multivalue"]
+    idx = BACK + multi
+    tokens, counts = _generate({"enabled": True, "k": 320, "n_recent": 64, "selector": "quest",
+                                "page_size": 16, "schedule": "periodic", "refresh": 1, "quest_rerank": 4},
+                               [SAMPLES[i] for i in idx])
+    fraction = counts["sfi.fast_retained_tokens"] / counts["sfi.fast_context_tokens"]
+    assert 0.15 < fraction < 0.2                          # (4 + 320 + 64) / ~2060
+    assert counts["sfi.slow_steps"] == counts["sfi.fast_steps"] > 0
+    hits = {i: T.exact_match(SAMPLES[i], out) for i, out in zip(idx, tokens)}
+    assert sum(hits[i] for i in BACK) >= len(BACK) - 1, hits
+    dense_multi = sum(T.exact_match(SAMPLES[i], dense[i]) for i in multi)
+    assert sum(hits[i] for i in multi) >= dense_multi - 1, (hits, dense_multi)
