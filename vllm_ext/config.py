@@ -119,14 +119,15 @@ class SfiConfig:
     #     last `w_prefill` queries, `select_span(_back)` applied) and keeps its best P tokens for the
     #     whole decode; the pages fill the other `k - P` (the question's evidence stays, each step's
     #     query finds what it copies next). Without it select_span(_back) must be 0 (they never
-    #     apply to the pages). bench/QUALITY.md, "Quest pages beside SFI's kept selection": with
-    #     page_size 8 the best quality at <= 20 % retained on both quality models.
+    #     apply to the pages). bench/QUALITY.md, "Quest pages beside SFI's kept selection". With
+    #     `quest_rerank` 4 (below) the candidates' exact group attention chooses: dense accuracy at
+    #     18.8 % retained on both quality models ("Exact scores of the Quest candidates").
     selector: Literal["sfi", "quest"] = "sfi"
     page_size: int = 16                # Quest page in tokens (selector quest)
     # not in Quest (ours): with selector "quest", a selection row takes the tokens of its best pages by
     # bound, `quest_rerank` times its budget, as candidates, reads their K and keeps the candidates
-    # with the best exact logit (max over the GQA group's query heads): token granular, and no longer
-    # misled by a loose bound (bench/QUALITY.md, "Exact logits of the Quest candidates"). Costs K of
+    # with the largest exact share of the GQA group's attention: token granular, and no longer
+    # misled by a loose bound (bench/QUALITY.md, "Exact scores of the Quest candidates"). Costs K of
     # `quest_rerank * budget` tokens per selection besides the page scan. 0 = Quest's page selection.
     quest_rerank: int = 0
     # system

@@ -170,11 +170,14 @@ def explain(model, sample, sel: Selection, step: int, words) -> None:
             m = r["allowed"][h, row, :row + 1]
             top = p.topk(3)
             best = int(top.indices[0])
-            rank = int((bounds[h // g] > bounds[h // g, best // sel.page_size]).sum())
+            b = bounds[h // g]
+            rank = int((b > b[best // sel.page_size]).sum())
+            logit = float(q[h // g, h % g] @ keys[h // g, best]) * r["scale"]
             items = "  ".join(f"{j}:{words([ids[j]])[0]}:{v:.2f}{'' if m[j] else 'X'}"
                               for v, j in zip(top.values.tolist(), top.indices.tolist()))
             print(f"L{layer} q{h}: mass in selection {float((p * m).sum()):.2f} | {items} | page of the "
-                  f"best key: bound rank {rank}")
+                  f"best key: bound {float(b[best // sel.page_size]):.1f} (its logit {logit:.1f}), rank "
+                  f"{rank} of {b.numel()}; median page bound {float(b.median()):.1f}")
 
 
 def main(argv=None):
