@@ -21,7 +21,10 @@ batch (= slow rows) 1 / 4 / 16:
 - ``quest_page16_evidence_ms`` / ``quest_page8_evidence_ms``: ``sfi.selector = "quest"``: the page
   scores of the batch's queries over the page table (``ctx/page`` max/min pairs per KV head), which
   replace the dense pass; a Quest selection is that + the selector (neutral refinements, about
-  ``selector_ms``) + the gather, at every step with ``refresh`` 1 (bench/QUALITY.md).
+  ``selector_ms``) + the gather, at every step with ``refresh`` 1 (bench/QUALITY.md);
+  ``quest_page16_selection_ms``: page scores + the selector's top-K, the whole selection but the
+  gather; ``quest_page16_rerank4_selection_ms``: the same with ``sfi.quest_rerank = 4`` (the top 4K
+  by page bound as candidates, their group attention mass from their K, the top-K of them).
 
 ``maintenance_ms`` = selector + gather (what the side stream runs per layer) and
 ``maintenance_over_dense`` = maintenance / dense, against the issue-9 target of 0.15 at 32K-128K;
@@ -46,6 +49,7 @@ from common import (BASELINE_NOTE, DecodeProblem, device_for, env_info, gbps, pa
 
 SPAN = 4                               # sfi.select_span timed beside the paper's selector
 QUEST_PAGES = (16, 8)                  # sfi.page_size of the timed Quest page scores
+QUEST_RERANK, QUEST_RERANK_PAGE = 4, 16  # sfi.quest_rerank timed beside a plain Quest selection
 TARGET = 0.15                          # issue 9: selector + gather <= 15 % of the layer's dense attention
 
 
@@ -107,6 +111,37 @@ def time_selector(mod, SfiConfig, sh, ev, kn, lo, hi, kt, dev, span: int, back: 
             out.update(candidates_max=int(cnt.max()), candidates_mean=float(cnt.float().mean()),
                        candidates_overflow=int((cnt > ws.cap).sum()), cap=int(ws.cap))
     return out
+
+
+def time_quest_selection(mod, SfiConfig, sh, prob, reps, ent, lo, hi, kt, ev, dev) -> dict:
+    """A whole Quest selection of the batch (page scores + the selector's top-K), and the same with
+    ``quest_rerank`` (page scores, the candidates' top-K, their group attention mass from K, the
+    top-K of the candidates)."""
+    from vllm_ext.kernels.quest_pages import quest_page_evidence, quest_selector_config
+    from vllm_ext.kernels.quest_rerank import quest_candidate_evidence, quest_rerank_workspace
+
+    b, hkv, ctx = ev.shape
+    k, r, page = sh["k"], QUEST_RERANK, QUEST_RERANK_PAGE
+    qcfg = quest_selector_config(SfiConfig(k=k, k_min=0))
+    ones = torch.ones(b, hkv, ctx, dtype=torch.float32, device=dev)
+    final_ws = mod.selector_workspace(b, hkv, ctx, k, dev, qcfg)
+    cand_ws = mod.selector_workspace(b, hkv, ctx, r * k, dev, qcfg)
+    scores_ws = quest_rerank_workspace(b, prob.hq, hkv, prob.d, r * k, dev)
+    cand_k = kt * r
+
+    def plain():
+        quest_page_evidence(prob.query, reps, prob.scale, ent, ent, lo, hi, page, ev)
+        mod.select(ev, ones, lo, hi, qcfg, kt, k_cap=k, workspace=final_ws)
+
+    def rerank():
+        quest_page_evidence(prob.query, reps, prob.scale, ent, ent, lo, hi, page, ev)
+        cand, n_cand = mod.select(ev, ones, lo, hi, qcfg, cand_k, k_cap=r * k, workspace=cand_ws)
+        quest_candidate_evidence(prob.query, prob.kv_cache, prob.block_table, ent, cand, n_cand, hi,
+                                 prob.scale, ev, workspace=scores_ws)
+        mod.select(ev, ones, lo, hi, qcfg, kt, k_cap=k, workspace=final_ws)
+
+    return {f"quest_page{page}_selection_ms": time_op(plain, dev)["ms"],
+            f"quest_page{page}_rerank{r}_selection_ms": time_op(rerank, dev)["ms"]}
 
 
 def run_config(ctx: int, batch: int, sh: dict, dev: torch.device, mod, SfiConfig, state: dict) -> dict:
@@ -198,6 +233,8 @@ def run_config(ctx: int, batch: int, sh: dict, dev: torch.device, mod, SfiConfig
                 ent = torch.arange(b, dtype=torch.int32, device=dev)
                 row[f"quest_page{page}_evidence_ms"] = time_op(lambda: quest_page_evidence(
                     prob.query, reps, prob.scale, ent, ent, lo, hi, page, ev), dev)["ms"]
+                if page == QUEST_RERANK_PAGE:
+                    row.update(time_quest_selection(mod, SfiConfig, sh, prob, reps, ent, lo, hi, kt, ev, dev))
                 del reps
             except Exception as exc:
                 row[f"quest_page{page}_error"] = f"{type(exc).__name__}: {exc}"[:400]

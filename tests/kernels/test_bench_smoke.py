@@ -88,6 +88,7 @@ def test_bench_selector_smoke(tmp_path, monkeypatch):
             assert r["selector_ms"] > 0 and "maintenance_ms" in r
             assert r["selector_keep_ms"] > 0
             assert r["quest_page16_evidence_ms"] > 0 and r["quest_page8_evidence_ms"] > 0
+            assert r["quest_page16_selection_ms"] > 0 and r["quest_page16_rerank4_selection_ms"] > 0
         else:
             assert d["selector_skip_reason"]
     _png(tmp_path, "selector")
