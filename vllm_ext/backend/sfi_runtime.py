@@ -217,8 +217,7 @@ class SfiRuntime:
                                                           cfg.quest_rerank * cfg.k, device,
                                                           self.rest_select_cfg)
             self.candidate_k = torch.zeros(capacity, dtype=torch.int32, device=device)
-            self.candidate_scores = None
-            if use_triton(device):
+            if use_triton(device):             # the Triton path's logits and partial sums
                 self.candidate_scores = quest_rerank_workspace(capacity, num_heads, num_kv_heads, head_size,
                                                                cfg.quest_rerank * cfg.k, device)
 
