@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
-from tests.sfi.test_quest import (BS, D, HKV, PAD, SLOW, FAST, DENSE, make_cache, quest_plan)
+from tests.sfi.test_quest import D, DENSE, FAST, HKV, PAD, SLOW, make_cache, quest_plan
 from vllm_ext.backend.sfi_path import quest_prefill_pages, sfi_decode
 from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import ConfigError, SfiConfig
