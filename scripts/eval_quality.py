@@ -357,7 +357,10 @@ def markdown_table(table, tasks, lengths=None) -> str:
 
 def page_table_note(c) -> str | None:
     """Selector quest: the page-table read as a fraction of the fast steps' context (selections /
-    fast steps / page_size; in quest mode every sparse row is a fast row)."""
+    fast steps / page_size; in quest mode every sparse row is a fast row), and with
+    quest_rerank the candidates' K."""
+    from vllm_ext.config import SfiConfig
+
     sfi = c.get("speedsfi", {}).get("sfi", {})
     if sfi.get("selector") != "quest":
         return None
@@ -368,8 +371,6 @@ def page_table_note(c) -> str | None:
         return None
     extra = slow / fast / page
     note = f"- {c['name']}: page {page}, {slow} selections / {fast} fast steps: +{extra:.3f}"
-    from vllm_ext.config import SfiConfig
-
     rerank = sfi.get("quest_rerank", 0)
     ctx = sum(v.get("sfi.fast_context_tokens", 0) for v in c["counters"].values())
     if rerank and ctx:

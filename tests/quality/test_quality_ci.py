@@ -123,22 +123,31 @@ def test_keep_prefill_keeps_the_needles_and_the_budget(dense):
     assert hits >= len(BACK) - 1, (hits, len(BACK))
 
 
+MULTI = [i for i, s in enumerate(SAMPLES) if s.task == "niah_multivalue"]
+QUEST = {"enabled": True, "k": 320, "n_recent": 64, "selector": "quest", "schedule": "periodic", "refresh": 1}
+
+
+def _quest_every_row_selects(sfi):
+    """Quest at k 320 over the needles further back and the multi-value samples: the tokens per
+    sample, after the shared checks (the budget's retained fraction; every decode row selects)."""
+    idx = BACK + MULTI
+    tokens, counts = _generate(dict(QUEST, **sfi), [SAMPLES[i] for i in idx])
+    fraction = counts["sfi.fast_retained_tokens"] / counts["sfi.fast_context_tokens"]
+    assert 0.15 < fraction < 0.2                          # (4 + 320 + 64) / ~2060
+    assert counts["sfi.slow_steps"] == counts["sfi.fast_steps"] > 0
+    return dict(zip(idx, tokens)), counts
+
+
 def test_quest_pages_beside_the_kept_selection_keep_the_needles(dense):
     # selector quest with keep_prefill: SFI's prefill-end selection keeps 192 of k 320 (spans applied)
     # and 8-token Quest pages fill the other 128 at every step (bench/QUALITY.md, "Quest pages beside
     # SFI's kept selection"). Same budget, a selection on every decode row, and the single-answer
     # needles further back answered; multi-value runs through the same path, its accuracy is measured
     # in bench/QUALITY.md, not asserted.
-    multi = [i for i, s in enumerate(SAMPLES) if s.task == "niah_multivalue"]
-    idx = BACK + multi
-    tokens, counts = _generate({"enabled": True, "k": 320, "n_recent": 64, "selector": "quest",
-                                "page_size": 8, "schedule": "periodic", "refresh": 1, "select_span": 6,
-                                "select_span_back": 6, "keep_prefill": 192}, [SAMPLES[i] for i in idx])
-    fraction = counts["sfi.fast_retained_tokens"] / counts["sfi.fast_context_tokens"]
-    assert 0.15 < fraction < 0.2                          # (4 + 320 + 64) / ~2060
-    assert counts["sfi.slow_steps"] == counts["sfi.fast_steps"] > 0
-    assert counts["sfi.prefill_end_selections"] == len(idx)
-    hits = sum(T.exact_match(SAMPLES[i], out) for i, out in zip(idx, tokens) if i in BACK)
+    tokens, counts = _quest_every_row_selects({"page_size": 8, "select_span": 6, "select_span_back": 6,
+                                               "keep_prefill": 192})
+    assert counts["sfi.prefill_end_selections"] == len(tokens)
+    hits = sum(T.exact_match(SAMPLES[i], tokens[i]) for i in BACK)
     assert hits >= len(BACK) - 1, (hits, len(BACK))
 
 
@@ -147,15 +156,8 @@ def test_quest_candidates_by_group_mass_keep_the_needles_and_the_values(dense):
     # the group's attention mass over them chooses the 320 (bench/QUALITY.md, "Exact scores of the
     # Quest candidates"). Same budget, a selection on every decode row; the single-answer needles
     # further back answered, and the multi-value answers at least as often as dense but one.
-    multi = [i for i, s in enumerate(SAMPLES) if s.task == "niah_multivalue"]
-    idx = BACK + multi
-    tokens, counts = _generate({"enabled": True, "k": 320, "n_recent": 64, "selector": "quest",
-                                "page_size": 16, "schedule": "periodic", "refresh": 1, "quest_rerank": 4},
-                               [SAMPLES[i] for i in idx])
-    fraction = counts["sfi.fast_retained_tokens"] / counts["sfi.fast_context_tokens"]
-    assert 0.15 < fraction < 0.2                          # (4 + 320 + 64) / ~2060
-    assert counts["sfi.slow_steps"] == counts["sfi.fast_steps"] > 0
-    hits = {i: T.exact_match(SAMPLES[i], out) for i, out in zip(idx, tokens)}
+    tokens, _ = _quest_every_row_selects({"page_size": 16, "quest_rerank": 4})
+    hits = {i: T.exact_match(SAMPLES[i], out) for i, out in tokens.items()}
     assert sum(hits[i] for i in BACK) >= len(BACK) - 1, hits
-    dense_multi = sum(T.exact_match(SAMPLES[i], dense[i]) for i in multi)
-    assert sum(hits[i] for i in multi) >= dense_multi - 1, (hits, dense_multi)
+    dense_multi = sum(T.exact_match(SAMPLES[i], dense[i]) for i in MULTI)
+    assert sum(hits[i] for i in MULTI) >= dense_multi - 1, (hits, dense_multi)

@@ -1,8 +1,8 @@
 """``sfi.quest_rerank``: Quest's best pages by bound give candidates, their group attention chooses.
 
-The reference is a brute force written out here (the page bound as in the brute-force Quest of
-``test_quest.py``): the candidates are the first ``r * k`` allowed tokens (the kept ones left out)
-in descending page-bound order (ties: lower page first, then lower position); each candidate's
+The reference is a brute force on top of the brute-force Quest of ``test_quest.py``: the candidates
+are the first ``r * k`` allowed tokens (the kept ones left out) in descending page-bound order
+(ties: lower page first, then lower position); each candidate's
 score is the group's attention mass on it over the candidates, ``sum_g softmax_cand(s_g)_j`` with
 ``s_gj = scale * q_g . k_j`` for the query heads of the KV head's group; the selection is the ``k``
 best candidates (ties: lower position); the output is softmax attention over sink + selection +
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
-from tests.sfi.test_quest import D, DENSE, FAST, HKV, PAD, SLOW, make_cache, quest_plan
+from tests.sfi.test_quest import D, DENSE, FAST, HKV, PAD, SLOW, brute_quest, make_cache, quest_plan
 from vllm_ext.backend.sfi_path import quest_prefill_pages, sfi_decode
 from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import ConfigError, SfiConfig
@@ -36,35 +36,18 @@ INTERPRETER = HAS_TRITON and use_triton(torch.device("cpu"))
 
 
 def brute_rerank(q, kv, bt_row, t, cfg, scale, k, kept=None):
-    """Output ``[Hq, D]`` and the selected positions per KV head of one selection row."""
-    page, r = cfg.page_size, cfg.quest_rerank
-    keys, vals = gather_kv(kv, bt_row, torch.arange(t))                      # [H, t, D]
-    hq = q.shape[0]
-    g = hq // HKV
-    lo, hi = cfg.n_sink, t - cfg.n_recent
+    """Output ``[Hq, D]`` and the selected positions per KV head of one selection row: the candidates
+    are brute-force Quest's ``r * k`` tokens, the ``k`` with the largest group mass are kept."""
+    _, cands = brute_quest(q, kv, bt_row, t, cfg, scale, cfg.quest_rerank * k, kept=kept)
+    keys, _ = gather_kv(kv, bt_row, torch.arange(t))                          # [H, t, D]
+    g = q.shape[0] // HKV
     sels = []
-    for h in range(HKV):
-        qh = q[h * g:(h + 1) * g].double()
-        bounds = []
-        for p in range(-(-t // page)):
-            kp = keys[h, p * page:min((p + 1) * page, t)].double()
-            kmax, kmin = kp.max(0).values, kp.min(0).values
-            bounds.append(max(float(torch.maximum(qh[i] * kmax, qh[i] * kmin).sum() * scale) for i in range(g)))
-        cand = []
-        for p in sorted(range(len(bounds)), key=lambda p: (-bounds[p], p)):
-            for j in range(p * page, min((p + 1) * page, t)):
-                if lo <= j < hi and len(cand) < r * k and (kept is None or j not in kept[h]):
-                    cand.append(j)
-        logits = (qh @ keys[h, cand].double().T) * scale                     # [g, |cand|]
+    for h, cand in enumerate(cands):
+        logits = (q[h * g:(h + 1) * g].double() @ keys[h, cand].double().T) * scale   # [g, |cand|]
         mass = torch.softmax(logits, dim=-1).sum(0)
         score = {j: float(mass[i]) for i, j in enumerate(cand)}
         sels.append(sorted(sorted(cand, key=lambda j: (-score[j], j))[:k]))
-    out = torch.empty(hq, D)
-    for h in range(HKV):
-        idx = sorted(set(range(min(cfg.n_sink, t))) | set(sels[h]) | set(range(max(t - cfg.n_recent, 0), t))
-                     | set(kept[h] if kept is not None else ()))
-        o, _ = attention_over(q[h * g:(h + 1) * g][None], keys[h:h + 1, idx], vals[h:h + 1, idx], scale)
-        out[h * g:(h + 1) * g] = o[0]
+    out, _ = brute_quest(q, kv, bt_row, t, cfg, scale, k, sel_from=sels, kept=kept)
     return out, sels
 
 
@@ -171,14 +154,8 @@ def _run_layer(kernels, keep):
                     ref, prev[row] = brute_rerank(q[row], kv, bt[row], cur[row], cfg, scale, cfg.k - keep,
                                                   kept=kept)
                 else:                             # a fast row reads the previous selection
-                    sel = prev[row]
-                    keys, vals = gather_kv(kv, bt[row], torch.arange(cur[row]))
-                    ref = torch.empty(hq, D)
-                    for h in range(HKV):
-                        idx = sorted(set(range(cfg.n_sink)) | set(sel[h]) | (kept[h] if kept else set())
-                                     | set(range(cur[row] - cfg.n_recent, cur[row])))
-                        ref[h * g:(h + 1) * g] = attention_over(q[row, h * g:(h + 1) * g][None], keys[h:h + 1, idx],
-                                                                vals[h:h + 1, idx], scale)[0][0]
+                    ref, _ = brute_quest(q[row], kv, bt[row], cur[row], cfg, scale, cfg.k, sel_from=prev[row],
+                                         kept=kept)
                 torch.testing.assert_close(out[row], ref, atol=2e-4, rtol=2e-4, msg=f"step {i} row {row} ({m})")
                 results.append(out[row].clone())
     return results
