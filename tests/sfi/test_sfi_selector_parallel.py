@@ -320,12 +320,16 @@ def test_count_zero_writes_nothing_but_n_sel(small, device):
 
 
 def test_count_on_the_twin_path(monkeypatch, device):
-    """SPEEDSFI_FORCE_TORCH_KERNELS: select() accepts count and ignores it (rows past it are empty)."""
+    """SPEEDSFI_FORCE_TORCH_KERNELS: select() accepts count; rows [0, count) are selected as without it
+    (the CPU twin computes only those), rows past it select nothing, as on the Triton path."""
     monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "1")
     ev, norms = make(5, 2, 1, 60, device, seed=24, pooled=True)
     lo = torch.tensor([4, 0, 9, 0, 0], device=device)
     hi = torch.tensor([50, 60, 40, 0, 0], device=device)
     ref = S.select(ev, norms, lo, hi, CFG, 24)
-    for count in (3, 0):
-        sel, n = K.select(ev, norms, lo, hi, CFG, 24, count=torch.tensor([count], device=device))
-        assert torch.equal(sel, ref[0]) and torch.equal(n, ref[1])
+    assert int(ref[1][:3].min()) > 0
+    sel, n = K.select(ev, norms, lo, hi, CFG, 24, count=torch.tensor([3], device=device))
+    assert torch.equal(sel, ref[0]) and torch.equal(n, ref[1])
+    sel, n = K.select(ev, norms, lo, hi, CFG, 24, count=torch.tensor([0], device=device))
+    empty = S.select(ev, norms, lo, lo, CFG, 24)
+    assert torch.equal(sel, empty[0]) and torch.equal(n, empty[1])

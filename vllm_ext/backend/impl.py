@@ -177,12 +177,17 @@ class SpeedSfiImpl(AttentionImpl):
                 return self._prefill_attention(layer, query, key, value, kv_cache, md, output)
             return self._forward_sfi_cuda(layer, query, key, value, kv_cache, md, output, sfi)
         paged_reference.write_kv(kv_cache, key, value, md.slot_mapping)
-        self._prefill_attention(layer, query, key, value, kv_cache, md, output)
+        sfi_rows = None
+        if sfi is not None and md.num_decodes:
+            # decode rows that SFI computes itself this step (slow: the evidence pass writes their
+            # output; fast: the two-segment pass); the host reads the plan for free on the CPU
+            sfi_rows = (~sfi.row_dense[:md.num_decodes]).tolist()
+        self._prefill_attention(layer, query, key, value, kv_cache, md, output, skip_rows=sfi_rows)
         if sfi is not None:
             self._sfi_prefill_end(query, kv_cache, md, sfi)
-        if sfi is not None and md.num_decodes:
-            # The dense output above is the dense rows' output (bit-identical to all-off); slow rows
-            # get their evidence (and their dense output again), fast rows are overwritten.
+        if sfi_rows is not None:
+            # Dense rows have their output from the pass above (bit-identical to all-off); every other
+            # decode row was computed once, by SFI below.
             from vllm_ext.backend.sfi_path import sfi_decode
 
             nd = md.num_decodes
@@ -191,11 +196,12 @@ class SpeedSfiImpl(AttentionImpl):
                        self.scale, output[:nd], dense_done=True)
         return output
 
-    def _prefill_attention(self, layer, query, key, value, kv_cache, md, output):
+    def _prefill_attention(self, layer, query, key, value, kv_cache, md, output, skip_rows=None):
         """Every row's attention as the dense path gives it, except the rows of the step's
         CritiPrefill sub-batch in a sparse layer (``vllm_ext.backend.critiprefill_path``): the rows
         before it go to the dense path (the delegate on CUDA), the sub-batch to CritiPrefill. K/V
-        are already written."""
+        are already written. ``skip_rows`` (CPU only: a host list of flags for the first rows): rows
+        the dense pass leaves out because SFI computes them."""
         cp = md.step.critiprefill if self._cp_layer is not None else None
         if cp is not None and self._layer_index in self.config.critiprefill.dense_layers:
             cp = None
@@ -206,9 +212,12 @@ class SpeedSfiImpl(AttentionImpl):
                 self._dense.forward(layer, query, key, value, kv_cache, md.delegate_head, output)
         else:
             rows = cp.first_row if cp is not None else len(md.seq_lens_host)
+            seq_lens = md.seq_lens_host[:rows]
+            if skip_rows:
+                seq_lens = [0 if i < len(skip_rows) and skip_rows[i] else n for i, n in enumerate(seq_lens)]
             paged_reference.dense_paged_attention(query, kv_cache, md.block_table,
                                                   md.query_start_loc_host[:rows + 1],
-                                                  md.seq_lens_host[:rows], self.scale, output)
+                                                  seq_lens, self.scale, output)
         if cp is not None:
             from vllm_ext.backend.critiprefill_path import critiprefill_prefill
 

@@ -82,9 +82,10 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                dense_done: bool) -> torch.Tensor:
     """SFI for the decode rows ``0..R-1`` (one query each; ``query``/``out`` are ``[R, Hq, D]``).
 
-    ``dense_done``: ``out`` already holds dense attention for every row (a mixed step, where the dense
-    delegate ran first): only slow rows run the dense pass again (for their evidence), fast rows are
-    overwritten. Otherwise dense and slow rows are attended here.
+    ``dense_done``: ``out`` already holds dense attention for the dense rows (the dense path ran
+    first: on CUDA a mixed step's delegate, which computed every row; on the CPU only the dense
+    rows): slow rows run the dense pass (for their evidence), fast rows are written by the
+    two-segment pass. Otherwise dense and slow rows are attended here.
 
     The maintenance of the slow rows goes to ``rt.ring``: on CUDA with ``dual_stream`` a side stream
     overlaps it with the next layers; the compact segments it writes are read at the next step,

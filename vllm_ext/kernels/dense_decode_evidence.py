@@ -50,7 +50,8 @@ from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, fi
                                            launch_meta, next_pow2, num_sms, untuned, use_triton)
 from vllm_ext.kernels.two_segment_decode import (LOG2E, SplitWorkspace, _configs, active_rows,
                                                  batched_masked_attention, dense_num_splits,
-                                                 gather_paged_rows, two_segment_workspace)
+                                                 gather_paged_prefix, gather_paged_rows, live_length,
+                                                 two_segment_workspace)
 
 if HAS_TRITON:
     import triton
@@ -482,8 +483,7 @@ def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_l
 def _dense_scores_torch(query, kv_cache, block_table, length, scale):
     """Positions ``[0, length)`` of every row: K/V gathered and fp32 scores ``[R, Hq, length]``."""
     r, hq, d = query.shape
-    pos = torch.arange(length, device=query.device)[None, :].expand(r, length)
-    k, v = gather_paged_rows(kv_cache, block_table, pos)
+    k, v = gather_paged_prefix(kv_cache, block_table, length)
     hkv = k.shape[1]
     q = query.float().reshape(r, hkv, hq // hkv, d)
     s = torch.einsum("rhgd,rhnd->rhgn", q, k.float()).reshape(r, hq, length) * scale
@@ -496,10 +496,9 @@ def paged_decode_torch(query, kv_cache, block_table, seq_lens, scale, out, row_m
     r = query.shape[0]
     if r == 0:
         return out
-    length = block_table.shape[1] * kv_cache.shape[2]
-    pos = torch.arange(length, device=query.device)[None, :].expand(r, length)
-    k, v = gather_paged_rows(kv_cache, block_table, pos)
-    mask = pos < seq_lens.long()[:, None]
+    length = live_length(seq_lens, block_table, kv_cache.shape[2])
+    k, v = gather_paged_prefix(kv_cache, block_table, length)
+    mask = torch.arange(length, device=query.device)[None, :] < seq_lens.long()[:, None]
     o, _ = batched_masked_attention(query, k, v, mask, scale)
     act = active_rows(seq_lens, row_mask)
     out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
@@ -533,13 +532,26 @@ def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, all
     else:
         src = evidence_rows.long().clamp(0, r_all - 1)
         live = (evidence_rows >= 0) & (evidence_rows < r_all)
+        if query.device.type == "cpu" and not bool(live.all()):
+            # the CPU reads the live entries for free: compute those only (the list has S entries)
+            ent = torch.nonzero(live).flatten()
+            if ent.numel():
+                sub_ev = log_evidence[ent]
+                sub_kn = key_norms[ent] if key_norms is not None else None
+                dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
+                                                 allowed_hi, scale, out, sub_ev, row_mask, alpha,
+                                                 evidence_rows=evidence_rows[ent], key_norms=sub_kn)
+                log_evidence[ent] = sub_ev
+                if key_norms is not None:
+                    key_norms[ent] = sub_kn
+            return out
     r, hq, d = src.shape[0], query.shape[1], query.shape[2]
     if r == 0:
         return out
     hkv = kv_cache.shape[1]
     g = hq // hkv
     max_len = log_evidence.shape[-1]
-    length = max(block_table.shape[1] * kv_cache.shape[2], 1)
+    length = live_length(seq_lens, block_table, kv_cache.shape[2])
     q = query[src]
     s, k, v = _dense_scores_torch(q, kv_cache, block_table[src], length, scale)   # [E, Hq, L]
     seq = seq_lens.long()[src]

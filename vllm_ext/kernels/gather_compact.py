@@ -139,6 +139,15 @@ def gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, com
     (a compacted list; each has ``slot_idx >= 0`` and a positive length); a fixed grid then walks
     only their work, so a launch with no live row costs one small wave. ``offset``: see the module doc."""
     if not use_triton(kv_cache):
+        if count is not None and row_mask is None and kv_cache.device.type == "cpu":
+            live = max(0, min(slot_idx.shape[0], int(count.reshape(-1)[0])))   # free on the CPU
+            if live == 0:
+                return compact_kv
+
+            def cut(t):
+                return t[:live] if t is not None else None
+            slot_idx, block_table, selected, n_sel = cut(slot_idx), cut(block_table), cut(selected), cut(n_sel)
+            seq_lens, offset = cut(seq_lens), cut(offset)
         return gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sink,
                                     compact_kv, compact_len, row_mask, seq_lens=seq_lens, offset=offset)
     num_rows = slot_idx.shape[0]

@@ -78,29 +78,54 @@ def attention_over(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
             lse.permute(2, 0, 1).reshape(n_q, hq))
 
 
+def gather_prefix(kv_cache: torch.Tensor, block_table_row: torch.Tensor,
+                  length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one request's positions ``[0, length)`` -> ``[H, length, D]`` each: one gather of
+    whole blocks (not of tokens), then a view."""
+    block_size = kv_cache.shape[2]
+    d = kv_cache.shape[-1] // 2
+    n_blocks = -(-length // block_size)
+    kv = kv_cache.index_select(0, block_table_row[:n_blocks].long())        # [nb, H, N, 2D]
+    kv = kv.transpose(0, 1).reshape(kv.shape[1], n_blocks * block_size, 2 * d)[:, :length]
+    return kv[..., :d], kv[..., d:]
+
+
 def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                           query_start_loc: list[int], seq_lens: list[int], scale: float,
-                          output: torch.Tensor, *, sliding_window: int | None = None,
-                          query_chunk: int = 1024) -> torch.Tensor:
+                          output: torch.Tensor, *, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of each request's queries over its whole paged history.
 
     ``query_start_loc`` (``num_reqs + 1``) and ``seq_lens`` (``num_reqs``, the current queries
     included) are host lists. Request ``i``'s queries sit at positions
     ``seq_lens[i] - q_len .. seq_lens[i] - 1``. Rows with no query (padding) are skipped; the output
     rows of padded tokens beyond ``query_start_loc[-1]`` are left as they are.
+
+    Computed by ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch's fused CPU kernel, GQA
+    native; 6-7x faster than the einsum form of :func:`attention_over` at 2K-8K prefill on a 2-core
+    CPU) in fp32; a request whose queries are its whole sequence uses the kernel's own causal mask,
+    one with a cached prefix an explicit bottom-right causal mask.
     """
+    import torch.nn.functional as F
+
     for i, seq_len in enumerate(seq_lens):
         qs, qe = query_start_loc[i], query_start_loc[i + 1]
         if qe <= qs or seq_len <= 0:
             continue
-        k, v = gather_kv(kv_cache, block_table[i], torch.arange(seq_len, device=kv_cache.device))
-        kpos = torch.arange(seq_len, device=query.device)
-        for c0 in range(qs, qe, query_chunk):
-            c1 = min(qe, c0 + query_chunk)
-            qpos = torch.arange(seq_len - (qe - c0), seq_len - (qe - c1), device=query.device)
-            mask = kpos[None, :] <= qpos[:, None]
-            if sliding_window is not None:
-                mask &= kpos[None, :] > qpos[:, None] - sliding_window
-            out, _ = attention_over(query[c0:c1], k, v, scale, mask)
-            output[c0:c1] = out.to(output.dtype)
+        n_q = qe - qs
+        k, v = gather_prefix(kv_cache, block_table[i], seq_len)
+        q = query[qs:qe].float().transpose(0, 1).unsqueeze(0)               # [1, Hq, n_q, D]
+        mask, causal = None, False
+        if sliding_window is not None:
+            kpos = torch.arange(seq_len, device=query.device)
+            qpos = kpos[seq_len - n_q:]
+            mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - sliding_window)
+        elif n_q == seq_len:
+            causal = n_q > 1
+        elif n_q > 1:
+            kpos = torch.arange(seq_len, device=query.device)
+            mask = kpos[None, :] <= kpos[seq_len - n_q:, None]
+        out = F.scaled_dot_product_attention(q, k.float().unsqueeze(0), v.float().unsqueeze(0),
+                                             attn_mask=mask, is_causal=causal, scale=scale,
+                                             enable_gqa=True)
+        output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)
     return output

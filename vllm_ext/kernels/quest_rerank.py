@@ -216,7 +216,7 @@ def quest_candidate_evidence_torch(query: torch.Tensor, kv_cache: torch.Tensor, 
                                count: torch.Tensor | None = None,
                                workspace: QuestRerankWorkspace | None = None) -> torch.Tensor:
     """PyTorch twin of :func:`quest_candidate_evidence` (vectorised over the entries, no host sync)."""
-    from vllm_ext.kernels.two_segment_decode import gather_paged_rows
+    from vllm_ext.kernels.two_segment_decode import gather_paged_per_head
 
     del workspace
     _check(query, kv_cache, block_table, rows, cand, n_cand, hi, out)
@@ -227,15 +227,19 @@ def quest_candidate_evidence_torch(query: torch.Tensor, kv_cache: torch.Tensor, 
     hkv, d = kv_cache.shape[1], kv_cache.shape[-1] // 2
     g = query.shape[1] // hkv
     length, w = out.shape[2], cand.shape[2]
-    live = rows.to(dev).long() >= 0
+    if count is not None and dev.type == "cpu":
+        s = max(0, min(s, int(count.reshape(-1)[0])))      # the live prefix; free to read on the CPU
+        if s == 0:
+            return out
+        count = None
+    live = rows[:s].to(dev).long() >= 0
     if count is not None:
         live = live & (torch.arange(s, device=dev) < count.to(dev).long()[0])
     c = cand[:s].to(dev).long()                                                    # [S, H, W]
     counted = torch.arange(w, device=dev)[None, None, :] < n_cand[:s].to(dev).long()[:, None, None]
     valid = live[:, None, None] & counted & (c >= 0) & (c < length)
-    keys, _ = gather_paged_rows(kv_cache, block_table[:s], c.reshape(s, hkv * w))  # [S, H, H*W, D]
-    keys = keys.reshape(s, hkv, hkv, w, d).diagonal(dim1=1, dim2=2).permute(0, 3, 1, 2)  # [S, H, W, D]
-    q = query[rows.to(dev).long().clamp(0, query.shape[0] - 1)].float().reshape(s, hkv, g, d)
+    keys, _ = gather_paged_per_head(kv_cache, block_table[:s], c)                 # [S, H, W, D]
+    q = query[rows[:s].to(dev).long().clamp(0, query.shape[0] - 1)].float().reshape(s, hkv, g, d)
     lg = torch.einsum("shgd,shwd->shgw", q, keys.float()) * scale                 # [S, H, G, W]
     lg = lg.masked_fill(~valid[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(lg, dim=-1, keepdim=True)

@@ -263,8 +263,9 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     """Same contract as :func:`vllm_ext.sfi.selector.select`; Triton on CUDA / under the interpreter.
 
     With ``workspace`` (:func:`selector_workspace`) nothing is allocated and the results are views
-    into it (same values as without). ``count``: see :func:`select_triton`; the twin ignores it (the
-    rows past it have an empty allowed set, which selects nothing there already). The table form of
+    into it (same values as without). ``count``: see :func:`select_triton`; rows past it select nothing
+    (their allowed set is empty on the decode path); on the CPU the twin computes only the rows before
+    it (elsewhere it computes every row, without a host sync). The table form of
     ``exclude`` (``exclude_slot``) is the decode path's: the Triton path reads the kept positions in
     place (no gather on the hot path); ``exclude_count`` leaves out what a slot's table row holds past
     its kept count (a previous request's positions)."""
@@ -272,8 +273,24 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
         return select_triton(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, workspace=workspace,
                              count=count, exclude=exclude, exclude_slot=exclude_slot,
                              exclude_count=exclude_count)
-    sel, n_sel = select_torch(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, exclude=exclude,
-                              exclude_slot=exclude_slot, exclude_count=exclude_count)
+    rows = key_norms.shape[0]
+    live = rows
+    if count is not None and key_norms.device.type == "cpu":
+        live = max(0, min(rows, int(count.reshape(-1)[0])))     # the CPU reads it for free
+    if live < rows:
+        # rows past ``count`` have an empty allowed set: nothing selected (-1 padding, n_sel 0)
+        def cut(t):
+            return t[:live] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+        sel_l, n_l = select_torch(cut(evidence), cut(key_norms), cut(lo), cut(hi), cfg, cut(k),
+                                  k_cap=k_cap,
+                                  exclude=exclude if exclude_slot is not None else cut(exclude),
+                                  exclude_slot=cut(exclude_slot), exclude_count=cut(exclude_count))
+        sel = torch.full((rows, *sel_l.shape[1:]), -1, dtype=sel_l.dtype, device=sel_l.device)
+        n_sel = torch.zeros(rows, dtype=n_l.dtype, device=n_l.device)
+        sel[:live], n_sel[:live] = sel_l, n_l
+    else:
+        sel, n_sel = select_torch(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, exclude=exclude,
+                                  exclude_slot=exclude_slot, exclude_count=exclude_count)
     if workspace is None:
         return sel, n_sel
     rows, heads = sel.shape[:2]

@@ -367,6 +367,46 @@ def gather_paged_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
     return ent[..., :d], ent[..., d:]
 
 
+def gather_paged_per_head(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of every row and KV head at its own ``positions [R, Hkv, N]`` (out-of-range ones are
+    clamped, the caller masks them) -> ``[R, Hkv, N, D]`` each. No host sync."""
+    bs = kv_cache.shape[2]
+    d = kv_cache.shape[-1] // 2
+    r, h, n = positions.shape
+    pos = positions.long().clamp_min(0)
+    bidx = (pos // bs).clamp_max(max(block_table.shape[1] - 1, 0))
+    blocks = torch.gather(block_table.long(), 1, bidx.reshape(r, h * n)).reshape(r, h, n)
+    blocks = blocks.clamp(0, max(kv_cache.shape[0] - 1, 0))
+    heads = torch.arange(h, device=kv_cache.device)[None, :, None]
+    ent = kv_cache[blocks, heads, pos % bs]                                      # [R, H, N, 2D]
+    return ent[..., :d], ent[..., d:]
+
+
+def live_length(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> int:
+    """How many positions a twin's dense pass covers: the block table's width (no host sync), or on
+    the CPU, where reading the lengths costs nothing, the longest row rounded up to a block."""
+    width = block_table.shape[1] * block_size
+    if seq_lens.device.type != "cpu" or seq_lens.numel() == 0:
+        return width
+    return max(min(width, -(-int(seq_lens.max()) // block_size) * block_size), block_size)
+
+
+def gather_paged_prefix(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of every row at positions ``[0, length)`` (``length`` a multiple of the block size; the
+    caller masks what lies beyond a row's own length) -> ``[R, Hkv, length, D]`` each. Gathers whole
+    blocks, not tokens. No host sync."""
+    bs = kv_cache.shape[2]
+    d = kv_cache.shape[-1] // 2
+    n_blocks = length // bs
+    r, h = block_table.shape[0], kv_cache.shape[1]
+    blocks = block_table[:, :n_blocks].long().clamp(0, max(kv_cache.shape[0] - 1, 0))
+    ent = kv_cache.index_select(0, blocks.flatten()).view(r, n_blocks, *kv_cache.shape[1:])  # [R, nb, H, N, 2D]
+    ent = ent.transpose(1, 2).reshape(r, h, n_blocks * bs, 2 * d)               # [R, H, L, 2D]
+    return ent[..., :d], ent[..., d:]
+
+
 def batched_masked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention per row. query ``[R, Hq, D]``, k/v ``[R, Hkv, N, D]``, mask ``[R, N]`` or
@@ -400,11 +440,15 @@ def active_rows(seq_lens: torch.Tensor, row_mask: torch.Tensor | None) -> torch.
 def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
                              compact_len, slot_idx, scale, out, row_mask=None, *, num_splits=None,
                              max_recent=None, workspace=None):
-    """PyTorch twin of :func:`two_segment_decode` (fp32 math, no host sync, no Python row loop)."""
+    """PyTorch twin of :func:`two_segment_decode` (fp32 math, no host sync, no Python row loop); on
+    the CPU :func:`two_segment_decode_cpu` (same result)."""
     del num_splits, workspace
     num_rows, hq, d = query.shape
     if num_rows == 0:
         return out
+    if query.device.type == "cpu":
+        return two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
+                                      compact_len, slot_idx, scale, out, row_mask, max_recent=max_recent)
     dev = query.device
     cap = compact_kv.shape[2]
     seq = seq_lens.long()
@@ -428,4 +472,42 @@ def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_star
     o, _ = batched_masked_attention(query, k, v, mask, scale)
     act = active_rows(seq_lens, row_mask)
     out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
+    return out
+
+
+def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len,
+                           slot_idx, scale, out, row_mask=None, *, max_recent=None):
+    """The twin on the CPU, where reading lengths costs nothing and the vectorised form's padding
+    to the widest row dominates: per active row, the compact segment as a view, the recent window's
+    blocks gathered once, one fused attention (``scaled_dot_product_attention``, GQA native)."""
+    import torch.nn.functional as F
+
+    num_rows, hq, d = query.shape
+    bs = kv_cache.shape[2]
+    cap = compact_kv.shape[2]
+    w = _est_recent(kv_cache, block_table, max_recent)
+    act = active_rows(seq_lens, row_mask).tolist()
+    seqs, starts, slots = seq_lens.tolist(), recent_start.tolist(), slot_idx.tolist()
+    lens = compact_len.tolist()
+    for r in range(num_rows):
+        if not act[r]:
+            continue
+        seq = seqs[r]
+        slot = slots[r]
+        clen = 0 if slot < 0 or slot >= compact_kv.shape[0] else max(0, min(int(lens[slot]), cap))
+        rs = min(max(starts[r], 0), seq)
+        re = min(seq, rs + w)
+        parts = [compact_kv[slot, :, :clen]] if clen else []
+        if re > rs:
+            b0, b1 = rs // bs, (re - 1) // bs + 1
+            blk = kv_cache.index_select(0, block_table[r, b0:b1].long())       # [nb, H, N, 2D]
+            blk = blk.transpose(0, 1).reshape(blk.shape[1], (b1 - b0) * bs, 2 * d)
+            parts.append(blk[:, rs - b0 * bs: re - b0 * bs].to(compact_kv.dtype))
+        if not parts:
+            out[r] = 0
+            continue
+        kv = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]            # [H, n, 2D]
+        o = F.scaled_dot_product_attention(query[r].float()[None, :, None, :], kv[None, ..., :d].float(),
+                                           kv[None, ..., d:].float(), scale=scale, enable_gqa=True)
+        out[r] = o[0, :, 0].to(out.dtype)
     return out
