@@ -52,6 +52,10 @@ def parse(argv=None):
     p.add_argument("--text", action="store_true",
                    help="RULER text prompts sized with the model's tokenizer (any HF model); "
                         "default: the tiny model's word-level prompts (token ids)")
+    p.add_argument("--chat", action="store_true",
+                   help="with --text: ask through the model's chat template (instruction, context and "
+                        "question as the user's turn, the answer prefix opening the assistant's), as an "
+                        "instruct model is used")
     p.add_argument("--filler", choices=T.FILLERS, default="plain",
                    help="haystack style of the token-id prompts (tasks.make_sample): plain (the default) "
                         "or prose (3-25-word sentences with commas, . ; ? enders, paragraph breaks)")
@@ -130,8 +134,11 @@ def build_samples(args, tokenizer):
     depths = [float(x) for x in args.depths.split(",") if x]
     if not args.text:
         return T.make_suite(tasks, lengths, depths, args.per_cell, seed=args.seed, filler=args.filler)
-    return [T.make_text_sample(t, n, d, args.seed + i, tokenizer) for t in tasks for n in lengths
-            for d in depths for i in range(args.per_cell)]
+    samples = [T.make_text_sample(t, n, d, args.seed + i, tokenizer) for t in tasks for n in lengths
+               for d in depths for i in range(args.per_cell)]
+    if args.chat:
+        samples = [T.chat_sample(s, tokenizer) for s in samples]
+    return samples
 
 
 def max_tokens_of(args, s) -> int:
@@ -428,7 +435,7 @@ def main(argv=None):
             model=args.model if not args.model.startswith(ROOT) else os.path.relpath(args.model, ROOT),
             device=device, device_desc=device_desc, vllm=vllm.__version__, torch=torch.__version__,
             python=platform.python_version(), date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-            prompts="text" if args.text else "token ids (tiny vocabulary)",
+            prompts=("text, chat template" if args.chat else "text") if args.text else "token ids (tiny vocabulary)",
             filler=None if args.text else args.filler,
             tasks=list(dict.fromkeys(s.task for s in samples)),
             lengths=sorted({s.meta.get("requested_length", s.length) for s in samples}),

@@ -35,6 +35,7 @@ BOS and question included. Everything is a pure function of ``(task, length, dep
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -581,3 +582,17 @@ def text_score(sample: Sample, generated_text: str) -> float:
     """RULER's string-match-all: the fraction of expected values present in the generated text."""
     values = sample.answer.split(";")
     return sum(v in generated_text for v in values) / len(values)
+
+
+def chat_sample(sample: Sample, tokenizer) -> Sample:
+    """The text sample as an instruct model is asked it: the instruction, the context and the
+    question as the user's turn of ``tokenizer``'s chat template, and the question's answer prefix
+    ("The special magic number for ... is") as the start of the assistant's turn (RULER's form for
+    chat models). The prompt grows by the template's few tokens."""
+    cut = sample.prompt.rindex(" The ")
+    user, prefix = sample.prompt[:cut], sample.prompt[cut + 1:]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                         add_generation_prompt=True) + prefix
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return dataclasses.replace(sample, prompt=text, prompt_ids=list(ids), length=len(ids),
+                               meta={**sample.meta, "chat_template": True, "answer_prefix": prefix})
