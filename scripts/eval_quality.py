@@ -59,7 +59,9 @@ def parse(argv=None):
     p.add_argument("--filler", choices=T.FILLERS, default="plain",
                    help="haystack style of the token-id prompts (tasks.make_sample): plain (the default) "
                         "or prose (3-25-word sentences with commas, . ; ? enders, paragraph breaks)")
-    p.add_argument("--tasks", default=",".join(T.TASKS))
+    p.add_argument("--tasks", default=None,
+                   help=f"default: {','.join(T.TASKS)}; with --text also {','.join(T.LONG_ANSWER_TASKS)} "
+                        "(several sentences copied from the context, scored by ROUGE-L)")
     p.add_argument("--lengths", default="512,1024,2048")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     p.add_argument("--per-cell", type=int, default=2, help="samples per (task, length, depth)")
@@ -129,7 +131,7 @@ def device_name() -> tuple[str, str]:
 
 
 def build_samples(args, tokenizer):
-    tasks = [t for t in args.tasks.split(",") if t]
+    tasks = [t for t in (args.tasks or ",".join(T.TEXT_TASKS if args.text else T.TASKS)).split(",") if t]
     lengths = [int(x) for x in args.lengths.split(",") if x]
     depths = [float(x) for x in args.depths.split(",") if x]
     if not args.text:
@@ -143,7 +145,7 @@ def build_samples(args, tokenizer):
 
 def max_tokens_of(args, s) -> int:
     if args.text:
-        return 96 if s.task == "niah_multivalue" else 32
+        return {"niah_multivalue": 96, "passage_copy": 80}.get(s.task, 32)
     return len(s.answer_ids) + args.extra_tokens
 
 
@@ -199,10 +201,10 @@ def summarise(args, configs, samples, results):
     """accuracy / agreement / retained fraction per config, per task, per (task, length, depth)."""
     dense_out = results["dense"]["outputs"]
 
-    def correct(s, out):
+    def score(s, out):
         if args.text:
-            return T.text_score(s, out) == 1.0
-        return T.exact_match(s, out)
+            return T.sample_score(s, out)
+        return float(T.exact_match(s, out))
 
     def decode_context(group, outs):
         # tokens of KV each decode step could read: a sample with n generated tokens runs n - 1
@@ -221,7 +223,7 @@ def summarise(args, configs, samples, results):
         for s in samples:
             out_text = outs[s.key] if args.text else " ".join(T.words_of(outs[s.key]))
             rows.append(dict(task=s.task, length=s.meta.get("requested_length", s.length), depth=s.depth,
-                             seed=s.seed, correct=correct(s, outs[s.key]),
+                             seed=s.seed, correct=score(s, outs[s.key]),
                              agree=outs[s.key + ("ids",)] == dense_out[s.key + ("ids",)],
                              expected=s.answer, output=out_text))
         c_all = results[name]["counters"]
@@ -442,7 +444,8 @@ def main(argv=None):
             depths=sorted({s.depth for s in samples}), per_cell=args.per_cell, seed=args.seed,
             n_samples=len(samples), wall_s=time.time() - t_start, complete=complete,
             configs_run=[c["name"] for c in done],
-            metric=("RULER string-match-all (a sample counts when every value is in the output)" if args.text
+            metric=("RULER string-match-all (a sample counts when every value is in the output); "
+                    "passage_copy: mean ROUGE-L F of the output against the passage" if args.text
                     else "exact match of the greedy answer (all answer tokens and the final '.')"),
             retained_fraction=("fast_retained_fraction = sfi.fast_retained_tokens / sfi.fast_context_tokens "
                                "(fast steps only); read_fraction = KV read over all decode steps, slow and "
@@ -457,9 +460,9 @@ def main(argv=None):
         log(f"[{i + 1}/{len(configs)}] {cfg['name']}: {json.dumps(cfg['speedsfi'])}")
         outputs, counters, startup, wall = run_config(args, cfg, samples, on_cuda)
         results[cfg["name"]] = dict(outputs=outputs, counters=counters, startup_s=startup, wall_s=wall)
-        n_ok = sum((T.text_score(s, outputs[s.key]) == 1.0) if args.text else T.exact_match(s, outputs[s.key])
+        n_ok = sum(T.sample_score(s, outputs[s.key]) if args.text else T.exact_match(s, outputs[s.key])
                    for s in samples)
-        log(f"[{i + 1}/{len(configs)}] {cfg['name']}: accuracy {n_ok}/{len(samples)} "
+        log(f"[{i + 1}/{len(configs)}] {cfg['name']}: score {n_ok:.2f}/{len(samples)} "
             f"({wall:.0f} s, {time.time() - t_start:.0f} s so far)")
         if i + 1 < len(configs):
             write(configs[:i + 1], complete=False)

@@ -132,6 +132,34 @@ def test_text_samples_with_a_hf_tokenizer(tmp_path):
             assert T.text_score(s, "nothing") == 0.0
 
 
+def test_passage_copy_text_sample(tmp_path):
+    """The long-answer task: one note of three sentences at `depth`, asked for word for word and
+    scored by ROUGE-L F on the answer's first three sentences."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("rouge_score")
+    from vllm_ext.tools.tiny_models import build_tokenizer
+
+    tok = build_tokenizer(str(tmp_path))
+    for depth in (0.0, 0.5, 1.0):
+        s = T.make_text_sample("passage_copy", 1500, depth, 4, tok)
+        assert s == T.make_text_sample("passage_copy", 1500, depth, 4, tok)
+        assert 1300 <= s.length <= 1500 and len(s.prompt_ids) == s.length
+        passage = s.answer
+        assert passage.count(". ") == 2 and passage.endswith(".") and s.prompt.count(passage) == 1
+        (a, b), = s.target_spans
+        assert passage in s.prompt[a:b] and s.meta["key"] in s.prompt[a:b]
+        lo, hi = s.meta["context_chars"]
+        assert abs((a - lo) / (hi - lo - (b - a)) - depth) < 0.05
+        assert s.prompt.rstrip().endswith(f"The note for {s.meta['key']} says:")
+        # a copy scores 1 whatever follows it; half the passage about half; nothing 0
+        assert T.text_score(s, " " + passage + " The grass is green. The sky is blue.") == 1.0
+        half = T.text_score(s, " " + passage.split(". ")[0] + ".")
+        assert 0.3 < half < 0.7
+        assert T.text_score(s, "The sun is yellow.") < 0.2
+        assert T.sample_score(s, passage) == 1.0
+    assert T.make_text_sample("passage_copy", 1500, 0.5, 5, tok).answer != s.answer
+
+
 # --------------------------------------------------------------------------------------------
 # Haystack styles: the default ("plain") is what the committed models were trained and measured on
 # --------------------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "kv_lookup")
+# Text prompts only (a real model): the same four plus a task whose answer is several sentences.
+LONG_ANSWER_TASKS = ("passage_copy",)
+TEXT_TASKS = TASKS + LONG_ANSWER_TASKS
 
 # --------------------------------------------------------------------------------------------
 # The tiny model's vocabulary (word level; the tokenizer in models/retrieval-llama is built from it)
@@ -474,10 +477,12 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
     included), as long as whole haystack sentences allow. ``answer`` lists the expected values
     (``;``-separated for ``niah_multivalue``); score with :func:`text_score`. ``prompt_ids`` are
     the tokenizer's ids; ``answer_ids`` is empty (real models are scored on text)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+    if task not in TEXT_TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {TEXT_TASKS}")
     rng = random.Random(f"text|{task}|{length}|{depth:.6f}|{seed}")
     key = _text_key(rng)
+    if task == "passage_copy":
+        return _make_passage_sample(length, depth, seed, tokenizer, rng, key)
     if task == "kv_lookup":
         key = f"{key}-{rng.randint(10, 99)}"
         value = _text_value(rng)
@@ -579,9 +584,27 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
 
 
 def text_score(sample: Sample, generated_text: str) -> float:
-    """RULER's string-match-all: the fraction of expected values present in the generated text."""
+    """RULER's string-match-all: the fraction of expected values present in the generated text;
+    ``passage_copy``: the ROUGE-L F-measure of the text against the passage."""
+    if sample.task == "passage_copy":
+        return rouge_l(sample.answer, _first_sentences(generated_text, _PASSAGE_SENTENCES))
     values = sample.answer.split(";")
     return sum(v in generated_text for v in values) / len(values)
+
+
+def sample_score(sample: Sample, generated_text: str) -> float:
+    """What a text sample scores in the quality tables, in [0, 1]: 1 when every expected value is
+    in the text (RULER string-match-all, all or nothing), and ROUGE-L F for ``passage_copy``."""
+    score = text_score(sample, generated_text)
+    return score if sample.task in LONG_ANSWER_TASKS else float(score == 1.0)
+
+
+def rouge_l(reference: str, generated: str) -> float:
+    """ROUGE-L F-measure (Google's ``rouge-score`` package; its default tokenizer: lower-cased
+    alphanumeric words, no stemming)."""
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False).score(reference, generated)["rougeL"].fmeasure
 
 
 def chat_sample(sample: Sample, tokenizer) -> Sample:
@@ -596,3 +619,89 @@ def chat_sample(sample: Sample, tokenizer) -> Sample:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return dataclasses.replace(sample, prompt=text, prompt_ids=list(ids), length=len(ids),
                                meta={**sample.meta, "chat_template": True, "answer_prefix": prefix})
+
+
+# --------------------------------------------------------------------------------------------
+# passage_copy: the long answer (several sentences copied from the context)
+# --------------------------------------------------------------------------------------------
+_P_NAMES = ("Ada", "Bruno", "Celia", "Dmitri", "Elin", "Farouk", "Greta", "Hugo", "Ines", "Jonas",
+            "Karin", "Luis", "Mara", "Nils", "Olga", "Pavel")
+_P_THINGS = ("spare lantern", "brass compass", "red toolbox", "blue ledger", "copper kettle", "old radio",
+             "wooden ladder", "first-aid kit", "tide chart", "signal lamp", "rain barrel", "fishing net")
+_P_PLACES = ("boathouse", "cellar", "north shed", "chart room", "kitchen", "attic", "workshop",
+             "pantry", "watch tower", "store hut")
+_P_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+_P_ACTIONS = ("oiled", "checked", "cleaned", "counted", "painted", "repaired")
+_P_STATES = ("wet", "broken", "missing", "cracked", "empty", "locked")
+_PASSAGE_SENTENCES = 3
+# No other notes in the haystack: with four distractor notes of the same form the real model
+# (SmolLM2-135M-Instruct) copied a wrong note densely, so the task measured its retrieval, not the copy.
+N_PASSAGE_DISTRACTORS = 0
+
+
+def _first_sentences(text: str, n: int) -> str:
+    """The answer a copy task is scored on: the text up to its ``n``-th sentence end (a model that
+    copied the passage and went on copying the haystack is not charged for what follows)."""
+    import re
+
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s|$)", text)]
+    return text[:ends[n - 1]] if len(ends) >= n else text
+
+
+def _passage(rng: random.Random) -> str:
+    """Three ordinary sentences, each from its own template with random names and things."""
+    a, b = rng.sample(_P_NAMES, 2)
+    t1, t2, t3 = rng.sample(_P_THINGS, 3)
+    p1, p2 = rng.sample(_P_PLACES, 2)
+    return (f"{a} left the {t1} in the {p1} before the storm. "
+            f"The {t2} must be {rng.choice(_P_ACTIONS)} every {rng.choice(_P_DAYS)} morning. "
+            f"If the {t3} is {rng.choice(_P_STATES)}, ask {b} in the {p2}.")
+
+
+def _make_passage_sample(length: int, depth: float, seed: int, tokenizer, rng: random.Random,
+                         key: str) -> Sample:
+    """A note of three sentences for ``key`` at ``depth`` of a RULER noise haystack, among
+    ``N_PASSAGE_DISTRACTORS`` notes for other keys; the question asks for the note word for word.
+    ``answer`` is the passage; score with :func:`text_score` (ROUGE-L F)."""
+    intro = ("Some notes are hidden within the following text. Make sure to memorize them. I will "
+             "ask you to repeat one of them afterwards.")
+    passage = _passage(rng)
+    target = f"The note for {key} says: {passage}"
+    question = (f"\nWhat does the note for {key} say? Repeat it word for word. "
+                f"The note for {key} says:")
+    a, b = key.split("-")
+    keys = _keys(rng, N_PASSAGE_DISTRACTORS, hard_for=(a, b), n_hard=1)
+    distract = [(rng.random(), f"The note for {x}-{y} says: {_passage(rng)}") for x, y in keys]
+
+    def build(n_units: int) -> str:
+        items = [NOISE[i % len(NOISE)] for i in range(n_units)]
+        for d, t in sorted(distract, key=lambda x: x[0], reverse=True):
+            items.insert(min(n_units, int(round(d * n_units))), t)
+        # the target at the sentence boundary nearest to `depth` of the context's characters
+        offs, acc = [], 0
+        for x in items:
+            offs.append(acc)
+            acc += len(x) + 1
+        offs.append(acc)
+        at = min(range(len(items) + 1), key=lambda i: abs(offs[i] - depth * acc))
+        items.insert(at, target)
+        return f"{intro}\n{' '.join(items)}\n{question}"
+
+    lo, hi = 0, 1
+    while _count(tokenizer, build(hi)) <= length:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _count(tokenizer, build(mid)) <= length:
+            lo = mid
+        else:
+            hi = mid
+    prompt = build(lo)
+    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if len(ids) > length:
+        raise ValueError(f"length {length} too small for passage_copy with this tokenizer")
+    c = prompt.index(target)
+    return Sample(task="passage_copy", length=len(ids), depth=depth, seed=seed, prompt=prompt,
+                  prompt_ids=list(ids), answer=passage, answer_ids=[], target_spans=[(c, c + len(target))],
+                  value_spans=[], meta={"key": key, "values": [passage], "requested_length": length,
+                                        "context_chars": (len(intro) + 1, len(prompt) - len(question) - 1)})
