@@ -334,8 +334,9 @@ def plot(path_stem, table, samples, title):
 
 def markdown_table(table, tasks, lengths=None) -> str:
     """All lengths together, then one table per length (the budget means most at the longest)."""
-    head = "| config | read fraction | fast-step retained | " + " | ".join(tasks) + " | all | agree w/ dense |"
-    sep = "|---" * (len(tasks) + 5) + "|"
+    head = ("| config | read fraction | fast-step retained | fast-step read, all counted | prefill keys read | "
+            + " | ".join(tasks) + " | all | agree w/ dense |")
+    sep = "|---" * (len(tasks) + 7) + "|"
 
     def pct(rows, key):
         return f"{100.0 * sum(r[key] for r in rows) / len(rows):.1f}" if rows else "-"
@@ -343,6 +344,7 @@ def markdown_table(table, tasks, lengths=None) -> str:
     blocks = [[head, sep]]
     for c in table:
         blocks[0].append(f"| {c['name']} | {c['read_fraction']:.3f} | {c['fast_retained_fraction']:.3f} | "
+                         f"{fast_step_read_all(c):.3f} | {prefill_keys_read(c.get('counters', {}))} | "
                          + " | ".join(f"{c['per_task'][t]['accuracy'] * 100:.1f}" for t in tasks)
                          + f" | **{c['accuracy'] * 100:.1f}** | {c['agreement_with_dense'] * 100:.1f} |")
     for n in (lengths or []) if len(lengths or []) > 1 else []:
@@ -352,6 +354,8 @@ def markdown_table(table, tasks, lengths=None) -> str:
             pl = c["per_length"].get(str(n), {})
             lines.append(f"| {c['name']} | {pl.get('read_fraction', 1.0):.3f} | "
                          f"{pl.get('fast_retained_fraction', 1.0):.3f} | "
+                         f"{fast_step_read_all(c, str(n)):.3f} | "
+                         f"{prefill_keys_read({str(n): c.get('counters', {}).get(str(n), {})})} | "
                          + " | ".join(pct([r for r in rows if r["task"] == t], "correct") for t in tasks)
                          + f" | **{pct(rows, 'correct')}** | {pct(rows, 'agree')} |")
         blocks.append(lines)
@@ -362,6 +366,37 @@ def markdown_table(table, tasks, lengths=None) -> str:
                        "`quest_rerank` r, the K half of r x (k - keep_prefill) candidate rows:", ""]
                       + notes)
     return "\n".join("\n".join(b) for b in blocks)
+
+
+def prefill_keys_read(counters: dict) -> str:
+    """CritiPrefill: the key blocks its sparse segments read over the candidates (causal blocks)."""
+    read = sum(v.get("critiprefill.key_blocks_read", 0) for v in counters.values())
+    cand = sum(v.get("critiprefill.key_blocks_candidate", 0) for v in counters.values())
+    return f"{read / cand:.3f}" if cand else "-"
+
+
+def fast_step_read_all(c, length: str | None = None) -> float:
+    """Bytes a fast step reads over a dense step's, counting all of it: the retained KV, and with
+    selector quest the page table (max and min of K per page: 1/page_size of the KV bytes per
+    selection) and with quest_rerank r the K half of r x (k - keep_prefill) candidates."""
+    from vllm_ext.config import SfiConfig
+
+    pl = c["per_length"] if length is None else {length: c["per_length"].get(length, {})}
+    counters = c["counters"] if length is None else {length: c["counters"].get(length, {})}
+    retained = sum(v.get("sfi.fast_retained_tokens", 0) for v in counters.values())
+    ctx = sum(v.get("sfi.fast_context_tokens", 0) for v in counters.values())
+    if not ctx:
+        return 1.0
+    sfi = c.get("speedsfi", {}).get("sfi", {})
+    extra = 0.0
+    if sfi.get("selector") == "quest":
+        slow = sum(v.get("slow_steps", 0) for v in pl.values())
+        fast = sum(v.get("fast_steps", 0) for v in pl.values())
+        extra += slow / max(fast, 1) / sfi.get("page_size", 16)
+        rerank = sfi.get("quest_rerank", 0)
+        if rerank:
+            extra += slow * rerank * (sfi.get("k", SfiConfig.k) - sfi.get("keep_prefill", 0)) / 2 / ctx
+    return retained / ctx + extra
 
 
 def page_table_note(c) -> str | None:

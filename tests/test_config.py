@@ -1,5 +1,6 @@
 """The speedsfi configuration: defaults from ALGORITHMS.md, presets, strict parsing, clear errors."""
 
+import dataclasses
 import math
 
 import pytest
@@ -145,3 +146,19 @@ def test_per_request_overrides_are_validated():
 
 def test_trigger_chars_accepts_a_string():
     assert SpeedSfiConfig.from_dict({"sfi": {"trigger_chars": ".?"}}).sfi.trigger_chars == (".", "?")
+
+
+def test_sfi_enabled_alone_is_the_sfi_preset():
+    """`sfi: {enabled: true}` with no other field gives the default selection (the `sfi` preset,
+    chosen on a real model); any other field starts from the published constants."""
+    alone = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}}).sfi
+    preset = SpeedSfiConfig.from_dict({"preset": "sfi"}).sfi
+    assert alone == preset and alone.enabled
+    from vllm_ext.config import SfiConfig
+
+    paper = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "n_sink": 4}}).sfi
+    assert paper == dataclasses.replace(SfiConfig(), enabled=True)
+    assert not SpeedSfiConfig.from_dict({"sfi": {"enabled": False}}).sfi.enabled
+    # the other sections keep theirs
+    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}, "speed": {"enabled": True}})
+    assert cfg.sfi == preset and cfg.speed.enabled

@@ -297,6 +297,11 @@ class SpeedSfiConfig:
             if not isinstance(preset, str):
                 raise ConfigError(f"speedsfi.preset must be a preset name or a path, got {preset!r}")
             merged = load_preset(preset)
+        elif _enables_only(raw.get("sfi")):
+            # `sfi: {enabled: true}` and nothing else: the default selection, the `sfi` preset's
+            # (chosen on a real model: bench/QUALITY.md, "A real model"). Any other sfi field starts
+            # from the dataclass's constants (the published method's, ALGORITHMS.md).
+            merged = {"sfi": dict(load_preset("sfi").get("sfi") or {})}
         _deep_update(merged, raw)
         cfg = _build(cls, merged, "speedsfi")
         cfg = dataclasses.replace(cfg, preset=preset)
@@ -321,6 +326,10 @@ class SpeedSfiConfig:
         cfg = dataclasses.replace(cfg, preset=self.preset)
         cfg.validate()
         return cfg
+
+
+def _enables_only(section: Any) -> bool:
+    return isinstance(section, Mapping) and set(section) == {"enabled"} and section["enabled"] is True
 
 
 def preset_names() -> list[str]:
