@@ -80,6 +80,10 @@ def parse(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--name", default=None, help="file stem; default quality_<device>_<model>")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--resume", default=None, metavar="JSON[,JSON...]",
+                   help="take the configurations already run in these earlier JSONs on these samples (or "
+                        "more; same name and section) from them instead of running them again; with every configuration "
+                        "found, this only writes the combined report")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="rewrite the markdown tables of an earlier run's JSON (no engines) and exit")
     return p.parse_args(argv)
@@ -197,6 +201,36 @@ def run_config(args, cfg, samples, on_cuda):
     return outputs, counters, startup, time.time() - t0
 
 
+def _same_output(a: dict, b: dict, key: tuple) -> bool:
+    """Greedy continuations identical token for token (text where an older JSON kept no ids)."""
+    ia, ib = a.get(key + ("ids",)), b.get(key + ("ids",))
+    if isinstance(ia, list) and isinstance(ib, list):
+        return ia == ib
+    return a[key] == b[key]
+
+
+def resumed_results(paths: str, samples) -> dict:
+    """name -> results of configurations in earlier JSONs whose samples are these samples."""
+    keys = {(s.task, s.meta.get("requested_length", s.length), s.depth, s.seed): s.key for s in samples}
+    found = {}
+    for path in [p for p in paths.split(",") if p]:
+        with open(path) as f:
+            data = json.load(f)
+        for c in data["configs"]:
+            rows = [r for r in c["samples"] if (r["task"], r["length"], r["depth"], r["seed"]) in keys]
+            if len(rows) != len(samples):
+                log(f"--resume: {path}: {c['name']} has other samples; not taken")
+                continue
+            outputs = {}
+            for r in rows:
+                k = keys[(r["task"], r["length"], r["depth"], r["seed"])]
+                outputs[k] = r["output"]
+                outputs[k + ("ids",)] = r.get("output_ids")
+            found[c["name"]] = dict(outputs=outputs, counters={int(n): v for n, v in c["counters"].items()},
+                                    startup_s=c["startup_s"], wall_s=c["wall_s"], speedsfi=c["speedsfi"])
+    return found
+
+
 def summarise(args, configs, samples, results):
     """accuracy / agreement / retained fraction per config, per task, per (task, length, depth)."""
     dense_out = results["dense"]["outputs"]
@@ -211,7 +245,7 @@ def summarise(args, configs, samples, results):
         # decode steps (the first token comes from the prefill) over contexts L+1 .. L+n-1
         total = 0
         for s in group:
-            n = len(outs[s.key + ("ids",)])
+            n = len(outs[s.key + ("ids",)] or [])        # none kept by an older JSON: dense anyway
             total += sum(s.length + i for i in range(1, n))
         return total
 
@@ -224,8 +258,8 @@ def summarise(args, configs, samples, results):
             out_text = outs[s.key] if args.text else " ".join(T.words_of(outs[s.key]))
             rows.append(dict(task=s.task, length=s.meta.get("requested_length", s.length), depth=s.depth,
                              seed=s.seed, correct=score(s, outs[s.key]),
-                             agree=outs[s.key + ("ids",)] == dense_out[s.key + ("ids",)],
-                             expected=s.answer, output=out_text))
+                             agree=_same_output(outs, dense_out, s.key),
+                             expected=s.answer, output=out_text, output_ids=outs[s.key + ("ids",)]))
         c_all = results[name]["counters"]
         ret = sum(c.get("sfi.fast_retained_tokens", 0) for c in c_all.values())
         ctx = sum(c.get("sfi.fast_context_tokens", 0) for c in c_all.values())
@@ -283,17 +317,18 @@ def plot(path_stem, table, samples, title):
     depths = sorted({s.depth for s in samples})
     # accuracy vs retained fraction
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    pts = sorted(table, key=lambda c: c["fast_retained_fraction"])
-    xs = [c["fast_retained_fraction"] for c in pts]
+    pts = sorted(table, key=fast_step_read_all)
+    xs = [fast_step_read_all(c) for c in pts]
     for t in tasks:
-        ax.plot(xs, [c["per_task"][t]["accuracy"] for c in pts], "o-", label=t, alpha=0.8)
-    ax.plot(xs, [c["accuracy"] for c in pts], "k*-", lw=2, ms=10, label="all tasks")
-    for c in pts:
-        ax.annotate(c["name"], (c["fast_retained_fraction"], c["accuracy"]), textcoords="offset points",
-                    xytext=(4, -12), fontsize=7)
+        ax.plot(xs, [c["per_task"][t]["accuracy"] for c in pts], "o", label=t, alpha=0.8)
+    ax.plot(xs, [c["accuracy"] for c in pts], "k*", ms=10, label="all tasks")
+    for x, c in zip(xs, pts):
+        ax.annotate(c["name"], (x, c["accuracy"]), textcoords="offset points", xytext=(4, -12), fontsize=7)
     ax.set_xscale("log")
-    ax.set_xlabel("retained fraction of the KV on fast steps (dense = 1)")
-    ax.set_ylabel("exact-match accuracy")
+    ax.set_xlabel("bytes a fast decode step reads / a dense step's (selected + recent KV, page table, "
+                  "candidates' K)", fontsize=8)
+    ax.set_ylabel("score (exact match; passage_copy: ROUGE-L)" if samples and samples[0].prompt else
+                  "exact-match accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
@@ -491,8 +526,13 @@ def main(argv=None):
         return table, meta, write_report(path, meta, table)
 
     results = {}
+    earlier = resumed_results(args.resume, samples) if args.resume else {}
     for i, cfg in enumerate(configs):
         log(f"[{i + 1}/{len(configs)}] {cfg['name']}: {json.dumps(cfg['speedsfi'])}")
+        if cfg["name"] in earlier and earlier[cfg["name"]]["speedsfi"] == cfg["speedsfi"]:
+            results[cfg["name"]] = earlier[cfg["name"]]
+            log(f"[{i + 1}/{len(configs)}] {cfg['name']}: taken from --resume")
+            continue
         outputs, counters, startup, wall = run_config(args, cfg, samples, on_cuda)
         results[cfg["name"]] = dict(outputs=outputs, counters=counters, startup_s=startup, wall_s=wall)
         n_ok = sum(T.sample_score(s, outputs[s.key]) if args.text else T.exact_match(s, outputs[s.key])
