@@ -474,7 +474,19 @@ def main(argv=None):
     if args.report:
         with open(args.report) as f:
             data = json.load(f)
-        md = write_report(os.path.splitext(args.report)[0], data["meta"], data["configs"])
+        stem = os.path.splitext(args.report)[0]
+        md = write_report(stem, data["meta"], data["configs"])
+        if not args.no_plots:
+            from types import SimpleNamespace
+
+            text = str(data["meta"].get("prompts", "")).startswith("text")
+            rows = data["configs"][0]["samples"]
+            samples = [SimpleNamespace(task=r["task"], depth=r["depth"], length=r["length"],
+                                       meta={"requested_length": r["length"]}, prompt="x" if text else "")
+                       for r in rows]
+            model = os.path.basename(os.path.normpath(data["meta"]["model"]))
+            plot(stem, data["configs"], samples, f"{model} on {data['meta']['device']} ({len(rows)} samples; "
+                                                 f"lengths {data['meta']['lengths']})")
         print(md)
         return data["configs"]
     t_start = time.time()
