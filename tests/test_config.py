@@ -23,8 +23,8 @@ def test_defaults_match_algorithms_md():
 
 
 def test_explicit_fields_override_preset():
-    cfg = SpeedSfiConfig.from_dict({"preset": "sfi", "sfi": {"k": 512}})
-    assert cfg.sfi.enabled and cfg.sfi.k == 512 and cfg.sfi.n_recent == 256 and cfg.preset == "sfi"
+    cfg = SpeedSfiConfig.from_dict({"preset": "sfi-paper", "sfi": {"k": 512}})
+    assert cfg.sfi.enabled and cfg.sfi.k == 512 and cfg.sfi.n_recent == 256 and cfg.preset == "sfi-paper"
 
 
 def test_boundary_schedule_fields():
@@ -34,13 +34,13 @@ def test_boundary_schedule_fields():
     s = SpeedSfiConfig.from_dict(None).sfi
     assert (s.schedule, s.fire_at, s.sentence_cooldown, s.min_boundary_gap) == ("boundary", "sentence_end", 0, 0)
     # the sfi presets mirror the authors' RefreshTriggerConfig defaults
-    for name, k in (("sfi", 2048), ("sfi-quality", 4096)):
+    for name, k in (("sfi-paper", 2048), ("sfi-quality", 4096)):
         s = SpeedSfiConfig.from_dict({"preset": name}).sfi
         assert (s.enabled, s.k, s.n_sink, s.n_recent, s.refresh) == (True, k, 4, 256, 32), name
         assert (s.schedule, s.fire_at, s.sentence_cooldown, s.min_boundary_gap) == \
             ("boundary", "sentence_start", 2, 16), name
     # explicit fields override the preset (back to our schedule)
-    s = SpeedSfiConfig.from_dict({"preset": "sfi", "sfi": {"fire_at": "sentence_end", "sentence_cooldown": 0,
+    s = SpeedSfiConfig.from_dict({"preset": "sfi-paper", "sfi": {"fire_at": "sentence_end", "sentence_cooldown": 0,
                                                             "min_boundary_gap": 0}}).sfi
     assert (s.fire_at, s.sentence_cooldown, s.min_boundary_gap) == ("sentence_end", 0, 0)
     # a dataclass built in code is validated too
@@ -134,8 +134,11 @@ def test_model_dependent_checks():
 
 
 def test_per_request_overrides_are_validated():
-    base = SpeedSfiConfig.from_dict({"preset": "sfi"})
+    base = SpeedSfiConfig.from_dict({"preset": "sfi-paper"})
     assert base.with_overrides({"sfi": {"k": 128}}).sfi.k == 128
+    # the default keeps 512 prefill-end tokens: a request's k below that must say which field binds
+    with pytest.raises(ConfigError, match=r"keep_prefill \(512\) must be <= sfi.k - sfi.k_min"):
+        SpeedSfiConfig.from_dict({"preset": "sfi"}).with_overrides({"sfi": {"k": 128}})
     assert base.with_overrides({"sfi": {"enabled": False}}).sfi.enabled is False
     assert base.with_overrides(None) is base
     with pytest.raises(ConfigError, match="speedsfi.sfi.kk: unknown field"):
@@ -162,3 +165,12 @@ def test_sfi_enabled_alone_is_the_sfi_preset():
     # the other sections keep theirs
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}, "speed": {"enabled": True}})
     assert cfg.sfi == preset and cfg.speed.enabled
+
+
+def test_sfi_default_is_the_selection_measured_on_the_real_model():
+    """The `sfi` preset is what bench/QUALITY.md ("A real model") measured as the default; a fast step
+    reads at most 20 % of a dense step's KV at 8K tokens."""
+    s = SpeedSfiConfig.from_dict({"preset": "sfi"}).sfi
+    assert s.enabled and s.selector == "sfi"
+    assert (s.k, s.n_recent, s.select_span, s.select_span_back, s.keep_prefill) == (1024, 128, 4, 2, 512)
+    assert (s.n_sink + s.k + s.n_recent) / 8000 <= 0.20
