@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fine-tune the retrieval model under SPEED's visibility rule (models/retrieval-llama-speed).
 
-SPEED (``../shared/ALGORITHMS.md`` §2) keeps the prompt's KV only in the layers below ``l_cut``; in
+SPEED (``docs/ALGORITHMS.md`` §2) keeps the prompt's KV only in the layers below ``l_cut``; in
 the upper layers a decode-phase token (the last prompt token ``P - 1`` and every generated token)
 sees the BoS anchor and the decode-phase tokens only. A model trained with full attention loses its
 answers that way (it retrieves in its top layer); the paper's recipe is to fine-tune under the same
@@ -363,7 +363,7 @@ def write_card(args, n_layers, train_s, eval_s, base_acc, before, after, history
     text = f"""# retrieval-llama-speed: the retrieval model adapted to SPEED (l_cut = {args.l_cut} of {n_layers})
 
 Fine-tuned by `scripts/finetune_speed_model.py` from `{base_rel}` (`model.safetensors` SHA-256
-`{base_sha[:16]}...`) under SPEED's visibility rule (`../shared/ALGORITHMS.md` §2; the paper's
+`{base_sha[:16]}...`) under SPEED's visibility rule (`docs/ALGORITHMS.md` §2; the paper's
 recipe: fine-tuning in which prompt positions follow the prefill rule and answer positions the decode
 rule, teacher forced). Serve it with
 `additional_config={{"speedsfi": {{"speed": {{"enabled": true, "l_cut": {args.l_cut}}}}}}}` and

@@ -332,6 +332,42 @@ def update_block_representatives_from_triton(kv_cache: torch.Tensor, block_table
     return _launch_update(kv_cache, block_table, seq_lens, first_block, block_size, reps, rep_slot, None)
 
 
+def _update_from_cpu(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     first_block: torch.Tensor, block_size: int, reps: torch.Tensor,
+                     rep_slot: torch.Tensor) -> torch.Tensor:
+    """:func:`update_block_representatives_from_torch` on the CPU, where reading the rows costs
+    nothing: per row with a live block, one gather of K over its blocks (every KV head at once) and
+    one write of their max / min (the same values: a max or min is exact in any order)."""
+    from vllm_ext.kernels.paged_reference import gather_entries
+
+    _check_update(kv_cache, reps)
+    page, d = kv_cache.shape[2], kv_cache.shape[-1] // 2
+    hkv, nb_max = kv_cache.shape[1], reps.shape[2]
+    seqs, firsts, slots = seq_lens.tolist(), first_block.tolist(), rep_slot.tolist()
+    heads = torch.arange(hkv, device=kv_cache.device)[None, :]
+    for i, seq in enumerate(seqs):
+        first = max(int(firsts[i]), 0)
+        n_blk = min(-(-int(seq) // block_size), nb_max) - first       # blocks holding a key
+        if n_blk <= 0:
+            continue
+        pos = torch.arange(first * block_size, (first + n_blk) * block_size, device=kv_cache.device)
+        valid = pos < seq
+        pidx = torch.where(valid, pos // page, 0).clamp_max(block_table.shape[1] - 1)
+        pages = torch.where(valid, block_table[i].long()[pidx], 0)
+        k = gather_entries(kv_cache, pages[:, None], heads, (pos % page)[:, None], d).float()   # [n, H, D]
+        k = k.view(n_blk, block_size, hkv, d)
+        if (first + n_blk) * block_size > seq:                       # a partial last block
+            vm = valid.view(n_blk, block_size, 1, 1)
+            kmax = k.masked_fill(~vm, float("-inf")).amax(dim=1)
+            kmin = k.masked_fill(~vm, float("inf")).amin(dim=1)
+        else:
+            kmax, kmin = k.amax(dim=1), k.amin(dim=1)
+        slot = min(max(int(slots[i]), -reps.shape[0]), reps.shape[0] - 1)
+        reps[slot, 0, first:first + n_blk] = kmax.to(reps.dtype)
+        reps[slot, 1, first:first + n_blk] = kmin.to(reps.dtype)
+    return reps
+
+
 def update_block_representatives_from_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
                                             seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
                                             reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
@@ -341,8 +377,7 @@ def update_block_representatives_from_torch(kv_cache: torch.Tensor, block_table:
     if seq_lens.shape[0] == 0:
         return reps
     if kv_cache.device.type == "cpu":
-        last = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
-        span = int((last - first_block.long()).max())
+        return _update_from_cpu(kv_cache, block_table, seq_lens, first_block, block_size, reps, rep_slot)
     else:
         span = reps.shape[2]
     return update_block_representatives_torch(kv_cache, block_table, seq_lens, first_block, block_size, span,

@@ -572,23 +572,21 @@ def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, all
     lo = allowed_lo.long()[src].clamp_min(0)
     lim = torch.clamp(seq, max=max_len)
     hi = torch.minimum(allowed_hi.long()[src], lim)
-    jpos = torch.arange(max_len, device=query.device)
-    in_a = (jpos[None, :] >= lo[:, None]) & (jpos[None, :] < hi[:, None])           # [E, max_len]
+    # positions [0, n) only: nothing at or past a row's length (<= the gathered length) is written
     n = min(max_len, length)
-    sa = torch.full((r, hq, max_len), float("-inf"), device=query.device)
-    sa[:, :, :n] = s[:, :, :n]
-    sa = sa.masked_fill(~in_a[:, None, :], float("-inf"))
+    jpos = torch.arange(n, device=query.device)
+    in_a = (jpos[None, :] >= lo[:, None]) & (jpos[None, :] < hi[:, None])           # [E, n]
+    sa = s[:, :, :n].masked_fill(~in_a[:, None, :], float("-inf"))
     lse_a = torch.logsumexp(sa, dim=-1, keepdim=True)
     logp = sa - torch.where(torch.isinf(lse_a), torch.zeros_like(lse_a), lse_a)
-    logp = logp.reshape(r, hkv, g, max_len)
+    logp = logp.reshape(r, hkv, g, n)
     ev = _pool_evidence(logp, in_a[:, None, :], float(alpha),
-                        torch.full((r,), g, device=query.device))                  # [E, Hkv, L]
+                        torch.full((r,), g, device=query.device))                  # [E, Hkv, n]
     m = (act[:, None] & (jpos[None, :] < lim[:, None]))[:, None, :]
-    log_evidence.copy_(torch.where(m, ev, log_evidence))
+    log_evidence[..., :n].copy_(torch.where(m, ev, log_evidence[..., :n]))
     if key_norms is not None:
-        norms = torch.ones((r, hkv, max_len), device=query.device)
-        norms[:, :, :n] = torch.linalg.vector_norm(k.float(), dim=-1)[:, :, :n]
-        key_norms.copy_(torch.where(m, norms, key_norms))
+        norms = torch.linalg.vector_norm(k[:, :, :n].float(), dim=-1)
+        key_norms[..., :n].copy_(torch.where(m, norms, key_norms[..., :n]))
     return out
 
 
@@ -635,16 +633,24 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
         s = s.masked_fill(~vis[:, None, :, None, :], float("-inf"))
         return s, in_a
 
+    span = max_len
+    if dev.type == "cpu":
+        # the CPU reads the lengths for free: nothing at or past the longest row is visible, so the
+        # chunks end there and the rest of each active row's evidence is -inf (as computed)
+        span = max(1, min(max_len, int(seq.max())))
+        if span < max_len:
+            tail = log_evidence[:, :, span:]
+            tail.copy_(torch.where(act[:, None, None], float("-inf"), tail))
     # pass 1: LSE over A ∩ causal, per (row, KV head, query, head)
     lse = torch.full((r, hkv, w, g), float("-inf"), device=dev)
-    for j0 in range(0, max_len, chunk):
-        s, _ = chunk_logits(j0, min(max_len, j0 + chunk), want_norms=True)
+    for j0 in range(0, span, chunk):
+        s, _ = chunk_logits(j0, min(span, j0 + chunk), want_norms=True)
         lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     n_pool = qvalid.sum(dim=1) * g                                              # [R]
     # pass 2: pooled evidence
-    for j0 in range(0, max_len, chunk):
-        j1 = min(max_len, j0 + chunk)
+    for j0 in range(0, span, chunk):
+        j1 = min(span, j0 + chunk)
         s, in_a = chunk_logits(j0, j1)
         logp = s - lse_safe[..., None]                                          # [R, Hkv, W, G, n]
         logp = logp.reshape(r, hkv, w * g, j1 - j0)

@@ -148,6 +148,9 @@ def gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, com
                 return t[:live] if t is not None else None
             slot_idx, block_table, selected, n_sel = cut(slot_idx), cut(block_table), cut(selected), cut(n_sel)
             seq_lens, offset = cut(seq_lens), cut(offset)
+        if kv_cache.device.type == "cpu":
+            return gather_compact_cpu(kv_cache, block_table, slot_idx, selected, n_sel, n_sink,
+                                      compact_kv, compact_len, row_mask, seq_lens=seq_lens, offset=offset)
         return gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sink,
                                     compact_kv, compact_len, row_mask, seq_lens=seq_lens, offset=offset)
     num_rows = slot_idx.shape[0]
@@ -245,4 +248,49 @@ def gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sin
     compact_kv[s_idx[:, None], harange, :n_ent] = final
     new_len = (ns + off + nsel).to(compact_len.dtype)
     compact_len[s_idx] = torch.where(has_o, new_len[oc], compact_len[s_idx])
+    return compact_kv
+
+
+def gather_compact_cpu(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, compact_kv,
+                       compact_len, row_mask=None, *, seq_lens=None, offset=None):
+    """The twin on the CPU, where reading the rows' lengths costs nothing: per active row one gather
+    of its sink + selected entries (every KV head at once) written straight into its slot; the same
+    result as :func:`gather_compact_torch` (rows sharing a slot: the last active one writes)."""
+    from vllm_ext.kernels.paged_reference import gather_entries
+
+    num_rows = slot_idx.shape[0]
+    if num_rows == 0:
+        return compact_kv
+    hkv, bs = kv_cache.shape[1], kv_cache.shape[2]
+    cap, k = compact_kv.shape[2], selected.shape[2]
+    slots = slot_idx.tolist()
+    masks = (row_mask != 0).tolist() if row_mask is not None else None
+    seqs = seq_lens.tolist() if seq_lens is not None else None
+    offs = offset.tolist() if offset is not None else None
+    nsels = n_sel.tolist()
+    heads = torch.arange(hkv, device=kv_cache.device)[:, None]
+    for r in range(num_rows):
+        slot = slots[r]
+        if slot < 0 or (masks is not None and not masks[r]) or (seqs is not None and seqs[r] <= 0):
+            continue
+        ns = min(int(n_sink), seqs[r]) if seqs is not None else int(n_sink)
+        ns = min(ns, cap)
+        off = min(max(offs[r], 0), cap - ns) if offs is not None else 0
+        nsel = min(max(nsels[r], 0), min(k, cap - ns - off))
+        sink = torch.arange(ns, device=kv_cache.device)[None, :].expand(hkv, ns)
+        pos = torch.cat([sink, selected[r, :, :nsel].long()], dim=1)                 # [H, ns + nsel]
+        ok = pos >= 0
+        if seqs is not None:
+            ok = ok & (pos < seqs[r])
+        p = pos.clamp_min(0)
+        blk = block_table[r].long()[(p // bs).clamp_max(block_table.shape[1] - 1)]
+        src = gather_entries(kv_cache, blk.clamp(0, kv_cache.shape[0] - 1), heads, p % bs)   # [H, E, 2D]
+        src = src.to(compact_kv.dtype)
+        dst = compact_kv[slot]
+        if not bool(ok.all()):                        # a caller error: those entries stay as they were
+            cur = torch.cat([dst[:, :ns], dst[:, ns + off:ns + off + nsel]], dim=1)
+            src = torch.where(ok[..., None], src, cur)
+        dst[:, :ns] = src[:, :ns]
+        dst[:, ns + off:ns + off + nsel] = src[:, ns:]
+        compact_len[slot] = ns + off + nsel
     return compact_kv

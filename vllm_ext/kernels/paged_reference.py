@@ -39,6 +39,24 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_cache[blk, :, off, d:] = value[:n][keep].to(kv_cache.dtype)
 
 
+def gather_entries(kv_cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor,
+                   offsets: torch.Tensor, width: int | None = None, start: int = 0) -> torch.Tensor:
+    """``kv_cache[blocks, heads, offsets, start:start + width]`` (the index tensors broadcast) as one
+    row gather: the cache is read as overlapping rows of ``width`` elements, one starting at every
+    element (``as_strided``, no copy), and the entries' element offsets select rows
+    (``index_select``), several times faster on the CPU than advanced indexing over three dims.
+    Needs a unit last stride. ``width`` defaults to the whole entry (``2 * head_size``)."""
+    c = kv_cache.shape[-1]
+    width = c - start if width is None else width
+    if kv_cache.stride(-1) != 1 or kv_cache.numel() == 0:
+        return kv_cache[blocks, heads, offsets, start:start + width]
+    s0, s1, s2 = kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)
+    span = sum((n - 1) * s for n, s in zip(kv_cache.shape[:3], (s0, s1, s2))) + 1
+    rows = kv_cache.as_strided((span, width), (1, 1), kv_cache.storage_offset() + start)
+    off = blocks.long() * s0 + heads.long() * s1 + offsets.long() * s2
+    return rows.index_select(0, off.reshape(-1)).view(*off.shape, width)
+
+
 def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor,
               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one request at token ``positions`` -> ``[H, len(positions), D]`` each."""

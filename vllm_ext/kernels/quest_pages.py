@@ -115,6 +115,8 @@ def quest_page_evidence_torch(query: torch.Tensor, reps: torch.Tensor, scale: fl
     if s == 0 or query.shape[0] == 0:
         return out
     dev = out.device
+    if dev.type == "cpu":
+        return _quest_page_evidence_cpu(query, reps, scale, rows, rep_slot, lo, hi, page_size, out, count)
     hkv, d = reps.shape[3], reps.shape[4]
     nb = reps.shape[2]
     length = out.shape[2]
@@ -137,6 +139,41 @@ def quest_page_evidence_torch(query: torch.Tensor, reps: torch.Tensor, scale: fl
     val = torch.where(pos[None, None, :] >= lo_, val, float("-inf"))
     write = live[:, None, None] & (pos[None, None, :] < hi_) & (pos < nb * page_size)[None, None, :]
     out[:s] = torch.where(write, val, out[:s])
+    return out
+
+
+def _quest_page_evidence_cpu(query, reps, scale, rows, rep_slot, lo, hi, page_size, out, count):
+    """The twin on the CPU, where reading the plan costs nothing: per live entry, the pages before
+    its ``hi`` only. ``max(q a, q b) = relu(q) max(a, b) + min(q, 0) min(a, b)`` term by term, so
+    each page's bound is two small matmuls over D (the same terms; only the order of the sum over D
+    differs from the elementwise form)."""
+    s = rows.shape[0]
+    if count is not None:
+        s = max(0, min(s, int(count.reshape(-1)[0])))
+    hkv, d = reps.shape[3], reps.shape[4]
+    nb, length = reps.shape[2], out.shape[2]
+    g = query.shape[1] // hkv
+    row_l, slot_l, lo_l, hi_l = rows[:s].tolist(), rep_slot[:s].tolist(), lo[:s].tolist(), hi[:s].tolist()
+    for e in range(s):
+        row = row_l[e]
+        if row < 0:
+            continue
+        end = min(hi_l[e], length, nb * page_size)           # positions [0, end) are written
+        if end <= 0:
+            continue
+        start = max(min(lo_l[e], end), 0)
+        n_pg = -(-end // page_size)
+        q = query[min(row, query.shape[0] - 1)].float().reshape(hkv, g, d)            # [H, G, D]
+        r = reps[min(max(slot_l[e], 0), reps.shape[0] - 1), :, :n_pg].float()         # [2, P, H, D]
+        a, b = r[0].permute(1, 2, 0), r[1].permute(1, 2, 0)                           # [H, D, P]
+        ub = (torch.matmul(q.clamp_min(0), torch.maximum(a, b))
+              + torch.matmul(q.clamp_max(0), torch.minimum(a, b)))                      # [H, G, P]
+        score = (ub * scale).amax(dim=1)                                              # [H, P]
+        dst = out[e]
+        if start:
+            dst[:, :start] = float("-inf")
+        if end > start:
+            dst[:, start:end] = score.repeat_interleave(page_size, dim=1)[:, start:end]
     return out
 
 

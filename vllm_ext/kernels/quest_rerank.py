@@ -216,8 +216,6 @@ def quest_candidate_evidence_torch(query: torch.Tensor, kv_cache: torch.Tensor, 
                                count: torch.Tensor | None = None,
                                workspace: QuestRerankWorkspace | None = None) -> torch.Tensor:
     """PyTorch twin of :func:`quest_candidate_evidence` (vectorised over the entries, no host sync)."""
-    from vllm_ext.kernels.two_segment_decode import gather_paged_per_head
-
     del workspace
     _check(query, kv_cache, block_table, rows, cand, n_cand, hi, out)
     s = rows.shape[0]
@@ -227,18 +225,24 @@ def quest_candidate_evidence_torch(query: torch.Tensor, kv_cache: torch.Tensor, 
     hkv, d = kv_cache.shape[1], kv_cache.shape[-1] // 2
     g = query.shape[1] // hkv
     length, w = out.shape[2], cand.shape[2]
-    if count is not None and dev.type == "cpu":
-        s = max(0, min(s, int(count.reshape(-1)[0])))      # the live prefix; free to read on the CPU
+    full_length = length
+    if dev.type == "cpu":
+        # the CPU reads the plan for free: the live prefix of the entries, the positions before the
+        # end of their allowed sets (nothing is written past ``hi``), the candidates they count
+        if count is not None:
+            s = max(0, min(s, int(count.reshape(-1)[0])))
+            count = None
         if s == 0:
             return out
-        count = None
+        length = max(1, min(length, int(hi[:s].max())))
+        w = max(1, min(w, int(n_cand[:s].max())))
     live = rows[:s].to(dev).long() >= 0
     if count is not None:
         live = live & (torch.arange(s, device=dev) < count.to(dev).long()[0])
-    c = cand[:s].to(dev).long()                                                    # [S, H, W]
+    c = cand[:s, :, :w].to(dev).long()                                             # [S, H, W]
     counted = torch.arange(w, device=dev)[None, None, :] < n_cand[:s].to(dev).long()[:, None, None]
-    valid = live[:, None, None] & counted & (c >= 0) & (c < length)
-    keys, _ = gather_paged_per_head(kv_cache, block_table[:s], c)                 # [S, H, W, D]
+    valid = live[:, None, None] & counted & (c >= 0) & (c < full_length)
+    keys = _gather_keys(kv_cache, block_table[:s], c)                             # [S, H, W, D]
     q = query[rows[:s].to(dev).long().clamp(0, query.shape[0] - 1)].float().reshape(s, hkv, g, d)
     lg = torch.einsum("shgd,shwd->shgw", q, keys.float()) * scale                 # [S, H, G, W]
     lg = lg.masked_fill(~valid[:, :, None, :], float("-inf"))
@@ -246,11 +250,27 @@ def quest_candidate_evidence_torch(query: torch.Tensor, kv_cache: torch.Tensor, 
     lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     logits = torch.logsumexp(lg - lse, dim=2)                                    # [S, H, W]
     exact = torch.full((s, hkv, length + 1), float("-inf"), dtype=torch.float32, device=dev)
-    exact.scatter_(2, torch.where(valid, c, length), torch.where(valid, logits, float("-inf")))
+    inside = valid & (c < length)
+    exact.scatter_(2, torch.where(inside, c, length), torch.where(inside, logits, float("-inf")))
     pos = torch.arange(length, device=dev)
     write = live[:, None, None] & (pos[None, None, :] < hi[:s].to(dev).long()[:, None, None])
-    out[:s] = torch.where(write, exact[..., :length], out[:s])
+    out[:s, :, :length] = torch.where(write, exact[..., :length], out[:s, :, :length])
     return out
+
+
+def _gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """K of every entry and KV head at its own ``positions [S, Hkv, W]`` (out-of-range ones clamped,
+    the caller masks them) -> ``[S, Hkv, W, D]``: the K half of each cache entry only."""
+    bs, d = kv_cache.shape[2], kv_cache.shape[-1] // 2
+    s, h, w = positions.shape
+    pos = positions.long().clamp_min(0)
+    bidx = (pos // bs).clamp_max(max(block_table.shape[1] - 1, 0))
+    blocks = torch.gather(block_table.long(), 1, bidx.reshape(s, h * w)).reshape(s, h, w)
+    blocks = blocks.clamp(0, max(kv_cache.shape[0] - 1, 0))
+    from vllm_ext.kernels.paged_reference import gather_entries
+
+    heads = torch.arange(h, device=kv_cache.device)[None, :, None]
+    return gather_entries(kv_cache, blocks, heads, pos % bs, d)
 
 
 def quest_candidate_evidence_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

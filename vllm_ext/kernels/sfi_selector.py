@@ -275,13 +275,23 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
                              exclude_count=exclude_count)
     rows = key_norms.shape[0]
     live = rows
-    if count is not None and key_norms.device.type == "cpu":
-        live = max(0, min(rows, int(count.reshape(-1)[0])))     # the CPU reads it for free
-    if live < rows:
+    length = key_norms.shape[-1]
+    span = length
+    if key_norms.device.type == "cpu":
+        # the CPU reads the plan for free: the twin computes the live rows (``count``) over the
+        # positions before the end of their allowed sets only (nothing past ``max(hi)`` can be chosen)
+        if count is not None:
+            live = max(0, min(rows, int(count.reshape(-1)[0])))
+        if live:
+            span = max(1, min(length, int(hi.reshape(-1)[:live].max())))
+    if live < rows or span < length:
         # rows past ``count`` have an empty allowed set: nothing selected (-1 padding, n_sel 0)
         def cut(t):
             return t[:live] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
-        sel_l, n_l = select_torch(cut(evidence), cut(key_norms), cut(lo), cut(hi), cfg, cut(k),
+
+        def cut_pos(t):
+            return t[:live, ..., :span]
+        sel_l, n_l = select_torch(cut_pos(evidence), cut_pos(key_norms), cut(lo), cut(hi), cfg, cut(k),
                                   k_cap=k_cap,
                                   exclude=exclude if exclude_slot is not None else cut(exclude),
                                   exclude_slot=cut(exclude_slot), exclude_count=cut(exclude_count))

@@ -167,8 +167,13 @@ def selector_scores(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.T
     length = key_norms.shape[-1]
     mask = allowed_mask(lo, hi, length)
     log_f = pool_evidence(evidence, mask, cfg.alpha)
-    log_r = log_prior(key_norms, lo, hi, mask, cfg)
-    log_s, lam = fuse(log_f, log_r, mask, cfg.lambda_max, cfg.eps)
+    if cfg.lambda_max == 0.0:
+        # lam = clamp(., 0, 0) = 0 and fuse() gives logaddexp(log f + 0, -inf) = log f exactly: the
+        # prior cannot enter (selector "quest" runs so), so it is not computed
+        log_s, lam = log_f, torch.zeros(log_f.shape[:2], dtype=log_f.dtype, device=log_f.device)
+    else:
+        log_r = log_prior(key_norms, lo, hi, mask, cfg)
+        log_s, lam = fuse(log_f, log_r, mask, cfg.lambda_max, cfg.eps)
     log_s = soft_nms(log_s, mask, cfg.nms_radius, cfg.mu)
     log_s = cross_head_exclusivity(log_s, mask, cfg.cross_head_temperature, cfg.lam_x, cfg.eps)
     return log_s, lam
