@@ -108,6 +108,58 @@ def gather_prefix(kv_cache: torch.Tensor, block_table_row: torch.Tensor,
     return kv[..., :d], kv[..., d:]
 
 
+_MAX_RUNS = 16                 # more runs of consecutive blocks than this: one index_select instead
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A persistent buffer of at least ``numel`` elements (one per dtype and device): a fresh large
+    allocation per layer and step would fault its pages in again."""
+    key = (dtype, device)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 16), dtype=dtype, device=device)
+        _scratch[key] = buf
+    return buf[:numel]
+
+
+def gather_prefix_into(kv_cache: torch.Tensor, block_table_row: torch.Tensor, length: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_prefix` converted to ``dtype`` in one pass on the CPU: the request's blocks are
+    read as runs of consecutive block ids (vLLM hands a request's blocks out mostly in order), each
+    run copied (transposed to head-major, converted) straight into a persistent scratch buffer
+    ``[H, length, 2D]``. The same values as ``gather_prefix(...)`` followed by ``.to(dtype)``; the views
+    returned alias the scratch buffer (valid until the next call). With many runs (a fragmented
+    cache, or blocks handed out in descending order after frees) one ``index_select`` gathers the
+    blocks first and one copy transposes and converts them. Off the CPU: ``gather_prefix`` and a
+    conversion."""
+    block_size, h = kv_cache.shape[2], kv_cache.shape[1]
+    c = kv_cache.shape[-1]
+    d = c // 2
+    n_blocks = -(-length // block_size)
+    if kv_cache.device.type != "cpu" or n_blocks == 0:
+        k, v = gather_prefix(kv_cache, block_table_row, length)
+        return k.to(dtype), v.to(dtype)
+    ids = block_table_row[:n_blocks].tolist()
+    runs, start = [], 0
+    for j in range(1, n_blocks + 1):
+        if j == n_blocks or ids[j] != ids[j - 1] + 1:
+            runs.append((start, j))
+            start = j
+            if len(runs) > _MAX_RUNS:
+                break
+    buf = _scratch_buffer(h * n_blocks * block_size * c, dtype, kv_cache.device)
+    buf = buf.view(h, n_blocks, block_size, c)
+    if len(runs) > _MAX_RUNS:
+        # scattered blocks: one gather in the cache dtype, then one transposing, converting copy
+        buf.copy_(kv_cache.index_select(0, block_table_row[:n_blocks].long()).transpose(0, 1))
+    else:
+        for a, b in runs:
+            buf[:, a:b].copy_(kv_cache[ids[a]:ids[a] + (b - a)].transpose(0, 1))
+    kv = buf.view(h, n_blocks * block_size, c)[:, :length]
+    return kv[..., :d], kv[..., d:]
+
+
 def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                           query_start_loc: list[int], seq_lens: list[int], scale: float,
                           output: torch.Tensor, *, sliding_window: int | None = None) -> torch.Tensor:
@@ -130,7 +182,7 @@ def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
         if qe <= qs or seq_len <= 0:
             continue
         n_q = qe - qs
-        k, v = gather_prefix(kv_cache, block_table[i], seq_len)
+        k, v = gather_prefix_into(kv_cache, block_table[i], seq_len, torch.float32)
         q = query[qs:qe].float().transpose(0, 1).unsqueeze(0)               # [1, Hq, n_q, D]
         mask, causal = None, False
         if sliding_window is not None:
@@ -142,7 +194,7 @@ def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
         elif n_q > 1:
             kpos = torch.arange(seq_len, device=query.device)
             mask = kpos[None, :] <= kpos[seq_len - n_q:, None]
-        out = F.scaled_dot_product_attention(q, k.float().unsqueeze(0), v.float().unsqueeze(0),
+        out = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
                                              attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=True)
         output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)
