@@ -172,5 +172,5 @@ def test_sfi_default_is_the_selection_measured_on_the_real_model():
     reads at most 20 % of a dense step's KV at 8K tokens."""
     s = SpeedSfiConfig.from_dict({"preset": "sfi"}).sfi
     assert s.enabled and s.selector == "sfi"
-    assert (s.k, s.n_recent, s.select_span, s.select_span_back, s.keep_prefill) == (1024, 128, 4, 2, 512)
+    assert (s.k, s.n_recent, s.select_span, s.select_span_back, s.keep_prefill) == (1024, 128, 12, 2, 512)
     assert (s.n_sink + s.k + s.n_recent) / 8000 <= 0.20
