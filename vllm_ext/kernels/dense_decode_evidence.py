@@ -641,17 +641,22 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
         if span < max_len:
             tail = log_evidence[:, :, span:]
             tail.copy_(torch.where(act[:, None, None], float("-inf"), tail))
-    # pass 1: LSE over A ∩ causal, per (row, KV head, query, head)
+    # pass 1: LSE over A ∩ causal, per (row, KV head, query, head); on the CPU the chunks' logits
+    # are kept for pass 2 while they are small (the same values, K read once)
+    keep = dev.type == "cpu" and r * hkv * w * g * span * 4 <= (64 << 20)
+    kept = []
     lse = torch.full((r, hkv, w, g), float("-inf"), device=dev)
     for j0 in range(0, span, chunk):
-        s, _ = chunk_logits(j0, min(span, j0 + chunk), want_norms=True)
+        s, in_a = chunk_logits(j0, min(span, j0 + chunk), want_norms=True)
         lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
+        if keep:
+            kept.append((s, in_a))
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     n_pool = qvalid.sum(dim=1) * g                                              # [R]
     # pass 2: pooled evidence
-    for j0 in range(0, span, chunk):
+    for i, j0 in enumerate(range(0, span, chunk)):
         j1 = min(span, j0 + chunk)
-        s, in_a = chunk_logits(j0, j1)
+        s, in_a = kept[i] if keep else chunk_logits(j0, j1)
         logp = s - lse_safe[..., None]                                          # [R, Hkv, W, G, n]
         logp = logp.reshape(r, hkv, w * g, j1 - j0)
         ev = _pool_evidence(logp, in_a[:, None, :], float(alpha), n_pool)

@@ -234,6 +234,8 @@ def quest_candidate_evidence_torch(query: torch.Tensor, kv_cache: torch.Tensor, 
             count = None
         if s == 0:
             return out
+        if _per_entry_cpu(query, kv_cache, block_table, rows, cand, n_cand, hi, scale, out, s):
+            return out
         length = max(1, min(length, int(hi[:s].max())))
         w = max(1, min(w, int(n_cand[:s].max())))
     live = rows[:s].to(dev).long() >= 0
@@ -256,6 +258,47 @@ def quest_candidate_evidence_torch(query: torch.Tensor, kv_cache: torch.Tensor, 
     write = live[:, None, None] & (pos[None, None, :] < hi[:s].to(dev).long()[:, None, None])
     out[:s, :, :length] = torch.where(write, exact[..., :length], out[:s, :, :length])
     return out
+
+
+def _per_entry_cpu(query, kv_cache, block_table, rows, cand, n_cand, hi, scale, out, s) -> bool:
+    """The twin on the CPU per live entry, when every counted candidate is a position of the cache
+    (as the selector gives them): its candidates' K, the group's logits as one batched matmul, the
+    mass, ``-inf`` over ``[0, hi)`` and the scores scattered in. False (nothing written) when some
+    entry has a counted candidate out of range: the vectorised form handles those."""
+    hkv, d = kv_cache.shape[1], kv_cache.shape[-1] // 2
+    g = query.shape[1] // hkv
+    length, w = out.shape[2], cand.shape[2]
+    row_l, n_l, hi_l = rows[:s].tolist(), n_cand[:s].tolist(), hi[:s].tolist()
+    work = []
+    for e in range(s):
+        if row_l[e] < 0:
+            continue
+        n = min(max(int(n_l[e]), 0), w)
+        c = cand[e, :, :n].long()                                                   # [H, n]
+        if n and bool(((c < 0) | (c >= length)).any()):
+            return False
+        work.append((e, n, c))
+    for e, n, c in work:
+        end = min(max(int(hi_l[e]), 0), length)
+        dst = out[e]
+        if end:
+            dst[:, :end] = float("-inf")
+        if n == 0:
+            continue
+        keys = _gather_keys(kv_cache, block_table[e:e + 1], c[None])[0]             # [H, n, D]
+        q = query[min(row_l[e], query.shape[0] - 1)].float().reshape(hkv, g, d)
+        lg = torch.matmul(q, keys.float().transpose(1, 2)) * scale                    # [H, G, n]
+        lse = torch.logsumexp(lg, dim=-1, keepdim=True)
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        score = torch.logsumexp(lg - lse, dim=1)                                     # [H, n]
+        inside = c < end
+        if bool(inside.all()):
+            dst.scatter_(1, c, score)
+        else:                          # candidates at or past hi count in the sums, are not written
+            pad = torch.full((hkv, end + 1), float("-inf"), dtype=dst.dtype, device=dst.device)
+            pad.scatter_(1, torch.where(inside, c, end), torch.where(inside, score, float("-inf")))
+            dst[:, :end] = pad[:, :end]
+    return True
 
 
 def _gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -64,11 +64,14 @@ def use_triton(device: torch.device | torch.Tensor | str | None) -> bool:
     """
     if not HAS_TRITON:
         return False
-    if os.environ.get(_FORCE_TORCH_ENV, "0") not in ("", "0"):
-        return False
     if isinstance(device, torch.Tensor):
         device = device.device
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dev = torch.device(device) if device is not None and not isinstance(device, torch.device) else device
+    if (dev is None or dev.type == "cpu") and not _INTERPRET_AT_IMPORT:
+        return False                      # the CPU build's hot path: no environment look-ups
+    dev = dev if dev is not None else torch.device("cpu")
+    if os.environ.get(_FORCE_TORCH_ENV, "0") not in ("", "0"):
+        return False
     if dev.type == "cuda":
         return True
     return _INTERPRET_AT_IMPORT and interpret_mode()
