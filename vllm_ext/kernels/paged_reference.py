@@ -117,7 +117,8 @@ def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tor
     allocation per layer and step would fault its pages in again."""
     key = (dtype, device)
     buf = _scratch.get(key)
-    if buf is None or buf.numel() < numel:
+    # a buffer made under inference mode cannot be written outside it (and the reverse is wasteful)
+    if buf is None or buf.numel() < numel or buf.is_inference() != torch.is_inference_mode_enabled():
         buf = torch.empty(max(numel, 1 << 16), dtype=dtype, device=device)
         _scratch[key] = buf
     return buf[:numel]
