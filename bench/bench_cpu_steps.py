@@ -1,0 +1,57 @@
+"""Per-step thread CPU time (time.thread_time: robust to other jobs on a shared machine, unlike wall time)
+of the prefill step and of each decode step, per configuration of bench_cpu_vllm (same engine settings, bf16).
+usage: bench/bench_cpu_steps.py CONFIGS LENGTH DTYPE [PROFILE_CONFIG]   (env DECODE: decode steps, PROF_PREFILL=1)"""
+import os, sys, time, statistics, cProfile, pstats
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_EXT_TRACE_INTERVAL_S", "0")
+import bench_cpu_vllm as B
+
+configs, length, dtype = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
+prof_cfg = sys.argv[4] if len(sys.argv) > 4 else None
+N = int(os.environ.get("DECODE", "24"))
+res = {}
+for name in configs:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    backend, section = B.CONFIGS[name]
+    settings = dict(enforce_eager=True, dtype=dtype, max_num_seqs=4, max_model_len=8192,
+                    max_num_batched_tokens=2048, block_size=32, kv_cache_memory_bytes=1 << 30,
+                    enable_prefix_caching=False, attention_backend=backend, seed=0)
+    if section:
+        settings["additional_config"] = {"speedsfi": section}
+    llm = LLM(model=os.environ.get("MODEL", os.path.join(ROOT, ".cache/real_model/SmolLM2-135M-Instruct")), **settings)
+    ids = B._prompt(llm.get_tokenizer(), length).prompt_ids
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=N + 1, ignore_eos=True)
+    for rep in range(2):
+        eng.add_request(f"r{rep}", {"prompt_token_ids": ids}, sp)
+        steps = []
+        prof = cProfile.Profile(time.thread_time) if (rep == 1 and name == prof_cfg) else None
+        n = 0
+        while eng.has_unfinished_requests():
+            if prof and (n == 0 if os.environ.get("PROF_PREFILL") else n >= 2):
+                prof.enable()
+            t0 = time.thread_time()
+            eng.step()
+            steps.append(time.thread_time() - t0)
+            if prof:
+                prof.disable()
+            n += 1
+        pre = sum(steps[:-N]) if len(steps) > N else steps[0]
+        dec = steps[-N + 1:]
+        print(f"{name} rep{rep}: prefill cpu {pre:.3f}s  decode cpu median {1e3*statistics.median(dec):.1f} ms "
+              f"min {1e3*min(dec):.1f} ms  steps {len(steps)}", flush=True)
+        res[name] = (pre, statistics.median(dec))
+        tokens = None
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+    eng.engine_core.shutdown()
+    del llm, eng
+    cleanup_dist_env_and_memory()
+print("SUMMARY", length, dtype, {k: (round(a, 3), round(1e3 * b, 1)) for k, (a, b) in res.items()})
