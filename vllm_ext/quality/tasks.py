@@ -472,6 +472,20 @@ def _count(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
+def _largest_fitting(build, tokenizer, length: int) -> int:
+    """The largest unit count whose prompt ``build(n)`` has at most ``length`` tokens (0 if none)."""
+    lo, hi = 0, 1
+    while _count(tokenizer, build(hi)) <= length:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _count(tokenizer, build(mid)) <= length:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer) -> Sample:
     """RULER-style text prompt of at most ``length`` tokens of ``tokenizer`` (special tokens
     included), as long as whole haystack sentences allow. ``answer`` lists the expected values
@@ -558,16 +572,7 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
             used.add(key)
         return build(n)
 
-    lo, hi = 0, 1
-    while _count(tokenizer, build_fresh(hi)) <= length:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:                  # largest unit count that fits
-        mid = (lo + hi) // 2
-        if _count(tokenizer, build_fresh(mid)) <= length:
-            lo = mid
-        else:
-            hi = mid
-    prompt = build_fresh(lo)
+    prompt = build_fresh(_largest_fitting(build_fresh, tokenizer, length))
     ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     if len(ids) > length:
         raise ValueError(f"length {length} too small for {task} with this tokenizer")
@@ -687,16 +692,7 @@ def _make_passage_sample(length: int, depth: float, seed: int, tokenizer, rng: r
         items.insert(at, target)
         return f"{intro}\n{' '.join(items)}\n{question}"
 
-    lo, hi = 0, 1
-    while _count(tokenizer, build(hi)) <= length:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _count(tokenizer, build(mid)) <= length:
-            lo = mid
-        else:
-            hi = mid
-    prompt = build(lo)
+    prompt = build(_largest_fitting(build, tokenizer, length))
     ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     if len(ids) > length:
         raise ValueError(f"length {length} too small for passage_copy with this tokenizer")
