@@ -259,15 +259,34 @@ class SpeedSfiConfig:
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     critiprefill: CritiPrefillConfig = field(default_factory=CritiPrefillConfig)
     preset: str | None = None
+    # CUDA: the kernel that attends the decode rows left dense (engine-wide). "paged_decode": ours
+    # (split-K, the same launches whatever the rows decide, so a pure-decode step is one FULL CUDA
+    # graph); "delegate": vLLM's Triton attention (TritonAttentionImpl, == TRITON_ATTN bit for bit).
+    # "auto": paged_decode with SFI on (its dense rows are chosen on the device; the delegate cannot
+    # attend a device-chosen subset), the delegate otherwise. With every method off, "paged_decode"
+    # is the like-for-like dense reference of SFI (bench/vllm_e2e: SFI with a covering budget ==
+    # all off through paged_decode). The CPU build's dense path is paged_reference either way.
+    dense_decode: Literal["auto", "delegate", "paged_decode"] = "auto"
 
     @property
     def any_enabled(self) -> bool:
         return self.sfi.enabled or self.speed.enabled or self.critiprefill.enabled
 
+    @property
+    def resolved_dense_decode(self) -> str:
+        if self.dense_decode == "auto":
+            return "paged_decode" if self.sfi.enabled else "delegate"
+        return self.dense_decode
+
     def validate(self) -> None:
         self.sfi.validate()
         self.speed.validate()
         self.critiprefill.validate()
+        if self.sfi.enabled and self.dense_decode == "delegate":
+            raise ConfigError("speedsfi.dense_decode = 'delegate' is not possible with SFI on: SFI's "
+                              "dense rows are chosen on the device each step, and vLLM's Triton "
+                              "attention cannot attend a device-chosen subset of the rows; use 'auto' "
+                              "or 'paged_decode'")
 
     def validate_for_model(self, *, num_layers: int, max_model_len: int | None = None) -> None:
         """Checks that need the served model; called at engine start-up."""
@@ -319,6 +338,8 @@ class SpeedSfiConfig:
             return self
         if "preset" in overrides:
             raise ConfigError("speedsfi.preset cannot be overridden per request")
+        if "dense_decode" in overrides:
+            raise ConfigError("speedsfi.dense_decode is engine-wide: it cannot be overridden per request")
         base = self.to_dict()
         base.pop("preset", None)
         _deep_update(base, dict(overrides))

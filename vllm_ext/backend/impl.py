@@ -10,9 +10,16 @@ Both write K/V themselves (``forward_includes_kv_cache_update``) and read the ca
 SFI (``speedsfi.sfi.enabled``): decode rows follow the step plan (dense / slow / fast, decided on the
 device, ``vllm_ext.sfi.step_plan``); ending prefills make the first selection; see
 ``vllm_ext.backend.sfi_path``. On CUDA a pure-decode step runs only our kernels, the same launches
-whatever the rows decide, so vLLM captures it in a FULL CUDA graph; a mixed step runs the dense
-delegate first (piecewise). The forward never synchronises with the host and counts nothing on the
-host: counters are device tensors updated by the plan.
+whatever the rows decide, so vLLM captures it in a FULL CUDA graph. A step with prefills (piecewise)
+computes every row once: the decode rows (first in vLLM's batch) go entirely through SFI's path,
+dense ones through our ``paged_decode``, and the delegate attends only the prefill rows, from its
+metadata cut to them (``metadata.delegate_rows``). The forward never synchronises with the host and
+counts nothing on the host: counters are device tensors updated by the plan
+(``vllm_ext.backend.row_counters``, when on, counts the rows each path computed).
+
+``speedsfi.dense_decode`` (CUDA) names the kernel of the dense decode rows: ``paged_decode`` with
+SFI on; with every method off the delegate, or ``paged_decode`` when asked (SFI's like-for-like
+dense reference: then decode rows run as under SFI, prefill rows through the delegate).
 
 CritiPrefill (``speedsfi.critiprefill.enabled``): in each sparse layer the step's CritiPrefill
 sub-batch (prefill chunks of long prompts, host-planned by ``vllm_ext.critiprefill.slots``) attends
@@ -28,6 +35,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from vllm_ext import metrics
+from vllm_ext.backend import row_counters
 from vllm_ext.backend.metadata import SpeedSfiMetadata, critiprefill_capacity, sfi_capacity
 from vllm_ext.backend.startup import resolve_config
 from vllm_ext.config import ConfigError
@@ -72,6 +80,10 @@ class SpeedSfiImpl(AttentionImpl):
         self._speed_l_cut = (self.config.speed.resolved_l_cut(
             vllm_config.model_config.get_total_num_hidden_layers())
             if self.config.speed.enabled else 1 << 30)
+        # CUDA: our kernels own the decode rows (SFI on, or dense_decode = "paged_decode")
+        self._ours_decode = self.config.resolved_dense_decode == "paged_decode"
+        self._dense_ws = None                          # paged_decode's scratch without SFI
+        self._rows = row_counters.shared(_device())
         self._dense = None
         if not current_platform.is_cpu():
             from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -83,6 +95,13 @@ class SpeedSfiImpl(AttentionImpl):
         # Runs before vLLM profiles memory: what is allocated here comes out of its budget.
         if self._cp_capacity:
             self._allocate_critiprefill(act_dtype)
+        if self._ours_decode and not self._sfi_capacity and self._dense is not None:
+            from vllm_ext.backend.sfi_runtime import shared_dense_workspace
+
+            self._dense_ws = shared_dense_workspace(max_rows=self._max_rows, num_heads=self.num_heads,
+                                                    num_kv_heads=self.num_kv_heads,
+                                                    head_size=self.head_size, max_len=self._max_len,
+                                                    device=_device())
         if self._sfi_capacity:
             from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, shared_runtime
 
@@ -171,9 +190,17 @@ class SpeedSfiImpl(AttentionImpl):
                 self._sfi_rt.ring.join()              # the step's one join of side-stream work
 
     def _forward(self, layer, query, key, value, kv_cache, md, output, sfi):
+        if self._rows is not None:
+            # the rows of this layer call (a pure-decode step of ours: the padded batch it computes)
+            pure = self._dense is not None and (sfi is not None or self._ours_decode) and \
+                md.num_decodes and not md.num_prefills
+            self._rows.add(row_counters.LAYER, min(md.num_reqs, query.shape[0]) if pure else md.num_reqs)
         if self._dense is not None:
             self._dense.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
-            if sfi is None:
+            if sfi is None and not self._ours_decode:
+                if md.delegate_first_row:
+                    raise RuntimeError("SPEEDSFI: the metadata cut the delegate's rows, but this layer "
+                                       "computes no decode rows itself")
                 return self._prefill_attention(layer, query, key, value, kv_cache, md, output)
             return self._forward_sfi_cuda(layer, query, key, value, kv_cache, md, output, sfi)
         paged_reference.write_kv(kv_cache, key, value, md.slot_mapping)
@@ -188,28 +215,57 @@ class SpeedSfiImpl(AttentionImpl):
         if sfi_rows is not None:
             # Dense rows have their output from the pass above (bit-identical to all-off); every other
             # decode row was computed once, by SFI below.
+            self._decode_rows(query, kv_cache, md, output, sfi, md.num_decodes, dense_done=True)
+        return output
+
+    def _decode_rows(self, query, kv_cache, md, output, sfi, rows: int, *, dense_done: bool) -> None:
+        """The first ``rows`` rows (one query each) through our decode kernels: SFI's path, or with
+        every method off and ``dense_decode = "paged_decode"`` our dense paged decode.
+        ``dense_done``: the dense path already wrote the dense rows."""
+        if sfi is not None:
             from vllm_ext.backend.sfi_path import sfi_decode
 
-            nd = md.num_decodes
-            sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
-                       self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index,
-                       self.scale, output[:nd], dense_done=True)
-        return output
+            sfi_decode(query[:rows], kv_cache, md.block_table[:rows], md.seq_lens[:rows], sfi,
+                       self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index, self.scale,
+                       output[:rows], dense_done=dense_done)
+            if self._rows is not None:
+                self._rows.add_sfi(None if dense_done else sfi.row_dense[:rows],
+                                   sfi.row_slow[:rows], sfi.row_fast[:rows])
+            return
+        if dense_done:
+            return
+        from vllm_ext.kernels.dense_decode_evidence import paged_decode
+
+        paged_decode(query[:rows], kv_cache, md.block_table[:rows], md.seq_lens[:rows], self.scale,
+                     output[:rows], workspace=self._dense_ws)
+        if self._rows is not None:
+            self._rows.add(row_counters.PAGED_DECODE, rows)
 
     def _prefill_attention(self, layer, query, key, value, kv_cache, md, output, skip_rows=None):
         """Every row's attention as the dense path gives it, except the rows of the step's
         CritiPrefill sub-batch in a sparse layer (``vllm_ext.backend.critiprefill_path``): the rows
         before it go to the dense path (the delegate on CUDA), the sub-batch to CritiPrefill. K/V
-        are already written. ``skip_rows`` (CPU only: a host list of flags for the first rows): rows
-        the dense pass leaves out because SFI computes them."""
+        are already written. On CUDA the delegate starts at ``md.delegate_first_row`` (the first
+        prefill row when our kernels compute the decode rows; its metadata is cut to its rows).
+        ``skip_rows`` (CPU only: a host list of flags for the first rows): rows the dense pass
+        leaves out because SFI computes them."""
         cp = md.step.critiprefill if self._cp_layer is not None else None
         if cp is not None and self._layer_index in self.config.critiprefill.dense_layers:
             cp = None
+        end = cp.first_row if cp is not None else md.num_reqs
+        rc = self._rows
         if self._dense is not None:
-            if cp is None:
-                return self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
-            if cp.first_row > 0:
-                self._dense.forward(layer, query, key, value, kv_cache, md.delegate_head, output)
+            start = md.delegate_first_row
+            if cp is None and not start:
+                self._dense.forward(layer, query, key, value, kv_cache, md.delegate, output)
+            else:
+                cut = md.delegate_head if cp is not None else md.delegate_tail
+                if cut is not None:
+                    t0 = md.delegate_first_token
+                    self._dense.forward(layer, query[t0:], key[t0:], value[t0:], kv_cache, cut,
+                                        output[t0:])
+            if rc is not None:
+                rc.add(row_counters.DELEGATE, end - start)
         else:
             rows = cp.first_row if cp is not None else len(md.seq_lens_host)
             seq_lens = md.seq_lens_host[:rows]
@@ -218,12 +274,16 @@ class SpeedSfiImpl(AttentionImpl):
             paged_reference.dense_paged_attention(query, kv_cache, md.block_table,
                                                   md.query_start_loc_host[:rows + 1],
                                                   seq_lens, self.scale, output)
+            if rc is not None:
+                rc.add(row_counters.DELEGATE, rows - sum(bool(x) for x in (skip_rows or [])[:rows]))
         if cp is not None:
             from vllm_ext.backend.critiprefill_path import critiprefill_prefill
 
             critiprefill_prefill(query, kv_cache, md.block_table, cp, self.config.critiprefill,
                                  self._cp_layer, self._cp_rt, self._layer_index, self.scale, output,
                                  stats=md.step.table.critiprefill.stats)
+            if rc is not None:
+                rc.add(row_counters.CRITIPREFILL, md.num_reqs - cp.first_row)
         return output
 
     def _sfi_prefill_end(self, query, kv_cache, md, sfi) -> None:
@@ -240,28 +300,29 @@ class SpeedSfiImpl(AttentionImpl):
                         self._sfi_layer, self._sfi_rt, self._layer_index, self.scale)
 
     def _forward_sfi_cuda(self, layer, query, key, value, kv_cache, md, output, sfi):
-        from vllm_ext.backend.sfi_path import sfi_decode
-
+        """CUDA with our kernels owning the decode rows (SFI on, or ``dense_decode =
+        "paged_decode"``; ``sfi`` is None in the latter case)."""
         nd = md.num_decodes
         if md.num_prefills or nd == 0:
-            # A step with prefills (never captured in a FULL graph): the delegate computes every row
-            # densely (CritiPrefill's rows block-sparsely); SFI then makes the ending prefills'
-            # selections and runs the decode rows.
+            # A step with prefills (never captured in a FULL graph). The delegate attends the prefill
+            # rows only (CritiPrefill's sub-batch block-sparsely), from ``md.delegate_first_row``;
+            # SFI makes the ending prefills' selections and computes every decode row itself, each
+            # once (dense rows by paged_decode). If the delegate's metadata could not be cut
+            # (multimodal prefix ranges), it attends every row and SFI leaves the dense rows to it.
             self._prefill_attention(layer, query, key, value, kv_cache, md, output)
-            self._sfi_prefill_end(query, kv_cache, md, sfi)
+            if sfi is not None:
+                self._sfi_prefill_end(query, kv_cache, md, sfi)
             if nd:
-                sfi_decode(query[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], sfi,
-                           self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index,
-                           self.scale, output[:nd], dense_done=True)
+                self._decode_rows(query, kv_cache, md, output, sfi, nd,
+                                  dense_done=md.delegate_first_row == 0)
             return output
         # Pure decode (padded rows included): our kernels only, decisions on the device.
         rows = min(md.num_reqs, query.shape[0])
-        sfi_decode(query[:rows], kv_cache, md.block_table[:rows], md.seq_lens[:rows], sfi,
-                   self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index, self.scale,
-                   output[:rows], dense_done=False)
+        self._decode_rows(query, kv_cache, md, output, sfi, rows, dense_done=False)
         # One-token prefill chunks look like decode rows here; their prompt-tail work is host-planned
         # and runs eagerly (the runner hooks keep such steps out of FULL CUDA graphs).
-        self._sfi_prefill_end(query, kv_cache, md, sfi)
+        if sfi is not None:
+            self._sfi_prefill_end(query, kv_cache, md, sfi)
         return output
 
     def _forward_speed_upper(self, layer, query, key, value, kv_cache, md, output):

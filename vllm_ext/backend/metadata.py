@@ -66,23 +66,58 @@ class SpeedSfiMetadata:
     delegate: Any = None            # TritonAttentionMetadata on CUDA
     last_layer_name: str = ""       # the group's last layer: joins the step's side-stream work
     speed: Any = None               # vllm_ext.speed.visibility.SpeedUpperStep when SPEED is on
-    # CUDA with a CritiPrefill sub-batch: the delegate's metadata of the rows before it
+    # CUDA with a CritiPrefill sub-batch: the delegate's metadata of the rows before it (from
+    # ``delegate_first_row``)
     delegate_head: Any = None
+    # CUDA, a step with prefills and SFI decode rows: the delegate computes only the rows
+    # ``[delegate_first_row, num_reqs)`` (the prefill rows; SFI computes every decode row itself,
+    # each once), from ``delegate_tail`` (or ``delegate_head`` up to a CritiPrefill sub-batch); its
+    # first row's first token is ``delegate_first_token``. 0 = the delegate sees the batch from row 0.
+    delegate_tail: Any = None
+    delegate_first_row: int = 0
+    delegate_first_token: int = 0
+
+
+def delegate_rows(delegate, cm: CommonAttentionMetadata, start: int, end: int):
+    """The dense delegate's metadata restricted to the batch's rows ``[start, end)``; ``None`` when
+    there are none. The cut sees its first row's first token as token 0: the caller passes
+    ``query[t0:]`` / ``output[t0:]`` with ``t0 = query_start_loc_cpu[start]`` (``delegate_first_token``).
+    Host counts from ``query_start_loc_cpu``; views of the delegate's per-row tensors, and for
+    ``start > 0`` one small device subtraction (the shifted ``query_start_loc``).
+
+    Every per-row field ``TritonAttentionImpl.forward`` reads is cut (``tests/test_critiprefill_contract``
+    walks the forward's source): ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``,
+    the counts, and a per-row ``causal`` / ``rswa_prefix_lens``. Multimodal prefix ranges (keyed by row)
+    are not cut: :func:`can_cut_rows` says no, and the caller keeps the whole batch."""
+    if end <= start:
+        return None
+    qsl = cm.query_start_loc_cpu
+    t0 = int(qsl[start])
+    n_tok = int(qsl[end]) - t0
+    max_q = int((qsl[start + 1:end + 1] - qsl[start:end]).max())
+    qsl_dev = delegate.query_start_loc[start:end + 1]
+    if t0:
+        qsl_dev = qsl_dev - t0
+    kw = dict(num_actual_tokens=n_tok, max_query_len=max_q, query_start_loc=qsl_dev,
+              seq_lens=delegate.seq_lens[start:end], block_table=delegate.block_table[start:end],
+              slot_mapping=delegate.slot_mapping[t0:t0 + n_tok])
+    if isinstance(getattr(delegate, "causal", None), torch.Tensor) and delegate.causal.dim():
+        kw["causal"] = delegate.causal[start:end]
+    if getattr(delegate, "rswa_prefix_lens", None) is not None:
+        kw["rswa_prefix_lens"] = delegate.rswa_prefix_lens[start:end]
+    return dataclasses.replace(delegate, **kw)
+
+
+def can_cut_rows(delegate, start: int) -> bool:
+    """Can :func:`delegate_rows` cut from row ``start``? (Rows from 0 always.)"""
+    return start == 0 or (getattr(delegate, "mm_prefix_range", None) is None
+                          and getattr(delegate, "mm_prefix_range_tensor", None) is None)
 
 
 def delegate_head(delegate, cm: CommonAttentionMetadata, rows: int):
     """The dense delegate's metadata restricted to the batch's first ``rows`` rows (the decode rows
-    and any prefill rows before the CritiPrefill sub-batch); ``None`` when there are none. Host-only:
-    views of the delegate's tensors and host counts from ``query_start_loc_cpu``."""
-    if rows <= 0:
-        return None
-    qsl = cm.query_start_loc_cpu
-    n_tok = int(qsl[rows])
-    max_q = int((qsl[1:rows + 1] - qsl[:rows]).max())
-    return dataclasses.replace(delegate, num_actual_tokens=n_tok, max_query_len=max_q,
-                               query_start_loc=delegate.query_start_loc[:rows + 1],
-                               seq_lens=delegate.seq_lens[:rows], block_table=delegate.block_table[:rows],
-                               slot_mapping=delegate.slot_mapping[:n_tok])
+    and any prefill rows before the CritiPrefill sub-batch); ``None`` when there are none."""
+    return delegate_rows(delegate, cm, 0, rows)
 
 
 def _dense_delegate_builder_cls():
@@ -99,16 +134,17 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
         if not current_platform.is_cuda_alike():
             return AttentionCGSupport.NEVER
         cfg = resolve_config(vllm_config)
-        if not cfg.any_enabled:
+        if not cfg.any_enabled and cfg.resolved_dense_decode == "delegate":
             # all methods off: exactly the Triton delegate, whose graphs vLLM already trusts
             return _dense_delegate_builder_cls().get_cudagraph_support(vllm_config, kv_cache_spec)
-        if (cfg.sfi.enabled or cfg.critiprefill.enabled) and not cfg.speed.enabled:
+        if not cfg.speed.enabled:
             # A uniform single-token decode step runs only our kernels, with every decision in
             # device buffers the builder rewrites before each replay (and the side stream forked and
             # joined inside the step): FULL graphs. Steps with prefills run the delegate and the
             # host-planned prefill-end selection: piecewise. CritiPrefill never acts on such a step
             # (its rows are prefill chunks of >= 2 tokens; CritiPrefill alone decodes with the
-            # delegate).
+            # delegate). All off with ``dense_decode = "paged_decode"``: a decode step is our
+            # paged_decode alone, the same.
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
@@ -120,6 +156,11 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
 
         self._last_layer_name = max(layer_names, key=extract_layer_index) if layer_names else ""
         self._on_cpu = torch.device(device).type == "cpu"
+        # CUDA: our kernels own the decode rows (SFI, or dense_decode = "paged_decode")
+        self._ours_decode = self.config.resolved_dense_decode == "paged_decode"
+        from vllm_ext.backend import row_counters
+
+        self._rows = row_counters.shared(torch.device(device))
         self._state: RequestStateTable | None = None
         self._delegate = None
         self._speed_buffers = None
@@ -168,17 +209,40 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             step=step, delegate=delegate, last_layer_name=self._last_layer_name)
         if self._speed_buffers is not None:
             md.speed = self._speed_plan(cm, step)
-        if step.critiprefill is not None and delegate is not None:
-            md.delegate_head = delegate_head(delegate, cm, step.critiprefill.first_row)
+        if delegate is not None:
+            self._cut_delegate(md, cm, delegate, step)
         if self._on_cpu:
             md.query_start_loc_host = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
             md.seq_lens_host = cm.seq_lens[: cm.num_reqs].tolist()
+        if self._rows is not None:
+            self._rows.publish()                     # the previous steps' row counts (no sync)
         if step.is_real:
             # host counters, once per step and group (never per layer)
             metrics.bump("steps.built")
+            if num_decodes and num_prefills:
+                metrics.bump("steps.mixed")
             metrics.bump("steps.dense_torch" if self._on_cpu else
                          "steps.sfi" if step.sfi is not None else "steps.dense_triton")
         return md
+
+    def _cut_delegate(self, md: SpeedSfiMetadata, cm: CommonAttentionMetadata, delegate,
+                      step: StepState) -> None:
+        """The rows the delegate computes this step (CUDA). Pure decode steps never reach it when
+        our kernels own the decode rows. On a step with prefills, SFI's decode rows (vLLM puts the
+        decode rows first) go entirely through SFI's path, so the delegate starts at the first
+        prefill row; CritiPrefill's sub-batch (the last rows) ends it."""
+        nd = md.num_decodes
+        start = 0
+        if nd and md.num_prefills and (step.sfi is not None or self._ours_decode) \
+                and can_cut_rows(delegate, nd):
+            start = nd
+        end = step.critiprefill.first_row if step.critiprefill is not None else cm.num_reqs
+        md.delegate_first_row = start
+        md.delegate_first_token = int(cm.query_start_loc_cpu[start]) if start else 0
+        if step.critiprefill is not None:
+            md.delegate_head = delegate_rows(delegate, cm, start, end)
+        elif start:
+            md.delegate_tail = delegate_rows(delegate, cm, start, end)
 
     def _speed_plan(self, cm: CommonAttentionMetadata, step: StepState):
         """The upper layers' view of the step (SPEED): every group plans it (cheap), the upper

@@ -135,8 +135,14 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     if n == 0:
         return
     queries = tail.gather(plan)                                            # [n, W, Hq, D]
-    tables = block_table[plan.rows]
     entry, scratch = rt.ring.entry(layer_index)
+    # The side stream reads these rows after this function returns: they go into the ring slot's
+    # persistent buffer (free once the slot's previous user is done: ``entry`` waited for it), never a
+    # temporary the main stream could free and reuse before the side stream has read it. The plan's
+    # own tensors live in the step's metadata, released after the step's join.
+    tables, persistent = scratch.block_tables(block_table, plan.rows, n)
+    if not persistent:
+        rt.ring.keep(tables)
     evidence, norms = scratch.log_evidence[:n], scratch.key_norms[:n]
     # one request at a time: the shapes (and so the reduction orders) of a request's evidence never
     # depend on how many other prefills end in the same step

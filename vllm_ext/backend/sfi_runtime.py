@@ -82,17 +82,40 @@ class SfiLayerBuffers:
                 + capacity * num_kv_heads * cfg.keep_prefill * 4 + tail + pages)
 
 
+MIN_KERNEL_BLOCK = 16     # the smallest kernel block size SPEEDSFI accepts (backend: MultipleOf(16))
+
+
 @dataclass
 class SfiScratch:
-    """One ring slot: the slow rows' pooled log-evidence and key norms ``[S, Hkv, L]`` fp32."""
+    """One ring slot: the slow rows' pooled log-evidence and key norms ``[S, Hkv, L]`` fp32, and the
+    block-table rows of the requests whose prefill ends (``tables``, int32, room for ``S`` rows of
+    ``ceil(L / 16)`` blocks: any kernel block size SPEEDSFI accepts). Everything side-stream work
+    reads lives here, so the main stream never frees or reuses memory the side stream still reads
+    (a temporary would need ``record_stream``)."""
     log_evidence: torch.Tensor
     key_norms: torch.Tensor
+    tables: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, slots: int, num_kv_heads: int, max_len: int, device) -> "SfiScratch":
         f32 = dict(dtype=torch.float32, device=device)
+        width = -(-max_len // MIN_KERNEL_BLOCK)
         return cls(torch.empty(slots, num_kv_heads, max_len, **f32),
-                   torch.empty(slots, num_kv_heads, max_len, **f32))
+                   torch.empty(slots, num_kv_heads, max_len, **f32),
+                   torch.zeros(slots * width, dtype=torch.int32, device=device))
+
+    def block_tables(self, block_table: torch.Tensor, rows: torch.Tensor, n: int
+                     ) -> tuple[torch.Tensor, bool]:
+        """``block_table[rows]`` (``n`` rows) written into this slot's persistent buffer (contiguous
+        ``[n, width]``); returns it and whether it is that buffer. Only a table wider than the
+        buffer was sized for gives a temporary, which side-stream users must hand to
+        :meth:`MaintenanceRing.keep` (``record_stream``)."""
+        width = block_table.shape[1]
+        if self.tables is None or n * width > self.tables.numel():
+            return block_table[rows], False
+        out = self.tables[:n * width].view(n, width)
+        torch.index_select(block_table, 0, rows, out=out)
+        return out, True
 
 
 class MaintenanceRing:
@@ -135,6 +158,13 @@ class MaintenanceRing:
             self._done[i].record(self.stream)
         self._recorded[i] = True
         self._pending = True
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        """Mark a main-stream temporary as used by the side stream (``record_stream``): the caching
+        allocator then does not hand its memory out again before the side stream's work on it is
+        done. A no-op in serial mode."""
+        if self.dual:
+            tensor.record_stream(self.stream)
 
     def join(self) -> None:
         if self.dual and self._pending:
@@ -223,7 +253,8 @@ class SfiRuntime:
 
     @property
     def nbytes(self) -> int:
-        ring = sum(_nbytes(e.log_evidence) + _nbytes(e.key_norms) for e in self.ring.entries)
+        ring = sum(_nbytes(e.log_evidence) + _nbytes(e.key_norms) + _nbytes(e.tables)
+                   for e in self.ring.entries)
         return (ring + _nbytes(self.dense_workspace) + _nbytes(self.split_workspace)
                 + _nbytes(self.selector_workspace) + self._candidate_nbytes)
 
@@ -246,6 +277,29 @@ class SfiRuntime:
                 + (f" + quest_rerank candidates {self._candidate_nbytes / 2**20:.1f} MiB"
                    if self.candidate_workspace is not None else "")
                 + f"; S = sfi.max_requests, independent of max_num_seqs ({max_rows})")
+
+
+_dense_workspaces: dict[tuple, object] = {}
+
+
+def shared_dense_workspace(*, max_rows: int, num_heads: int, num_kv_heads: int, head_size: int,
+                           max_len: int, device: torch.device):
+    """The split-K scratch of ``paged_decode`` for any batch up to ``max_rows`` (every method off
+    with ``speedsfi.dense_decode = "paged_decode"``; SFI's runtime has its own): one per device and
+    shape, allocated before vLLM profiles memory."""
+    from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
+    from vllm_ext.kernels.two_segment_decode import dense_num_splits, max_row_splits
+
+    key = (device, max_rows, num_heads, num_kv_heads, head_size, max_len)
+    ws = _dense_workspaces.get(key)
+    if ws is None:
+        _dense_workspaces.clear()
+        rs = max_row_splits(max_rows, lambda r: dense_num_splits(r, num_kv_heads, max_len, device))
+        ws = dense_decode_workspace(1, num_heads, head_size, max(dense_num_splits(1, num_kv_heads,
+                                                                                  max_len, device), 1),
+                                    device, row_splits=rs)
+        _dense_workspaces[key] = ws
+    return ws
 
 
 _runtimes: dict[tuple, SfiRuntime] = {}
