@@ -32,6 +32,13 @@ class SpeedSfiBackend(AttentionBackend):
 
     @staticmethod
     def get_impl_cls():
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # every method off: vLLM's CPU_ATTN kernels on their own cache format (cpu_dense)
+            from vllm_ext.backend.cpu_dense import SpeedSfiCpuImpl
+
+            return SpeedSfiCpuImpl
         from vllm_ext.backend.impl import SpeedSfiImpl
 
         return SpeedSfiImpl
@@ -52,8 +59,14 @@ class SpeedSfiBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Physical [blocks, tokens, heads, K|V], the layout vLLM's Triton kernels (our CUDA dense
-        # delegate) assume. Our own kernels read any layout through strides.
+        # CUDA: physical [blocks, tokens, heads, K|V], the layout vLLM's Triton kernels (our dense
+        # delegate) assume. CPU build: head-major pages [blocks, heads, tokens, C] first, the pages
+        # vLLM's CPU_ATTN kernels pack (our all-off dense path, backend.cpu_dense). Our own kernels
+        # read any layout through strides.
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
         return (KVCacheLayout.LBNHC,)
 
     @classmethod
