@@ -11,7 +11,7 @@ read asynchronously (:class:`vllm_ext.device_counters.DeviceCounters`). Torch on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -50,10 +50,13 @@ STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
 
 
 def _changed_fields(base: SpeedSfiConfig, other: SpeedSfiConfig) -> set[str]:
-    """``section.field`` names whose values differ (the method sections; ``preset`` is not one)."""
+    """``section.field`` names whose values differ (the method sections; top-level scalars such as
+    ``preset`` and ``dense_decode`` are not sections, and cannot be overridden per request)."""
     changed = set()
-    for section in (f.name for f in fields(base) if f.name != "preset"):
+    for section in (f.name for f in fields(base)):
         a, b = getattr(base, section), getattr(other, section)
+        if not is_dataclass(a):
+            continue
         changed.update(f"{section}.{f.name}" for f in fields(a) if getattr(a, f.name) != getattr(b, f.name))
     return changed
 
