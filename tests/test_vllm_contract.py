@@ -118,6 +118,25 @@ def test_prefix_hit_and_batch_execution_hooks():
     assert "allow_microbatching=" in call and "force_uniform_decode" not in call
 
 
+def test_chunk_admission_hook():
+    """vllm_ext.scheduler_policy acts through Scheduler._reserve_prefill_lookahead: both of the
+    scheduler's loops (running, then waiting) pass every request's num_new_tokens through it last and
+    then treat 0 as "cannot be scheduled this step"; running requests carry RUNNING status there."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert _params(Scheduler._reserve_prefill_lookahead) == ["self", "request", "num_computed_tokens",
+                                                             "num_new_tokens"]
+    src = inspect.getsource(Scheduler.schedule)
+    assert src.count("self._reserve_prefill_lookahead(") == 2
+    _, running, waiting = src.split("self._reserve_prefill_lookahead(")
+    for part in (running, waiting):
+        after = part.split(")\n", 1)[1]
+        assert after.lstrip().startswith("if num_new_tokens == 0:")
+    assert "request, request.num_computed_tokens, num_new_tokens" in running
+    assert "request, num_computed_tokens, num_new_tokens" in waiting
+    assert "self.running.append(request)" in src and "request.status = RequestStatus.RUNNING" in src
+
+
 def test_a_step_with_an_sfi_prompt_row_is_not_a_uniform_decode_batch():
     from types import SimpleNamespace
 

@@ -30,6 +30,7 @@ def install() -> None:
     _patch_cpu_selector()
     _patch_v2_runner_opt_out()
     _patch_prefix_hit_limit()
+    _patch_chunk_admission()
     _patch_speed_kv_spec()
     from vllm_ext.speed import upper_stack
 
@@ -129,53 +130,100 @@ def _patch_prefix_hit_limit() -> None:
     @functools.wraps(original)
     def _get_local_prefix_cache_hit(self, request):
         result = original(self, request)
-        cfg = _scheduler_sfi_config(self)
-        if cfg is None or not result[1]:
+        policy = scheduler_policy_of(self)
+        if policy is None or not result[1]:
             return result
-        return limit_prefix_hit(self, request, cfg, result)
+        return limit_prefix_hit(self, request, policy, result)
 
     setattr(_get_local_prefix_cache_hit, _PATCHED_ATTR, True)
     Scheduler._get_local_prefix_cache_hit = _get_local_prefix_cache_hit
 
 
-def _scheduler_sfi_config(scheduler):
-    """The engine's SFI section when SPEEDSFI runs SFI, else None (cached on the scheduler)."""
-    cached = scheduler.__dict__.get("_speedsfi_sfi", False)
+def _patch_chunk_admission() -> None:
+    """``Scheduler._reserve_prefill_lookahead`` is the last word on every request's
+    ``num_new_tokens`` (running and waiting alike) before the scheduler's "cannot be scheduled now"
+    check (0: a running request is skipped this step, a waiting one stays queued): SPEEDSFI's
+    admission and chunk rules (``vllm_ext.scheduler_policy``) apply there."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    original = Scheduler._reserve_prefill_lookahead
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(original)
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        num_new_tokens = original(self, request, num_computed_tokens, num_new_tokens)
+        policy = scheduler_policy_of(self)
+        if policy is None or num_new_tokens <= 0:
+            return num_new_tokens
+        return policy.limit_chunk(request, num_computed_tokens, num_new_tokens,
+                                  admitted=request.status == RequestStatus.RUNNING,
+                                  running=self.running)
+
+    setattr(_reserve_prefill_lookahead, _PATCHED_ATTR, True)
+    Scheduler._reserve_prefill_lookahead = _reserve_prefill_lookahead
+
+
+def scheduler_policy_of(scheduler):
+    """The engine's :class:`vllm_ext.scheduler_policy.SchedulerPolicy` when SPEEDSFI runs a method
+    that needs one, else None (cached on the scheduler)."""
+    cached = scheduler.__dict__.get("_speedsfi_policy", False)
     if cached is False:
         cached = None
         if is_speedsfi_selected(scheduler.vllm_config):
+            from vllm_ext.backend.metadata import critiprefill_capacity, sfi_capacity
             from vllm_ext.backend.startup import resolve_config
+            from vllm_ext.scheduler_policy import SchedulerPolicy
 
-            sfi = resolve_config(scheduler.vllm_config).sfi
+            vllm_config = scheduler.vllm_config
+            cfg = resolve_config(vllm_config)
+            sfi_limit = None
             # selector quest without keep_prefill reads no prompt-tail queries (its first decode
             # step selects, and its page tables cover a prefix hit): nothing to cut
-            cached = sfi if sfi.enabled and sfi.prefill_end_selection else None
-        scheduler.__dict__["_speedsfi_sfi"] = cached
+            if cfg.sfi.enabled and cfg.sfi.prefill_end_selection:
+                from vllm_ext.sfi.prompt_tail import prefix_hit_limit
+
+                sfi_limit = functools.partial(prefix_hit_limit, cfg.sfi)
+            policy = SchedulerPolicy(cfg, sfi_capacity=sfi_capacity(vllm_config),
+                                     critiprefill_capacity=critiprefill_capacity(vllm_config),
+                                     sfi_prefix_limit=sfi_limit)
+            cached = policy if policy.active else None
+            if policy.sfi_capacity or policy.cp_capacity:
+                import logging
+
+                logging.getLogger("vllm_ext").info(
+                    "vllm_ext: the scheduler runs at most %d requests with SFI (sfi.max_requests) and "
+                    "%d prompts in a CritiPrefill sparse prefill (critiprefill.max_requests) at once; "
+                    "others wait in the queue rather than run densely", policy.sfi_capacity,
+                    policy.cp_capacity)
+        scheduler.__dict__["_speedsfi_policy"] = cached
     return cached
 
 
-def limit_prefix_hit(scheduler, request, cfg, result):
-    """``result`` (blocks, hit tokens, shared-prefix boundary, diverged) cut to whole blocks before
-    the request's prompt tail. Every request of the engine is cut the same way (a request that turns
-    SFI off loses at most ``w_prefill + block_size`` cached tokens), so the cut never depends on
-    which requests run. A layout the cut cannot express (groups of other block sizes) is left as it
-    is and counted; the worker then pads the window it could not fill (also counted)."""
+def limit_prefix_hit(scheduler, request, policy, result):
+    """``result`` (blocks, hit tokens, shared-prefix boundary, diverged) cut to whole blocks where
+    the policy says (SFI: before the request's prompt tail; CritiPrefill: at a segment start of its
+    sparse range). Every request of the engine is cut the same way (a request that turns SFI off
+    loses at most ``w_prefill + block_size`` cached tokens), so the cut never depends on which
+    requests run. A layout the cut cannot express (groups of other block sizes) is left as it is
+    and counted; the worker then pads the window it could not fill (also counted)."""
     from vllm_ext import metrics
-    from vllm_ext.sfi.prompt_tail import prefix_hit_limit
 
     blocks, num_hit = result[0], result[1]
     bs = scheduler.block_size
-    limit = prefix_hit_limit(cfg, request.num_prompt_tokens, bs)
-    if num_hit <= limit:
+    limit = policy.limit_prefix_hit(request, num_hit, bs)
+    if limit >= num_hit:
         return result
     groups = scheduler.kv_cache_config.kv_cache_groups
     if num_hit % bs or any(g.kv_cache_spec.block_size != bs for g in groups) or any(
             len(b) * bs != num_hit for b in blocks.blocks):
-        metrics.fallback("sfi_prefix_hit_uncut", "a prefix-cache hit could not be cut before the "
-                         "prompt tail (block layout); that request's prefill-end window is padded")
+        metrics.fallback("prefix_hit_uncut", "a prefix-cache hit could not be cut where SPEEDSFI "
+                         "needs it (block layout); that request's prompt-tail window is padded "
+                         "(SFI) or its first segment is represented by its computed queries only "
+                         "(CritiPrefill)")
         return result
     keep = limit // bs
-    metrics.bump("sfi.prefix_hit_tokens_cut", num_hit - limit)
     cut = type(blocks)(tuple(list(b[:keep]) for b in blocks.blocks))
     return (cut, limit) + tuple(result[2:])
 

@@ -60,23 +60,22 @@ def test_covering_budget_is_dense_and_small_budget_is_sparse(tiny_models, arch):
     assert sparse[1] == reference[1]            # 40 tokens: one segment, nothing to prune
 
 
-def test_chunk_size_does_not_change_segment_aligned_results(tiny_models):
-    """One 400-token prompt chunked at 64 tokens (the segment size) and in one chunk: the same
-    tokens, different from dense. Chunks of 96 cut segments: the earlier parts of
-    the cut segments select from the queries seen so far (documented), so only the run is checked."""
+def test_chunk_size_does_not_change_the_answer(tiny_models):
+    """One 400-token prompt in one chunk, in 64-token chunks (the segment size) and with a 96-token
+    budget, which would cut segments: the scheduler ends its chunks on segment boundaries
+    (vllm_ext.scheduler_policy), so every run computes each sparse segment whole and gives the same
+    tokens, different from dense."""
     prompt = random_prompts(lengths=(400,), seed=9)
     model = tiny_models["qwen3"]
     runs = {}
-    for budget in (64, 512, 96):
+    for budget in (512, 64, 96):
         runs[budget] = _run(model, cp=SMALL, prompts=prompt, max_num_batched_tokens=budget,
                             max_tokens=16)
-    assert runs[64][0] == runs[512][0]
-    # the number of sparse segment-chunks follows the chunking: 64 -> one per segment
-    assert runs[64][1]["critiprefill.sparse_segments"] == 5          # segments 1..5 (6 is final)
-    assert runs[96][1]["critiprefill.sparse_segments"] > 5
-    for budget in runs:
+        assert runs[budget][0] == runs[512][0], f"max_num_batched_tokens={budget} changed the answer"
+        # one chunk-segment per sparse segment: segments 1..5 (0 is dense, 6 is the final one)
+        assert runs[budget][1]["critiprefill.sparse_segments"] == 5
         _assert_counters_consistent(runs[budget][1])
-    assert runs[512][1]["critiprefill.sparse_segments"] == 5
+    assert runs[96][1]["sched.critiprefill_chunk_cuts"] > 0 == runs[512][1].get("sched.critiprefill_chunk_cuts", 0)
     dense, _ = _run(model, prompts=prompt, max_tokens=16)
     assert dense != runs[512][0]
 

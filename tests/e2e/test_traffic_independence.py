@@ -71,3 +71,69 @@ def test_prefix_cache_hit_reaching_into_the_prompt_tail(tiny_models):
     assert warm.num_cached_tokens == 608
     assert list(warm.outputs[0].token_ids) == cold
     assert stats[STAT_PREFILL_END] == 3 and stats[STAT_FAST] > 0
+
+
+# ------------------------------------------------------------------ every method, every combination
+# A 4-layer Qwen3 (SPEED keeps the prompt in layers 0-2, CritiPrefill is sparse in layers 1-3),
+# CritiPrefill's 128-query segments with a 200-token budget (chunks that would cut segments), SFI on
+# in the engine and turned off by half of the requests: each engine covers a method set with and
+# without SFI, so the three engines cover every combination (SFI alone: the tests above).
+COMBO_SFI = {"enabled": True, "k": 64, "n_recent": 64}
+COMBO_CP = {"enabled": True, "segment_size": 128, "block_size": 16, "budget": 256, "min_len": 256}
+COMBO_SPEED = {"enabled": True, "l_cut": 3}
+COMBOS = {"critiprefill": {"critiprefill": COMBO_CP}, "speed": {"speed": COMBO_SPEED},
+          "critiprefill+speed": {"critiprefill": COMBO_CP, "speed": COMBO_SPEED}}
+
+
+@pytest.fixture(scope="module")
+def four_layer_qwen3(tmp_path_factory):
+    from vllm_ext.tools.tiny_models import make_model
+
+    return make_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3-4l"), "qwen3", num_layers=4)
+
+
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_every_method_combination_answers_as_alone(four_layer_qwen3, combo):
+    """16 prompts of 20-1,500 tokens, each alone, then all at once in two orders (other chunk
+    boundaries, other batch neighbours): the same greedy tokens, each method really on, no
+    fallback (no request served densely for lack of a slot: the scheduler holds it back instead)."""
+    import random
+
+    from vllm import SamplingParams
+
+    from vllm_ext import metrics
+
+    rng = random.Random(1)
+    lengths = [20, 1500] + [rng.choice((rng.randint(20, 120), rng.randint(120, 600),
+                                        rng.randint(600, 1500))) for _ in range(14)]
+    prompts = [[rng.randrange(4, 500) for _ in range(n)] for n in lengths]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                             extra_args=None if i % 2 else {"speedsfi": {"sfi": {"enabled": False}}})
+              for i in range(len(prompts))]
+    section = dict(COMBOS[combo], sfi=COMBO_SFI)
+    metrics.reset()
+
+    def run(order):
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], [params[i] for i in order],
+                            use_tqdm=False)
+        return {i: list(o.outputs[0].token_ids) for i, o in zip(order, outs)}
+
+    with engine(four_layer_qwen3, "SPEEDSFI", max_model_len=2048, max_num_seqs=16,
+                max_num_batched_tokens=200, kv_cache_memory_bytes=64 << 20,
+                enable_prefix_caching="speed" not in combo,
+                additional_config={"speedsfi": section}) as llm:
+        alone = {}
+        for i in range(len(prompts)):
+            alone.update(run([i]))
+        together = run(list(range(len(prompts))))
+        reverse = run(list(range(len(prompts)))[::-1])
+        counts = metrics.snapshot()
+    for i in range(len(prompts)):
+        assert together[i] == alone[i], f"prompt {i} ({lengths[i]} tokens) changed beside the others"
+        assert reverse[i] == alone[i], f"prompt {i} ({lengths[i]} tokens) changed in the other order"
+    assert counts["sfi.fast_steps"] > 0
+    assert not {k for k in counts if k.startswith("fallback.")}, counts
+    if "critiprefill" in combo:
+        assert counts["critiprefill.sparse_segments"] > 0 and counts["sched.critiprefill_chunk_cuts"] > 0
+    if "speed" in combo:
+        assert counts["speed.upper_tokens_skipped"] > 0

@@ -201,15 +201,21 @@ def test_requests_sharing_steps_keep_their_own_windows(name):
 
 
 def test_prefix_hit_limit_and_cut():
+    import functools
+
+    from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.scheduler_policy import SchedulerPolicy
     from vllm_ext.vllm_patches import limit_prefix_hit
 
+    policy = SchedulerPolicy(SpeedSfiConfig(sfi=CFG), sfi_capacity=4, critiprefill_capacity=0,
+                             sfi_prefix_limit=functools.partial(prefix_hit_limit, CFG))
     assert prefix_hit_limit(CFG, 645, 32) == 608           # (645 - 16) // 32 * 32
     assert prefix_hit_limit(CFG, 10, 32) == 0
     Blocks = type("Blocks", (), {"__init__": lambda self, blocks: setattr(self, "blocks", blocks)})
     sched = SimpleNamespace(block_size=32, kv_cache_config=SimpleNamespace(
         kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=32))]))
     hit = (Blocks((list(range(20)),)), 640, 0, False)
-    cut = limit_prefix_hit(sched, SimpleNamespace(num_prompt_tokens=645), CFG, hit)
+    cut = limit_prefix_hit(sched, SimpleNamespace(num_prompt_tokens=645), policy, hit)
     assert cut[0].blocks == (list(range(19)),) and cut[1:] == (608, 0, False)
     # a hit that already leaves the tail alone is returned as it is
-    assert limit_prefix_hit(sched, SimpleNamespace(num_prompt_tokens=700), CFG, hit) is hit
+    assert limit_prefix_hit(sched, SimpleNamespace(num_prompt_tokens=700), policy, hit) is hit

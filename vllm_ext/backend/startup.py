@@ -65,6 +65,18 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
         raise ConfigError("SPEEDSFI does not support decode/prefill context parallelism")
     if cfg.any_enabled and vllm_config.speculative_config is not None:
         raise ConfigError("speedsfi: SFI, SPEED and CritiPrefill do not support speculative decoding")
+    if cfg.critiprefill.enabled:
+        # the scheduler ends CritiPrefill chunks on segment boundaries (vllm_ext.scheduler_policy):
+        # a step must have room for one whole segment or the prefill never moves
+        sched = vllm_config.scheduler_config
+        seg = cfg.critiprefill.segment_size
+        for flag, value in (("--max-num-batched-tokens", sched.max_num_batched_tokens),
+                            ("--long-prefill-token-threshold",
+                             getattr(sched, "long_prefill_token_threshold", 0) or None)):
+            if value is not None and value < seg:
+                raise ConfigError(f"speedsfi.critiprefill.segment_size ({seg}) is larger than "
+                                  f"{flag} ({value}): a prefill chunk holds whole segments of the "
+                                  f"sparse range; raise {flag} or lower the segment size")
     if cfg.speed.enabled:
         if vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError("speedsfi.speed.enabled: SPEED needs --no-enable-prefix-caching (the "

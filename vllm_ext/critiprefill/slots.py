@@ -21,16 +21,18 @@ decode-like rows, ``q_len <= 1``, first, so CritiPrefill rows are in the tail); 
 not CritiPrefill rows attend densely through the same kernel (``row_dense``). On CUDA the rows before
 ``first_row`` go to the dense delegate.
 
-What depends on the chunk boundaries (and nothing else does; ``README.md``):
-- A segment cut by a chunk boundary is represented (``Qmax, Qmin``) by the queries seen so far: the
-  part of it in the earlier chunk is selected from that part's queries; the part in the later chunk
-  uses the whole segment's representatives (the earlier part's are carried per request and layer),
-  so it and every uncut segment select exactly as in an unchunked prefill. Key blocks before a
-  segment are complete whatever the chunking, and the softmax runs over the segment's candidates only.
-- A one-token chunk (vLLM gives one when a step's token budget has one token left) attends densely.
-- After a prefix-cache hit, the segment holding the first uncached position is represented by its
-  uncached queries only (the cached part's queries were never computed here).
-- A prompt that finds no free CritiPrefill slot prefills densely until one frees (counted).
+Chunk boundaries and traffic change nothing (``README.md``): the scheduler ends every chunk of a
+CritiPrefill prompt that stops inside the sparse range on a segment boundary, cuts prefix-cache hits
+the same way (``vllm_ext.critiprefill.chunking``), and starts a prompt's sparse prefill only while a
+CritiPrefill slot is free (``vllm_ext.scheduler_policy``), so each sparse segment is computed whole,
+in one chunk, by a request that holds a slot. What remains:
+- A segment that a chunk still cuts (the scheduler's rules bypassed: a prefix hit the block layout
+  cannot cut, counted ``fallback.prefix_hit_uncut``) is represented (``Qmax, Qmin``) by the queries
+  seen so far: the part in the earlier chunk selects from its own queries; the part in the later
+  chunk uses the whole segment's representatives (carried per request and layer).
+- A one-token chunk attends densely (outside the sparse range only, under the scheduler's rules).
+- A prompt that finds no free CritiPrefill slot (only if the scheduler's count and the worker's
+  disagree) prefills densely until one frees (counted: ``fallback.critiprefill_capacity``).
 """
 
 from __future__ import annotations
