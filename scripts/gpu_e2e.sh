@@ -5,26 +5,24 @@
 #
 #   scripts/gpu_e2e.sh STAGES [OUTDIR] [-- bench/vllm_e2e.py options]
 #
-# STAGES, comma separated (run in this order):
+# STAGES: "call1" .. "call4" (the documented invocation: bench/vllm_e2e.py --call N), or stage names,
+# comma separated (run in bench/vllm_e2e.py's order; e2e_stages.py describes each):
 #   stash    keep the carried payload folders' archives on the warm machine for the next call (within
 #            ~30 s): carry [".gpu_payload/carry_deps"] when the two do not fit one call, then run with
 #            carry [".gpu_payload/carry"]; fallback: one stash call per ".gpu_payload/carry_so_full_<i>"
 #            makes later calls unpack the whole _C library instead of the sm_90-pruned one
-#   smoke    _C ops vs PyTorch, imports + plugin entry point, a 4-layer model through SPEEDSFI
-#            with a small SFI budget                                                        (~1.2 min)
-#   correct  Llama-3.1-8B and Qwen3-4B shapes (random weights, bf16, greedy, eager): TRITON_ATTN ==
-#            SPEEDSFI all off == SFI with a budget covering the context; SFI default preset runs
-#            fast steps (counters); TRITON_ATTN on Model Runner V2 last (information)       (~6 min)
-#   quality  scripts/eval_quality.py on models/retrieval-llama (dense, SFI k256, SFI k256 span 4;
-#            180 samples each) vs the CPU numbers of bench/QUALITY.md                       (~2 min)
-#   perf     Qwen3-4B shape: TRITON_ATTN vs SPEEDSFI dense / SFI preset, 8K..128K input, 256
-#            output, CUDA graphs and eager: TPOT, TTFT, tok/s, KV GB/s vs copy bandwidth    (~8-9 min)
-#   all      smoke,correct,quality,perf (more than one call's 10 minutes: split it)
+#   smoke, graphs, kernels, sfi_perf, correct, quality, perf, critiprefill, serving; all
 #
-# Two device calls (run, carry as above, timeout_s 600):
-#   scripts/gpu_e2e.sh smoke,correct,quality          then          scripts/gpu_e2e.sh perf
-# Options after "--" go to bench/vllm_e2e.py, e.g. -- --modes graph --batches 131072:max
-# (bench/vllm_e2e.py --help; "python3 bench/vllm_e2e.py perf --dry-run" prints a plan + estimate).
+# The calls (each <= 520 s of driver time; "python3 bench/vllm_e2e.py --call N --dry-run" prints the
+# plan and its estimate), in this order, 1 to 3 in a session's 30 minutes of device time:
+#   call1  _C ops, imports; SFI under FULL CUDA graphs (FULL_DECODE_ONLY) == eager, fast and slow
+#          steps, each row once; paged_decode vs the delegate's kernel; copy rate; Qwen3-4B shape perf
+#          8K..128K: SFI preset, then vLLM's defaults (Model Runner V2, the backend vLLM picks)
+#   call2  correctness (Llama-3.1-8B, Qwen3-4B shapes): SFI covering == all off through paged_decode,
+#          SFI preset fast + slow steps; perf TRITON_ATTN and SPEEDSFI all off (all off == TRITON_ATTN)
+#   call3  CritiPrefill TTFT; serving (vllm serve + vllm bench serve, 32K prompts at 0.5 req/s)
+#   call4  SFI + SPEED perf; quality (retrieval-llama vs the CPU); all off through paged_decode perf
+# Options after "--" go to bench/vllm_e2e.py, e.g. -- --batches 131072:max (bench/vllm_e2e.py --help).
 #
 # OUTDIR (default $OUT, else bench/results/vllm_e2e): vllm_e2e.json, vllm_e2e.png, vllm_e2e.log,
 # vllm_e2e_logs.tar.gz (one log per configuration), quality_gpu_retrieval-llama.{json,md}.
@@ -43,7 +41,7 @@ mkdir -p "$OUTDIR"
 LOG=$OUTDIR/vllm_e2e.log
 PY=${PYTHON:-python3}
 SITE=${VLLM_SITE:-/tmp/vllm_site}
-BUDGET=${GPU_E2E_BUDGET_S:-540}
+BUDGET=${GPU_E2E_BUDGET_S:-540}   # the driver gets what is left after the unpack (its plans fit 520 s)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 say() { echo "[gpu_e2e +$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -55,7 +53,8 @@ run_all() {
     stages=$(echo ",$stages," | sed 's/,stash,/,/; s/^,//; s/,$//')
     if [ -z "$stages" ] || [ "$rc" -ne 0 ]; then say "stash done (exit status $rc)"; return $rc; fi
   fi
-  [ "$stages" = all ] && stages=smoke,correct,quality,perf
+  local sel=("$stages")
+  [[ "$stages" == call[0-9] ]] && sel=(--call "${stages#call}")
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
     | sed 's/^/[gpu_e2e] gpu: /'
   local t=$(date +%s)
@@ -68,7 +67,7 @@ run_all() {
   export PYTHONPATH="$SITE:$root${PYTHONPATH:+:$PYTHONPATH}"
   export VLLM_SITE="$SITE"
   local elapsed=$(( $(date +%s) - T0 ))
-  "$PY" bench/vllm_e2e.py "$stages" --out "$OUTDIR" --deadline-s $(( BUDGET - elapsed )) "$@"
+  "$PY" bench/vllm_e2e.py "${sel[@]}" --out "$OUTDIR" --deadline-s $(( BUDGET - elapsed )) "$@"
   local rc=$?
   say "done: stages '$stages', exit status $rc, $(( $(date +%s) - T0 ))s in all; files in $OUTDIR:"
   ls -la "$OUTDIR"

@@ -384,26 +384,28 @@ def test_help_and_dry_run_need_neither_vllm_nor_a_gpu():
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "heavy modules imported by the plan: none" in out
-    for name in ("c_ops", "correct/llama-3.1-8b/triton/eager", "correct/qwen3-4b/speedsfi_sfi_full/eager",
-                 "quality/retrieval-llama", "perf/qwen3-4b/triton/graph", "perf/qwen3-4b/speedsfi_sfi/eager"):
+    for name in ("c_ops", "graphs/tiny-llama/speedsfi_sfi_small/graph", "kernels/qwen3-4b/paged_decode_vs_delegate",
+                 "correct/llama-3.1-8b/speedsfi_sfi_full/eager", "correct/qwen3-4b/speedsfi_dense_pd/eager",
+                 "quality/retrieval-llama", "perf/qwen3-4b/triton/graph", "perf/qwen3-4b/vllm_default/graph",
+                 "sfi_perf/qwen3-4b/speedsfi_sfi/graph", "critiprefill/qwen3-4b/speedsfi_critiprefill/graph",
+                 "serving/qwen3-4b/speedsfi_sfi"):
         assert name in out, name
     for n in (8192, 32768, 65536, 131072):
         assert f"in {n} x" in out
     assert "max_model_len 131344" in out
 
 
-def test_default_perf_plan_orders_cuda_graphs_first_and_budgets_itself(e2e):
-    args, _ = e2e.parse(["perf", "--deadline-s", "520"])
+def test_default_perf_plan_measures_sfi_before_its_baselines_under_cuda_graphs(e2e):
+    args, _ = e2e.parse(["sfi_perf,perf", "--deadline-s", "520"])
     jobs = e2e.build_plan(args)
     engines = [j for j in jobs if j["kind"] == "engine"]
-    assert [j["eager"] for j in engines] == [False] * 3 + [True] * 3
-    assert [j["config"] for j in engines[:2]] == ["triton", "speedsfi_sfi"]
-    assert all(g["input_len"] <= 32768 for j in engines if j["eager"] for g in j["groups"])
+    assert [j["config"] for j in engines] == ["speedsfi_sfi", "speedsfi_sfi_speed", "vllm_default", "triton",
+                                              "speedsfi_dense"]
+    assert not any(j["eager"] for j in engines)
     graph = engines[0]
     assert [g["input_len"] for g in graph["groups"]] == [8192, 32768, 65536, 131072]
     assert graph["max_model_len"] >= 131072 + 256
-    # every perf engine job states its timeout below the call's budget
-    assert all(j["timeout_s"] <= 600 for j in jobs)
+    assert all(g["output_len"] >= 256 for j in engines for g in j["groups"])
 
 
 def test_unknown_stage_or_model_is_refused(e2e):
@@ -560,18 +562,22 @@ def test_rows_schema_plot_and_report_merge(e2e, tmp_path):
 def test_driver_end_to_end_on_the_cpu_build(tmp_path):
     pytest.importorskip("vllm")
     out = tmp_path / "out"
-    p = _driver("smoke,correct,perf", "--cpu", "--out", str(out), "--models-dir", str(tmp_path / "models"),
-                "--correct-models", "cpu-tiny-llama", "--perf-configs", "triton,speedsfi_dense,speedsfi_sfi",
-                "--lengths", "96", "--batches", "96:2", "--deadline-s", "840", timeout=900)
+    p = _driver("smoke,graphs,sfi_perf,correct,perf", "--cpu", "--out", str(out), "--models-dir",
+                str(tmp_path / "models"), "--correct-models", "cpu-tiny-llama", "--perf-configs", "triton,speedsfi_dense",
+                "--sfi-perf-configs", "speedsfi_sfi", "--lengths", "96", "--batches", "96:2", "--deadline-s", "840",
+                timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     res = json.loads((out / "vllm_e2e.json").read_text())
     assert set(os.listdir(out)) <= {"vllm_e2e.json", "vllm_e2e.png", "vllm_e2e_logs.tar.gz"}
     assert res["env"]["vllm"] == "0.32.0" and res["env"]["gpu"]
     checks = {c["name"]: c["ok"] for c in res["checks"]}
     assert checks["cpu-tiny-llama: SPEEDSFI all off == TRITON_ATTN"] is True
-    assert checks["cpu-tiny-llama: SFI budget covering the context == dense"] is True
-    assert checks["cpu-tiny-llama: speedsfi_sfi runs fast steps"] is True
-    assert checks["cpu-tiny-llama: speedsfi_sfi_small runs fast steps"] is True
+    assert checks["cpu-tiny-llama: SFI budget covering the context == all off through the same dense kernel "
+                  "(paged_decode)"] is True
+    assert checks["cpu-tiny-llama: speedsfi_sfi runs fast and slow steps"] is True
+    assert checks["cpu-tiny-llama: fast and slow steps under CUDA graphs"] is True
+    assert checks["cpu-tiny-llama: SFI tokens under CUDA graphs == eager"] is True       # both eager here
+    assert checks["cpu-tiny-llama (graph): every row computed once (rows per path == rows of the layer calls)"] is True
     assert not res["failures"] and not res["skipped"]
     rows = res["rows"]
     assert {(r["config"], r["mode"]) for r in rows} == {("triton", "eager"), ("speedsfi_dense", "eager"),
