@@ -24,19 +24,46 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """Store ``key``/``value`` ``[T, H, D]`` at ``slot_mapping`` (``block * block_size + offset``).
 
     Slots ``< 0`` (vLLM's ``PAD_SLOT_ID``) are skipped; only the first ``len(slot_mapping)`` tokens
-    are written (vLLM pads ``key``/``value`` beyond the actual tokens).
-    """
+    are written (vLLM pads ``key``/``value`` beyond the actual tokens). When the cache's entries
+    (``2D`` elements each) tile its storage densely (every vLLM layout), one ``index_copy_`` of whole
+    entries over a flat ``[entries, 2D]`` view; otherwise two advanced-index writes."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    block_size = kv_cache.shape[2]
-    d = kv_cache.shape[-1] // 2
+    nb, h, block_size, c = kv_cache.shape
+    d = c // 2
     slots = slot_mapping.long()
-    keep = slots >= 0
-    slots = slots[keep]
+    k, v = key[:n], value[:n]
+    if slots.min() < 0:
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+        if slots.numel() == 0:
+            return
     blk, off = slots // block_size, slots % block_size
-    kv_cache[blk, :, off, :d] = key[:n][keep].to(kv_cache.dtype)
-    kv_cache[blk, :, off, d:] = value[:n][keep].to(kv_cache.dtype)
+    flat = _entries_view(kv_cache)
+    if flat is None:
+        kv_cache[blk, :, off, :d] = k.to(kv_cache.dtype)
+        kv_cache[blk, :, off, d:] = v.to(kv_cache.dtype)
+        return
+    s0, s1, s2 = (kv_cache.stride(i) // c for i in range(3))
+    idx = (blk * s0 + off * s2)[:, None] + torch.arange(0, h * s1, s1, device=slots.device)   # [n, H]
+    flat.index_copy_(0, idx.reshape(-1), torch.cat([k, v], dim=-1).to(kv_cache.dtype).reshape(-1, c))
+
+
+def _entries_view(kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """``[entries, 2D]`` view of the cache's storage when its entries tile it densely (a permutation
+    of a contiguous ``[blocks, heads, tokens]`` of entries, unit last stride: every vLLM layout),
+    else ``None``."""
+    c = kv_cache.shape[-1]
+    if kv_cache.stride(-1) != 1 or kv_cache.numel() == 0:
+        return None
+    expect = c
+    dims = sorted(((kv_cache.stride(i), kv_cache.shape[i]) for i in range(3) if kv_cache.shape[i] > 1))
+    for stride, size in dims:
+        if stride != expect:
+            return None
+        expect *= size
+    return kv_cache.as_strided((kv_cache.numel() // c, c), (c, 1), kv_cache.storage_offset())
 
 
 def gather_entries(kv_cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor,
