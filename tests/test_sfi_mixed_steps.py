@@ -161,6 +161,30 @@ def test_uncuttable_delegate_falls_back_to_every_row_and_the_counters_show_it():
     assert sum(v for k, v in rows.items() if k != "rows.layer") == rows["rows.layer"] + 2
 
 
+def test_with_a_critiprefill_sub_batch_both_cuts_are_built():
+    """CritiPrefill's sparse layers take the delegate up to its sub-batch (``delegate_head``), its dense
+    layers every row from the first prefill row (``delegate_tail``)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
+
+    impl, md, query, kv, ref = _setup(sfi_on=True)
+    qsl = torch.tensor([0, 1, 2, 3, 8, 15], dtype=torch.int32)
+    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=md.seq_lens, num_reqs=5,
+                                 num_actual_tokens=15, max_query_len=7, max_seq_len=200,
+                                 block_table_tensor=md.block_table, slot_mapping=torch.arange(15))
+    step = SimpleNamespace(sfi=md.step.sfi, critiprefill=SimpleNamespace(first_row=4))
+    SpeedSfiMetadataBuilder._cut_delegate(SimpleNamespace(_ours_decode=True), md, cm, md.delegate, step)
+    assert md.delegate_first_row == 3
+    assert md.delegate_head.query_start_loc.tolist() == [0, 5] and md.delegate_head.num_actual_tokens == 5
+    assert md.delegate_tail.query_start_loc.tolist() == [0, 5, 12] and md.delegate_tail.num_actual_tokens == 12
+    # a dense layer (no CritiPrefill tables): the delegate takes every prefill row
+    md.step = step
+    out, rows = _run(impl, md, query, kv)
+    assert impl._dense.calls[0]["rows"] == 2
+    torch.testing.assert_close(out[3:], ref[3:], atol=2e-4, rtol=2e-4)
+
+
 def test_all_off_with_paged_decode_computes_decode_rows_with_our_kernel():
     impl, md, query, kv, ref = _setup(sfi_on=False)
     assert md.delegate_first_row == 3

@@ -241,8 +241,9 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
         md.delegate_first_token = int(cm.query_start_loc_cpu[start]) if start else 0
         if step.critiprefill is not None:
             md.delegate_head = delegate_rows(delegate, cm, start, end)
-        elif start:
-            md.delegate_tail = delegate_rows(delegate, cm, start, end)
+        if start:
+            # every row from ``start`` (layers where CritiPrefill does not act: its dense layers)
+            md.delegate_tail = delegate_rows(delegate, cm, start, cm.num_reqs)
 
     def _speed_plan(self, cm: CommonAttentionMetadata, step: StepState):
         """The upper layers' view of the step (SPEED): every group plans it (cheap), the upper
