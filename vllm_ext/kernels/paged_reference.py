@@ -139,10 +139,11 @@ _MAX_RUNS = 16                 # more runs of consecutive blocks than this: one 
 _scratch: dict[tuple, torch.Tensor] = {}
 
 
-def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A persistent buffer of at least ``numel`` elements (one per dtype and device): a fresh large
-    allocation per layer and step would fault its pages in again."""
-    key = (dtype, device)
+def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device, tag: str = "") -> torch.Tensor:
+    """A persistent buffer of at least ``numel`` elements (one per dtype, device and ``tag``: users
+    whose results can be alive at once take different tags): a fresh large allocation per layer and
+    step would fault its pages in again."""
+    key = (dtype, device, tag)
     buf = _scratch.get(key)
     # a buffer made under inference mode cannot be written outside it (and the reverse is wasteful)
     if buf is None or buf.numel() < numel or buf.is_inference() != torch.is_inference_mode_enabled():

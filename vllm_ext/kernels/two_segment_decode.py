@@ -478,12 +478,17 @@ def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_star
 def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len,
                            slot_idx, scale, out, row_mask=None, *, max_recent=None):
     """The twin on the CPU, where reading lengths costs nothing and the vectorised form's padding
-    to the widest row dominates: per active row, the compact segment as a view, the recent window's
-    blocks gathered once, one fused attention (``scaled_dot_product_attention``, GQA native)."""
+    to the widest row dominates: per active row, the compact segment and the recent window's blocks
+    (gathered once) copied, converted to fp32 in the same pass, into a persistent buffer, then one
+    fused attention (``scaled_dot_product_attention``) with the GQA group's query heads as query
+    rows of their KV head (each KV head's keys read once)."""
     import torch.nn.functional as F
 
+    from vllm_ext.kernels.paged_reference import _scratch_buffer
+
     num_rows, hq, d = query.shape
-    bs = kv_cache.shape[2]
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[1]
+    g = hq // hkv
     cap = compact_kv.shape[2]
     w = _est_recent(kv_cache, block_table, max_recent)
     act = active_rows(seq_lens, row_mask).tolist()
@@ -497,17 +502,22 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
         clen = 0 if slot < 0 or slot >= compact_kv.shape[0] else max(0, min(int(lens[slot]), cap))
         rs = min(max(starts[r], 0), seq)
         re = min(seq, rs + w)
-        parts = [compact_kv[slot, :, :clen]] if clen else []
+        n = clen + max(re - rs, 0)
+        if n == 0:
+            out[r] = 0
+            continue
+        kv = _scratch_buffer(hkv * n * 2 * d, torch.float32, query.device, tag="two_segment")
+        kv = kv.view(hkv, n, 2 * d)                                              # [H, n, 2D] fp32
+        if clen:
+            kv[:, :clen].copy_(compact_kv[slot, :, :clen])
         if re > rs:
             b0, b1 = rs // bs, (re - 1) // bs + 1
             blk = kv_cache.index_select(0, block_table[r, b0:b1].long())       # [nb, H, N, 2D]
-            blk = blk.transpose(0, 1).reshape(blk.shape[1], (b1 - b0) * bs, 2 * d)
-            parts.append(blk[:, rs - b0 * bs: re - b0 * bs].to(compact_kv.dtype))
-        if not parts:
-            out[r] = 0
-            continue
-        kv = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]            # [H, n, 2D]
-        o = F.scaled_dot_product_attention(query[r].float()[None, :, None, :], kv[None, ..., :d].float(),
-                                           kv[None, ..., d:].float(), scale=scale, enable_gqa=True)
-        out[r] = o[0, :, 0].to(out.dtype)
+            blk = blk.transpose(0, 1).reshape(hkv, (b1 - b0) * bs, 2 * d)[:, rs - b0 * bs: re - b0 * bs]
+            if blk.dtype != compact_kv.dtype:
+                blk = blk.to(compact_kv.dtype)                                  # as the compact segment
+            kv[:, clen:].copy_(blk)
+        q = query[r].float().view(1, hkv, g, d)                                 # [1, Hkv, G, D]
+        o = F.scaled_dot_product_attention(q, kv[None, ..., :d], kv[None, ..., d:], scale=scale)
+        out[r] = o[0].reshape(hq, d).to(out.dtype)
     return out
