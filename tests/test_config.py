@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from vllm_ext.config import (ConfigError, SpeedSfiConfig, load_preset, preset_names)
+from vllm_ext.config import (ConfigError, SpeedSfiConfig, check_request_overrides, load_preset, preset_names,
+                             request_overrides)
 
 
 def test_defaults_match_algorithms_md():
@@ -174,3 +175,45 @@ def test_sfi_default_is_the_selection_measured_on_the_real_model():
     assert s.enabled and s.selector == "sfi"
     assert (s.k, s.n_recent, s.select_span, s.select_span_back, s.keep_prefill) == (1024, 128, 12, 2, 512)
     assert (s.n_sink + s.k + s.n_recent) / 8000 <= 0.20
+
+
+# ------------------------------------------------------------------ per-request overrides
+_SFI_ENGINE = {"sfi": {"enabled": True, "k": 256, "n_recent": 64}}
+
+
+@pytest.mark.parametrize("engine, overrides, message", [
+    (_SFI_ENGINE, {"sfi": {"k": "many"}}, "speedsfi.sfi.k: expected an integer"),
+    (_SFI_ENGINE, {"sfi": {"k": -5}}, "speedsfi.sfi.k"),
+    (_SFI_ENGINE, {"sfi": {"k": 10 ** 9}}, "speedsfi.sfi.k (1000000000) must be <= the server's sfi.k (256)"),
+    (_SFI_ENGINE, {"sfi": {"kk": 5}}, "speedsfi.sfi.kk: unknown field (did you mean 'k'?)"),
+    (_SFI_ENGINE, {"sfii": {}}, "speedsfi.sfii: unknown field"),
+    (_SFI_ENGINE, {"sfi": {"n_recent": 8}}, "speedsfi.sfi.n_recent is engine-wide"),
+    (_SFI_ENGINE, {"critiprefill": {"enabled": True}}, "speedsfi.critiprefill.enabled is engine-wide"),
+    (_SFI_ENGINE, {"speed": {"enabled": True}}, "speedsfi.speed.enabled is engine-wide"),
+    (_SFI_ENGINE, {"preset": "sfi"}, "speedsfi.preset cannot be overridden per request"),
+    (_SFI_ENGINE, {"dense_decode": "delegate"}, "speedsfi.dense_decode is engine-wide"),
+    (_SFI_ENGINE, {"sfi": {"enabled": "yes"}}, "speedsfi.sfi.enabled"),
+    (_SFI_ENGINE, {"sfi": 3}, "speedsfi.sfi"),
+    ({}, {"sfi": {"enabled": True}}, "speedsfi.sfi.enabled: this server was started without SFI"),
+])
+def test_bad_request_overrides_name_the_field(engine, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        check_request_overrides(SpeedSfiConfig.from_dict(engine), overrides)
+    assert message in str(e.value)
+
+
+def test_good_request_overrides():
+    engine = SpeedSfiConfig.from_dict(_SFI_ENGINE)
+    assert check_request_overrides(engine, None) is engine
+    assert check_request_overrides(engine, {"sfi": {"enabled": False}}).sfi.enabled is False
+    assert check_request_overrides(engine, {"sfi": {"k": 128}}).sfi.k == 128
+    assert check_request_overrides(engine, {"sfi": {"k": 256}}).sfi.k == 256     # above any context: dense
+
+
+def test_request_overrides_from_json_text():
+    assert request_overrides({"speedsfi": '{"sfi": {"k": 128}}'}) == {"sfi": {"k": 128}}
+    assert request_overrides({"other": 1}) is None and request_overrides(None) is None
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        request_overrides({"speedsfi": "{sfi"})
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        request_overrides({"speedsfi": "[1, 2]"})

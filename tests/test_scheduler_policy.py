@@ -12,8 +12,7 @@ import pytest
 
 from vllm_ext import metrics
 from vllm_ext.config import SpeedSfiConfig
-from vllm_ext.critiprefill.chunking import touches_sparse_range
-from vllm_ext.critiprefill.slots import sparse_range
+from vllm_ext.critiprefill.chunking import is_critiprefill_chunk, sparse_range
 from vllm_ext.scheduler_policy import SchedulerPolicy
 
 CP = {"enabled": True, "segment_size": 64, "block_size": 16, "budget": 32, "min_len": 100}
@@ -63,11 +62,11 @@ def test_critiprefill_admission_holds_one_sparse_prefill_per_slot():
     running = [a, b]
     assert p.limit_chunk(a, 0, 128, admitted=True, running=running) == 128      # takes the slot
     a.num_computed_tokens = 128
-    assert p.limit_chunk(b, 0, 64, admitted=True, running=running) == 64         # dense head only
-    b.num_computed_tokens = 64
-    assert p.limit_chunk(b, 64, 128, admitted=True, running=running) == 0        # waits for a
+    assert p.limit_chunk(b, 0, 64, admitted=True, running=running) == 0          # waits for a
+    short = Req(120)                                                             # no sparse range
+    assert p.limit_chunk(short, 0, 120, admitted=False, running=running) == 120
     a.num_computed_tokens = 1000                                                 # a's prefill ended
-    assert p.limit_chunk(b, 64, 128, admitted=True, running=running) == 128
+    assert p.limit_chunk(b, 0, 64, admitted=True, running=running) == 64
     # preemption gives the slot back (the worker releases it when the request leaves the batch)
     c = Req(1000)
     b.num_preemptions, b.num_computed_tokens = 1, 0
@@ -120,7 +119,7 @@ def test_simulated_scheduler_never_overflows_and_always_finishes(seed):
                 end = c + n
                 assert end >= r.num_prompt_tokens or end % cfg.segment_size == 0 \
                     or not lo <= end - end % cfg.segment_size < hi
-                if touches_sparse_range(cfg, r.num_prompt_tokens, c, n):
+                if is_critiprefill_chunk(cfg, r.num_prompt_tokens, c, n):
                     cp_held.add(id(r))
         assert len(cp_held) <= p.cp_capacity
         for r, n in scheduled.values():

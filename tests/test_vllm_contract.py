@@ -137,6 +137,25 @@ def test_chunk_admission_hook():
     assert "self.running.append(request)" in src and "request.status = RequestStatus.RUNNING" in src
 
 
+def test_membership_facts_the_runner_hooks_read():
+    """vllm_ext.runner_hooks keeps a request's slot while it is unscheduled (the V1 runner removes
+    such requests from its persistent batch but keeps them in ``self.requests``) and releases it
+    when the scheduler preempts it (every preemption is listed in ``SchedulerOutput.preempted_req_ids``)."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "preempted_req_ids" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert "self.reset_preempted_req_ids.add(request.request_id)" in inspect.getsource(Scheduler._preempt_request)
+    assert "preempted_req_ids=self.reset_preempted_req_ids" in inspect.getsource(Scheduler.schedule)
+    src = inspect.getsource(GPUModelRunner._update_states)
+    assert "self.requests.pop(req_id, None)" in src
+    assert "for req_id in unscheduled_req_ids:\n            self.input_batch.remove_request(req_id)" in src
+    assert "self._may_reorder_batch(scheduler_output)" in src
+    params = inspect.signature(GPUModelRunner._may_reorder_batch).parameters
+    assert list(params) == ["self", "scheduler_output"]
+
+
 def test_a_step_with_an_sfi_prompt_row_is_not_a_uniform_decode_batch():
     from types import SimpleNamespace
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import types
@@ -347,6 +348,61 @@ class SpeedSfiConfig:
         cfg = dataclasses.replace(cfg, preset=self.preset)
         cfg.validate()
         return cfg
+
+
+# the fields a request may set for itself (SamplingParams.extra_args["speedsfi"]); every other field
+# sizes buffers or plans the batch, so it is the engine's
+PER_REQUEST_FIELDS = frozenset({"sfi.enabled", "sfi.k"})
+
+
+def request_overrides(extra_args: Any) -> Mapping[str, Any] | None:
+    """A request's ``speedsfi`` overrides: ``extra_args["speedsfi"]`` as a mapping (offline ``LLM``)
+    or as its JSON text (the OpenAI server's ``vllm_xargs`` carries strings and numbers only:
+    ``"vllm_xargs": {"speedsfi": "{\"sfi\": {\"k\": 256}}"}``). Raises ``ConfigError``."""
+    raw = extra_args.get(CONFIG_KEY) if isinstance(extra_args, Mapping) else None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as e:
+            raise ConfigError(f"speedsfi: the per-request overrides are not valid JSON ({e})") from None
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(f"speedsfi: the per-request overrides must be a mapping such as "
+                          f"{{\"sfi\": {{\"k\": 256}}}}, got {type(raw).__name__}")
+    return raw
+
+
+def changed_fields(base: "SpeedSfiConfig", other: "SpeedSfiConfig") -> set[str]:
+    """``section.field`` names whose values differ (the method sections; top-level scalars such as
+    ``preset`` and ``dense_decode`` are not sections)."""
+    changed = set()
+    for section in (f.name for f in dataclasses.fields(base)):
+        a, b = getattr(base, section), getattr(other, section)
+        if dataclasses.is_dataclass(a):
+            changed.update(f"{section}.{f.name}" for f in dataclasses.fields(a)
+                           if getattr(a, f.name) != getattr(b, f.name))
+    return changed
+
+
+def check_request_overrides(engine: "SpeedSfiConfig", overrides: Mapping[str, Any] | None) -> "SpeedSfiConfig":
+    """The configuration a request runs with, or ``ConfigError`` naming the field it cannot set:
+    unknown fields, wrong types and impossible values as at start-up; engine-wide fields; SFI on a
+    server started without it; a ``k`` above the engine's (which sizes the compact buffers). A ``k``
+    larger than a request's context is allowed: the request decodes densely until its context
+    outgrows ``n_sink + n_recent + k``."""
+    if not overrides:
+        return engine
+    cfg = engine.with_overrides(overrides)
+    engine_wide = sorted(changed_fields(engine, cfg) - PER_REQUEST_FIELDS)
+    if engine_wide:
+        raise ConfigError(f"speedsfi.{engine_wide[0]} is engine-wide (set it when the server starts); a "
+                          f"request can set {', '.join(sorted(PER_REQUEST_FIELDS))}")
+    if cfg.sfi.enabled and not engine.sfi.enabled:
+        raise ConfigError("speedsfi.sfi.enabled: this server was started without SFI (no compact "
+                          "buffers); start it with speedsfi.sfi.enabled to let requests use SFI")
+    if cfg.sfi.enabled and cfg.sfi.k > engine.sfi.k:
+        raise ConfigError(f"speedsfi.sfi.k ({cfg.sfi.k}) must be <= the server's sfi.k ({engine.sfi.k}), "
+                          f"which sizes the compact buffers")
+    return cfg
 
 
 def _enables_only(section: Any) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Container, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -199,18 +199,25 @@ class RequestStateTable:
 
     def sync_membership(self, reset_req_ids: Iterable[str],
                         live: Mapping[str, tuple[int, Mapping[str, Any] | None]],
-                        resumed_req_ids: Iterable[str] = ()) -> None:
-        """Release ``reset_req_ids`` (finished, aborted, resumed after preemption) and every slot
-        whose request left the batch; acquire slots for batch members without one.
+                        resumed_req_ids: Iterable[str] = (), known: Container[str] | None = None) -> None:
+        """Release ``reset_req_ids`` (finished, aborted, preempted, resumed after preemption) and
+        every slot whose request the runner no longer knows; acquire slots for batch members without
+        one.
 
         ``live``: req_id -> (prompt_len, per-request overrides) for the requests in the batch;
-        ``resumed_req_ids``: those resumed after preemption (also in ``reset_req_ids``).
+        ``resumed_req_ids``: those resumed after preemption (also in ``reset_req_ids``); ``known``:
+        every request the runner holds state for, scheduled in this step or not (``None``: the
+        batch's). A request that is merely not scheduled in a step (the token budget went to others,
+        or the scheduler holds a prefill chunk back: ``vllm_ext.scheduler_policy``) leaves vLLM's
+        persistent batch but keeps its slot and its SFI / CritiPrefill state: its answer must not
+        depend on that.
         """
         for req_id in reset_req_ids:
             if req_id in self.slot_of and req_id in live:
                 self.counters.reset_on_resume += 1
             self.release(req_id)
-        for req_id in [r for r in self.slot_of if r not in live]:
+        keep = live if known is None else known
+        for req_id in [r for r in self.slot_of if r not in live and r not in keep]:
             self.release(req_id)
         resumed = set(resumed_req_ids)
         for req_id, (prompt_len, overrides) in live.items():

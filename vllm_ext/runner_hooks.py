@@ -2,9 +2,12 @@
 ``CPUModelRunner`` is a subclass). The hooks stage host-side facts only; the SPEEDSFI metadata
 builders (bound to the runner's table here, once) build the device plan from them.
 
-Three methods are wrapped, all inert unless the runner's config selects SPEEDSFI:
-- ``_update_states(scheduler_output)``: after vLLM has updated its persistent batch, slots follow it
-  (finished / aborted / resumed-after-preemption requests get fresh state).
+Four methods are wrapped, all inert unless the runner's config selects SPEEDSFI:
+- ``_update_states(scheduler_output)``: after vLLM has updated its persistent batch, slots follow the
+  requests (finished / aborted / preempted ones give theirs back, resumed ones get fresh state; a
+  request merely not scheduled in a step keeps its slot and state).
+- ``_may_reorder_batch(scheduler_output)`` (with CritiPrefill): after vLLM's own reordering (decode
+  rows first), CritiPrefill rows move behind every other row (:func:`move_critiprefill_rows_last`).
 - ``_build_attention_metadata(...)``: just before the builders run, the step's rows are staged. A real
   step is recognised by ``num_scheduled_tokens`` (``execute_model`` passes it; profiling, warm-up and
   CUDA-graph capture runs do not) and ``for_cudagraph_capture``.
@@ -97,9 +100,21 @@ def _live_requests(runner) -> dict:
             continue
         state = runner.requests[req_id]
         params = state.sampling_params
-        extra = (params.extra_args or {}).get("speedsfi") if params is not None else None
-        live[req_id] = (state.num_prompt_tokens, extra)
+        live[req_id] = (state.num_prompt_tokens, _overrides(params))
     return live
+
+
+def _overrides(params):
+    """The request's overrides (checked when the request came in: ``vllm_patches``)."""
+    from vllm_ext.config import ConfigError, request_overrides
+
+    try:
+        return request_overrides(getattr(params, "extra_args", None))
+    except ConfigError as e:
+        from vllm_ext import metrics
+
+        metrics.fallback("request_override_invalid", "ignoring a request's speedsfi override: %s", e)
+        return None
 
 
 def _after_update_states(runner, scheduler_output) -> None:
@@ -107,8 +122,9 @@ def _after_update_states(runner, scheduler_output) -> None:
     if table is None:
         return
     resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
-    reset = set(scheduler_output.finished_req_ids) | set(resumed)
-    table.sync_membership(reset, _live_requests(runner), resumed)
+    preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+    reset = set(scheduler_output.finished_req_ids) | set(resumed) | set(preempted)
+    table.sync_membership(reset, _live_requests(runner), resumed, known=runner.requests)
 
 
 def _stage_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool) -> None:
@@ -141,6 +157,20 @@ def install() -> None:
 
         setattr(_update_states, _PATCHED_ATTR, True)
         GPUModelRunner._update_states = _update_states
+
+    reorder = GPUModelRunner._may_reorder_batch
+    if not getattr(reorder, _PATCHED_ATTR, False):
+        @functools.wraps(reorder)
+        def _may_reorder_batch(self, scheduler_output):
+            result = reorder(self, scheduler_output)
+            table = table_of(self)
+            if table is not None and table.critiprefill is not None:
+                move_critiprefill_rows_last(self.input_batch, scheduler_output.num_scheduled_tokens,
+                                            table.critiprefill.cfg)
+            return result
+
+        setattr(_may_reorder_batch, _PATCHED_ATTR, True)
+        GPUModelRunner._may_reorder_batch = _may_reorder_batch
 
     build = GPUModelRunner._build_attention_metadata
     if not getattr(build, _PATCHED_ATTR, False):
@@ -176,3 +206,29 @@ def has_sfi_prompt_rows(runner, num_reqs: int) -> bool:
         return False
     batch = runner.input_batch
     return bool((batch.num_computed_tokens_cpu[:num_reqs] < batch.num_prompt_tokens[:num_reqs]).any())
+
+
+def move_critiprefill_rows_last(batch, num_scheduled_tokens, cfg) -> int:
+    """Move the rows that run CritiPrefill this step (``vllm_ext.critiprefill.chunking.
+    is_critiprefill_chunk``) behind every other row of vLLM's persistent batch, so that the step's
+    CritiPrefill sub-batch holds them only: a row's kernel then depends on its own request, not on
+    whether a CritiPrefill row happened to come before it. Such rows have two tokens or more, so
+    vLLM's decode-like rows (one token) stay in front. Returns the number of swaps."""
+    from vllm_ext.critiprefill.chunking import is_critiprefill_chunk
+
+    req_ids = batch.req_ids
+    n = len(req_ids)
+    computed, plen = batch.num_computed_tokens_cpu, batch.num_prompt_tokens
+    is_cp = [is_critiprefill_chunk(cfg, int(plen[i]), int(computed[i]),
+                                   num_scheduled_tokens.get(req_ids[i], 0)) for i in range(n)]
+    i, j, swaps = 0, n - 1, 0
+    while i < j:
+        if not is_cp[i]:
+            i += 1
+        elif is_cp[j]:
+            j -= 1
+        else:
+            batch.swap_states(i, j)
+            is_cp[i], is_cp[j] = False, True
+            swaps += 1
+    return swaps

@@ -11,12 +11,13 @@ blocks), then runs with its method like any other:
 1. **SFI admission**: a request that decodes with SFI (the engine's setting and its own override)
    is admitted only while fewer than ``C_sfi`` such requests run (the worker holds a slot from a
    request's first step until it leaves the batch).
-2. **CritiPrefill admission**: a prompt's first chunk that reaches its sparse range is scheduled only
-   while fewer than ``C_cp`` prompts are inside a sparse prefill (the worker holds the slot from that
-   chunk until the prefill ends).
-3. **CritiPrefill chunk ends** fall on segment boundaries inside the sparse range, and prefix-cache
-   hits are cut to one (``vllm_ext.critiprefill.chunking``), so every sparse segment is computed in
-   one chunk whatever the token budget left for the request.
+2. **CritiPrefill admission**: the first chunk of a prompt with a sparse range is scheduled only
+   while fewer than ``C_cp`` such prompts are prefilling (the worker holds the slot from that chunk
+   until the prefill ends, and runs every chunk of the prompt through CritiPrefill's kernel).
+3. **CritiPrefill chunk ends** fall on segment boundaries inside the sparse range, prefix-cache hits
+   are cut to one, and no chunk of such a prompt has one token (``vllm_ext.critiprefill.chunking``),
+   so every sparse segment is computed in one chunk, and every position by the same kernel,
+   whatever the token budget left for the request.
 4. **SFI prefix hits** stop before the prompt tail (``vllm_ext.sfi.prompt_tail.prefix_hit_limit``).
 
 A request held back waits at most until a pool slot frees or a step has budget for a whole segment;
@@ -30,22 +31,15 @@ The request objects are vLLM's ``Request`` (read: ``num_prompt_tokens``, ``num_c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from vllm_ext import metrics
-from vllm_ext.config import ConfigError, SpeedSfiConfig
+from vllm_ext.config import ConfigError, SpeedSfiConfig, request_overrides
 from vllm_ext.critiprefill import chunking
 
 # attributes SPEEDSFI keeps on a vLLM Request
 _WANTS_SFI = "_speedsfi_wants_sfi"
 _CP_LIFE = "_speedsfi_cp_life"          # num_preemptions when the request took a CritiPrefill slot
-
-
-def request_overrides(sampling_params) -> Mapping[str, Any] | None:
-    """A request's ``speedsfi`` overrides (``SamplingParams.extra_args["speedsfi"]``)."""
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    return extra.get("speedsfi") if isinstance(extra, Mapping) else None
 
 
 class SchedulerPolicy:
@@ -68,13 +62,13 @@ class SchedulerPolicy:
         if cached is None:
             cached = False
             if self.sfi_capacity:
-                overrides = request_overrides(request.sampling_params)
                 cfg = self.cfg
-                if overrides:
-                    try:
+                try:
+                    overrides = request_overrides(getattr(request.sampling_params, "extra_args", None))
+                    if overrides:
                         cfg = cfg.with_overrides(overrides)
-                    except ConfigError:
-                        cfg = self.cfg                 # the worker ignores it the same way
+                except ConfigError:
+                    cfg = self.cfg                     # the worker ignores it the same way
                 cached = cfg.sfi.enabled
             request.__dict__[_WANTS_SFI] = cached
         return cached
@@ -108,7 +102,7 @@ class SchedulerPolicy:
             num_new = aligned
             if num_new == 0:
                 return 0
-        if chunking.touches_sparse_range(cp, plen, computed, num_new) and not self._holds_cp_slot(request):
+        if chunking.is_critiprefill_chunk(cp, plen, computed, num_new) and not self._holds_cp_slot(request):
             held = sum(1 for r in running if r is not request and self._holds_cp_slot(r))
             if held >= self.cp_capacity:
                 metrics.bump("sched.critiprefill_admission_waits")

@@ -35,7 +35,7 @@ def install() -> None:
     from vllm_ext.speed import upper_stack
 
     upper_stack.install()
-    _patch_speed_request_validation()
+    _patch_request_validation()
     from vllm_ext import runner_hooks
 
     runner_hooks.install()
@@ -228,9 +228,12 @@ def limit_prefix_hit(scheduler, request, policy, result):
     return (cut, limit) + tuple(result[2:])
 
 
-def _patch_speed_request_validation() -> None:
-    """With SPEED on, a request asking for prompt logprobs is refused (HTTP 400 through the server):
-    prompt tokens never reach the upper layers, so their logits would be wrong."""
+def _patch_request_validation() -> None:
+    """Requests are checked when they come in (HTTP 400 through the server, an exception from
+    ``LLM.generate``), with the field named: per-request ``speedsfi`` overrides
+    (``vllm_ext.config.check_request_overrides``: unknown fields, wrong types, impossible values,
+    engine-wide fields, SFI on a server without it, ``k`` above the server's); and with SPEED on,
+    prompt logprobs (prompt tokens never reach the upper layers, so their logits would be wrong)."""
     from vllm.v1.engine.input_processor import InputProcessor
 
     original = InputProcessor._validate_params
@@ -240,21 +243,32 @@ def _patch_speed_request_validation() -> None:
     @functools.wraps(original)
     def _validate_params(self, params, supported_tasks):
         result = original(self, params, supported_tasks)
-        if getattr(params, "prompt_logprobs", None) is not None and is_speedsfi_selected(self.vllm_config):
-            from vllm_ext.config import SpeedSfiConfig
-
-            cached = self.__dict__.get("_speedsfi_speed_on")
-            if cached is None:
-                cfg = SpeedSfiConfig.from_additional_config(self.vllm_config.additional_config)
-                cached = self.__dict__["_speedsfi_speed_on"] = cfg.speed.enabled
-            if cached:
-                from vllm.exceptions import VLLMValidationError
-
-                raise VLLMValidationError(
-                    "prompt_logprobs are not available with speedsfi.speed: prompt tokens do not "
-                    "run the upper layers, so their logits are not the model's",
-                    parameter="prompt_logprobs")
+        if is_speedsfi_selected(self.vllm_config):
+            check_request(self.__dict__, self.vllm_config, params)
         return result
 
     setattr(_validate_params, _PATCHED_ATTR, True)
     InputProcessor._validate_params = _validate_params
+
+
+def check_request(cache: dict, vllm_config, params) -> None:
+    """Raise vLLM's ``VLLMValidationError`` (a 400 with the parameter named) for a request SPEEDSFI
+    cannot serve as asked. ``cache``: where the engine's parsed configuration is kept."""
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_ext.config import ConfigError, SpeedSfiConfig, check_request_overrides, request_overrides
+
+    cfg = cache.get("_speedsfi_config")
+    if cfg is None:
+        cfg = cache["_speedsfi_config"] = SpeedSfiConfig.from_additional_config(vllm_config.additional_config)
+    extra = getattr(params, "extra_args", None)
+    if extra and "speedsfi" in extra:
+        try:
+            check_request_overrides(cfg, request_overrides(extra))
+        except ConfigError as e:
+            raise VLLMValidationError(str(e), parameter="vllm_xargs.speedsfi") from None
+    if cfg.speed.enabled and getattr(params, "prompt_logprobs", None) is not None:
+        raise VLLMValidationError(
+            "prompt_logprobs are not available with speedsfi.speed: prompt tokens do not "
+            "run the upper layers, so their logits are not the model's",
+            parameter="prompt_logprobs")

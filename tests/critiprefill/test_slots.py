@@ -96,7 +96,18 @@ def test_capacity_fallback_and_release():
 
 
 @pytest.mark.parametrize("decode", [0, 1])
-def test_rows_without_sparse_segments_plan_nothing(decode):
+def test_rows_of_prompts_without_a_sparse_range_plan_nothing(decode):
+    d = Driver()
+    d.prompt_len[0] = 64                           # one segment: nothing sparse
+    assert d.step([(0, decode, 0 if not decode else 64, 64 if not decode else 1)]) is None
+
+
+def test_every_chunk_of_a_prompt_with_a_sparse_range_is_a_critiprefill_row():
+    """Its dense head and its final segment too: the kernel of a position never depends on how the
+    prompt was chunked."""
     d = Driver()
     d.prompt_len[0] = 333
-    assert d.step([(0, decode, 0 if not decode else 333, 64 if not decode else 1)]) is None
+    st = d.step([(0, 0, 0, 64)])                   # the dense head only
+    assert st.rows == 1 and st.row_dense.tolist() == [False] and st.sparse_tokens == 0
+    st = d.step([(0, 0, 320, 13)])                 # the final segment only
+    assert st.rows == 1 and st.row_dense.tolist() == [False] and st.sparse_tokens == 0

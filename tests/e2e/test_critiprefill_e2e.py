@@ -61,14 +61,14 @@ def test_covering_budget_is_dense_and_small_budget_is_sparse(tiny_models, arch):
 
 
 def test_chunk_size_does_not_change_the_answer(tiny_models):
-    """One 400-token prompt in one chunk, in 64-token chunks (the segment size) and with a 96-token
-    budget, which would cut segments: the scheduler ends its chunks on segment boundaries
+    """One 400-token prompt in one chunk, with a 65-token budget (one segment a step) and with a
+    96-token budget, which would cut segments: the scheduler ends its chunks on segment boundaries
     (vllm_ext.scheduler_policy), so every run computes each sparse segment whole and gives the same
     tokens, different from dense."""
     prompt = random_prompts(lengths=(400,), seed=9)
     model = tiny_models["qwen3"]
     runs = {}
-    for budget in (512, 64, 96):
+    for budget in (512, 65, 96):
         runs[budget] = _run(model, cp=SMALL, prompts=prompt, max_num_batched_tokens=budget,
                             max_tokens=16)
         assert runs[budget][0] == runs[512][0], f"max_num_batched_tokens={budget} changed the answer"

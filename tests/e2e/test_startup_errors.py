@@ -21,7 +21,7 @@ def _start(model, **kwargs):
     ({"speed": {"enabled": True, "l_cut": 3}}, "speedsfi.speed.l_cut (3) must be <= the model's number of layers (2)"),
     ({"preset": "nope"}, "speedsfi.preset: no preset named 'nope'"),
     ({"critiprefill": {"enabled": True, "segment_size": 256}},
-     "speedsfi.critiprefill.segment_size (256) is larger than --max-num-batched-tokens (128)"),
+     "speedsfi.critiprefill.segment_size (256) needs --max-num-batched-tokens > 256 (it is 128)"),
 ])
 def test_bad_speedsfi_config(tiny_models, section, message):
     with pytest.raises(Exception) as e:

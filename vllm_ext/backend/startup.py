@@ -66,17 +66,19 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
     if cfg.any_enabled and vllm_config.speculative_config is not None:
         raise ConfigError("speedsfi: SFI, SPEED and CritiPrefill do not support speculative decoding")
     if cfg.critiprefill.enabled:
-        # the scheduler ends CritiPrefill chunks on segment boundaries (vllm_ext.scheduler_policy):
-        # a step must have room for one whole segment or the prefill never moves
+        # the scheduler ends CritiPrefill chunks on segment boundaries and never leaves a one-token
+        # chunk (vllm_ext.critiprefill.chunking): a step must have room for a segment and one
+        # token more, or a prefill could stop moving
         sched = vllm_config.scheduler_config
         seg = cfg.critiprefill.segment_size
         for flag, value in (("--max-num-batched-tokens", sched.max_num_batched_tokens),
                             ("--long-prefill-token-threshold",
                              getattr(sched, "long_prefill_token_threshold", 0) or None)):
-            if value is not None and value < seg:
-                raise ConfigError(f"speedsfi.critiprefill.segment_size ({seg}) is larger than "
-                                  f"{flag} ({value}): a prefill chunk holds whole segments of the "
-                                  f"sparse range; raise {flag} or lower the segment size")
+            if value is not None and value <= seg:
+                raise ConfigError(f"speedsfi.critiprefill.segment_size ({seg}) needs "
+                                  f"{flag} > {seg} (it is {value}): a prefill chunk holds whole "
+                                  f"segments of the sparse range; raise {flag} or lower the "
+                                  f"segment size")
     if cfg.speed.enabled:
         if vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError("speedsfi.speed.enabled: SPEED needs --no-enable-prefix-caching (the "

@@ -15,37 +15,73 @@ Pure functions of the prompt and the configuration (no vLLM, no torch).
 from __future__ import annotations
 
 from vllm_ext.config import CritiPrefillConfig
-from vllm_ext.critiprefill.slots import sparse_range
+
+
+def first_sparse_segment(cfg: CritiPrefillConfig) -> int:
+    """The first segment with more candidate blocks than the budget selects."""
+    per_seg = cfg.segment_size // cfg.block_size
+    return (cfg.budget // cfg.block_size + 1) // per_seg + 1
+
+
+def sparse_range(cfg: CritiPrefillConfig, prompt_len: int) -> tuple[int, int]:
+    """Absolute positions ``[lo, hi)`` whose queries attend sparsely (empty when ``lo >= hi``)."""
+    if prompt_len < cfg.min_len or prompt_len <= 0:
+        return 0, 0
+    final = (prompt_len - 1) // cfg.segment_size
+    return first_sparse_segment(cfg) * cfg.segment_size, final * cfg.segment_size
+
+
+def is_critiprefill_prompt(cfg: CritiPrefillConfig, prompt_len: int) -> bool:
+    """The prompt has a sparse range: every chunk of its prefill (of two tokens or more) runs
+    through CritiPrefill's kernel, its dense segments included, so that no position's kernel
+    depends on how the prompt was chunked."""
+    lo, hi = sparse_range(cfg, prompt_len)
+    return lo < hi
+
+
+def is_critiprefill_chunk(cfg: CritiPrefillConfig, prompt_len: int, computed: int, num_new: int) -> bool:
+    """The chunk ``[computed, computed + num_new)`` is a CritiPrefill row of its step (the worker
+    holds a CritiPrefill slot for the request from its first such chunk until its prefill ends:
+    ``CritiPrefillSlots.plan``)."""
+    return num_new >= 2 and computed < prompt_len and is_critiprefill_prompt(cfg, prompt_len)
 
 
 def aligned_chunk(cfg: CritiPrefillConfig, prompt_len: int, computed: int, num_new: int) -> int:
     """``num_new`` (the scheduler's chunk ``[computed, computed + num_new)``) shortened so that it
-    does not end strictly inside a segment of the sparse range; 0 when the chunk cannot reach the
-    next segment boundary this step (the request waits for a step with more budget)."""
-    if num_new <= 0:
+    does not end strictly inside a segment of the sparse range, nor leave or be a one-token chunk
+    of the prompt (one-token rows run among the decode rows, through the dense path); 0 when no
+    such chunk fits this step (the request waits for a step with more budget). A step with
+    ``segment_size + 1`` tokens for the request always moves it (start-up refuses a smaller token
+    budget)."""
+    if num_new <= 0 or computed >= prompt_len or not is_critiprefill_prompt(cfg, prompt_len):
         return num_new
     lo, hi = sparse_range(cfg, prompt_len)
     end = computed + num_new
-    seg_start = end - end % cfg.segment_size
-    if seg_start == end or not lo <= seg_start < hi:
-        return num_new
-    return max(seg_start - computed, 0)
-
-
-def touches_sparse_range(cfg: CritiPrefillConfig, prompt_len: int, computed: int, num_new: int) -> bool:
-    """The chunk holds queries that attend sparsely (the worker then holds a CritiPrefill slot for
-    the request until its prefill ends: ``CritiPrefillSlots.plan``)."""
-    lo, hi = sparse_range(cfg, prompt_len)
-    return num_new >= 2 and max(computed, lo) < min(computed + num_new, hi)
+    while True:
+        seg_start = end - end % cfg.segment_size
+        if seg_start != end and lo <= seg_start < hi:
+            end = seg_start
+        elif end == prompt_len - 1:
+            end -= 1
+        else:
+            break
+    n = max(end - computed, 0)
+    if n == 1 and prompt_len - computed > 1:
+        return 0
+    return n
 
 
 def prefix_hit_limit(cfg: CritiPrefillConfig, prompt_len: int, num_hit: int, block_size: int) -> int:
     """The longest usable prefix-cache hit ``<= num_hit`` (whole KV blocks) that does not start the
-    computed part strictly inside a segment of the sparse range."""
+    computed part strictly inside a segment of the sparse range, and leaves at least two prompt
+    tokens to compute (no one-token chunk)."""
+    if not is_critiprefill_prompt(cfg, prompt_len):
+        return num_hit
     lo, hi = sparse_range(cfg, prompt_len)
-    limit = num_hit
+    limit = min(num_hit, prompt_len - 2)
+    limit -= limit % block_size
     while True:
         seg_start = limit - limit % cfg.segment_size
         if seg_start == limit or not lo <= seg_start < hi:
-            return limit
+            return max(limit, 0)
         limit = seg_start - seg_start % block_size        # a block boundary, maybe in an earlier segment

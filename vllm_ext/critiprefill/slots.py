@@ -1,25 +1,27 @@
 """CritiPrefill's per-request bookkeeping inside the backend and the host-side plan of each step.
 
 Indexed by the generic request slot of :class:`vllm_ext.request_state.RequestStateTable`; a prompt
-that prefills sparsely holds one of ``C`` *CritiPrefill slots* (``critiprefill.max_requests``) from
-its first sparse chunk to the end of its prefill. The slot indexes the persistent per-layer tables
-of ``vllm_ext.backend.critiprefill_path`` (key-block representatives, the query carry) and the fused
+with a sparse range holds one of ``C`` *CritiPrefill slots* (``critiprefill.max_requests``) from its
+first prefill chunk to the end of its prefill. The slot indexes the persistent per-layer tables of
+``vllm_ext.backend.critiprefill_path`` (key-block representatives, the query carry) and the fused
 scores of layer fusion. Everything here is decided on the host from facts the host has exactly for
 prefill rows (tokens computed before the step, the chunk's length, the prompt length), so nothing
 synchronises with the device. Torch + numpy only (no vLLM).
 
-Which rows run CritiPrefill in a step (*CritiPrefill rows*): prefill rows of at least two tokens
-(one-token chunks sit among the decode rows, see below) of prompts of ``>= min_len`` tokens whose
-chunk holds a *sparse* segment. Segment ``j`` (absolute positions ``[j*Sq, (j+1)*Sq)``) is sparse
-when it is before the prompt's final segment and has more candidate blocks than the budget selects
-(``j*Sq/Bk - 1 > budget/Bk``); every other segment attends densely (a segment whose candidates all
-fit the budget selects them all, which *is* dense). These rules depend only on the prompt, not on
-the chunking.
+Which rows run CritiPrefill in a step (*CritiPrefill rows*): every prefill chunk of at least two
+tokens of a prompt with a sparse range (``>= min_len`` tokens and a sparse segment: the rules of
+``vllm_ext.critiprefill.chunking``), its dense segments included, so that the kernel that computes a
+position never depends on how its prompt was chunked. Segment ``j`` (absolute positions
+``[j*Sq, (j+1)*Sq)``) is sparse when it is before the prompt's final segment and has more candidate
+blocks than the budget selects (``j*Sq/Bk - 1 > budget/Bk``); every other segment attends densely (a
+segment whose candidates all fit the budget selects them all, which *is* dense). These rules depend
+only on the prompt.
 
-The rows ``[first_row, num_reqs)`` form the step's CritiPrefill sub-batch (vLLM's V1 runner orders
-decode-like rows, ``q_len <= 1``, first, so CritiPrefill rows are in the tail); rows in it that are
-not CritiPrefill rows attend densely through the same kernel (``row_dense``). On CUDA the rows before
-``first_row`` go to the dense delegate.
+The rows ``[first_row, num_reqs)`` form the step's CritiPrefill sub-batch: the runner hooks move
+CritiPrefill rows behind every other row (``vllm_ext.runner_hooks``; vLLM orders decode-like rows
+first), so the sub-batch holds CritiPrefill rows only and every other row takes the dense path (on
+CUDA the delegate). A row of the sub-batch without a slot (only if the scheduler's count and this
+one disagree) attends densely through the same kernel (``row_dense``).
 
 Chunk boundaries and traffic change nothing (``README.md``): the scheduler ends every chunk of a
 CritiPrefill prompt that stops inside the sparse range on a segment boundary, cuts prefix-cache hits
@@ -30,7 +32,6 @@ in one chunk, by a request that holds a slot. What remains:
   cannot cut, counted ``fallback.prefix_hit_uncut``) is represented (``Qmax, Qmin``) by the queries
   seen so far: the part in the earlier chunk selects from its own queries; the part in the later
   chunk uses the whole segment's representatives (carried per request and layer).
-- A one-token chunk attends densely (outside the sparse range only, under the scheduler's rules).
 - A prompt that finds no free CritiPrefill slot (only if the scheduler's count and the worker's
   disagree) prefills densely until one frees (counted: ``fallback.critiprefill_capacity``).
 """
@@ -44,6 +45,7 @@ import torch
 
 from vllm_ext import metrics
 from vllm_ext.config import CritiPrefillConfig
+from vllm_ext.critiprefill.chunking import first_sparse_segment, is_critiprefill_prompt, sparse_range  # noqa: F401
 from vllm_ext.device_counters import DeviceCounters
 
 # device counters (summed over sparse layers and KV heads)
@@ -51,20 +53,6 @@ STAT_SPARSE_SEGMENTS = 0     # (chunk segment, KV head, layer) triples that atte
 STAT_BLOCKS_CANDIDATE = 1    # key blocks before those segments
 STAT_BLOCKS_SELECTED = 2     # of which selected (read)
 NUM_STATS = 3
-
-
-def first_sparse_segment(cfg: CritiPrefillConfig) -> int:
-    """The first segment with more candidate blocks than the budget selects."""
-    per_seg = cfg.segment_size // cfg.block_size
-    return (cfg.budget // cfg.block_size + 1) // per_seg + 1
-
-
-def sparse_range(cfg: CritiPrefillConfig, prompt_len: int) -> tuple[int, int]:
-    """Absolute positions ``[lo, hi)`` whose queries attend sparsely (empty when ``lo >= hi``)."""
-    if prompt_len < cfg.min_len or prompt_len <= 0:
-        return 0, 0
-    final = (prompt_len - 1) // cfg.segment_size
-    return first_sparse_segment(cfg) * cfg.segment_size, final * cfg.segment_size
 
 
 @dataclass
@@ -169,8 +157,8 @@ class CritiPrefillSlots:
             n_sparse = max(0, min(seq, hi) - max(ctx, lo))
             if seq >= plen:
                 self._release_next.add(slot)           # its prefill ends in this step
-            if n_sparse == 0:
-                continue
+            if ctx >= plen or lo >= hi:
+                continue                               # not a CritiPrefill prompt, or past its prompt
             cp = self.slot_of.get(slot)
             if cp is None:
                 cp = self._acquire(slot)
@@ -182,8 +170,9 @@ class CritiPrefillSlots:
                                      "until one frees", self.capacity)
                 continue
             cp_rows[row] = (cp, ctx, seq, plen)
-            tokens += n_sparse
-            segments += (min(seq, hi) - 1) // sq - max(ctx, lo) // sq + 1
+            if n_sparse:
+                tokens += n_sparse
+                segments += (min(seq, hi) - 1) // sq - max(ctx, lo) // sq + 1
         if not cp_rows:
             return None
         first = min(cp_rows)

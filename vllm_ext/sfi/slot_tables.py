@@ -11,14 +11,14 @@ read asynchronously (:class:`vllm_ext.device_counters.DeviceCounters`). Torch on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from vllm_ext import metrics
-from vllm_ext.config import ConfigError, SpeedSfiConfig
+from vllm_ext.config import PER_REQUEST_FIELDS, ConfigError, SpeedSfiConfig, changed_fields
 from vllm_ext.device_counters import DeviceCounters
 from vllm_ext.sfi.prompt_tail import TailRow, kept_count, makes_prefill_selection, plan_prompt_tail
 from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_DENSE,
@@ -28,7 +28,6 @@ from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STA
 
 # what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
 # (kernel constants, buffer sizes, the schedule) and is refused loudly
-PER_REQUEST_FIELDS = frozenset({"sfi.enabled", "sfi.k"})
 
 @dataclass
 class QuestPrefillPages:
@@ -49,16 +48,6 @@ STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
                  for j, pct in enumerate(RETAINED_FRACTION_BOUNDS_PCT)}}
 
 
-def _changed_fields(base: SpeedSfiConfig, other: SpeedSfiConfig) -> set[str]:
-    """``section.field`` names whose values differ (the method sections; top-level scalars such as
-    ``preset`` and ``dense_decode`` are not sections, and cannot be overridden per request)."""
-    changed = set()
-    for section in (f.name for f in fields(base)):
-        a, b = getattr(base, section), getattr(other, section)
-        if not is_dataclass(a):
-            continue
-        changed.update(f"{section}.{f.name}" for f in fields(a) if getattr(a, f.name) != getattr(b, f.name))
-    return changed
 
 
 class SfiSlotTables:
@@ -106,7 +95,7 @@ class SfiSlotTables:
             except ConfigError as e:
                 metrics.fallback("request_override_invalid", "ignoring a request's speedsfi override: %s", e)
                 cfg = self.config
-            engine_wide = _changed_fields(self.config, cfg) - PER_REQUEST_FIELDS
+            engine_wide = changed_fields(self.config, cfg) - PER_REQUEST_FIELDS
             if engine_wide:
                 metrics.fallback("request_override_engine_wide", "a request's speedsfi override sets %s, which "
                                  "only the engine's configuration can change (a request can set %s); ignored",
