@@ -57,3 +57,32 @@ def test_load_test_script_smoke(tmp_path):
     assert set(c["rss_growth_mib"]) == {"ready_to_end", "after_warmup_to_end", "middle_to_end"}
     assert c["rss_timeline_mib"] and c["startup_s"] > 0
     assert "| sfi | 6 | 0 |" in proc.stdout                 # the printed table
+
+
+def test_load_test_soak_smoke(tmp_path):
+    """``--soak`` against a real server with every method on: client drops, the per-second series of
+    RSS per process, KV usage and slot gauges, the end state once idle, back to zero."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "load_test.py"), "--soak", "--configs", "all_on",
+           "--num-requests", "12", "--concurrency", "6", "--lengths", "64,1024", "--warmup", "2",
+           "--extra-tokens", "2", "--abort-fraction", "0.4", "--repeat-fraction", "0.2",
+           "--serve-args", "--max-num-batched-tokens 512", "--end-sample-s", "2",
+           "--out", str(tmp_path), "--name", "soak"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "soak.json").read_text())
+    assert (tmp_path / "soak.png").stat().st_size > 0
+    w = data["workload"]
+    assert w["abort_fraction"] == 0.4 and w["aborts_planned"] > 0 and data["code"]["commit"]
+    (c,) = data["configs"]
+    s = c["soak"]
+    assert s["requests"] == 12 and s["failures"] == 0 and s["aborted"] == w["aborts_planned"]
+    assert {"warmup", "run", "end"} <= {x["phase"] for x in c["timeline"]}
+    for x in c["timeline"]:
+        assert set(x["rss_mib"]) == {"api_server", "engine_core", "worker", "other", "total"}
+        assert "metrics_error" not in x and 0 <= x["kv_cache_usage"] <= 1
+    assert s["peak"]["request_slots"] > 0 and s["peak"]["sfi_slots"] > 0 and s["peak"]["kv_cache_usage"] > 0
+    assert c["speedsfi"]["events"].get("critiprefill.slots_assigned", 0) > 0     # 1024-token prompts
+    assert s["back_to_zero"] == {"slots": True, "kv_cache_usage": True, "queue": True}
+    assert all(v == 0 for v in s["end_max"].values())
+    assert set(s["rss_growth_mib"]) == {"api_server", "engine_core", "worker", "other", "total"}
+    assert "| all_on | 12 |" in proc.stdout                       # the soak table
