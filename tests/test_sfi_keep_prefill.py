@@ -17,7 +17,7 @@ from vllm_ext.backend.sfi_path import _prefill_end_select, sfi_decode
 from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import ConfigError, SfiConfig
 from vllm_ext.kernels.paged_reference import gather_kv
-from vllm_ext.sfi import selector as S
+from vllm_ext.kernels import sfi_selector_torch as S
 from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
 
 CFG = SfiConfig(enabled=True, k=24, k_min=4, n_sink=4, n_recent=16, keep_prefill=10,

@@ -10,7 +10,7 @@ from vllm_ext.backend.sfi_path import sfi_decode
 from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
-from vllm_ext.sfi import selector as ref_selector
+from vllm_ext.kernels import sfi_selector_torch as ref_selector
 from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
 
 HAS_CUDA = torch.cuda.is_available()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 
-__version__ = "0.1.0"
+from vllm_ext.config import BACKEND_NAME
 
-BACKEND_NAME = "SPEEDSFI"
+__version__ = "0.1.0"
 BACKEND_PATH = "vllm_ext.backend.backend.SpeedSfiBackend"
 SUPPORTED_VLLM = "0.32.0"
 

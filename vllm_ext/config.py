@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 CONFIG_KEY = "speedsfi"
+BACKEND_NAME = "SPEEDSFI"            # the registered attention backend (--attention-backend speedsfi)
 PRESET_DIRS = (
     Path(__file__).resolve().parent / "presets",      # installed package (symlink to configs/ in the repo)
     Path(__file__).resolve().parent.parent / "configs",

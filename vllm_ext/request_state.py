@@ -2,7 +2,7 @@
 
 vLLM's V1 model runner moves requests between batch rows (condense, swap, decode-first reorder), so
 the row of a request says nothing across steps. This table gives each request a *slot* for as long
-as it sits in the runner's persistent batch, and keeps per slot on the device the prompt length, the
+as the runner holds it, and keeps per slot on the device the prompt length, the
 decode steps run and a generation stamp that changes whenever the slot is (re)assigned. Methods keep
 their own per-slot tables in their own rooms, indexed by the same slot (SFI:
 :class:`vllm_ext.sfi.slot_tables.SfiSlotTables`).
@@ -16,9 +16,9 @@ Per step there are two phases (plan/run split):
   sees it), and each method plans the step into its persistent buffers. A step is built once
   however many KV-cache groups ask for it.
 
-A request loses its slot when it finishes or is aborted, is preempted (it comes back with its KV
-recomputed, and so with fresh state), or leaves the persistent batch for any other reason; a slot
-given out again starts from a clean state.
+A request loses its slot when it finishes or is aborted, or is preempted (it comes back with its KV
+recomputed, and so with fresh state); a request that is only not scheduled in a step keeps its slot
+and its state. A slot given out again starts from a clean state.
 
 Torch only (no vLLM): ``vllm_ext.runner_hooks`` feeds it from the runner.
 """
@@ -34,25 +34,7 @@ import torch
 
 from vllm_ext import metrics
 from vllm_ext.config import SpeedSfiConfig
-
-
-class PinnedStaging:
-    """A host buffer (pinned when the device is CUDA) and its device twin; copies are non-blocking.
-
-    Writes to the host side must only happen while the runner guarantees that the previous step's
-    copy has completed (vLLM's ``synchronize_input_prep`` window, where these are written).
-    """
-
-    def __init__(self, n: int, dtype: torch.dtype, device: torch.device):
-        pin = device.type == "cuda"
-        self.cpu = torch.zeros(n, dtype=dtype, pin_memory=pin)
-        self.np = self.cpu.numpy()
-        self.gpu = self.cpu if device.type == "cpu" else torch.zeros(n, dtype=dtype, device=device)
-
-    def copy_to_device(self, n: int) -> torch.Tensor:
-        if self.gpu is not self.cpu:
-            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
-        return self.gpu[:n]
+from vllm_ext.host_staging import PinnedStaging  # noqa: F401  (re-exported)
 
 
 @dataclass

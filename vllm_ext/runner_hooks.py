@@ -30,7 +30,7 @@ def table_of(runner) -> RequestStateTable | None:
     """The runner's table, created on first use when the runner serves SPEEDSFI."""
     table = runner.__dict__.get(_TABLE_ATTR, False)
     if table is False:
-        from vllm_ext.vllm_patches import is_speedsfi_selected
+        from vllm_ext.backend.startup import is_speedsfi_selected
 
         table = _make_table(runner) if is_speedsfi_selected(runner.vllm_config) else None
         runner.__dict__[_TABLE_ATTR] = table

@@ -1,29 +1,95 @@
-"""The few places where vLLM 0.32 needs to be told about SPEEDSFI. Each patch is narrow, idempotent,
-inert unless SPEEDSFI is the selected backend, and covered by a contract test
-(``tests/test_vllm_contract.py``) that fails loudly when the internals it relies on move.
-
-1. ``CpuPlatform.get_attn_backend_cls`` ignores the selected backend on the CPU build; honour ours
-   (after the same ``validate_configuration`` check the CUDA platform runs).
-2. ``VllmConfig._get_v2_model_runner_unsupported_features``: the request-state adapter exists for the
-   V1 model runner only (the one the CPU build runs, so the one CI proves), so SPEEDSFI makes vLLM pick
-   the V1 runner on CUDA too, with vLLM's own log line saying why.
-3. ``GPUModelRunner._update_states`` / ``_build_attention_metadata`` (V1 runner; the CPU runner is a
-   subclass): the per-request state hooks of ``vllm_ext.runner_hooks``.
-4. ``Attention.get_kv_cache_spec``: with SPEED on, layers ``>= l_cut`` report
-   :class:`vllm_ext.speed.kv_spec.SpeedUpperSpec` (their own KV-cache group, whose manager holds no
-   interior prompt blocks). The attention module hard-codes ``FullAttentionSpec`` and a backend's
-   ``customize_spec`` does not know the layer, so the layer's spec is the place.
-5. ``Scheduler._get_local_prefix_cache_hit`` (with SFI on): a prefix-cache hit stops before the last
-   ``sfi.w_prefill`` prompt positions, so every request computes the queries of its prefill-end
-   evidence itself (``vllm_ext.sfi.prompt_tail``); otherwise its selection would depend on what
-   other requests left in the cache.
+"""Every place where SPEEDSFI changes a vLLM 0.32 internal, in one list (:data:`PATCHES`): what is
+patched, why, the vLLM file it wraps, and the contract test that fails loudly when the internals it
+relies on move. Each patch is narrow, idempotent and inert unless SPEEDSFI is the selected backend;
+``tests/test_vllm_patch_list.py`` checks that the list is whole (every wrapped function carries the
+``_speedsfi_patched`` mark and is listed) and that each contract test exists. The README gives the
+count.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 _PATCHED_ATTR = "_speedsfi_patched"
+
+from vllm_ext.backend.startup import is_speedsfi_selected  # noqa: E402
+
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str           # the vLLM attribute replaced by a wrapper (or set, for the enum member)
+    vllm_file: str        # where vLLM defines it (vLLM 0.32.0)
+    installed_by: str     # the function of ours that installs it
+    why: str
+    contract_test: str    # pytest node id (path::test)
+
+
+_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+_SCHED = "vllm/v1/core/sched/scheduler.py"
+PATCHES: tuple[Patch, ...] = (
+    Patch("vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls", "vllm/platforms/cpu.py",
+          "vllm_ext.vllm_patches._patch_cpu_selector",
+          "the CPU platform ignores the selected backend; honour SPEEDSFI after the same "
+          "validate_configuration check the CUDA platform runs",
+          "tests/test_registration.py::test_cpu_selector_honours_speedsfi_and_validates"),
+    Patch("vllm.config.VllmConfig._get_v2_model_runner_unsupported_features", "vllm/config/vllm.py",
+          "vllm_ext.vllm_patches._patch_v2_runner_opt_out",
+          "the request-state hooks exist for the V1 model runner only, so SPEEDSFI makes vLLM pick it "
+          "(with vLLM's own log line saying why)",
+          "tests/test_vllm_contract.py::test_speedsfi_forces_the_v1_runner"),
+    Patch("vllm.model_executor.layers.attention.attention.Attention.get_kv_cache_spec",
+          "vllm/model_executor/layers/attention/attention.py", "vllm_ext.vllm_patches._patch_speed_kv_spec",
+          "with SPEED on, layers >= l_cut report SpeedUpperSpec (their own KV-cache group holding no "
+          "interior prompt blocks); the layer hard-codes FullAttentionSpec and a backend's "
+          "customize_spec does not know the layer",
+          "tests/speed/test_speed_vllm_contract.py::test_kv_spec_registry_and_manager_api"),
+    Patch("vllm.v1.core.sched.scheduler.Scheduler._get_local_prefix_cache_hit", _SCHED,
+          "vllm_ext.vllm_patches._patch_prefix_hit_limit",
+          "a prefix-cache hit stops before SFI's prompt tail and on a CritiPrefill segment boundary, "
+          "so a request's selection never depends on what others left in the cache",
+          "tests/test_vllm_contract.py::test_prefix_hit_and_batch_execution_hooks"),
+    Patch("vllm.v1.core.sched.scheduler.Scheduler._reserve_prefill_lookahead", _SCHED,
+          "vllm_ext.vllm_patches._patch_chunk_admission",
+          "the last word on each request's num_new_tokens: SFI / CritiPrefill slot admission and "
+          "CritiPrefill chunk ends (vllm_ext.scheduler_policy)",
+          "tests/test_vllm_contract.py::test_chunk_admission_hook"),
+    Patch("vllm.v1.engine.input_processor.InputProcessor._validate_params",
+          "vllm/v1/engine/input_processor.py", "vllm_ext.vllm_patches._patch_request_validation",
+          "per-request speedsfi overrides and (with SPEED) prompt logprobs are refused with a 400 "
+          "naming the field",
+          "tests/speed/test_speed_vllm_contract.py::test_request_validation_hook"),
+    Patch("vllm.v1.worker.gpu_model_runner.GPUModelRunner._update_states", _RUNNER,
+          "vllm_ext.runner_hooks.install",
+          "per-request slots follow the requests (finished, preempted, resumed; kept while unscheduled)",
+          "tests/test_vllm_contract.py::test_membership_facts_the_runner_hooks_read"),
+    Patch("vllm.v1.worker.gpu_model_runner.GPUModelRunner._may_reorder_batch", _RUNNER,
+          "vllm_ext.runner_hooks.install",
+          "CritiPrefill rows move behind every other row, so its sub-batch holds them only",
+          "tests/test_vllm_contract.py::test_membership_facts_the_runner_hooks_read"),
+    Patch("vllm.v1.worker.gpu_model_runner.GPUModelRunner._build_attention_metadata", _RUNNER,
+          "vllm_ext.runner_hooks.install",
+          "the step's rows are staged for the builders just before they run (real steps only)",
+          "tests/test_vllm_contract.py::test_v1_runner_methods_we_wrap"),
+    Patch("vllm.v1.worker.gpu_model_runner.GPUModelRunner._determine_batch_execution_and_padding",
+          _RUNNER, "vllm_ext.runner_hooks.install",
+          "a step with an SFI prompt row is never replayed as a uniform-decode FULL CUDA graph",
+          "tests/test_vllm_contract.py::test_prefix_hit_and_batch_execution_hooks"),
+    Patch("vllm.model_executor.models.llama.LlamaModel.forward", "vllm/model_executor/models/llama.py",
+          "vllm_ext.speed.upper_stack.install",
+          "with SPEED on an eager model, prompt tokens skip the upper layers",
+          "tests/speed/test_speed_vllm_contract.py::test_model_forward_shape_we_replace"),
+    Patch("vllm.model_executor.models.qwen2.Qwen2Model.forward", "vllm/model_executor/models/qwen2.py",
+          "vllm_ext.speed.upper_stack.install",
+          "with SPEED on an eager model, prompt tokens skip the upper layers",
+          "tests/speed/test_speed_vllm_contract.py::test_model_forward_shape_we_replace"),
+    Patch("vllm.v1.attention.backends.registry.AttentionBackendEnum.SPEEDSFI.__reduce_ex__",
+          "vllm/v1/attention/backends/registry.py", "vllm_ext._pickle_member_by_reference",
+          "the member pickles by reference, so spawned engine cores, workers and Ray actors register "
+          "the backend before unpickling the config",
+          "tests/test_registration.py::test_member_pickles_by_reference_into_a_fresh_process"),
+)
 
 
 def install() -> None:
@@ -41,13 +107,6 @@ def install() -> None:
     runner_hooks.install()
 
 
-def is_speedsfi_selected(vllm_config) -> bool:
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    from vllm_ext import BACKEND_NAME
-
-    return backend is not None and getattr(backend, "name", None) == BACKEND_NAME
-
-
 def _patch_cpu_selector() -> None:
     from vllm.platforms import current_platform
 
@@ -61,7 +120,7 @@ def _patch_cpu_selector() -> None:
 
     @functools.wraps(original_func)
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        from vllm_ext import BACKEND_NAME
+        from vllm_ext.config import BACKEND_NAME
 
         if selected_backend is None or selected_backend.name != BACKEND_NAME:
             return original_func(cls, selected_backend, attn_selector_config, num_heads)
@@ -112,9 +171,10 @@ def _patch_speed_kv_spec() -> None:
         spec = original(self, vllm_config)
         if not is_speedsfi_selected(vllm_config):
             return spec
+        from vllm_ext.backend.startup import resolve_config
         from vllm_ext.speed.kv_spec import speed_spec_for_layer
 
-        return speed_spec_for_layer(spec, self.layer_name, vllm_config)
+        return speed_spec_for_layer(spec, self.layer_name, vllm_config, resolve_config(vllm_config))
 
     setattr(get_kv_cache_spec, _PATCHED_ATTR, True)
     Attention.get_kv_cache_spec = get_kv_cache_spec

@@ -27,7 +27,7 @@ from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.kernels.quest_pages import (quest_page_evidence_torch, quest_page_evidence_triton,
                                           quest_selector_config)
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
-from vllm_ext.sfi import selector as torch_selector
+from vllm_ext.kernels import sfi_selector_torch as torch_selector
 from vllm_ext.sfi.slot_tables import QuestPrefillPages
 from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_ext.config import SfiConfig
-from vllm_ext.sfi import selector as S
+from vllm_ext.kernels import sfi_selector_torch as S
 
 NEG = float("-inf")
 CFG = SfiConfig()

@@ -8,7 +8,7 @@ import torch
 from tests.kernel_choice import torch_kernels
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import sfi_selector as K
-from vllm_ext.sfi import selector as S
+from vllm_ext.kernels import sfi_selector_torch as S
 
 pytestmark = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
 

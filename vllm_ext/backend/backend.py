@@ -16,7 +16,7 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_ext import BACKEND_NAME
+from vllm_ext.config import BACKEND_NAME
 
 
 class SpeedSfiBackend(AttentionBackend):

@@ -170,7 +170,7 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             sched = vllm_config.scheduler_config
             self._speed_buffers = SpeedPlanBuffers(sched.max_num_seqs, sched.max_num_batched_tokens,
                                                    torch.device(device))
-            from vllm_ext.request_state import PinnedStaging
+            from vllm_ext.host_staging import PinnedStaging
 
             self._speed_l_cut = self.config.speed.resolved_l_cut(
                 vllm_config.model_config.get_total_num_hidden_layers())

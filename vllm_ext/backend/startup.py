@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_ext.config import ConfigError, SpeedSfiConfig
+from vllm_ext.config import BACKEND_NAME, ConfigError, SpeedSfiConfig
 
 logger = logging.getLogger("vllm_ext")
 
@@ -20,6 +20,11 @@ IMPLEMENTED_METHODS: frozenset[str] = frozenset({"sfi", "speed", "critiprefill"}
 SPEED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 _cache: dict[int, SpeedSfiConfig] = {}
+
+
+def is_speedsfi_selected(vllm_config) -> bool:
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return backend is not None and getattr(backend, "name", None) == BACKEND_NAME
 
 
 def resolve_config(vllm_config) -> SpeedSfiConfig:

@@ -86,7 +86,7 @@ class CritiPrefillStep:
 
 class CritiPrefillSlots:
     def __init__(self, capacity: int, max_rows: int, cfg: CritiPrefillConfig, device: torch.device):
-        from vllm_ext.request_state import PinnedStaging
+        from vllm_ext.host_staging import PinnedStaging
 
         self.cfg = cfg
         self.capacity = capacity

@@ -16,7 +16,17 @@ from __future__ import annotations
 import torch
 
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
-from vllm_ext.sfi.step_plan import NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT
+
+# The plan's device counters (int64 [NUM_STATS]), shared with vllm_ext.sfi.step_plan's PyTorch plan:
+STAT_SLOW, STAT_FAST, STAT_RETAINED, STAT_CONTEXT, STAT_DENSE = range(5)
+STAT_PREFILL_END = 7
+# histogram of the retained fraction (retained / context tokens) of each fast row-step: cumulative
+# counts at these upper bounds, in percent (the +Inf bucket is STAT_FAST), and the sum of the
+# fractions in parts per million (integer counters, so the device never holds a float sum)
+RETAINED_FRACTION_BOUNDS_PCT = (1, 2, 5, 10, 20, 50)
+STAT_RETAINED_HIST = 8
+STAT_RETAINED_FRACTION_PPM = STAT_RETAINED_HIST + len(RETAINED_FRACTION_BOUNDS_PCT)
+NUM_STATS = STAT_RETAINED_FRACTION_PPM + 1
 
 _SCHEDULE_CODE = {"boundary": 0, "periodic": 1, "always_slow": 2}
 _FIRE_AT_CODE = {"sentence_end": 0, "sentence_start": 1}
@@ -171,14 +181,8 @@ def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, s
                      sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count,
                      trigger_lut, stats, block_table=None, trigger_state=None) -> int:
     """Launch the plan into ``buffers`` (a ``SfiPlanBuffers``); returns the row count."""
-    from vllm_ext.sfi.schedule import needs_trigger_state
-
     rows = row_slot.shape[0]
     track = trigger_state is not None and cfg.schedule == "boundary"
-    if (not track and cfg.schedule == "boundary"
-            and needs_trigger_state(cfg.fire_at, cfg.sentence_cooldown)):
-        raise ValueError(f"SFI fire_at={cfg.fire_at!r} with sentence_cooldown={cfg.sentence_cooldown} "
-                         "needs the per-slot trigger_state")
     if rows > buffers.max_rows:
         raise RuntimeError(f"SPEEDSFI: a step with {rows} rows exceeds the plan's {buffers.max_rows}")
     b = buffers

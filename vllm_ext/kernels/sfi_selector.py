@@ -1,4 +1,4 @@
-"""The SFI Selector in Triton (ALGORITHMS.md §1 steps 1-5), twin of :func:`vllm_ext.sfi.selector.select`.
+"""The SFI Selector in Triton (ALGORITHMS.md §1 steps 1-5), twin of :func:`vllm_ext.kernels.sfi_selector_torch.select`.
 
 Parallel over positions: every stage runs many programs per (row, KV head), each on one chunk of the
 row's own allowed set ``A = [lo, hi)`` (chunks are aligned to absolute positions; a program whose
@@ -69,7 +69,7 @@ import torch
 
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import triton_utils
-from vllm_ext.sfi import selector as _ref
+from vllm_ext.kernels import sfi_selector_torch as _ref
 
 try:                                              # the CPU image may lack triton; the twin still works
     import triton
@@ -260,7 +260,7 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
            exclude: torch.Tensor | None = None,
            exclude_slot: torch.Tensor | None = None,
            exclude_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`vllm_ext.sfi.selector.select`; Triton on CUDA / under the interpreter.
+    """Same contract as :func:`vllm_ext.kernels.sfi_selector_torch.select`; Triton on CUDA / under the interpreter.
 
     With ``workspace`` (:func:`selector_workspace`) nothing is allocated and the results are views
     into it (same values as without). ``count``: see :func:`select_triton`; rows past it select nothing
@@ -1149,7 +1149,7 @@ def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Ten
                   exclude: torch.Tensor | None = None,
                   exclude_slot: torch.Tensor | None = None,
                   exclude_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton implementation of :func:`vllm_ext.sfi.selector.select` (same arguments and results).
+    """Triton implementation of :func:`vllm_ext.kernels.sfi_selector_torch.select` (same arguments and results).
 
     ``workspace``: see :func:`selector_workspace`; without one the buffers are allocated here.
 

@@ -2,7 +2,7 @@
 
 For one task sample it runs the model densely (eager attention), takes each layer's attention of the
 prompt's last ``w_prefill`` queries as the evidence (exactly what the prefill's end hands to SFI),
-runs the reference selector (:func:`vllm_ext.sfi.selector.select`) with the given budget, and prints,
+runs the reference selector (:func:`vllm_ext.kernels.sfi_selector_torch.select`) with the given budget, and prints,
 per layer and KV head, whether each token of the target needle (key words, ``is``/``=``, value
 digits, terminator) is selected, with its rank among the allowed positions (0 = best).
 
@@ -23,7 +23,7 @@ import json
 def probe(model, sample, sfi_cfg, needles: str = "first") -> list[dict]:
     import torch
 
-    from vllm_ext.sfi.selector import select, selector_scores
+    from vllm_ext.kernels.sfi_selector_torch import select, selector_scores
 
     ids = torch.tensor([sample.prompt_ids])
     t = ids.shape[1]

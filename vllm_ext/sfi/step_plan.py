@@ -34,17 +34,12 @@ import torch
 
 from vllm_ext.config import SfiConfig
 from vllm_ext.sfi.prompt_tail import SfiPrefillEnd  # noqa: F401  (the plan's prefill-end part)
-from vllm_ext.sfi.schedule import allowed_range, decide_slow, mark_selected
+from vllm_ext.sfi.schedule import allowed_range, decide_slow, mark_selected, needs_trigger_state
 
-STAT_SLOW, STAT_FAST, STAT_RETAINED, STAT_CONTEXT, STAT_DENSE = range(5)
-STAT_PREFILL_END = 7
-# histogram of the retained fraction (retained / context tokens) of each fast row-step: cumulative
-# counts at these upper bounds, in percent (the +Inf bucket is STAT_FAST), and the sum of the
-# fractions in parts per million (integer counters, so the device never holds a float sum)
-RETAINED_FRACTION_BOUNDS_PCT = (1, 2, 5, 10, 20, 50)
-STAT_RETAINED_HIST = 8
-STAT_RETAINED_FRACTION_PPM = STAT_RETAINED_HIST + len(RETAINED_FRACTION_BOUNDS_PCT)
-NUM_STATS = STAT_RETAINED_FRACTION_PPM + 1
+# the plan's device counters: their layout is the plan kernel's (the lower room)
+from vllm_ext.kernels.sfi_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT,  # noqa: E402,F401
+                                       STAT_DENSE, STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
+                                       STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW)
 
 
 @dataclass
@@ -167,6 +162,10 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     if buffers is not None and stats.device.type == "cuda":
         from vllm_ext.kernels.sfi_plan import can_plan_with_triton, plan_step_triton
 
+        if (cfg.schedule == "boundary" and trigger_state is None
+                and needs_trigger_state(cfg.fire_at, cfg.sentence_cooldown)):
+            raise ValueError(f"SFI fire_at={cfg.fire_at!r} with sentence_cooldown={cfg.sentence_cooldown} "
+                             "needs the per-slot trigger_state")
         if can_plan_with_triton(stats):
             plan_step_triton(cfg, buffers, row_slot=row_slot, row_last_token=row_last_token,
                              row_is_decode=row_is_decode, seq_lens=seq_lens[:rows],

@@ -130,7 +130,7 @@ def register_speed_kv_spec() -> None:
                                  uniform_type_base_spec=SpeedUpperSpec)
 
 
-def speed_spec_for_layer(spec, layer_name: str, vllm_config):
+def speed_spec_for_layer(spec, layer_name: str, vllm_config, cfg):
     """The spec a layer reports under SPEED: ``SpeedUpperSpec`` for layers ``>= l_cut`` (same
     shape fields), the layer's own spec otherwise. Without vLLM's hybrid KV-cache manager every
     layer must share one group: the upper layers then keep full prompt blocks (the interior is
@@ -138,9 +138,6 @@ def speed_spec_for_layer(spec, layer_name: str, vllm_config):
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_ext.backend.startup import resolve_config
-
-    cfg = resolve_config(vllm_config)
     if not cfg.speed.enabled or type(spec) is not FullAttentionSpec:
         return spec
     l_cut = cfg.speed.resolved_l_cut(vllm_config.model_config.get_total_num_hidden_layers())

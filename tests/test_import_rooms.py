@@ -1,0 +1,145 @@
+"""The package's imports run one way (issue 26): every import of a ``vllm_ext`` module, at module
+level or inside a function, goes to the same room or to a lower one, and no group of modules imports
+itself in a circle. A new upward import fails here with the two modules named.
+
+Rooms, lowest first:
+0. base: the configuration, metrics and small shared helpers every room uses;
+1. kernels: Triton kernels and their PyTorch twins; they know no method (shared constants live here);
+2. methods: ``sfi``, ``speed``, ``critiprefill``, each on its own (no method imports another);
+3. ``request_state``: the per-request slot table, which composes the methods' own slot tables;
+4. ``backend``: the attention backend, its builder, impl and per-method paths;
+5. vLLM glue: ``vllm_patches`` opens the only door into ``runner_hooks`` and ``scheduler_policy``;
+6. the package entry point and the tools: ``vllm_ext`` (registration), ``quality``, ``tools``.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_ext"
+
+ROOMS = [
+    ("base", {"vllm_ext.config", "vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging"}),
+    ("kernels", {"vllm_ext.kernels"}),
+    ("sfi", {"vllm_ext.sfi"}),
+    ("speed", {"vllm_ext.speed"}),
+    ("critiprefill", {"vllm_ext.critiprefill"}),
+    ("request_state", {"vllm_ext.request_state"}),
+    ("backend", {"vllm_ext.backend"}),
+    ("glue", {"vllm_ext.vllm_patches", "vllm_ext.runner_hooks", "vllm_ext.scheduler_policy"}),
+    ("top", {"vllm_ext", "vllm_ext.quality", "vllm_ext.tools"}),
+]
+LEVEL = {"base": 0, "kernels": 1, "sfi": 2, "speed": 2, "critiprefill": 2, "request_state": 3,
+         "backend": 4, "glue": 5, "top": 6}
+# inside the glue room, the one door: vllm_patches -> the others
+GLUE_DOORS = {("vllm_ext.vllm_patches", "vllm_ext.runner_hooks"),
+              ("vllm_ext.vllm_patches", "vllm_ext.scheduler_policy")}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        parts = p.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    is_pkg = path.name == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in modules]
+            targets = subs if len(subs) == len(node.names) else [mod] + subs
+        else:
+            continue
+        for t in targets:
+            if not t.startswith("vllm_ext"):
+                continue
+            while t not in modules and "." in t:
+                t = t.rpartition(".")[0]
+            if t in modules and t != name and not name.startswith(t + "."):
+                found.add(t)                      # a package's own parents load first anyway
+    return found
+
+
+def _room(name: str) -> str:
+    best = None
+    for room, prefixes in ROOMS:
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
+                best = (room, p)
+    assert best is not None, f"{name} is in no room: add it to ROOMS"
+    return best[0]
+
+
+def _graph():
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_has_a_room():
+    for name in _graph():
+        _room(name)
+
+
+def test_imports_go_to_the_same_room_or_down():
+    bad = []
+    for a, targets in _graph().items():
+        ra = _room(a)
+        for b in sorted(targets):
+            rb = _room(b)
+            if LEVEL[rb] > LEVEL[ra]:
+                bad.append(f"{a} ({ra}) imports {b} ({rb}): upward")
+            elif LEVEL[rb] == LEVEL[ra] and ra != rb:
+                bad.append(f"{a} ({ra}) imports {b} ({rb}): one method room into another")
+            elif ra == rb == "glue" and a != b and (a, b) not in GLUE_DOORS:
+                bad.append(f"{a} imports {b}: the glue's only doors are {sorted(GLUE_DOORS)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_circles():
+    graph = _graph()
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_walker_sees_function_level_imports():
+    graph = _graph()
+    assert "vllm_ext.kernels.sfi_plan" in graph["vllm_ext.sfi.step_plan"]     # imported inside a function
