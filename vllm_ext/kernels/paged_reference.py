@@ -4,8 +4,10 @@ The cache of one layer is vLLM 0.32's logical view ``[num_blocks, num_kv_heads, 
 (K in ``[..., :D]``, V in ``[..., D:]``) with whatever physical strides the resolved ``KVCacheLayout``
 gives. Everything here indexes through that view, so every layout works.
 
-This is the CPU build's dense path and the reference every kernel test compares with. It runs a
-Python loop over requests (CPU only; the CUDA path never runs it on a hot path).
+This is the CPU build's dense path when a method is on (with every method off the CPU build runs
+vLLM's ``CPU_ATTN`` kernels on their own cache format: ``vllm_ext.backend.cpu_dense``) and the
+reference every kernel test compares with. It runs a Python loop over requests (CPU only; the CUDA
+path never runs it on a hot path).
 """
 
 from __future__ import annotations
