@@ -119,7 +119,7 @@ if ! fresh "$ONE/vllm_py_slim.tar.xz" "$X/.unpacked" "$(level_of -9e)"; then
   rm -rf "$S"
 fi
 
-# 4. the Python dependencies the GPU image lacks (../shared/research/gpu_vllm_e2e.md, found by
+# 4. the Python dependencies the GPU image lacks (docs/gpu_vllm_e2e.md, found by
 #    hiding packages), installed for cp312 into one folder
 DEPS=$root/scripts/gpu_vllm_deps.txt
 if ! fresh "$DEPS_DIR/deps_site.tar.xz" "$DEPS" "$(level_of -9e)"; then

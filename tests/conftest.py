@@ -27,7 +27,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 
 
+# Modules that run Triton kernels in the CPU interpreter, train a model, start a process or smoke-run
+# a benchmark: seconds each, minutes together on a 2-core machine. They count as `slow` (CI runs them;
+# `scripts/run_tests.sh -m "not slow"` stays a quick loop of unit tests); on a GPU they are quick.
+HEAVY_MODULES = (
+    "kernels/",
+    "sfi/test_sfi_selector_triton.py", "sfi/test_sfi_selector_parallel.py", "sfi/test_sfi_plan_kernel.py",
+    "sfi/test_quest.py", "sfi/test_quest_rerank.py",
+    "critiprefill/test_block_sparse_prefill.py", "critiprefill/test_plan.py",
+    "critiprefill/test_bench_smoke.py", "critiprefill/test_block_representatives.py",
+    "critiprefill/test_incremental_reps.py", "critiprefill/test_backend_path.py",
+    "quality/test_speed_model.py", "e2e/", "test_sfi_keep_prefill.py", "test_registration.py",
+    "test_sfi_path.py", "test_sfi_layer.py", "test_vllm_patch_list.py",
+)
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        rel = os.path.relpath(str(item.fspath), _TESTS).replace(os.sep, "/")
+        if not _has_cuda() and any(rel == m or (m.endswith("/") and rel.startswith(m)) for m in HEAVY_MODULES):
+            item.add_marker(slow)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -8,8 +8,9 @@ appear (the same prompts again) and rows move between decode and mixed steps; st
 answer equals its one-at-a-time answer, no request fails, the server stays healthy, and once the
 traffic is gone every request slot and SFI slot is back and the SFI counters stand still.
 
-SPEED and CritiPrefill cannot be enabled yet (start-up refuses them), so "every available method on"
-is SFI alone."""
+Run twice: SFI alone (prefix caching on), and every method on: SFI + SPEED + CritiPrefill on a 4-layer
+Qwen3 (SPEED needs prefix caching off; CritiPrefill's 128-query segments with the 512-token budget
+shared by up to 16 requests, so chunks would cut segments without the scheduler's rules)."""
 
 from __future__ import annotations
 
@@ -69,9 +70,23 @@ def _wait_for(predicate, what: str, timeout_s: float = 120):
         time.sleep(0.5)
 
 
-def test_concurrent_answers_equal_one_at_a_time_answers(tiny_models, tmp_path):
-    with vllm_serve(tiny_models["qwen3"], str(tmp_path / "server.log"),
-                    additional_config={"speedsfi": {"sfi": SFI}}, args=SERVE_ARGS,
+ALL_ON = {"sfi": SFI, "speed": {"enabled": True, "l_cut": 3},
+          "critiprefill": {"enabled": True, "segment_size": 128, "block_size": 16, "budget": 256,
+                           "min_len": 256}}
+ALL_ON_ARGS = tuple(a for a in SERVE_ARGS if a != "--enable-prefix-caching") + ("--no-enable-prefix-caching",)
+
+
+@pytest.mark.parametrize("methods", ["sfi", "all_on"])
+def test_concurrent_answers_equal_one_at_a_time_answers(tiny_models, tmp_path, methods):
+    if methods == "sfi":
+        model, section, args = tiny_models["qwen3"], {"sfi": SFI}, SERVE_ARGS
+    else:
+        from vllm_ext.tools.tiny_models import make_model
+
+        model = make_model(str(tmp_path / "tiny-qwen3-4l"), "qwen3", num_layers=4)
+        section, args = ALL_ON, ALL_ON_ARGS
+    with vllm_serve(model, str(tmp_path / "server.log"),
+                    additional_config={"speedsfi": section}, args=args,
                     env={"VLLM_EXT_TRACE_DIR": str(tmp_path / "trace")}) as server:
         client, model = server.client(max_retries=0, timeout=300), server.model_name
         alone = [_complete(client, model, p) for p in PROMPTS]
@@ -105,7 +120,11 @@ def test_concurrent_answers_equal_one_at_a_time_answers(tiny_models, tmp_path):
         # (the dropped streams too: they were answering), and SFI really ran fast steps
         assert events["sfi.prefill_end_selections"] == sum(len(p) > DENSE_UP_TO for p in sent)
         assert events["sfi.fast_steps"] > events["sfi.slow_steps"] > 0
-        assert events.get("sfi.prefix_hit_tokens_cut", 0) > 0          # the cache was hit, and cut
+        if methods == "sfi":
+            assert events.get("sfi.prefix_hit_tokens_cut", 0) > 0      # the cache was hit, and cut
+        else:
+            assert events["critiprefill.sparse_segments"] > 0 and events["speed.upper_tokens_skipped"] > 0
+            assert events.get("sched.critiprefill_chunk_cuts", 0) > 0  # the rules were needed
         assert not {k for k in events if k.startswith("fallback.")}
         # the same in Prometheus form: gauges of the slots in use, the retained-fraction histogram
         assert vllm_metrics["speedsfi_sfi_slots_in_use"] == 0 == vllm_metrics["speedsfi_request_slots_in_use"]
