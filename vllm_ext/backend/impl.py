@@ -4,7 +4,9 @@ every step-dependent decision comes from the step plan in the metadata (built by
 Dense path (every method off, and whatever a method leaves dense):
 - CUDA: vLLM's own Triton attention (``TritonAttentionImpl``) for the KV write and the attention, so
   output is identical to ``--attention-backend TRITON_ATTN``;
-- CPU build: ``vllm_ext.kernels.paged_reference`` (PyTorch), identical to ``CPU_ATTN`` in fp32.
+- CPU build: with every method off, vLLM's own ``CPU_ATTN`` ops on their packed cache
+  (``vllm_ext.backend.cpu_dense``), identical to ``CPU_ATTN``; with a method on,
+  ``vllm_ext.kernels.paged_reference`` (PyTorch) over our layout.
 Both write K/V themselves (``forward_includes_kv_cache_update``) and read the cache through strides.
 
 SFI (``speedsfi.sfi.enabled``): decode rows follow the step plan (dense / slow / fast, decided on the
