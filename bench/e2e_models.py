@@ -59,7 +59,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def speedsfi_section(config: str, max_model_len: int, cpu: bool) -> dict | None:
+def speedsfi_section(config: str, max_model_len: int, cpu: bool, max_num_seqs: int | None = None) -> dict | None:
+    """The configuration's ``speedsfi`` section. With ``max_num_seqs`` and SFI on, ``sfi.max_requests``
+    is raised to it: SFI holds at most ``max_requests`` requests at once (default ``min(max_num_seqs,
+    32)``) and the scheduler queues the others (``vllm_ext.scheduler_policy``), so a batch larger than
+    32 would otherwise be measured 32 at a time."""
+    section = _section(config, max_model_len, cpu)
+    if max_num_seqs and section is not None and _sfi_on(section):
+        section = dict(section, sfi=dict(section.get("sfi") or {}, max_requests=int(max_num_seqs)))
+    return section
+
+
+def _sfi_on(section: dict) -> bool:
+    from vllm_ext.config import SpeedSfiConfig
+
+    return SpeedSfiConfig.from_dict(section).sfi.enabled
+
+
+def _section(config: str, max_model_len: int, cpu: bool) -> dict | None:
     spec = CONFIGS[config]["speedsfi"]
     if spec == "cover":
         return {"sfi": {"enabled": True, "k": int(max_model_len), "n_recent": 256}}

@@ -184,7 +184,7 @@ def print_plan(jobs: list[dict], args) -> None:
         extra = ""
         if j["kind"] == "engine":
             b = backend_of(j["config"], args.cpu) or "vLLM's choice"
-            sec = speedsfi_section(j["config"], j["max_model_len"], args.cpu)
+            sec = speedsfi_section(j["config"], j["max_model_len"], args.cpu, j.get("max_num_seqs"))
             gs = "; ".join(f"in {g['input_len']} x{g['batch_cap']} out {g['output_len']}" if g["kind"] == "perf"
                            else f"prompts {g['lengths']} out {g['output_len']}" for g in j["groups"])
             extra = (f" backend {b} speedsfi {json.dumps(sec) if sec else '-'} "
@@ -447,7 +447,7 @@ class Run(JobRunner):
         backend = backend_of(cfg, self.args.cpu)
         if backend:
             argv += ["--attention-backend", backend]
-        section = speedsfi_section(cfg, j["max_model_len"], self.args.cpu)
+        section = speedsfi_section(cfg, j["max_model_len"], self.args.cpu, j["max_num_seqs"])
         if section is not None:
             argv += ["--additional-config", json.dumps({"speedsfi": section})]
             sizes = sorted({1, 2, 4, 8, 16, 32} | {j["max_num_seqs"]})

@@ -287,7 +287,7 @@ def _runner_info(worker) -> dict:
 
 def _engine_kwargs(spec: dict) -> dict:
     cpu = spec.get("cpu")
-    section = speedsfi_section(spec["config"], spec["max_model_len"], cpu)
+    section = speedsfi_section(spec["config"], spec["max_model_len"], cpu, spec["max_num_seqs"])
     kw: dict[str, Any] = dict(model=spec["model_dir"], tokenizer=spec["model_dir"], load_format="dummy",
                               dtype="float32" if cpu else "bfloat16", seed=0, enforce_eager=spec["eager"],
                               max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],

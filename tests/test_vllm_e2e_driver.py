@@ -94,6 +94,10 @@ def test_every_speedsfi_configuration_is_valid(e2e):
             sec = e2e.speedsfi_section(name, 131344, cpu)
             if sec is not None:
                 SpeedSfiConfig.from_dict(sec)
+                # with a batch size, SFI holds every sequence of the batch (no queueing in the perf rows)
+                cfg = SpeedSfiConfig.from_dict(e2e.speedsfi_section(name, 131344, cpu, 64))
+                assert cfg.sfi.max_requests == (64 if cfg.sfi.enabled else None)
+                assert cfg.sfi.k == SpeedSfiConfig.from_dict(sec).sfi.k      # nothing else changes
 
 
 # ------------------------------------------------------------------------------------ e2e_jobs
