@@ -296,8 +296,9 @@ async def drive(base_url: str, model: str, work: list[dict], concurrency: int, t
 # ------------------------------------------------------------------------------------------------
 # Server side: resident memory and counters
 # ------------------------------------------------------------------------------------------------
-def tree_rss(pid: int | None) -> dict | None:
-    """Resident memory of ``pid`` and its descendants (the API server and the engine core)."""
+def server_processes(pid: int | None) -> list[tuple[int, str, int]] | None:
+    """``(pid, name, rss bytes)`` of ``pid`` and its descendants (API server, engine core, worker);
+    None when there is no such process."""
     if pid is None:
         return None
     import psutil
@@ -307,12 +308,21 @@ def tree_rss(pid: int | None) -> dict | None:
         procs = [root] + root.children(recursive=True)
     except psutil.NoSuchProcess:
         return None
-    per = {}
+    out = []
     for p in procs:
         try:
-            per[f"{p.pid} {p.name()}"] = p.memory_info().rss
+            out.append((p.pid, p.name(), p.memory_info().rss))
         except psutil.NoSuchProcess:
             continue
+    return out
+
+
+def tree_rss(pid: int | None) -> dict | None:
+    """Resident memory of ``pid`` and its descendants (the API server and the engine core)."""
+    procs = server_processes(pid)
+    if procs is None:
+        return None
+    per = {f"{p} {name}": rss for p, name, rss in procs}
     return {"total_mib": round(sum(per.values()) / 2**20, 1),
             "per_process_mib": {k: round(v / 2**20, 1) for k, v in per.items()}}
 
@@ -375,21 +385,12 @@ def role_of(name: str, is_root: bool) -> str:
 def rss_by_role(pid: int | None) -> dict | None:
     """Resident memory (MiB) of the server's processes by role (the API server = ``pid``, the engine
     core, the worker, anything else), and their total."""
-    if pid is None:
-        return None
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
+    procs = server_processes(pid)
+    if procs is None:
         return None
     out = dict.fromkeys(ROLES, 0.0)
-    for p in procs:
-        try:
-            out[role_of(p.name(), p.pid == pid)] += p.memory_info().rss / 2**20
-        except psutil.NoSuchProcess:
-            continue
+    for p, name, rss in procs:
+        out[role_of(name, p == pid)] += rss / 2**20
     out["total"] = sum(out[r] for r in ROLES)
     return {k: round(v, 1) for k, v in out.items()}
 

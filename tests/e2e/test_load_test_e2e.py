@@ -80,8 +80,10 @@ def test_load_test_soak_smoke(tmp_path):
     for x in c["timeline"]:
         assert set(x["rss_mib"]) == {"api_server", "engine_core", "worker", "other", "total"}
         assert "metrics_error" not in x and 0 <= x["kv_cache_usage"] <= 1
-    # (KV usage is sampled once a second: a 12-request run may hold no blocks at any sample)
-    assert s["peak"]["request_slots"] > 0 and s["peak"]["sfi_slots"] > 0
+    # the gauges are sampled once a second, so a 12-request run may show nothing at any sample: the
+    # slots it used are read from the counters
+    ev = c["speedsfi"]["events"]
+    assert ev.get("slots.acquired", 0) > 0 and ev.get("sfi.slots_assigned", 0) > 0
     assert c["speedsfi"]["events"].get("critiprefill.slots_assigned", 0) > 0     # 1024-token prompts
     assert s["back_to_zero"] == {"slots": True, "kv_cache_usage": True, "queue": True}
     assert all(v == 0 for v in s["end_max"].values())
