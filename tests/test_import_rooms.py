@@ -5,9 +5,11 @@ itself in a circle. A new upward import fails here with the two modules named.
 Rooms, lowest first:
 0. base: the configuration, metrics and small shared helpers every room uses;
 1. kernels: Triton kernels and their PyTorch twins; they know no method (shared constants live here);
-2. methods: ``sfi``, ``speed``, ``critiprefill``, each on its own (no method imports another);
-3. ``request_state``: the per-request slot table, which composes the methods' own slot tables;
-4. ``backend``: the attention backend, its builder, impl and per-method paths;
+2. ``request_state``: the generic per-request slot table and the protocol (``method_slots``) through
+   which it drives the methods' own slot tables; it knows no method;
+3. methods: ``sfi``, ``speed``, ``critiprefill``, each on its own (no method imports another);
+4. ``backend``: the attention backend, its builder, impl and per-method paths, and the engine's
+   request table (``backend.request_table``: the methods' slot tables registered in the generic one);
 5. vLLM glue: ``vllm_patches`` opens the only door into ``runner_hooks`` and ``scheduler_policy``;
 6. the package entry point and the tools: ``vllm_ext`` (registration), ``quality``, ``tools``.
 """
@@ -22,15 +24,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_ext"
 ROOMS = [
     ("base", {"vllm_ext.config", "vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging"}),
     ("kernels", {"vllm_ext.kernels"}),
+    ("request_state", {"vllm_ext.request_state", "vllm_ext.method_slots"}),
     ("sfi", {"vllm_ext.sfi"}),
     ("speed", {"vllm_ext.speed"}),
     ("critiprefill", {"vllm_ext.critiprefill"}),
-    ("request_state", {"vllm_ext.request_state"}),
     ("backend", {"vllm_ext.backend"}),
     ("glue", {"vllm_ext.vllm_patches", "vllm_ext.runner_hooks", "vllm_ext.scheduler_policy"}),
     ("top", {"vllm_ext", "vllm_ext.quality", "vllm_ext.tools"}),
 ]
-LEVEL = {"base": 0, "kernels": 1, "sfi": 2, "speed": 2, "critiprefill": 2, "request_state": 3,
+LEVEL = {"base": 0, "kernels": 1, "request_state": 2, "sfi": 3, "speed": 3, "critiprefill": 3,
          "backend": 4, "glue": 5, "top": 6}
 # inside the glue room, the one door: vllm_patches -> the others
 GLUE_DOORS = {("vllm_ext.vllm_patches", "vllm_ext.runner_hooks"),

@@ -15,6 +15,7 @@ TORCH_ONLY = [
     "vllm_ext.device_counters", "vllm_ext.kernels.sfi_plan", "vllm_ext.kernels.quest_pages",
     "vllm_ext.backend.sfi_runtime", "vllm_ext.backend.sfi_path",
     "vllm_ext.critiprefill.slots", "vllm_ext.backend.critiprefill_path",
+    "vllm_ext.method_slots", "vllm_ext.backend.request_table",
 ]
 
 

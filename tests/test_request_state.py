@@ -1,9 +1,13 @@
-"""RequestStateTable: stable slots, per-step row views, resets on reuse (no vLLM needed)."""
+"""RequestStateTable: stable slots, per-step row views, resets on reuse, the methods' slot tables
+driven through the MethodSlots protocol (no vLLM needed). The engine's table
+(``EngineRequestTable``) is the generic one with the engine's methods registered."""
 
 import numpy as np
 import pytest
 import torch
 
+from vllm_ext.backend.request_table import EngineRequestTable
+from vllm_ext.method_slots import MethodSlots
 from vllm_ext.request_state import RequestStateTable
 
 
@@ -18,7 +22,7 @@ def _step(table, rows, tokens_per_row, last_tokens, decode, num_rows=None):
 
 
 def test_slots_are_stable_while_rows_move():
-    t = RequestStateTable(max_reqs=4, device="cpu")
+    t = EngineRequestTable(max_reqs=4, device="cpu")
     t.sync_membership([], {"a": (10, None), "b": (20, None)})
     sa, sb = t.slot_of["a"], t.slot_of["b"]
     assert sa != sb
@@ -31,7 +35,7 @@ def test_slots_are_stable_while_rows_move():
 
 
 def test_steps_since_slow_counts_decode_steps_and_resets_on_reuse():
-    t = RequestStateTable(max_reqs=2, device="cpu")
+    t = EngineRequestTable(max_reqs=2, device="cpu")
     t.sync_membership([], {"a": (3, None)})
     _step(t, ["a"], [3], [1], [False])                     # prefill: not counted
     for _ in range(5):
@@ -50,7 +54,7 @@ def test_steps_since_slow_counts_decode_steps_and_resets_on_reuse():
 
 
 def test_resumed_request_gets_fresh_state():
-    t = RequestStateTable(max_reqs=2, device="cpu")
+    t = EngineRequestTable(max_reqs=2, device="cpu")
     t.sync_membership([], {"a": (4, None)})
     for _ in range(3):
         _step(t, ["a"], [1], [1], [True])
@@ -61,7 +65,7 @@ def test_resumed_request_gets_fresh_state():
 
 
 def test_leaving_the_batch_frees_the_slot_and_padding_uses_scratch():
-    t = RequestStateTable(max_reqs=4, device="cpu")
+    t = EngineRequestTable(max_reqs=4, device="cpu")
     t.sync_membership([], {"a": (4, None), "b": (4, None), "x": (1, None), "y": (1, None)})
     with pytest.raises(RuntimeError, match="no free request slot"):
         t.acquire("c", 1)
@@ -75,7 +79,7 @@ def test_leaving_the_batch_frees_the_slot_and_padding_uses_scratch():
 
 
 def test_dummy_step_touches_no_request():
-    t = RequestStateTable(max_reqs=2, device="cpu")
+    t = EngineRequestTable(max_reqs=2, device="cpu")
     t.sync_membership([], {"a": (4, None)})
     before = t.steps_since_slow.clone()
     s = t.begin_step([], 0, 2, None, None, None)
@@ -84,7 +88,7 @@ def test_dummy_step_touches_no_request():
 
 
 def test_overrides_are_kept_per_slot():
-    t = RequestStateTable(max_reqs=2, device="cpu")
+    t = EngineRequestTable(max_reqs=2, device="cpu")
     t.sync_membership([], {"a": (4, {"sfi": {"k": 8}}), "b": (4, None)})
     assert t.overrides[t.slot_of["a"]] == {"sfi": {"k": 8}} and t.overrides[t.slot_of["b"]] is None
 
@@ -94,7 +98,7 @@ def test_engine_wide_fields_in_a_request_override_are_counted_not_silently_dropp
     from vllm_ext.config import SpeedSfiConfig
 
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 64}})
-    t = RequestStateTable(max_reqs=4, device="cpu", config=cfg, sfi_capacity=4)
+    t = EngineRequestTable(max_reqs=4, device="cpu", config=cfg, sfi_capacity=4)
     metrics.reset()
     t.sync_membership([], {"a": (4, {"sfi": {"k": 32}}),                          # per request: fine
                            "b": (4, {"sfi": {"enabled": False}}),
@@ -104,3 +108,54 @@ def test_engine_wide_fields_in_a_request_override_are_counted_not_silently_dropp
     assert "fallback.request_override_invalid" not in counts
     # the per-request part of "c" still applies
     assert t.sfi.k_host[t.slot_of["c"]] == 32 and t.sfi.k_host[t.slot_of["a"]] == 32
+
+
+class _Recording(MethodSlots):
+    name = "probe"
+
+    def __init__(self):
+        self.calls = []
+
+    def slot_assigned(self, slot, overrides, *, resumed):
+        self.calls.append(("assigned", slot, overrides, resumed))
+
+    def slot_released(self, slot):
+        self.calls.append(("released", slot))
+
+    def reset_slots(self, idx, slots):
+        self.calls.append(("reset", idx.tolist(), list(slots)))
+
+    def plan_step(self, step):
+        self.calls.append(("plan", step.row_slot.tolist()))
+        return f"plan {step.step_id}"
+
+    def snapshot_fields(self, plan, row, slot):
+        return {"probe": plan}
+
+
+def test_the_generic_table_drives_registered_method_tables():
+    t = RequestStateTable(max_reqs=2, device="cpu")
+    probe = t.register(_Recording())
+    t.recorder = []
+    t.sync_membership([], {"a": (4, {"x": 1}), "b": (3, None)})
+    assert probe.calls == [("assigned", 0, {"x": 1}, False), ("assigned", 1, None, False)]
+    probe.calls.clear()
+    t.sync_membership(["b"], {"a": (4, {"x": 1})})          # "b" finished before its first step
+    s = _step(t, ["a"], [4], [9], [False])
+    assert probe.calls == [("released", 1), ("reset", [0], [0]), ("plan", [0])]
+    assert s.plans == {"probe": "plan 0"} and t.recorder[-1]["a"]["probe"] == "plan 0"
+    probe.calls.clear()
+    t.sync_membership(["a"], {"a": (4, None)}, resumed_req_ids=["a"])
+    assert probe.calls == [("released", 0), ("assigned", 0, None, True)]
+    with pytest.raises(RuntimeError, match="before any request"):
+        t.register(_Recording())
+
+
+def test_without_sfi_a_request_asking_for_it_is_counted():
+    from vllm_ext import metrics
+
+    t = EngineRequestTable(max_reqs=2, device="cpu")
+    metrics.reset()
+    t.sync_membership([], {"a": (4, {"sfi": {"enabled": True}}), "b": (4, None)})
+    assert metrics.snapshot().get("fallback.sfi_not_configured", 0) == 1
+    assert t.sfi is None and t.critiprefill is None and t.methods == []

@@ -162,18 +162,18 @@ def test_a_step_with_an_sfi_prompt_row_is_not_a_uniform_decode_batch():
     import numpy as np
 
     from vllm_ext import runner_hooks
+    from vllm_ext.backend.request_table import EngineRequestTable
     from vllm_ext.config import SpeedSfiConfig
-    from vllm_ext.request_state import RequestStateTable
 
     batch = SimpleNamespace(num_computed_tokens_cpu=np.array([50, 99, 7]),
                             num_prompt_tokens=np.array([40, 100, 7]))
     runner = SimpleNamespace(input_batch=batch)
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}})
-    runner.__dict__["_speedsfi_request_table"] = RequestStateTable(4, "cpu", config=cfg,
-                                                                   sfi_capacity=4)
+    runner.__dict__["_speedsfi_request_table"] = EngineRequestTable(4, "cpu", config=cfg,
+                                                                    sfi_capacity=4)
     assert runner_hooks.has_sfi_prompt_rows(runner, 3)     # row 1 computes its last prompt token
     batch.num_computed_tokens_cpu[1] = 100
     assert not runner_hooks.has_sfi_prompt_rows(runner, 3)
-    runner.__dict__["_speedsfi_request_table"] = RequestStateTable(4, "cpu")      # SFI off
+    runner.__dict__["_speedsfi_request_table"] = EngineRequestTable(4, "cpu")     # SFI off
     batch.num_computed_tokens_cpu[1] = 99
     assert not runner_hooks.has_sfi_prompt_rows(runner, 3)

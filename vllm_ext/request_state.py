@@ -4,8 +4,9 @@ vLLM's V1 model runner moves requests between batch rows (condense, swap, decode
 the row of a request says nothing across steps. This table gives each request a *slot* for as long
 as the runner holds it, and keeps per slot on the device the prompt length, the
 decode steps run and a generation stamp that changes whenever the slot is (re)assigned. Methods keep
-their own per-slot tables in their own rooms, indexed by the same slot (SFI:
-:class:`vllm_ext.sfi.slot_tables.SfiSlotTables`).
+their own per-slot tables in their own rooms, indexed by the same slot, and register them here
+(:class:`vllm_ext.method_slots.MethodSlots`); the table knows no method. The engine's table, with
+its methods registered: :class:`vllm_ext.backend.request_table.EngineRequestTable`.
 
 Per step there are two phases (plan/run split):
 - ``stage`` (host only; the runner hooks call it before attention metadata is built): the rows'
@@ -26,15 +27,15 @@ Torch only (no vLLM): ``vllm_ext.runner_hooks`` feeds it from the runner.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Container, Iterable, Mapping
 
 import numpy as np
 import torch
 
 from vllm_ext import metrics
-from vllm_ext.config import SpeedSfiConfig
 from vllm_ext.host_staging import PinnedStaging  # noqa: F401  (re-exported)
+from vllm_ext.method_slots import MethodSlots
 
 
 @dataclass
@@ -54,8 +55,10 @@ class StepState:
     table: "RequestStateTable"
     step_id: int
     seq_lens: torch.Tensor | None = None   # int32 [num_rows] (device), the current tokens included
-    sfi: Any = None                        # vllm_ext.sfi.step_plan.SfiStep when SFI is configured
-    critiprefill: Any = None               # vllm_ext.critiprefill.slots.CritiPrefillStep (prefill steps)
+    query_start_loc: torch.Tensor | None = None   # the step's device buffer (real steps)
+    host_geometry: tuple[np.ndarray, np.ndarray] | None = None   # see RequestStateTable.stage
+    block_table: torch.Tensor | None = None
+    plans: dict[str, Any] = field(default_factory=dict)   # method name -> its plan of the step (or None)
 
 
 @dataclass
@@ -66,15 +69,14 @@ class SlotCounters:
 
 
 class RequestStateTable:
-    def __init__(self, max_reqs: int, device: torch.device | str, *,
-                 config: SpeedSfiConfig | None = None, sfi_capacity: int = 0,
-                 trigger_lut: torch.Tensor | None = None, critiprefill_capacity: int = 0):
+    step_type = StepState
+
+    def __init__(self, max_reqs: int, device: torch.device | str):
         device = torch.device(device)
-        self.config = config or SpeedSfiConfig()
         self.device = device
         self.max_reqs = max_reqs
         self.scratch_slot = max_reqs                    # padded rows point here
-        n = max_reqs + 1
+        self.num_slots = n = max_reqs + 1
         i32 = dict(dtype=torch.int32, device=device)
         # per-slot tables
         self.prompt_len = torch.zeros(n, **i32)
@@ -82,19 +84,7 @@ class RequestStateTable:
         self.generation = torch.zeros(n, **i32)
         self.prompt_len_np = np.zeros(n, dtype=np.int32)
         self.overrides: dict[int, Mapping[str, Any] | None] = {}
-        # SFI's tables (a room of their own), when the engine runs SFI
-        self.sfi = None
-        if self.config.sfi.enabled and sfi_capacity > 0:
-            from vllm_ext.sfi.slot_tables import SfiSlotTables
-
-            self.sfi = SfiSlotTables(n, sfi_capacity, max_reqs, self.config, trigger_lut, device)
-        # CritiPrefill's slots (prompts in a sparse prefill), when the engine runs CritiPrefill
-        self.critiprefill = None
-        if self.config.critiprefill.enabled and critiprefill_capacity > 0:
-            from vllm_ext.critiprefill.slots import CritiPrefillSlots
-
-            self.critiprefill = CritiPrefillSlots(critiprefill_capacity, max_reqs,
-                                                  self.config.critiprefill, device)
+        self.methods: list[MethodSlots] = []           # the methods' own per-slot tables
         # per-row buffers
         self._row_slot = PinnedStaging(max_reqs, torch.int32, device)
         self._row_is_decode = PinnedStaging(max_reqs, torch.int32, device)
@@ -106,10 +96,7 @@ class RequestStateTable:
         # slot resets staged on the host, applied on the device at the next step
         self._reset = PinnedStaging(n, torch.int64, device)
         self._reset_prompt_len = PinnedStaging(n, torch.int32, device)
-        self._reset_sfi_slot = PinnedStaging(n, torch.int32, device)
-        self._reset_sfi_k = PinnedStaging(n, torch.int32, device)
-        self._reset_sfi_on = PinnedStaging(n, torch.bool, device)
-        self._pending_resets: dict[int, tuple[int, int, int, bool]] = {}
+        self._pending_resets: dict[int, int] = {}      # slot -> prompt length
         # host bookkeeping
         self.slot_of: dict[str, int] = {}
         self._free: list[int] = list(range(max_reqs - 1, -1, -1))   # pop() hands out slot 0 first
@@ -119,24 +106,13 @@ class RequestStateTable:
         self._built: StepState | None = None
         self.recorder: list[dict[str, dict[str, int]]] | None = None   # tests: per-step host snapshot
 
-    # ------------------------------------------------------------------ compatibility views
-    @property
-    def sfi_enabled(self) -> bool:
-        return self.sfi is not None
-
-    @property
-    def steps_since_slow(self) -> torch.Tensor:
-        """SFI's per-slot counter; without SFI there is no slow step, so it is the decode steps
-        since the slot was assigned."""
-        return self.decode_steps if self.sfi is None else self.sfi.steps_since_slow
-
-    @property
-    def has_selection(self) -> torch.Tensor | None:
-        return None if self.sfi is None else self.sfi.has_selection
-
-    @property
-    def sfi_stats(self) -> torch.Tensor | None:
-        return None if self.sfi is None else self.sfi.stats
+    def register(self, method: MethodSlots) -> MethodSlots:
+        """Add a method's per-slot tables (``num_slots`` of them, like this table's); they plan each
+        step in registration order. Before the first request: a method sees every slot's lifetime."""
+        if self.counters.acquired:
+            raise RuntimeError("vllm_ext: a method's slot tables must be registered before any request")
+        self.methods.append(method)
+        return method
 
     @property
     def staged_host_geometry(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -149,15 +125,14 @@ class RequestStateTable:
         if slot is not None:
             self._free.append(slot)
             self.overrides.pop(slot, None)
-            if self.sfi is not None:
-                self.sfi.release(slot)
-            if self.critiprefill is not None:
-                self.critiprefill.release(slot)
+            for method in self.methods:
+                method.slot_released(slot)
             self._pending_resets.pop(slot, None)
             self.counters.released += 1
             metrics.bump("slots.released")       # exported: in use = acquired - released
 
-    def acquire(self, req_id: str, prompt_len: int, overrides: Mapping[str, Any] | None = None) -> int:
+    def acquire(self, req_id: str, prompt_len: int, overrides: Mapping[str, Any] | None = None, *,
+                resumed: bool = False) -> int:
         if req_id in self.slot_of:
             return self.slot_of[req_id]
         if not self._free:
@@ -167,14 +142,9 @@ class RequestStateTable:
         self.slot_of[req_id] = slot
         self.prompt_len_np[slot] = prompt_len
         self.overrides[slot] = overrides
-        if self.sfi is not None:
-            sfi_slot, sfi_on, sfi_k = self.sfi.assign(slot, overrides)
-        else:
-            sfi_slot, sfi_on, sfi_k = -1, False, 0
-            if _asks_for_sfi(overrides):
-                metrics.fallback("sfi_not_configured", "a request enabled SFI but the engine was started "
-                                 "without it (no compact buffers); it decodes densely")
-        self._pending_resets[slot] = (prompt_len, sfi_slot, sfi_k, sfi_on)
+        for method in self.methods:
+            method.slot_assigned(slot, overrides, resumed=resumed)
+        self._pending_resets[slot] = prompt_len
         self.counters.acquired += 1
         metrics.bump("slots.acquired")
         return slot
@@ -191,8 +161,8 @@ class RequestStateTable:
         every request the runner holds state for, scheduled in this step or not (``None``: the
         batch's). A request that is merely not scheduled in a step (the token budget went to others,
         or the scheduler holds a prefill chunk back: ``vllm_ext.scheduler_policy``) leaves vLLM's
-        persistent batch but keeps its slot and its SFI / CritiPrefill state: its answer must not
-        depend on that.
+        persistent batch but keeps its slot and its methods' state: its answer must not depend on
+        that.
         """
         for req_id in reset_req_ids:
             if req_id in self.slot_of and req_id in live:
@@ -204,35 +174,22 @@ class RequestStateTable:
         resumed = set(resumed_req_ids)
         for req_id, (prompt_len, overrides) in live.items():
             if req_id not in self.slot_of:
-                slot = self.acquire(req_id, prompt_len, overrides)
-                if req_id in resumed and self.sfi is not None and slot in self.sfi.slot_host:
-                    # vLLM preempts by recomputation: the KV of the generated tokens is recomputed by
-                    # a dense prefill, not by the sparse decode steps that first wrote it
-                    metrics.fallback("sfi_preempted", "a request decoding with SFI was preempted and "
-                                     "resumes from a dense recompute of its context with a fresh "
-                                     "selection: its later tokens can differ from an unpreempted run "
-                                     "(preemption depends on other traffic; give the KV cache headroom "
-                                     "or lower --max-num-seqs to avoid it)")
+                self.acquire(req_id, prompt_len, overrides, resumed=req_id in resumed)
 
     def _apply_resets(self) -> None:
         if not self._pending_resets:
             return
         n = len(self._pending_resets)
-        self._reset.np[:n] = list(self._pending_resets.keys())
-        values = list(self._pending_resets.values())
-        self._reset_prompt_len.np[:n] = [v[0] for v in values]
-        self._reset_sfi_slot.np[:n] = [v[1] for v in values]
-        self._reset_sfi_k.np[:n] = [v[2] for v in values]
-        self._reset_sfi_on.np[:n] = [v[3] for v in values]
+        slots = list(self._pending_resets.keys())
+        self._reset.np[:n] = slots
+        self._reset_prompt_len.np[:n] = list(self._pending_resets.values())
         self._pending_resets.clear()
         idx = self._reset.copy_to_device(n)
         self.prompt_len.index_copy_(0, idx, self._reset_prompt_len.copy_to_device(n))
         self.decode_steps.index_fill_(0, idx, 0)
         self.generation.index_add_(0, idx, self._ones[:n])
-        if self.sfi is not None:
-            self.sfi.apply_resets(idx, self._reset_sfi_slot.copy_to_device(n),
-                                  self._reset_sfi_k.copy_to_device(n),
-                                  self._reset_sfi_on.copy_to_device(n))
+        for method in self.methods:
+            method.reset_slots(idx, slots)
 
     # ------------------------------------------------------------------ per step: stage (host)
     def stage(self, row_req_ids: list[str | None], num_reqs: int, num_rows: int, *, real: bool,
@@ -285,45 +242,17 @@ class RequestStateTable:
             torch.index_select(st.input_ids, 0, last_idx, out=row_last_token[:num_reqs])
             # one more decode step for every decode row (padded rows land in the scratch slot)
             self.decode_steps.index_add_(0, row_slot, row_is_decode)
-        sfi_step = None
-        if self.sfi is not None and seq_lens is not None:
-            # planned on every build, real or not: a CUDA-graph capture records the real SFI path
-            # over these buffers (its rows are padding, so they plan as dense)
-            sfi_rows = row_is_decode
-            if st.real and num_reqs:
-                # SFI decodes one-query rows only: a resumed request recomputing its generated
-                # tokens (several per row, all "decode") attends densely and leaves SFI state alone
-                q_len = st.query_start_loc[1:num_rows + 1] - st.query_start_loc[:num_rows]
-                sfi_rows = row_is_decode * (q_len == 1)
-            sfi_step = self.sfi.plan(row_slot=row_slot, row_last_token=row_last_token,
-                                     row_is_decode=sfi_rows, seq_lens=seq_lens[:num_rows],
-                                     block_table=block_table)
-            if st.real and st.host_geometry is not None and self.sfi.cfg.selector == "quest":
-                # quest: the prefill chunks write their pages' max/min of K; without keep_prefill
-                # there is no prefill-end selection (the first decode step selects)
-                sfi_step.quest_pages = self.sfi.plan_quest_pages(
-                    num_reqs=num_reqs, row_slots=slots, row_is_decode=self._row_is_decode.np,
-                    host_geometry=st.host_geometry)
-            if st.real and st.host_geometry is not None and self.sfi.cfg.prefill_end_selection:
-                sfi_step.prefill_end = self.sfi.plan_prefill_end(
-                    num_reqs=num_reqs, row_slots=slots, row_is_decode=self._row_is_decode.np,
-                    prompt_len=self.prompt_len_np, host_geometry=st.host_geometry,
-                    row_slot_device=row_slot)
-            self.sfi.counters.publish()
-        step_id = next(self._step_ids)
-        cp_step = None
-        if self.critiprefill is not None and st.real and st.host_geometry is not None:
-            cp_step = self.critiprefill.plan(num_reqs=num_reqs, row_slots=slots,
-                                             row_is_decode=self._row_is_decode.np,
-                                             prompt_len=self.prompt_len_np,
-                                             host_geometry=st.host_geometry, step_id=step_id)
-        step = StepState(num_reqs=num_reqs, num_rows=num_rows, is_real=st.real, row_slot=row_slot,
-                         row_prompt_len=row_prompt_len, row_last_token=row_last_token,
-                         row_is_decode=row_is_decode, row_slot_np=slots[:num_rows],
-                         row_prompt_len_np=self._row_prompt_len_np[:num_rows],
-                         row_is_decode_np=self._row_is_decode.np[:num_rows], table=self,
-                         step_id=step_id, critiprefill=cp_step,
-                         seq_lens=None if seq_lens is None else seq_lens[:num_rows], sfi=sfi_step)
+        step = self.step_type(num_reqs=num_reqs, num_rows=num_rows, is_real=st.real, row_slot=row_slot,
+                              row_prompt_len=row_prompt_len, row_last_token=row_last_token,
+                              row_is_decode=row_is_decode, row_slot_np=slots[:num_rows],
+                              row_prompt_len_np=self._row_prompt_len_np[:num_rows],
+                              row_is_decode_np=self._row_is_decode.np[:num_rows], table=self,
+                              step_id=next(self._step_ids),
+                              seq_lens=None if seq_lens is None else seq_lens[:num_rows],
+                              query_start_loc=st.query_start_loc, host_geometry=st.host_geometry,
+                              block_table=block_table)
+        for method in self.methods:
+            step.plans[method.name] = method.plan_step(step)
         if self.recorder is not None and st.real:
             self.recorder.append(self.snapshot(step, st.row_req_ids))
         self._built = step
@@ -344,19 +273,16 @@ class RequestStateTable:
     def snapshot(self, step: StepState, row_req_ids: list[str | None]) -> dict[str, dict[str, int]]:
         """Host copy of the step's per-request view (synchronises: tests and debugging only)."""
         slots = step.row_slot.tolist()
-        return {
-            row_req_ids[row]: {
-                "slot": slots[row],
-                "prompt_len": int(step.row_prompt_len[row]),
-                "last_token": int(step.row_last_token[row]),
-                "is_decode": bool(step.row_is_decode[row]),
-                "steps_since_slow": int(self.steps_since_slow[slots[row]]),
-                "generation": int(self.generation[slots[row]]),
-                "mode": ("dense" if step.sfi is None or not bool(step.sfi.row_sparse[row]) else
-                         "slow" if bool(step.sfi.row_slow[row]) else "fast"),
-            }
-            for row in range(step.num_reqs)
-        }
+        views = {}
+        for row in range(step.num_reqs):
+            view = {"slot": slots[row], "prompt_len": int(step.row_prompt_len[row]),
+                    "last_token": int(step.row_last_token[row]),
+                    "is_decode": bool(step.row_is_decode[row]),
+                    "generation": int(self.generation[slots[row]])}
+            for method in self.methods:
+                view.update(method.snapshot_fields(step.plans.get(method.name), row, slots[row]))
+            views[row_req_ids[row]] = view
+        return views
 
 
 @dataclass
@@ -369,7 +295,3 @@ class _Staged:
     query_start_loc: torch.Tensor | None
     host_geometry: tuple | None
 
-
-def _asks_for_sfi(overrides: Mapping[str, Any] | None) -> bool:
-    sfi = (overrides or {}).get("sfi") if isinstance(overrides, Mapping) else None
-    return isinstance(sfi, Mapping) and bool(sfi.get("enabled"))

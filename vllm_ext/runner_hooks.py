@@ -1,6 +1,7 @@
-"""Feeds ``RequestStateTable`` from vLLM's V1 model runner (``GPUModelRunner``; the CPU build's
-``CPUModelRunner`` is a subclass). The hooks stage host-side facts only; the SPEEDSFI metadata
-builders (bound to the runner's table here, once) build the device plan from them.
+"""Feeds the engine's request table (``EngineRequestTable``) from vLLM's V1 model runner
+(``GPUModelRunner``; the CPU build's ``CPUModelRunner`` is a subclass). The hooks stage host-side
+facts only; the SPEEDSFI metadata builders (bound to the runner's table here, once) build the device
+plan from them.
 
 Four methods are wrapped, all inert unless the runner's config selects SPEEDSFI:
 - ``_update_states(scheduler_output)``: after vLLM has updated its persistent batch, slots follow the
@@ -18,15 +19,17 @@ Four methods are wrapped, all inert unless the runner's config selects SPEEDSFI:
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
-from vllm_ext.request_state import RequestStateTable
+if TYPE_CHECKING:
+    from vllm_ext.backend.request_table import EngineRequestTable
 
 _TABLE_ATTR = "_speedsfi_request_table"
 _BOUND_ATTR = "_speedsfi_builders_bound"
 _PATCHED_ATTR = "_speedsfi_patched"
 
 
-def table_of(runner) -> RequestStateTable | None:
+def table_of(runner) -> EngineRequestTable | None:
     """The runner's table, created on first use when the runner serves SPEEDSFI."""
     table = runner.__dict__.get(_TABLE_ATTR, False)
     if table is False:
@@ -37,7 +40,7 @@ def table_of(runner) -> RequestStateTable | None:
     return table
 
 
-def _make_table(runner) -> RequestStateTable:
+def _make_table(runner) -> EngineRequestTable:
     from vllm_ext.backend.startup import resolve_config
 
     cfg = resolve_config(runner.vllm_config)
@@ -59,10 +62,11 @@ def _make_table(runner) -> RequestStateTable:
                                            "".join(cfg.sfi.trigger_chars), len(spaces),
                                            cfg.sfi.fire_at.replace("_", " "))
     from vllm_ext.backend.metadata import critiprefill_capacity, sfi_capacity
+    from vllm_ext.backend.request_table import EngineRequestTable
 
-    table = RequestStateTable(runner.max_num_reqs, runner.device, config=cfg,
-                              sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut,
-                              critiprefill_capacity=critiprefill_capacity(runner.vllm_config))
+    table = EngineRequestTable(runner.max_num_reqs, runner.device, config=cfg,
+                               sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut,
+                               critiprefill_capacity=critiprefill_capacity(runner.vllm_config))
     if table.sfi is not None:
         from vllm_ext import metrics
 
@@ -75,7 +79,7 @@ def _make_table(runner) -> RequestStateTable:
     return table
 
 
-def _bind_builders(runner, table: RequestStateTable) -> None:
+def _bind_builders(runner, table: EngineRequestTable) -> None:
     """Hand the table to every SPEEDSFI metadata builder of the runner (once: the builders live as
     long as the runner's KV cache)."""
     if runner.__dict__.get(_BOUND_ATTR):

@@ -1,8 +1,9 @@
 """CritiPrefill's per-request bookkeeping inside the backend and the host-side plan of each step.
 
-Indexed by the generic request slot of :class:`vllm_ext.request_state.RequestStateTable`; a prompt
-with a sparse range holds one of ``C`` *CritiPrefill slots* (``critiprefill.max_requests``) from its
-first prefill chunk to the end of its prefill. The slot indexes the persistent per-layer tables of
+Indexed by the generic request slot of :class:`vllm_ext.request_state.RequestStateTable` (registered
+there as its :class:`vllm_ext.method_slots.MethodSlots`); a prompt with a sparse range holds one of
+``C`` *CritiPrefill slots* (``critiprefill.max_requests``) from its first prefill chunk to the end of
+its prefill. The slot indexes the persistent per-layer tables of
 ``vllm_ext.backend.critiprefill_path`` (key-block representatives, the query carry) and the fused
 scores of layer fusion. Everything here is decided on the host from facts the host has exactly for
 prefill rows (tokens computed before the step, the chunk's length, the prompt length), so nothing
@@ -47,6 +48,8 @@ from vllm_ext import metrics
 from vllm_ext.config import CritiPrefillConfig
 from vllm_ext.critiprefill.chunking import first_sparse_segment, is_critiprefill_prompt, sparse_range  # noqa: F401
 from vllm_ext.device_counters import DeviceCounters
+from vllm_ext.method_slots import MethodSlots
+from vllm_ext.request_state import StepState
 
 # device counters (summed over sparse layers and KV heads)
 STAT_SPARSE_SEGMENTS = 0     # (chunk segment, KV head, layer) triples that attended sparsely
@@ -84,7 +87,9 @@ class CritiPrefillStep:
         return self.num_reqs - self.first_row
 
 
-class CritiPrefillSlots:
+class CritiPrefillSlots(MethodSlots):
+    name = "critiprefill"
+
     def __init__(self, capacity: int, max_rows: int, cfg: CritiPrefillConfig, device: torch.device):
         from vllm_ext.host_staging import PinnedStaging
 
@@ -122,6 +127,9 @@ class CritiPrefillSlots:
         if cp is not None:
             self._free.append(cp)
             metrics.bump("critiprefill.slots_released")
+
+    def slot_released(self, slot: int) -> None:
+        self.release(slot)
 
     def _acquire(self, slot: int) -> int | None:
         if not self._free:
@@ -218,6 +226,13 @@ class CritiPrefillSlots:
         metrics.bump("critiprefill.prefill_tokens", tokens)
         metrics.bump("critiprefill.sparse_segments", segments)
         return step
+
+    def plan_step(self, step: StepState) -> CritiPrefillStep | None:
+        if not step.is_real or step.host_geometry is None:
+            return None
+        return self.plan(num_reqs=step.num_reqs, row_slots=step.row_slot_np,
+                         row_is_decode=step.row_is_decode_np, prompt_len=step.table.prompt_len_np,
+                         host_geometry=step.host_geometry, step_id=step.step_id)
 
     def counter_values(self) -> dict[str, int]:
         v = self.counters.read()

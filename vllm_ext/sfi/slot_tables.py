@@ -1,5 +1,6 @@
 """SFI's per-request tables, indexed by the generic request slot of
-:class:`vllm_ext.request_state.RequestStateTable`, and the step plan built from them.
+:class:`vllm_ext.request_state.RequestStateTable` (registered there as its
+:class:`vllm_ext.method_slots.MethodSlots`), and the step plan built from them.
 
 Per slot (device): the compact-segment slot (or -1), SFI on/off and ``k`` for the request, steps
 since the last slow step, whether a selection exists, the tokens selected at the last slow step, and
@@ -20,11 +21,14 @@ import torch
 from vllm_ext import metrics
 from vllm_ext.config import PER_REQUEST_FIELDS, ConfigError, SpeedSfiConfig, changed_fields
 from vllm_ext.device_counters import DeviceCounters
+from vllm_ext.host_staging import PinnedStaging
+from vllm_ext.method_slots import MethodSlots
+from vllm_ext.request_state import StepState
 from vllm_ext.sfi.prompt_tail import TailRow, kept_count, makes_prefill_selection, plan_prompt_tail
 from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_DENSE,
                                     STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                     STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW,
-                                    SfiPlanBuffers, SfiStep, plan_step)
+                                    SfiPlanBuffers, SfiStep, plan_step as plan_sfi_step)
 
 # what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
 # (kernel constants, buffer sizes, the schedule) and is refused loudly
@@ -50,7 +54,9 @@ STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
 
 
 
-class SfiSlotTables:
+class SfiSlotTables(MethodSlots):
+    name = "sfi"
+
     def __init__(self, n_slots: int, capacity: int, max_rows: int, config: SpeedSfiConfig,
                  trigger_lut: torch.Tensor | None, device: torch.device):
         self.config = config
@@ -79,6 +85,11 @@ class SfiSlotTables:
         self.slot_host: dict[int, int] = {}          # request slot -> compact slot
         self.k_host: dict[int, int] = {}
         self.first_computed: dict[int, int] = {}     # request slot -> first position it computed
+        # the fresh state of newly assigned slots, staged on the host until the next build
+        self._pending_resets: dict[int, tuple[int, int, bool]] = {}   # slot -> (compact slot, k, on)
+        self._reset_sfi_slot = PinnedStaging(n_slots, torch.int32, device)
+        self._reset_k = PinnedStaging(n_slots, torch.int32, device)
+        self._reset_on = PinnedStaging(n_slots, torch.bool, device)
 
     @property
     def stats(self) -> torch.Tensor:
@@ -140,15 +151,75 @@ class SfiSlotTables:
         if self.cfg.keep_prefill:
             self.n_kept.index_fill_(0, fresh, 0)
 
+    # ------------------------------------------------------------------ MethodSlots
+    def slot_assigned(self, slot: int, overrides: Mapping[str, Any] | None, *, resumed: bool) -> None:
+        sfi_slot, on, k = self.assign(slot, overrides)
+        self._pending_resets[slot] = (sfi_slot, k, on)
+        if resumed and slot in self.slot_host:
+            # vLLM preempts by recomputation: the KV of the generated tokens is recomputed by
+            # a dense prefill, not by the sparse decode steps that first wrote it
+            metrics.fallback("sfi_preempted", "a request decoding with SFI was preempted and "
+                             "resumes from a dense recompute of its context with a fresh "
+                             "selection: its later tokens can differ from an unpreempted run "
+                             "(preemption depends on other traffic; give the KV cache headroom "
+                             "or lower --max-num-seqs to avoid it)")
+
+    def slot_released(self, slot: int) -> None:
+        self.release(slot)
+        self._pending_resets.pop(slot, None)
+
+    def reset_slots(self, idx: torch.Tensor, slots: list[int]) -> None:
+        n = len(slots)
+        values = [self._pending_resets.pop(slot) for slot in slots]
+        self._reset_sfi_slot.np[:n] = [v[0] for v in values]
+        self._reset_k.np[:n] = [v[1] for v in values]
+        self._reset_on.np[:n] = [v[2] for v in values]
+        self.apply_resets(idx, self._reset_sfi_slot.copy_to_device(n), self._reset_k.copy_to_device(n),
+                          self._reset_on.copy_to_device(n))
+
+    def plan_step(self, step: StepState) -> SfiStep | None:
+        if step.seq_lens is None:
+            return None
+        # planned on every build, real or not: a CUDA-graph capture records the real SFI path
+        # over these buffers (its rows are padding, so they plan as dense)
+        num_reqs, num_rows = step.num_reqs, step.num_rows
+        sfi_rows = step.row_is_decode
+        if step.is_real and num_reqs:
+            # SFI decodes one-query rows only: a resumed request recomputing its generated
+            # tokens (several per row, all "decode") attends densely and leaves SFI state alone
+            qsl = step.query_start_loc
+            q_len = qsl[1:num_rows + 1] - qsl[:num_rows]
+            sfi_rows = step.row_is_decode * (q_len == 1)
+        plan = self.plan(row_slot=step.row_slot, row_last_token=step.row_last_token,
+                         row_is_decode=sfi_rows, seq_lens=step.seq_lens, block_table=step.block_table)
+        if step.is_real and step.host_geometry is not None and self.cfg.selector == "quest":
+            # quest: the prefill chunks write their pages' max/min of K; without keep_prefill
+            # there is no prefill-end selection (the first decode step selects)
+            plan.quest_pages = self.plan_quest_pages(
+                num_reqs=num_reqs, row_slots=step.row_slot_np, row_is_decode=step.row_is_decode_np,
+                host_geometry=step.host_geometry)
+        if step.is_real and step.host_geometry is not None and self.cfg.prefill_end_selection:
+            plan.prefill_end = self.plan_prefill_end(
+                num_reqs=num_reqs, row_slots=step.row_slot_np, row_is_decode=step.row_is_decode_np,
+                prompt_len=step.table.prompt_len_np, host_geometry=step.host_geometry,
+                row_slot_device=step.row_slot)
+        self.counters.publish()
+        return plan
+
+    def snapshot_fields(self, plan: SfiStep | None, row: int, slot: int) -> dict[str, Any]:
+        return {"steps_since_slow": int(self.steps_since_slow[slot]),
+                "mode": ("dense" if plan is None or not bool(plan.row_sparse[row]) else
+                         "slow" if bool(plan.row_slow[row]) else "fast")}
+
     # ------------------------------------------------------------------ per step (device)
     def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table) -> SfiStep:
-        step = plan_step(self.cfg, row_slot=row_slot, row_last_token=row_last_token,
-                         row_is_decode=row_is_decode, seq_lens=seq_lens,
-                         sfi_slot_of=self.sfi_slot_of, sfi_on=self.sfi_on, sfi_k=self.sfi_k,
-                         steps_since_slow=self.steps_since_slow, has_selection=self.has_selection,
-                         sel_count=self.sel_count, trigger_lut=self.trigger_lut, stats=self.stats,
-                         buffers=self.plan_buffers, block_table=block_table,
-                         trigger_state=self.trigger_state)
+        step = plan_sfi_step(self.cfg, row_slot=row_slot, row_last_token=row_last_token,
+                             row_is_decode=row_is_decode, seq_lens=seq_lens,
+                             sfi_slot_of=self.sfi_slot_of, sfi_on=self.sfi_on, sfi_k=self.sfi_k,
+                             steps_since_slow=self.steps_since_slow, has_selection=self.has_selection,
+                             sel_count=self.sel_count, trigger_lut=self.trigger_lut, stats=self.stats,
+                             buffers=self.plan_buffers, block_table=block_table,
+                             trigger_state=self.trigger_state)
         if self.cfg.selector == "quest":
             self._plan_page_updates(step, seq_lens)
         if self.cfg.keep_prefill:
