@@ -65,6 +65,11 @@ class SfiConfig:
     n_sink: int = 4
     n_recent: int = 256
     refresh: int = 32                  # a slow step at least every `refresh` decode steps
+    # not in the paper: the refresh budget starts at 1 decode step and doubles at every slow step up to
+    # `refresh` (slow steps at decode steps 1, 3, 7, 15, 31, then every `refresh` at most): an answer
+    # looks up what it needs in its first tokens, before its first sentence ends (bench/QUALITY.md,
+    # "The demo's question"). False = the paper's fixed budget.
+    refresh_warmup: bool = False
     w_prefill: int = 16                # prefill evidence window (last prompt queries)
     schedule: Literal["boundary", "periodic", "always_slow"] = "boundary"
     trigger_chars: tuple[str, ...] = (".", "?", "!", ";", "\n", "。", "？", "！")

@@ -38,10 +38,13 @@ SCHEDULES = [
     ("boundary", 0, "sentence_end", 0, False), ("boundary", 3, "sentence_end", 2, True),
     ("boundary", 0, "sentence_start", 0, True), ("boundary", 3, "sentence_start", 2, True),
     ("periodic", 0, "sentence_end", 0, True), ("periodic", 0, "sentence_start", 2, True),
-    ("always_slow", 0, "sentence_end", 0, True)]
+    ("always_slow", 0, "sentence_end", 0, True),
+    # sfi.refresh_warmup: per-slot budgets from 1 doubling up to refresh
+    ("boundary", 0, "sentence_end", 0, "warmup"), ("periodic", 0, "sentence_end", 0, "warmup")]
 # quest changes which rows select, not the trigger logic: boundary and periodic cases suffice
 # (always_slow is refused with quest)
-QUEST_SCHEDULES = [c for c in SCHEDULES if c[0] != "always_slow" and c[1:4] == (0, "sentence_end", 0)]
+QUEST_SCHEDULES = [c for c in SCHEDULES if c[0] != "always_slow" and c[1:4] == (0, "sentence_end", 0)
+                   and c[4] is True]
 
 
 @pytest.mark.parametrize("selector, schedule, gap, fire_at, cooldown, track",
@@ -56,7 +59,9 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, select
     lut[ENDERS] |= 1
     lut[SPACES] |= 2
     state = _state(n_slots, "cpu", gen)
-    if not track:
+    if track == "warmup":
+        state["refresh_gap"] = torch.randint(1, cfg.refresh + 1, (n_slots,), generator=gen, dtype=torch.int32)
+    elif not track:
         del state["trigger_state"]
         lut = lut & 1 != 0                 # today's bool LUT still works where no state is kept
     twin = {k: v.clone() for k, v in state.items()}
@@ -92,7 +97,7 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, select
                 f"step {step}: {name}"
         live = b_twin.slow_rows[:cap] >= 0
         assert torch.equal(b_twin.slow_block_table[:cap][live], b_kern.slow_block_table[:cap][live].cpu())
-        for name in ("steps_since_slow", "has_selection", "sel_count", "stats", "trigger_state"):
+        for name in ("steps_since_slow", "has_selection", "sel_count", "stats", "trigger_state", "refresh_gap"):
             if name in twin:
                 assert torch.equal(twin[name], kern[name].cpu()), f"step {step}: {name}"
         seq = seq + (dec.bool() & (seq > 0)).to(torch.int32)

@@ -22,29 +22,32 @@ def lut(device="cpu"):
 class Oracle:
     """The rules of vllm_ext.sfi.schedule, one slot at a time in plain Python."""
 
-    def __init__(self, schedule="boundary", refresh=4, min_gap=0):
-        self.schedule, self.refresh, self.min_gap = schedule, refresh, min_gap
-        self.steps, self.has = {}, {}
+    def __init__(self, schedule="boundary", refresh=4, min_gap=0, warmup=False):
+        self.schedule, self.refresh, self.min_gap, self.warmup = schedule, refresh, min_gap, warmup
+        self.steps, self.has, self.gap = {}, {}, {}
 
     def step(self, slot, token):
         nth = self.steps.get(slot, 0) + 1
+        gap = self.gap.get(slot, 1 if self.warmup else self.refresh)
         if self.schedule == "always_slow":
             slow = True
         else:
-            slow = nth >= self.refresh or not self.has.get(slot, False)
+            slow = nth >= gap or not self.has.get(slot, False)
             if self.schedule == "boundary" and token in (T, 9) and nth >= self.min_gap:
                 slow = True
+            if slow:
+                self.gap[slot] = min(2 * gap, self.refresh)
         self.steps[slot] = 0 if slow else nth
         return slow
 
 
-def run_stream(tokens, *, schedule="boundary", refresh=4, min_gap=0, has_selection=True):
+def run_stream(tokens, *, schedule="boundary", refresh=4, min_gap=0, has_selection=True, gap=None):
     steps = torch.zeros(1, dtype=torch.int32)
     has = torch.tensor([has_selection])
     out = []
     for tok in tokens:
         slow = decide_slow(torch.tensor([tok]), torch.tensor([0]), torch.tensor([True]), steps, has, lut(),
-                           schedule=schedule, refresh=refresh, min_boundary_gap=min_gap)
+                           schedule=schedule, refresh=refresh, min_boundary_gap=min_gap, refresh_gap=gap)
         if slow[0]:
             mark_selected(steps, has, torch.tensor([0]), slow)
         out.append(int(slow[0]))
@@ -121,12 +124,47 @@ def test_slot_reuse():
     assert has.tolist() == [False, True]
 
 
-@pytest.mark.parametrize("schedule", ["boundary", "periodic", "always_slow"])
-def test_random_streams_vs_oracle(schedule):
+def test_refresh_warmup_doubles_the_budget_up_to_refresh():
+    """``sfi.refresh_warmup``: the budget starts at 1 and doubles at each slow step up to ``refresh``:
+    slow at decode steps 1, 3, 7, 15, 31, then every ``refresh``; a sentence boundary's slow step
+    doubles it too; without the warm-up (gap = refresh) the schedule is the paper's."""
+    slow_at = lambda out: [i + 1 for i, s in enumerate(out) if s]
+    gap = torch.tensor([1], dtype=torch.int32)
+    out = run_stream([1] * 100, schedule="periodic", refresh=32, gap=gap)
+    assert slow_at(out) == [1, 3, 7, 15, 31, 63, 95]
+    assert gap.tolist() == [32]
+    gap = torch.tensor([1], dtype=torch.int32)
+    # the boundary at step 4 (its input token is a trigger) is a slow step: the next budget is 8
+    out = run_stream([1, 1, 1, T, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], refresh=16, gap=gap)
+    assert slow_at(out) == [1, 3, 4, 12]
+    assert run_stream([1] * 40, schedule="periodic", refresh=8, gap=torch.tensor([8], dtype=torch.int32)) \
+        == run_stream([1] * 40, schedule="periodic", refresh=8)
+
+
+def test_refresh_warmup_starts_again_for_a_reused_slot():
+    from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.sfi.slot_tables import SfiSlotTables
+
+    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 64, "refresh_warmup": True}})
+    tables = SfiSlotTables(3, 2, 2, cfg, None, torch.device("cpu"))
+    assert tables.refresh_gap.tolist() == [1, 1, 1]
+    tables.refresh_gap.fill_(32)
+    tables.apply_resets(torch.tensor([1]), torch.tensor([0], dtype=torch.int32),
+                        torch.tensor([64], dtype=torch.int32), torch.tensor([True]))
+    assert tables.refresh_gap.tolist() == [32, 1, 32]
+    paper = SfiSlotTables(3, 2, 2, SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 64}}), None,
+                          torch.device("cpu"))
+    assert paper.refresh_gap.tolist() == [32, 32, 32]
+
+
+@pytest.mark.parametrize("schedule, warmup", [("boundary", False), ("periodic", False), ("always_slow", False),
+                                              ("boundary", True), ("periodic", True)])
+def test_random_streams_vs_oracle(schedule, warmup):
     rng = random.Random(1)
     slots, refresh, min_gap = 6, 5, 2
-    oracle = Oracle(schedule, refresh, min_gap)
+    oracle = Oracle(schedule, refresh, min_gap, warmup)
     steps = torch.zeros(slots, dtype=torch.int32)
+    gap = torch.full((slots,), 1 if warmup else refresh, dtype=torch.int32)
     has = torch.zeros(slots, dtype=torch.bool)
     for slot in range(slots):
         if rng.random() < 0.5:
@@ -148,9 +186,12 @@ def test_random_streams_vs_oracle(schedule):
             else:
                 want.append(False)
         slow = decide_slow(torch.tensor(tokens), torch.tensor(slot_idx), torch.tensor(is_decode), steps, has,
-                           lut(), schedule=schedule, refresh=refresh, min_boundary_gap=min_gap)
+                           lut(), schedule=schedule, refresh=refresh, min_boundary_gap=min_gap,
+                           refresh_gap=gap)
         mark_selected(steps, has, torch.tensor(slot_idx), slow)
         assert slow.tolist() == want
+        if schedule != "always_slow":
+            assert gap.tolist() == [oracle.gap.get(s, 1 if warmup else refresh) for s in range(slots)]
         assert steps.tolist() == [oracle.steps.get(s, 0) for s in range(slots)]
 
 

@@ -41,12 +41,12 @@ if HAS_TRITON:
     @triton.jit
     def _plan_kernel(
         ROW_SLOT, ROW_TOK, ROW_DEC, SEQ,
-        SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS, TSTATE,
+        SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS, TSTATE, GAP,
         O_SLOW, O_FAST, O_SPARSE, O_DENSE, O_SFI_SLOT, O_K, O_RSTART, O_LO, O_HI, O_SCRATCH,
         O_PAGE_SLOT,
         S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT, S_COUNT,
         R, CAP, VOCAB, N_SINK, N_RECENT, REFRESH, MIN_GAP, COOLDOWN,
-        SCHEDULE: tl.constexpr, FIRE_AT: tl.constexpr, TRACK: tl.constexpr,
+        SCHEDULE: tl.constexpr, FIRE_AT: tl.constexpr, TRACK: tl.constexpr, HAS_GAP: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, QUEST: tl.constexpr,
     ):
         r = tl.arange(0, BLOCK_R)
@@ -65,7 +65,11 @@ if HAS_TRITON:
         if SCHEDULE == 2:
             slow = sparse
         else:
-            slow = (nth >= REFRESH) | (~has)
+            if HAS_GAP:
+                gap = tl.load(GAP + slot, mask=rm, other=0)
+                slow = (nth >= tl.minimum(gap, REFRESH)) | (~has)
+            else:
+                slow = (nth >= REFRESH) | (~has)
             if SCHEDULE == 0:
                 inside = (tok >= 0) & (tok < VOCAB)
                 bits = tl.load(LUT + tl.where(inside, tok, 0), mask=rm & inside, other=0).to(tl.int32)
@@ -106,6 +110,8 @@ if HAS_TRITON:
         # the schedule state: slow rows restart, fast rows count on, dense decode rows age too
         new_steps = tl.where(slow, 0, nth)
         tl.store(STEPS + slot, new_steps, mask=dec)
+        if HAS_GAP and SCHEDULE != 2:
+            tl.store(GAP + slot, tl.minimum(gap * 2, REFRESH), mask=slow)   # the budget doubles
         tl.store(HAS_SEL + slot, slow, mask=slow)
         n_sel = tl.minimum(k, tl.maximum(hi - lo, 0))
         old_sel = tl.load(SEL_COUNT + slot, mask=rm, other=0)
@@ -179,7 +185,8 @@ if HAS_TRITON:
 
 def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, seq_lens,
                      sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count,
-                     trigger_lut, stats, block_table=None, trigger_state=None) -> int:
+                     trigger_lut, stats, block_table=None, trigger_state=None,
+                     refresh_gap=None) -> int:
     """Launch the plan into ``buffers`` (a ``SfiPlanBuffers``); returns the row count."""
     rows = row_slot.shape[0]
     track = trigger_state is not None and cfg.schedule == "boundary"
@@ -192,12 +199,14 @@ def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, s
         row_slot, row_last_token, row_is_decode, seq_lens,
         sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count, trigger_lut, stats,
         trigger_state if track else steps_since_slow,     # (a placeholder pointer when not tracked)
+        refresh_gap if refresh_gap is not None else steps_since_slow,
         b.row_slow, b.row_fast, b.row_sparse, b.row_dense, b.row_sfi_slot, b.row_k,
         b.recent_start, b.allowed_lo, b.allowed_hi, b.row_scratch, b.row_page_slot,
         b.slow_rows, b.slow_seq, b.slow_lo, b.slow_hi, b.slow_k, b.slow_sfi_slot, b.slow_count,
         rows, cap, trigger_lut.shape[0], int(cfg.n_sink), int(cfg.n_recent), int(cfg.refresh),
         int(cfg.min_boundary_gap), int(cfg.sentence_cooldown),
         SCHEDULE=_SCHEDULE_CODE[cfg.schedule], FIRE_AT=_FIRE_AT_CODE[cfg.fire_at], TRACK=track,
+        HAS_GAP=refresh_gap is not None,
         BLOCK_R=block_r,
         BLOCK_S=max(16, next_pow2(cap)), QUEST=cfg.selector == "quest", num_warps=4)
     if block_table is not None:

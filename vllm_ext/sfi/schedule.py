@@ -11,6 +11,10 @@ Per-slot persistent state (one entry per stable request slot, allocated once):
 * ``has_selection [slots] bool``: the slot holds a selection (made at a slow step or at the end of
   prefill). False for a fresh slot, so its first decode step is slow unless prefill selected.
 
+* ``refresh_gap [slots] int32`` (optional): the slot's current refresh budget, at most ``refresh``. It
+  starts at ``refresh`` (the paper's schedule), or at 1 with ``refresh_warmup``, and doubles at every
+  slow step up to ``refresh``: with the warm-up, slow steps come at decode steps 1, 3, 7, 15, 31 and
+  then at least every ``refresh`` steps.
 * ``trigger_state [slots] int32`` (only needed with ``fire_at = "sentence_start"`` or a
   ``sentence_cooldown``): ``cooldown << 1 | armed``. 0 for a fresh slot (not armed, no cooldown).
 
@@ -23,7 +27,7 @@ Rules (``schedule``):
 * ``always_slow``: every decode step is slow (dense; the ablation's "disabled").
 
 "Refresh budget due" means this step is the ``refresh``-th decode step since the last slow step
-(``steps_since_slow + 1 >= refresh``): slow steps are never more than ``refresh`` decode steps apart,
+(``steps_since_slow + 1 >= refresh``; with ``refresh_gap``, ``>= refresh_gap[slot]``): slow steps are never more than ``refresh`` decode steps apart,
 at most ``refresh - 1`` fast steps run in a row, and ``periodic`` is slow exactly every ``refresh``
 steps (``refresh = 1`` is always slow). The boundary gap reads the same way: a trigger counts when
 ``steps_since_slow + 1 >= min_boundary_gap``.
@@ -125,6 +129,7 @@ def decide_slow(
     sentence_cooldown: int = 0,
     trigger_state: torch.Tensor | None = None,
     advance: torch.Tensor | None = None,
+    refresh_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decide slow/fast for each row of this step and advance ``steps_since_slow`` (and, with
     ``trigger_state``, the sentence-boundary state) in place.
@@ -144,6 +149,8 @@ def decide_slow(
       advance: ``[rows]`` bool, the rows whose token stream advances ``trigger_state`` (must include
         the ``is_decode`` rows; e.g. also the exactly-dense decode rows of SFI requests, which are
         never slow here). ``None`` = ``is_decode``.
+      refresh_gap: ``[slots]`` int32, each slot's refresh budget (``<= refresh``), doubled in place
+        (up to ``refresh``) at each slow step; ``None`` = ``refresh`` for every slot.
 
     Returns ``slow [rows]`` bool (False on non-decode rows). Decode rows must have distinct slots.
     """
@@ -160,7 +167,11 @@ def decide_slow(
     if schedule == "always_slow":
         slow = valid.clone()
     else:
-        due = nth >= refresh
+        if refresh_gap is None:
+            due = nth >= refresh
+        else:
+            gap = refresh_gap[slot]
+            due = nth >= torch.clamp(gap, max=refresh)
         no_sel = ~has_selection[slot].bool()
         slow = due | no_sel
         if schedule == "boundary":
@@ -179,6 +190,10 @@ def decide_slow(
             slow = slow | trig
         slow = slow & valid
     new = torch.where(slow, torch.zeros_like(steps), nth)
+    if refresh_gap is not None and schedule != "always_slow":
+        grown = torch.where(slow, torch.clamp(gap * 2, max=refresh), gap)
+        refresh_gap.index_put_((slot,), torch.where(valid, grown - gap, torch.zeros_like(gap))
+                               .to(refresh_gap.dtype), accumulate=True)
     # Add the change through accumulate=True: rows that are not decode rows add 0 to slot 0, which
     # is safe even when a real decode row also owns slot 0 (a plain scatter would race there).
     delta = torch.where(valid, new - steps, torch.zeros_like(steps)).to(steps_since_slow.dtype)

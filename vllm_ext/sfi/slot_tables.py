@@ -73,6 +73,9 @@ class SfiSlotTables(MethodSlots):
         self.steps_since_slow = torch.zeros(n_slots, **i32)
         self.has_selection = torch.zeros(n_slots, dtype=torch.bool, device=device)
         self.trigger_state = torch.zeros(n_slots, **i32)     # cooldown << 1 | armed; 0 = fresh
+        # the refresh budget of each slot (sfi.refresh_warmup: from 1, doubling at each slow step)
+        self.first_refresh_gap = 1 if self.cfg.refresh_warmup else self.cfg.refresh
+        self.refresh_gap = torch.full((n_slots,), self.first_refresh_gap, **i32)
         # quest: per compact slot (+ a scratch entry), the positions whose page max/min are written;
         # a fresh slot starts at 0, so its first decode row writes every page of a cached context
         self.page_upto = torch.zeros(capacity + 1, **i32)
@@ -145,6 +148,7 @@ class SfiSlotTables(MethodSlots):
         self.steps_since_slow.index_fill_(0, idx, 0)
         self.has_selection.index_fill_(0, idx, False)
         self.trigger_state.index_fill_(0, idx, 0)
+        self.refresh_gap.index_fill_(0, idx, self.first_refresh_gap)
         fresh = torch.where(sfi_slot >= 0, sfi_slot, self.capacity).long()
         if self.cfg.selector == "quest":
             self.page_upto.index_fill_(0, fresh, 0)
@@ -219,7 +223,7 @@ class SfiSlotTables(MethodSlots):
                              steps_since_slow=self.steps_since_slow, has_selection=self.has_selection,
                              sel_count=self.sel_count, trigger_lut=self.trigger_lut, stats=self.stats,
                              buffers=self.plan_buffers, block_table=block_table,
-                             trigger_state=self.trigger_state)
+                             trigger_state=self.trigger_state, refresh_gap=self.refresh_gap)
         if self.cfg.selector == "quest":
             self._plan_page_updates(step, seq_lens)
         if self.cfg.keep_prefill:

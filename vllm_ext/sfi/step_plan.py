@@ -144,7 +144,8 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
               has_selection: torch.Tensor, sel_count: torch.Tensor, trigger_lut: torch.Tensor,
               stats: torch.Tensor, buffers: SfiPlanBuffers | None = None,
               block_table: torch.Tensor | None = None,
-              trigger_state: torch.Tensor | None = None) -> SfiStep:
+              trigger_state: torch.Tensor | None = None,
+              refresh_gap: torch.Tensor | None = None) -> SfiStep:
     """Decide each row's mode, advance the per-slot schedule state in place, and (with ``buffers``)
     write the plan and the compacted slow list into the persistent buffers.
 
@@ -172,7 +173,8 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
                              sfi_slot_of=sfi_slot_of, sfi_on=sfi_on, sfi_k=sfi_k,
                              steps_since_slow=steps_since_slow, has_selection=has_selection,
                              sel_count=sel_count, trigger_lut=trigger_lut, stats=stats,
-                             block_table=block_table, trigger_state=trigger_state)
+                             block_table=block_table, trigger_state=trigger_state,
+                             refresh_gap=refresh_gap)
             return buffers.step_view(rows)
     slot = row_slot.long()
     t = seq_lens[:rows].to(torch.int32)
@@ -185,7 +187,7 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
                        trigger_lut, schedule=cfg.schedule, refresh=cfg.refresh,
                        min_boundary_gap=cfg.min_boundary_gap, fire_at=cfg.fire_at,
                        sentence_cooldown=cfg.sentence_cooldown, trigger_state=trigger_state,
-                       advance=on)
+                       advance=on, refresh_gap=refresh_gap)
     quest = cfg.selector == "quest"
     fast = sparse if quest else sparse & ~slow
     page_slot = torch.where(on, sfi_slot, -1).to(torch.int32)
