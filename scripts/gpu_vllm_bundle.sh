@@ -56,7 +56,7 @@ for n in 2_39 2_35 2_34 2_31 2_28 2_27 2_26 2_24 2_17; do PLAT+=(--platform "man
 PLAT+=(--platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
 
 # Compression: xz -9e (-9 for FlashAttention-3) by default; GPU_BUNDLE_XZ_LEVEL (e.g. -6) trades
-# size for build time (tests/test_gpu_bundle.py uses -6 on a fresh CI build: every folder still fits).
+# size for build time (tests/test_gpu_bundle.py uses -3 on a fresh CI build: every folder still fits).
 # Each archive remembers its level (cache/levels/) and is rebuilt when another is asked for.
 level_of() { echo "${GPU_BUNDLE_XZ_LEVEL:-$1}"; }
 mkdir -p "$C/levels"
