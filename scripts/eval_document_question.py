@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -74,17 +73,11 @@ def run_config(args, section, questions) -> dict:
 
 
 def _machine() -> str:
-    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from eval_quality import device_name
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores (vLLM CPU build)"
+    kind, name = device_name()
+    return name if kind == "cuda" else f"{name} (vLLM CPU build)"
 
 
 def main(argv=None):

@@ -27,9 +27,10 @@ Rules (``schedule``):
 * ``always_slow``: every decode step is slow (dense; the ablation's "disabled").
 
 "Refresh budget due" means this step is the ``refresh``-th decode step since the last slow step
-(``steps_since_slow + 1 >= refresh``; with ``refresh_gap``, ``>= refresh_gap[slot]``): slow steps are never more than ``refresh`` decode steps apart,
-at most ``refresh - 1`` fast steps run in a row, and ``periodic`` is slow exactly every ``refresh``
-steps (``refresh = 1`` is always slow). The boundary gap reads the same way: a trigger counts when
+(``steps_since_slow + 1 >= refresh``; with ``refresh_gap``, ``>= refresh_gap[slot]``): slow steps are
+never more than ``refresh`` decode steps apart, at most ``refresh - 1`` fast steps run in a row, and
+``periodic`` is slow exactly every ``refresh`` steps (``refresh = 1`` is always slow; the warm-up's
+first gaps are shorter). The boundary gap reads the same way: a trigger counts when
 ``steps_since_slow + 1 >= min_boundary_gap``.
 
 Sentence boundaries (``schedule = "boundary"``), on the previous sampled token ``tok`` of each row, with
