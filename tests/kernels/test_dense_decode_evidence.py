@@ -13,6 +13,8 @@ from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, SENTINEL, ass
                             reference_evidence, row_lengths)
 from vllm_ext.kernels.paged_reference import gather_kv
 from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence,
+                                                    dense_decode_with_evidence_batched,
+                                                    dense_decode_with_evidence_cpu,
                                                     dense_decode_with_evidence_torch,
                                                     dense_decode_workspace, paged_decode,
                                                     paged_decode_torch)
@@ -213,3 +215,29 @@ def test_evidence_count_driven_launch_equals_the_masked_grid(case):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert all(torch.all(t == SENTINEL) for t in results[2])
     assert torch.all(results[1][0][0] == SENTINEL) and not torch.all(results[1][0][5] == SENTINEL)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0])
+@pytest.mark.parametrize("case", FAST_CASES[:4], ids=case_id)
+def test_evidence_twin_cpu_form_equals_batched_form(case, alpha):
+    """The twin's two forms (per row on the CPU; batched, padded to the longest row, elsewhere)
+    write the same output, evidence and key norms, and leave the same entries untouched: batch
+    mode with padded / masked rows, and compact mode with unused entries."""
+    p = _problem(case, 51)
+    r = p["q"].shape[0]
+    for rows in (None, torch.tensor([3, 6, -1, 5, 0], dtype=torch.int32, device=DEVICE)):
+        n_ent = r if rows is None else rows.shape[0]
+        got = []
+        for fn in (dense_decode_with_evidence_cpu, dense_decode_with_evidence_batched):
+            out = torch.full_like(p["q"], SENTINEL)
+            ev = torch.full((n_ent, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
+            kn = torch.full((n_ent, p["hkv"], p["max_len"]), SENTINEL, device=DEVICE)
+            fn(p["q"], p["kv"], p["bt"], p["seq"], p["lo"], p["hi"], p["scale"], out, ev, p["mask"],
+               alpha, evidence_rows=rows, key_norms=kn)
+            got.append((out, ev, kn))
+        for a, b, what in zip(*got, ("out", "evidence", "key norms")):
+            assert torch.equal(a == SENTINEL, b == SENTINEL), f"{what}: different entries written"
+            assert torch.equal(torch.isinf(a), torch.isinf(b)), f"{what}: different -inf entries"
+            fin = torch.isfinite(a) & (a != SENTINEL)
+            torch.testing.assert_close(a[fin].float(), b[fin].float(), atol=2e-2, rtol=1e-2,
+                                       msg=f"{what} (alpha {alpha}, rows {rows})")
