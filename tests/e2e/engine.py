@@ -21,6 +21,7 @@ def engine(model: str, backend: str, *, multiprocessing: bool = False, triton_ke
 
     ``triton_kernels``: run SPEEDSFI's Triton kernels (interpreted on CPU) instead of their PyTorch
     twins; the twins are the default because the interpreter is slow."""
+    release_shared()                  # one in-process engine at a time (see shared_engine)
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",
                                             "SPEEDSFI_FORCE_TORCH_KERNELS")}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
@@ -57,6 +58,36 @@ def _engine(model: str, backend: str, **kwargs):
         cleanup_dist_env_and_memory()
 
 
+_SHARED: list = []            # [(key, context manager, llm)]: at most one
+
+
+def shared_engine(model: str, backend: str, **kwargs):
+    """``engine(model, backend, **kwargs)`` left open for the next caller with the same arguments, so
+    that tests of a module that need the same engine share its start-up (about 3 s on the CPU build).
+
+    One in-process engine at a time: ``engine()``, or a shared engine of other arguments, closes it
+    first; ``tests/e2e/conftest.py`` closes it at the end of each module. It is not fresh: a caller
+    that reads cumulative state (``table.sfi_stats``, the metrics providers, the prefix cache,
+    ``table.recorder``) takes differences or resets it (``llm.reset_prefix_cache()``)."""
+    import json
+
+    key = json.dumps([model, backend, kwargs], sort_keys=True, default=repr)
+    if _SHARED and _SHARED[0][0] == key:
+        return _SHARED[0][2]
+    release_shared()
+    cm = engine(model, backend, **kwargs)
+    llm = cm.__enter__()
+    _SHARED.append((key, cm, llm))
+    return llm
+
+
+def release_shared() -> None:
+    """Close the shared engine, if one is open."""
+    if _SHARED:
+        _, cm, _ = _SHARED.pop()
+        cm.__exit__(None, None, None)
+
+
 def greedy(llm, prompts: list[list[int]], max_tokens: int = 64, **params) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -73,20 +104,36 @@ def model_runner(llm):
     return worker.model_runner
 
 
-def run_recorded(model: str, sfi=None, prompts=None, max_tokens: int = 40, params=None, **kwargs):
+def run_recorded(model: str, sfi=None, prompts=None, max_tokens: int = 40, params=None, *,
+                 shared: bool = False, **kwargs):
     """One SPEEDSFI engine (``sfi``: the ``speedsfi.sfi`` section, None = every method off) on
-    ``prompts``: (greedy tokens, or those of ``params``; SFI counters; per-step host snapshots)."""
+    ``prompts``: (greedy tokens, or those of ``params``; SFI counters; per-step host snapshots).
+
+    ``shared``: on the shared engine of these arguments (``shared_engine``), its prefix cache emptied
+    first; the SFI counters are then this run's (the difference over the run)."""
+    extra = {"speedsfi": {"sfi": sfi}} if sfi is not None else {}
+    if shared:
+        llm = shared_engine(model, "SPEEDSFI", additional_config=extra, **kwargs)
+        assert llm.reset_prefix_cache()
+        return _recorded(llm, prompts, max_tokens, params, difference=True)
+    with engine(model, "SPEEDSFI", additional_config=extra, **kwargs) as llm:
+        return _recorded(llm, prompts, max_tokens, params)
+
+
+def _recorded(llm, prompts, max_tokens, params, difference=False):
     from vllm_ext.runner_hooks import table_of
 
-    extra = {"speedsfi": {"sfi": sfi}} if sfi is not None else {}
-    with engine(model, "SPEEDSFI", additional_config=extra, **kwargs) as llm:
-        table = table_of(model_runner(llm))
-        table.recorder = []
-        if params is None:
-            tokens = greedy(llm, prompts, max_tokens=max_tokens)
-        else:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            tokens = [list(o.outputs[0].token_ids) for o in outs]
-        stats = table.sfi_stats.tolist() if table.sfi is not None else None
-        records = table.recorder
+    table = table_of(model_runner(llm))
+    table.recorder = []
+    before = table.sfi_stats.tolist() if difference and table.sfi is not None else None
+    if params is None:
+        tokens = greedy(llm, prompts, max_tokens=max_tokens)
+    else:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+    stats = table.sfi_stats.tolist() if table.sfi is not None else None
+    if before is not None:
+        stats = [a - b for a, b in zip(stats, before)]
+    records = table.recorder
+    table.recorder = None
     return tokens, stats, records

@@ -17,6 +17,12 @@ def _run(model, sfi=None, max_tokens=40, params=None, prompts=PROMPTS, **kwargs)
     return run_recorded(model, sfi, prompts, max_tokens, params, **kwargs)
 
 
+def _run_small(model, **kwargs):
+    """SMALL on the engine shared by the tests that follow each other here (the small-budget test, the
+    per-request override test): this run's counters, the prefix cache emptied first."""
+    return _run(model, SMALL, shared=True, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def dense_tokens(tiny_models):
     return _run(tiny_models["qwen3"], None)[0]
@@ -29,7 +35,7 @@ def test_budget_covering_the_context_is_exactly_dense(tiny_models, dense_tokens)
 
 
 def test_small_budget_runs_fast_steps_with_the_configured_retention(tiny_models, dense_tokens):
-    tokens, stats, records = _run(tiny_models["qwen3"], SMALL)
+    tokens, stats, records = _run_small(tiny_models["qwen3"])          # the engine's first run
     assert stats[STAT_FAST] > stats[STAT_SLOW] > 0
     assert tokens != dense_tokens                      # the comparison is sensitive
     # every fast row keeps n_sink + k + n_recent of its t tokens (|A| > k for every row here)
@@ -43,6 +49,29 @@ def test_small_budget_runs_fast_steps_with_the_configured_retention(tiny_models,
     counts = metrics.snapshot()             # what the logs and /metrics report
     assert counts["sfi.fast_steps"] == stats[STAT_FAST] and counts["sfi.slow_steps"] == stats[STAT_SLOW]
     assert f"mean retained fraction {fraction:.3f}" in metrics.summary(counts)
+
+
+def test_per_request_override_and_capacity_fallback(tiny_models, dense_tokens):
+    from vllm import SamplingParams
+
+    from vllm_ext import metrics
+
+    # (the shared SMALL engine's runs first, while it is up: the engine below closes it)
+    unlimited, _, _ = _run_small(tiny_models["qwen3"])
+    # a request that turns SFI off decodes exactly like dense
+    off = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                         extra_args={"speedsfi": {"sfi": {"enabled": False}}})
+    tokens, stats, _ = _run_small(tiny_models["qwen3"], params=off)
+    assert tokens == dense_tokens and stats[STAT_FAST] == 0
+    metrics.reset()
+    # max_requests=1: one request holds the only compact slot; the scheduler holds the others in its
+    # queue until it frees (vllm_ext.scheduler_policy), so every request decodes with SFI and gives
+    # the tokens it gives with a slot for everyone
+    tokens, stats, records = _run(tiny_models["qwen3"], dict(SMALL, max_requests=1))
+    counts = metrics.snapshot()
+    assert counts.get("fallback.sfi_capacity", 0) == 0 and counts["sched.sfi_admission_waits"] > 0
+    assert max(len(step) for step in records) == 1             # one request in the engine at a time
+    assert tokens == unlimited
 
 
 def test_periodic_schedule_refreshes_every_r_steps(tiny_models):
@@ -64,28 +93,6 @@ def test_periodic_schedule_refreshes_every_r_steps(tiny_models):
 def test_always_slow_schedule_equals_dense(tiny_models, dense_tokens):
     tokens, stats, _ = _run(tiny_models["qwen3"], dict(SMALL, schedule="always_slow"))
     assert tokens == dense_tokens and stats[STAT_FAST] == 0 and stats[STAT_SLOW] > 0
-
-
-def test_per_request_override_and_capacity_fallback(tiny_models, dense_tokens):
-    from vllm import SamplingParams
-
-    from vllm_ext import metrics
-
-    metrics.reset()
-    # max_requests=1: one request holds the only compact slot; the scheduler holds the others in its
-    # queue until it frees (vllm_ext.scheduler_policy), so every request decodes with SFI and gives
-    # the tokens it gives with a slot for everyone
-    tokens, stats, records = _run(tiny_models["qwen3"], dict(SMALL, max_requests=1))
-    counts = metrics.snapshot()
-    assert counts.get("fallback.sfi_capacity", 0) == 0 and counts["sched.sfi_admission_waits"] > 0
-    assert max(len(step) for step in records) == 1             # one request in the engine at a time
-    unlimited, _, _ = _run(tiny_models["qwen3"], SMALL)
-    assert tokens == unlimited
-    # a request that turns SFI off decodes exactly like dense
-    off = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                         extra_args={"speedsfi": {"sfi": {"enabled": False}}})
-    tokens, stats, _ = _run(tiny_models["qwen3"], SMALL, params=off)
-    assert tokens == dense_tokens and stats[STAT_FAST] == 0
 
 
 def test_prefix_cache_hit_does_not_change_sfi_results(tiny_models):

@@ -5,7 +5,7 @@ block back after the run; composition with SFI."""
 
 import pytest
 
-from tests.e2e.engine import engine, greedy, model_runner, random_prompts
+from tests.e2e.engine import engine, greedy, model_runner, random_prompts, shared_engine
 from tests.speed.speed_reference import speed_greedy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -35,17 +35,85 @@ def _engine_state(llm):
     return core.scheduler.kv_cache_manager, llm.llm_engine.vllm_config.cache_config
 
 
+def _speed_engine(model):
+    """The SPEED engine (``_speed()``, prefix caching off) of ``model``, shared by the tests that follow
+    each other here (tests/e2e/engine.py ``shared_engine``): the capacity test, the abort test and
+    the reference test on Llama, the reference test and the masked test on Qwen3."""
+    return shared_engine(model, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False)
+
+
+def test_capacity_in_vllms_accounting(speed_models):
+    """vLLM's own capacity line: a prompt-dominated max_model_len request needs the lower
+    groups' blocks plus a few upper blocks, so concurrency grows by that block ratio."""
+    model = speed_models["llama"]
+    bs, max_len = 32, 1024
+    with engine(model, "SPEEDSFI", enable_prefix_caching=False) as llm:
+        _, dense_cache = _engine_state(llm)
+        dense = dense_cache.kv_cache_max_concurrency
+    llm = _speed_engine(model)
+    mgr, cache = _engine_state(llm)
+    groups = mgr.kv_cache_config.kv_cache_groups
+    from vllm_ext.speed.kv_spec import SpeedUpperSpec
+
+    upper = [g for g in groups if isinstance(g.kv_cache_spec, SpeedUpperSpec)]
+    assert len(upper) == 1 and len(groups) == LAYERS        # 3 lower groups of 1 layer + 1 upper
+    assert upper[0].layer_names == [f"model.layers.{L_CUT}.self_attn.attn"]
+    speed = cache.kv_cache_max_concurrency
+    # the pool is the same; blocks per max_model_len request: dense 4 x 32, SPEED 3 x 32 + 2
+    per_req_dense, per_req_speed = LAYERS * max_len // bs, L_CUT * max_len // bs + 2
+    assert speed / dense == pytest.approx(per_req_dense / per_req_speed, rel=1e-6)
+    # and a real prompt-dominated request holds exactly that many blocks
+    free0 = mgr.block_pool.get_num_free_blocks()
+    from vllm import SamplingParams
+
+    llm.llm_engine.add_request("long", {"prompt_token_ids": random_prompts((900,), seed=1)[0]},
+                               SamplingParams(max_tokens=3, temperature=0,
+                                              ignore_eos=True))
+    peak = 0
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+        peak = max(peak, free0 - mgr.block_pool.get_num_free_blocks())
+    # at its peak (decoding, 902 tokens) the request held 3 lower rows of 29 blocks and, in
+    # the upper group, block 0 and the block of P - 1 = 899
+    assert peak == L_CUT * -(-900 // bs) + 2
+    assert mgr.block_pool.get_num_free_blocks() == free0
+
+
+def test_prompt_logprobs_are_refused_and_abort_frees_both_groups(speed_models):
+    from vllm import SamplingParams
+
+    llm = _speed_engine(speed_models["llama"])
+    with pytest.raises(Exception, match="prompt_logprobs are not available with speedsfi.speed"):
+        greedy(llm, PROMPTS[:1], max_tokens=2, prompt_logprobs=1)
+    mgr, _ = _engine_state(llm)
+    free0 = mgr.block_pool.get_num_free_blocks()
+    eng = llm.llm_engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p},
+                        SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    for _ in range(4):                            # mid-prefill and mid-decode
+        eng.step()
+    assert mgr.block_pool.get_num_free_blocks() < free0
+    eng.abort_request([f"r{i}" for i in range(len(PROMPTS))])
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert mgr.block_pool.get_num_free_blocks() == free0
+    # the engine still answers exactly after the aborts
+    assert greedy(llm, PROMPTS[:2], max_tokens=MAX_TOKENS) == \
+        speed_greedy(speed_models["llama"], PROMPTS[:2], MAX_TOKENS, L_CUT)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_speed_equals_the_visibility_reference(speed_models, arch):
     from vllm_ext import metrics
 
     model = speed_models[arch]
     before = metrics.snapshot()
-    with engine(model, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False) as llm:
-        mgr, _ = _engine_state(llm)
-        free0 = mgr.block_pool.get_num_free_blocks()
-        tokens = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
-        assert mgr.block_pool.get_num_free_blocks() == free0      # both groups gave back every block
+    llm = _speed_engine(model)
+    mgr, _ = _engine_state(llm)
+    free0 = mgr.block_pool.get_num_free_blocks()
+    tokens = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
+    assert mgr.block_pool.get_num_free_blocks() == free0      # both groups gave back every block
     after = metrics.snapshot()
     ref = speed_greedy(model, PROMPTS, MAX_TOKENS, L_CUT)
     assert tokens == ref
@@ -65,8 +133,7 @@ def test_masked_upper_stack_without_token_dropping_is_the_same(speed_models, mon
 
     monkeypatch.setattr(upper_stack, "_current_plan", lambda: None)
     model = speed_models["qwen3"]
-    with engine(model, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False) as llm:
-        tokens = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
+    tokens = greedy(_speed_engine(model), PROMPTS, max_tokens=MAX_TOKENS)
     assert tokens == speed_greedy(model, PROMPTS, MAX_TOKENS, L_CUT)
 
 
@@ -87,43 +154,6 @@ def test_l_cut_at_the_top_is_dense(speed_models):
     with engine(model, "SPEEDSFI", enable_prefix_caching=False) as llm:
         dense = greedy(llm, PROMPTS, max_tokens=MAX_TOKENS)
     assert tokens == dense
-
-
-def test_capacity_in_vllms_accounting(speed_models):
-    """vLLM's own capacity line: a prompt-dominated max_model_len request needs the lower
-    groups' blocks plus a few upper blocks, so concurrency grows by that block ratio."""
-    model = speed_models["llama"]
-    bs, max_len = 32, 1024
-    with engine(model, "SPEEDSFI", enable_prefix_caching=False) as llm:
-        _, dense_cache = _engine_state(llm)
-        dense = dense_cache.kv_cache_max_concurrency
-    with engine(model, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False) as llm:
-        mgr, cache = _engine_state(llm)
-        groups = mgr.kv_cache_config.kv_cache_groups
-        from vllm_ext.speed.kv_spec import SpeedUpperSpec
-
-        upper = [g for g in groups if isinstance(g.kv_cache_spec, SpeedUpperSpec)]
-        assert len(upper) == 1 and len(groups) == LAYERS        # 3 lower groups of 1 layer + 1 upper
-        assert upper[0].layer_names == [f"model.layers.{L_CUT}.self_attn.attn"]
-        speed = cache.kv_cache_max_concurrency
-        # the pool is the same; blocks per max_model_len request: dense 4 x 32, SPEED 3 x 32 + 2
-        per_req_dense, per_req_speed = LAYERS * max_len // bs, L_CUT * max_len // bs + 2
-        assert speed / dense == pytest.approx(per_req_dense / per_req_speed, rel=1e-6)
-        # and a real prompt-dominated request holds exactly that many blocks
-        free0 = mgr.block_pool.get_num_free_blocks()
-        from vllm import SamplingParams
-
-        llm.llm_engine.add_request("long", {"prompt_token_ids": random_prompts((900,), seed=1)[0]},
-                                   SamplingParams(max_tokens=3, temperature=0,
-                                                  ignore_eos=True))
-        peak = 0
-        while llm.llm_engine.has_unfinished_requests():
-            llm.llm_engine.step()
-            peak = max(peak, free0 - mgr.block_pool.get_num_free_blocks())
-        # at its peak (decoding, 902 tokens) the request held 3 lower rows of 29 blocks and, in
-        # the upper group, block 0 and the block of P - 1 = 899
-        assert peak == L_CUT * -(-900 // bs) + 2
-        assert mgr.block_pool.get_num_free_blocks() == free0
 
 
 def test_speed_with_sfi_runs_sfi_in_the_lower_layers(speed_models):
@@ -166,31 +196,6 @@ def test_speed_refuses_models_outside_its_families(tmp_path, speed_models):
                                         "Qwen3ForCausalLM families; this model is GPT2LMHeadModel"):
         with engine(path, "SPEEDSFI", additional_config=_speed(), enable_prefix_caching=False):
             pass
-
-
-def test_prompt_logprobs_are_refused_and_abort_frees_both_groups(speed_models):
-    from vllm import SamplingParams
-
-    with engine(speed_models["llama"], "SPEEDSFI", additional_config=_speed(),
-                enable_prefix_caching=False) as llm:
-        with pytest.raises(Exception, match="prompt_logprobs are not available with speedsfi.speed"):
-            greedy(llm, PROMPTS[:1], max_tokens=2, prompt_logprobs=1)
-        mgr, _ = _engine_state(llm)
-        free0 = mgr.block_pool.get_num_free_blocks()
-        eng = llm.llm_engine
-        for i, p in enumerate(PROMPTS):
-            eng.add_request(f"r{i}", {"prompt_token_ids": p},
-                            SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-        for _ in range(4):                            # mid-prefill and mid-decode
-            eng.step()
-        assert mgr.block_pool.get_num_free_blocks() < free0
-        eng.abort_request([f"r{i}" for i in range(len(PROMPTS))])
-        while eng.has_unfinished_requests():
-            eng.step()
-        assert mgr.block_pool.get_num_free_blocks() == free0
-        # the engine still answers exactly after the aborts
-        assert greedy(llm, PROMPTS[:2], max_tokens=MAX_TOKENS) == \
-            speed_greedy(speed_models["llama"], PROMPTS[:2], MAX_TOKENS, L_CUT)
 
 
 def test_speed_with_critiprefill_sparsifies_only_the_lower_layers(speed_models):
