@@ -17,8 +17,8 @@ QUEST = {"enabled": True, "selector": "quest", "page_size": 8, "k": 16, "k_min":
 QUEST_KEEP = dict(QUEST, keep_prefill=8, select_span=2, select_span_back=1)
 
 
-def _run(model, sfi=None, max_tokens=24):
-    return run_recorded(model, sfi, PROMPTS, max_tokens)
+def _run(model, sfi=None, max_tokens=24, **kwargs):
+    return run_recorded(model, sfi, PROMPTS, max_tokens, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +32,10 @@ def test_quest_budget_covering_the_context_is_exactly_dense(tiny_models, dense_t
     assert stats[STAT_FAST] == stats[STAT_SLOW] == 0 and stats[STAT_DENSE] > 0
 
 
-@pytest.mark.parametrize("refresh", [1, 4])
+# refresh 1 last: its engine (QUEST itself) is shared with the next test's plain run
+@pytest.mark.parametrize("refresh", [4, 1])
 def test_quest_small_budget_counts_its_rows(tiny_models, dense_tokens, refresh):
-    tokens, stats, records = _run(tiny_models["qwen3"], dict(QUEST, refresh=refresh))
+    tokens, stats, records = _run(tiny_models["qwen3"], dict(QUEST, refresh=refresh), shared=True)
     assert tokens != dense_tokens                      # the comparison is sensitive
     assert stats[STAT_PREFILL_END] == 0                # the first decode step selects
     views = [v for step in records for v in step.values() if v["mode"] in ("slow", "fast")]
@@ -51,8 +52,8 @@ def test_quest_small_budget_counts_its_rows(tiny_models, dense_tokens, refresh):
 
 
 def test_quest_with_kept_prefill_selection(tiny_models, dense_tokens):
+    plain, _, _ = _run(tiny_models["qwen3"], QUEST, shared=True)       # the engine of the test above
     tokens, stats, records = _run(tiny_models["qwen3"], QUEST_KEEP)
-    plain, _, _ = _run(tiny_models["qwen3"], QUEST)
     assert tokens != dense_tokens and tokens != plain        # the kept tokens change what is read
     assert stats[STAT_PREFILL_END] == len(PROMPTS)           # every prompt is longer than 4 + 16 + 16
     views = [v for step in records for v in step.values() if v["mode"] in ("slow", "fast")]
