@@ -4,9 +4,11 @@ every step-dependent decision comes from the step plan in the metadata (built by
 Dense path (every method off, and whatever a method leaves dense):
 - CUDA: vLLM's own Triton attention (``TritonAttentionImpl``) for the KV write and the attention, so
   output is identical to ``--attention-backend TRITON_ATTN``;
-- CPU build: with every method off, vLLM's own ``CPU_ATTN`` ops on their packed cache
-  (``vllm_ext.backend.cpu_dense``), identical to ``CPU_ATTN``; with a method on,
-  ``vllm_ext.kernels.paged_reference`` (PyTorch) over our layout.
+- CPU build: vLLM's own ``CPU_ATTN`` ops on their packed cache (``vllm_ext.backend.cpu_dense``):
+  the whole layer with every method off (identical to ``CPU_ATTN``), the K/V write and the dense
+  rows with a method on, while our PyTorch twins read the same pages through
+  ``vllm_ext.kernels.packed_pages.PackedPages``; where that packing is unreadable (AMX, Arm),
+  ``vllm_ext.kernels.paged_reference`` (PyTorch) over our layout (a counted fallback).
 Both write K/V themselves (``forward_includes_kv_cache_update``) and read the cache through strides.
 
 SFI (``speedsfi.sfi.enabled``): decode rows follow the step plan (dense / slow / fast, decided on the
@@ -205,7 +207,7 @@ class SpeedSfiImpl(AttentionImpl):
                                        "computes no decode rows itself")
                 return self._prefill_attention(layer, query, key, value, kv_cache, md, output)
             return self._forward_sfi_cuda(layer, query, key, value, kv_cache, md, output, sfi)
-        paged_reference.write_kv(kv_cache, key, value, md.slot_mapping)
+        self._write_kv(layer, kv_cache, key, value, md.slot_mapping)
         sfi_rows = None
         if sfi is not None and md.num_decodes:
             # decode rows that SFI computes itself this step (slow: the evidence pass writes their
@@ -273,9 +275,7 @@ class SpeedSfiImpl(AttentionImpl):
             seq_lens = md.seq_lens_host[:rows]
             if skip_rows:
                 seq_lens = [0 if i < len(skip_rows) and skip_rows[i] else n for i, n in enumerate(seq_lens)]
-            paged_reference.dense_paged_attention(query, kv_cache, md.block_table,
-                                                  md.query_start_loc_host[:rows + 1],
-                                                  seq_lens, self.scale, output)
+            self._dense_rows(layer, query, kv_cache, md, rows, seq_lens, output)
             if rc is not None:
                 rc.add(row_counters.DELEGATE, rows - sum(bool(x) for x in (skip_rows or [])[:rows]))
         if cp is not None:
@@ -287,6 +287,18 @@ class SpeedSfiImpl(AttentionImpl):
             if rc is not None:
                 rc.add(row_counters.CRITIPREFILL, md.num_reqs - cp.first_row)
         return output
+
+    def _write_kv(self, layer, kv_cache, key, value, slot_mapping) -> None:
+        """K/V into the cache on the CPU build (the CUDA path writes through the delegate)."""
+        paged_reference.write_kv(kv_cache, key, value, slot_mapping)
+
+    def _dense_rows(self, layer, query, kv_cache, md, rows: int, seq_lens: list[int],
+                    output) -> None:
+        """The CPU build's dense attention of the first ``rows`` rows (``seq_lens``: host list, 0 =
+        a row computed elsewhere)."""
+        paged_reference.dense_paged_attention(query, kv_cache, md.block_table,
+                                              md.query_start_loc_host[:rows + 1], seq_lens,
+                                              self.scale, output)
 
     def _sfi_prefill_end(self, query, kv_cache, md, sfi) -> None:
         if sfi.quest_pages is not None:
@@ -343,7 +355,7 @@ class SpeedSfiImpl(AttentionImpl):
         if self._dense is not None:
             self._dense.do_kv_cache_update(layer, key, value, kv_cache, slots)
         else:
-            paged_reference.write_kv(kv_cache, key, value, slots)
+            self._write_kv(layer, kv_cache, key, value, slots)
         speed_attention(query[:n], kv_cache, md.block_table, rows, positions, sp.tail_start,
                         sp.anchor_end, sp.self_only, self.scale, output[:n])
         return output

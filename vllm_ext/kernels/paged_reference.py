@@ -4,8 +4,12 @@ The cache of one layer is vLLM 0.32's logical view ``[num_blocks, num_kv_heads, 
 (K in ``[..., :D]``, V in ``[..., D:]``) with whatever physical strides the resolved ``KVCacheLayout``
 gives. Everything here indexes through that view, so every layout works.
 
-This is the CPU build's dense path when a method is on (with every method off the CPU build runs
-vLLM's ``CPU_ATTN`` kernels on their own cache format: ``vllm_ext.backend.cpu_dense``) and the
+On the CPU build the cache can also be a :class:`~vllm_ext.kernels.packed_pages.PackedPages`
+(vLLM's ``CPU_ATTN`` page packing, K transposed per page): every function here reads it through its
+K and V views, so the twins above them read either format.
+
+This is the CPU build's dense path where ``CPU_ATTN``'s kernel cannot run (the dense rows of a
+method-on step run ``CPU_ATTN`` on packed pages: ``vllm_ext.backend.cpu_dense``) and the
 reference every kernel test compares with. It runs a Python loop over requests (CPU only; the CUDA
 path never runs it on a hot path).
 """
@@ -14,9 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ext.kernels.packed_pages import PackedPages
 
-def split_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+def split_kv(kv_cache: torch.Tensor | PackedPages) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, H, N, 2D]`` -> K and V views ``[B, H, N, D]`` each (no copy)."""
+    if isinstance(kv_cache, PackedPages):
+        return kv_cache.k, kv_cache.v
     d = kv_cache.shape[-1] // 2
     return kv_cache[..., :d], kv_cache[..., d:]
 
@@ -42,6 +50,10 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if slots.numel() == 0:
             return
     blk, off = slots // block_size, slots % block_size
+    if isinstance(kv_cache, PackedPages):
+        kv_cache.k[blk, :, off] = k.to(kv_cache.dtype)
+        kv_cache.v[blk, :, off] = v.to(kv_cache.dtype)
+        return
     flat = _entries_view(kv_cache)
     if flat is None:
         kv_cache[blk, :, off, :d] = k.to(kv_cache.dtype)
@@ -77,6 +89,13 @@ def gather_entries(kv_cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Te
     Needs a unit last stride. ``width`` defaults to the whole entry (``2 * head_size``)."""
     c = kv_cache.shape[-1]
     width = c - start if width is None else width
+    if isinstance(kv_cache, PackedPages):
+        d = c // 2
+        if start + width <= d:
+            return kv_cache.k[blocks, heads, offsets][..., start:start + width]
+        if start >= d:
+            return kv_cache.v[blocks, heads, offsets][..., start - d:start - d + width]
+        return kv_cache[blocks, heads, offsets][..., start:start + width]
     if kv_cache.stride(-1) != 1 or kv_cache.numel() == 0:
         return kv_cache[blocks, heads, offsets, start:start + width]
     s0, s1, s2 = kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)
@@ -181,7 +200,17 @@ def gather_prefix_into(kv_cache: torch.Tensor, block_table_row: torch.Tensor, le
                 break
     buf = _scratch_buffer(h * n_blocks * block_size * c, dtype, kv_cache.device)
     buf = buf.view(h, n_blocks, block_size, c)
-    if len(runs) > _MAX_RUNS:
+    if isinstance(kv_cache, PackedPages):
+        # K and V from their own views (K transposed per page): two transposing, converting copies
+        if len(runs) > _MAX_RUNS:
+            idx = block_table_row[:n_blocks].long()
+            buf[..., :d].copy_(kv_cache.k.index_select(0, idx).transpose(0, 1))
+            buf[..., d:].copy_(kv_cache.v.index_select(0, idx).transpose(0, 1))
+        else:
+            for a, b in runs:
+                buf[:, a:b, :, :d].copy_(kv_cache.k[ids[a]:ids[a] + (b - a)].transpose(0, 1))
+                buf[:, a:b, :, d:].copy_(kv_cache.v[ids[a]:ids[a] + (b - a)].transpose(0, 1))
+    elif len(runs) > _MAX_RUNS:
         # scattered blocks: one gather in the cache dtype, then one transposing, converting copy
         buf.copy_(kv_cache.index_select(0, block_table_row[:n_blocks].long()).transpose(0, 1))
     else:

@@ -1,0 +1,204 @@
+"""PackedPages: vLLM CPU_ATTN's packed KV pages (K transposed per page) read as the logical cache.
+
+- the packing itself, as PackedPages understands it, and as vLLM's own write op produces it (the
+  contract the CPU build relies on before it uses the format);
+- every paged_reference primitive reads and writes the same entries through PackedPages as through
+  the logical tensor;
+- the CPU twins the SFI / CritiPrefill paths run give bit-identical results on both formats.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernel_testlib import blocks_needed, make_block_table, make_kv_cache, make_sfi_rows
+from vllm_ext.kernels import paged_reference as pr
+from vllm_ext.kernels.packed_pages import PackedPages, is_packed, layout_matches
+
+CASES = [(16, 64, torch.bfloat16), (32, 64, torch.float32), (16, 32, torch.float16)]
+
+
+def pack(kv: torch.Tensor) -> PackedPages:
+    """A PackedPages holding the entries of a logical cache (any strides)."""
+    nb, h, bs, c = kv.shape
+    d = c // 2
+    pages = PackedPages(torch.empty(nb, h, bs, c, dtype=kv.dtype))
+    pages.k.copy_(kv[..., :d])
+    pages.v.copy_(kv[..., d:])
+    return pages
+
+
+def _cache(bs, d, dtype, seed=0, nb=9, h=2):
+    gen = torch.Generator().manual_seed(seed)
+    return make_kv_cache("LBHNC", nb, h, bs, d, dtype, device="cpu", gen=gen), gen
+
+
+@pytest.mark.parametrize("bs,d,dtype", CASES)
+def test_page_is_k_transposed_then_v(bs, d, dtype):
+    kv, _ = _cache(bs, d, dtype)
+    pages = pack(kv)
+    assert is_packed(pages) and not is_packed(kv)
+    for b, h in ((0, 0), (4, 1), (8, 1)):
+        flat = pages.raw[b, h].reshape(-1)
+        torch.testing.assert_close(flat[:bs * d].view(d, bs), kv[b, h, :, :d].T, rtol=0, atol=0)
+        torch.testing.assert_close(flat[bs * d:].view(bs, d), kv[b, h, :, d:], rtol=0, atol=0)
+    # CPU_ATTN's own arguments: K pages then V pages, [blocks, Hkv, block_size, D] each
+    assert pages.key_cache.shape == pages.value_cache.shape == (kv.shape[0], kv.shape[1], bs, d)
+    assert pages.value_cache.data_ptr() - pages.key_cache.data_ptr() == bs * d * kv.element_size()
+
+
+def _vllm_cpu_ops():
+    try:
+        from vllm import _custom_ops as ops
+        return ops if hasattr(torch.ops._C, "cpu_attn_reshape_and_cache") else None
+    except Exception:                                   # noqa: BLE001 - no vLLM CPU build here
+        return None
+
+
+@pytest.mark.parametrize("isa,bs", [("vec", 32), ("vec16", 16), ("vec16", 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_vllm_cpu_attn_writes_what_packed_pages_reads(isa, bs, dtype):
+    """The contract with vLLM's CPU build: its write op stores K/V where PackedPages reads them
+    (the backend checks the same at its first forward before it uses the format)."""
+    ops = _vllm_cpu_ops()
+    if ops is None:
+        pytest.skip("needs vLLM's CPU build (cpu_attn ops)")
+
+    def write(k, v, kc, vc, slots):
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+
+    assert layout_matches(write, bs, 64, dtype)
+
+
+def test_layout_check_rejects_another_packing():
+    """The start-up check fails on a write that stores the logical layout (K not transposed)."""
+    def logical_write(k, v, kc, vc, slots):
+        nb, h, bs, d = kc.shape
+        raw = kc.as_strided((nb, h, bs, 2 * d), (h * 2 * bs * d, 2 * bs * d, 2 * d, 1),
+                            kc.storage_offset())
+        pr.write_kv(raw, k, v, slots)
+
+    assert not layout_matches(logical_write, 16, 64, torch.float32)
+
+
+@pytest.mark.parametrize("bs,d,dtype", CASES)
+def test_primitives_read_the_same_entries(bs, d, dtype):
+    kv, gen = _cache(bs, d, dtype)
+    pages = pack(kv)
+    nb, h = kv.shape[:2]
+    ks, vs = pr.split_kv(pages)
+    assert torch.equal(ks, kv[..., :d]) and torch.equal(vs, kv[..., d:])
+    blocks = torch.randint(0, nb, (7,), generator=gen)
+    heads = torch.randint(0, h, (7,), generator=gen)
+    offs = torch.randint(0, bs, (7,), generator=gen)
+    assert torch.equal(pages[blocks, :, offs], kv[blocks, :, offs])
+    assert torch.equal(pages[blocks, heads, offs], kv[blocks, heads, offs])
+    assert torch.equal(pages[3], kv[3])
+    assert torch.equal(pages.index_select(0, blocks), kv.index_select(0, blocks))
+    for width, start in ((None, 0), (d, 0), (d, d), (d // 2, d // 4), (d, d // 2)):
+        assert torch.equal(pr.gather_entries(pages, blocks[:, None], heads[None, :2], offs[:, None],
+                                             width, start),
+                           pr.gather_entries(kv, blocks[:, None], heads[None, :2], offs[:, None],
+                                             width, start)), (width, start)
+    row = torch.randperm(nb, generator=gen).to(torch.int32)
+    pos = torch.tensor([0, 3, bs, 2 * bs + 1, 5 * bs - 1])
+    for a, b in zip(pr.gather_kv(pages, row, pos), pr.gather_kv(kv, row, pos)):
+        assert torch.equal(a, b)
+    length = 4 * bs - 3
+    for a, b in zip(pr.gather_prefix(pages, row, length), pr.gather_prefix(kv, row, length)):
+        assert torch.equal(a, b)
+    # runs of consecutive blocks, and scattered blocks (one index_select)
+    for table in (torch.arange(nb, dtype=torch.int32), row):
+        got = [t.clone() for t in pr.gather_prefix_into(pages, table, length, torch.float32)]
+        want = pr.gather_prefix_into(kv, table, length, torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("bs,d,dtype", CASES)
+def test_write_kv_stores_the_same_entries(bs, d, dtype):
+    kv, gen = _cache(bs, d, dtype)
+    pages = pack(kv)
+    n = 2 * bs + 3
+    key = torch.randn(n + 2, kv.shape[1], d, generator=gen).to(dtype)
+    value = torch.randn(n + 2, kv.shape[1], d, generator=gen).to(dtype)
+    slots = torch.randperm(kv.shape[0] * bs, generator=gen)[:n]
+    slots[4] = -1                                       # vLLM's padding slot: skipped
+    pr.write_kv(kv, key, value, slots)
+    pr.write_kv(pages, key, value, slots)
+    assert torch.equal(pages.k, kv[..., :d]) and torch.equal(pages.v, kv[..., d:])
+
+
+def test_dense_paged_attention_is_the_same_on_both_formats():
+    bs, d, g = 16, 64, 3
+    kv, gen = _cache(bs, d, torch.float32, nb=20)
+    pages = pack(kv)
+    lens = [37, 70, 1]
+    bt = make_block_table(lens, bs, 6, kv.shape[0], gen)
+    q_lens = [1, 9, 1]                                   # decode, a chunk after a prefix, decode
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    query = torch.randn(qsl[-1], g * kv.shape[1], d, generator=gen)
+    outs = []
+    for cache in (kv, pages):
+        out = torch.zeros_like(query)
+        pr.dense_paged_attention(query, cache, bt, qsl, lens, 1 / math.sqrt(d), out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sfi_cpu_twins_are_the_same_on_both_formats(dtype):
+    from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence_cpu
+    from vllm_ext.kernels.gather_compact import gather_compact_cpu
+    from vllm_ext.kernels.two_segment_decode import two_segment_decode_torch
+
+    rows = make_sfi_rows(seq_lens=[70, 33, 120, 0], active=[True, True, False, True], g=3, hkv=2,
+                         d=64, bs=16, dtype=dtype, layout="LBHNC", n_recent=20, k=12, seed=3)
+    pages = pack(rows.kv_cache)
+    results = []
+    for cache in (rows.kv_cache, pages):
+        out = torch.zeros_like(rows.query)
+        two_segment_decode_torch(rows.query, cache, rows.block_table, rows.seq_lens, rows.recent_start,
+                                 rows.compact_kv, rows.compact_len, rows.slot_idx, rows.scale, out,
+                                 rows.row_mask, max_recent=20)
+        ckv = torch.zeros_like(rows.compact_kv)
+        clen = torch.zeros_like(rows.compact_len)
+        gather_compact_cpu(cache, rows.block_table, rows.slot_idx, rows.selected, rows.n_sel, rows.n_sink,
+                           ckv, clen, rows.row_mask, seq_lens=rows.seq_lens)
+        dense = torch.zeros_like(rows.query)
+        ev = torch.full((4, 2, 128), 7.0)
+        kn = torch.full((4, 2, 128), 7.0)
+        lo = torch.full((4,), 4, dtype=torch.int32)
+        dense_decode_with_evidence_cpu(rows.query, cache, rows.block_table, rows.seq_lens, lo,
+                                       rows.recent_start, rows.scale, dense, ev, rows.row_mask,
+                                       evidence_rows=torch.tensor([2, 0, -1, 1], dtype=torch.int32),
+                                       key_norms=kn)
+        results.append((out, ckv, clen, dense, ev, kn))
+    for a, b, what in zip(*results, ("two-segment", "compact", "compact_len", "dense", "evidence",
+                                     "key norms")):
+        assert torch.equal(a, b), what
+
+
+def test_block_representatives_are_the_same_on_both_formats():
+    from vllm_ext.kernels.block_representatives import (block_representatives_torch,
+                                                        update_block_representatives_from_torch)
+
+    bs = 16
+    kv, gen = _cache(bs, 64, torch.bfloat16, nb=24)
+    pages = pack(kv)
+    lens = [100, 33]
+    bt = make_block_table(lens, bs, 8, kv.shape[0], gen)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    a = block_representatives_torch(kv, bt, seq, 32, 4)
+    b = block_representatives_torch(pages, bt, seq, 32, 4)
+    assert torch.equal(a, b)
+    first = torch.tensor([1, 0], dtype=torch.int32)
+    slot = torch.tensor([1, 0], dtype=torch.int32)
+    reps = [torch.zeros(3, 2, 4, 2, 64) for _ in range(2)]
+    for cache, r in zip((kv, pages), reps):
+        update_block_representatives_from_torch(cache, bt, seq, first, 32, r, slot)
+    assert torch.equal(reps[0], reps[1])
+    assert blocks_needed(lens, bs) <= kv.shape[0]
