@@ -1,5 +1,6 @@
 """Per-step thread CPU time (time.thread_time: robust to other jobs on a shared machine, unlike wall time)
-of the prefill step and of each decode step, per configuration of bench_cpu_vllm (same engine settings, bf16).
+of the prefill step and of each decode step, per configuration of bench_cpu_vllm (same engine settings, bf16):
+the decode steps' median (the typical step: SFI's fast steps) and mean (every step, SFI's slow steps included).
 usage: bench/bench_cpu_steps.py CONFIGS LENGTH DTYPE [PROFILE_CONFIG]   (env DECODE: decode steps, PROF_PREFILL=1,
 ROWS_OUT=path: append one JSON line per request)
 
@@ -51,12 +52,13 @@ for name in configs:
         pre = sum(steps[:-N]) if len(steps) > N else steps[0]
         dec = steps[-N + 1:]
         print(f"{name} rep{rep}: prefill cpu {pre:.3f}s  decode cpu median {1e3*statistics.median(dec):.1f} ms "
-              f"min {1e3*min(dec):.1f} ms  steps {len(steps)}", flush=True)
-        res[name] = (pre, statistics.median(dec))
+              f"mean {1e3*statistics.mean(dec):.1f} ms min {1e3*min(dec):.1f} ms  steps {len(steps)}", flush=True)
+        res[name] = (pre, statistics.median(dec), statistics.mean(dec))
         if os.environ.get("ROWS_OUT"):
             with open(os.environ["ROWS_OUT"], "a") as f:
                 f.write(json.dumps(dict(config=name, length=length, rep=rep, prefill_cpu_s=round(pre, 3),
                                         decode_cpu_ms_median=round(1e3 * statistics.median(dec), 1),
+                                        decode_cpu_ms_mean=round(1e3 * statistics.mean(dec), 1),
                                         decode_cpu_ms_min=round(1e3 * min(dec), 1))) + "\n")
         tokens = None
     if prof:
@@ -65,4 +67,5 @@ for name in configs:
     eng.engine_core.shutdown()
     del llm, eng
     cleanup_dist_env_and_memory()
-print("SUMMARY", length, dtype, {k: (round(a, 3), round(1e3 * b, 1)) for k, (a, b) in res.items()})
+print("SUMMARY", length, dtype, "(prefill s, decode median ms, decode mean ms)",
+      {k: (round(a, 3), round(1e3 * b, 1), round(1e3 * c, 1)) for k, (a, b, c) in res.items()})

@@ -53,6 +53,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "cpu_attn": ("CPU_ATTN", {}),
     "all_off": ("SPEEDSFI", {}),
     "sfi": ("SPEEDSFI", {"preset": "sfi"}),
+    # the preset's selection with sparse steps at any length (the preset decodes up to 2312 dense)
+    "sfi_sparse": ("SPEEDSFI", {"preset": "sfi", "sfi": {"min_len": 0}}),
     "sfi_published_k256": ("SPEEDSFI", {"sfi": {"enabled": True, "k": 256, "n_recent": 64}}),
     "quest_rerank": ("SPEEDSFI", {"sfi": {"enabled": True, "selector": "quest", "page_size": 16,
                                           "quest_rerank": 4, "k": 320, "n_recent": 64,

@@ -175,6 +175,8 @@ def test_sfi_default_is_the_selection_measured_on_the_real_model():
     assert s.enabled and s.selector == "sfi"
     assert (s.k, s.n_recent, s.select_span, s.select_span_back, s.keep_prefill) == (1024, 128, 12, 2, 512)
     assert (s.n_sink + s.k + s.n_recent) / 8000 <= 0.20
+    # sparse decode from twice the budget on (a fast step then reads at most half the context)
+    assert s.min_len == 2 * (s.n_sink + s.k + s.n_recent)
 
 
 # ------------------------------------------------------------------ per-request overrides

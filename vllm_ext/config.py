@@ -70,6 +70,12 @@ class SfiConfig:
     # looks up what it needs in its first tokens, before its first sentence ends (bench/QUALITY.md,
     # "The demo's question"). False = the paper's fixed budget.
     refresh_warmup: bool = False
+    # not in the paper: a decode row runs sparse steps only once its context exceeds `min_len`
+    # tokens (and the budget n_sink + k + n_recent, below which a sparse step would read
+    # everything); shorter rows decode dense. Below about twice the budget a fast step reads more
+    # than half the context and the slow steps cost more than that saves (bench/README.md, "The CPU
+    # build on the real model"). 0 = the budget alone (the paper).
+    min_len: int = 0
     w_prefill: int = 16                # prefill evidence window (last prompt queries)
     schedule: Literal["boundary", "periodic", "always_slow"] = "boundary"
     trigger_chars: tuple[str, ...] = (".", "?", "!", ";", "\n", "。", "？", "！")
@@ -151,7 +157,7 @@ class SfiConfig:
     def validate(self) -> None:
         for name in ("k", "refresh", "w_prefill", "side_stream_slots"):
             _positive(f"sfi.{name}", getattr(self, name))
-        for name in ("k_min", "n_sink", "n_recent", "min_boundary_gap", "sentence_cooldown", "nms_radius",
+        for name in ("k_min", "n_sink", "n_recent", "min_len", "min_boundary_gap", "sentence_cooldown", "nms_radius",
                      "select_span", "select_span_back", "keep_prefill", "mu", "lam_x", "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):
             _non_negative(f"sfi.{name}", getattr(self, name))
         if self.select_span + self.select_span_back > MAX_SELECT_SPAN:

@@ -3,7 +3,8 @@ engine, with the bench's engine settings (bench/bench_cpu_vllm.py: eager, fp32, 
 prefill of 2048, 1 GiB of KV cache), RULER text prompts through the model's chat template:
 
 - SPEEDSFI with every method off gives CPU_ATTN's tokens, greedy, on ~1K-token prompts;
-- the ``sfi`` preset answers every ~2K-token ``niah_single`` prompt that dense answers, on fast steps.
+- the ``sfi`` preset's selection answers every ~2K-token ``niah_single`` prompt that dense answers, on
+  fast steps (its ``min_len`` set to 0: the preset itself decodes these contexts dense).
 
 One engine per configuration for the whole module (CPU_ATTN, SPEEDSFI all off, SPEEDSFI ``sfi``),
 each run once on every prompt it is asked about. Skips only when the model cannot be downloaded
@@ -93,9 +94,13 @@ def all_off(real_model, samples):
                                                "niah": (samples["niah"], ANSWER)})
 
 
+# the preset's selection, sparse at ~2K: the preset decodes contexts up to its min_len (2312) dense
+SFI_SPARSE_AT_2K = {"preset": "sfi", "sfi": {"min_len": 0}}
+
+
 @pytest.fixture(scope="module")
 def sfi_preset(real_model, samples):
-    return _run(real_model, "SPEEDSFI", {"preset": "sfi"}, {"niah": (samples["niah"], ANSWER)})
+    return _run(real_model, "SPEEDSFI", SFI_SPARSE_AT_2K, {"niah": (samples["niah"], ANSWER)})
 
 
 def _answered(samples, outputs) -> list[bool]:
@@ -128,8 +133,9 @@ def test_dense_answers_the_niah_prompts(samples, all_off):
 
 
 def test_sfi_preset_answers_what_dense_answers_on_fast_steps(samples, all_off, sfi_preset):
-    # The default (the sfi preset, chosen on this model: bench/QUALITY.md, "A real model") keeps
-    # n_sink + k + n_recent = 1156 tokens of a ~2K context, so these prompts decode on fast steps.
+    # The default's selection (the sfi preset, chosen on this model: bench/QUALITY.md, "A real
+    # model") keeps n_sink + k + n_recent = 1156 tokens of a ~2K context, so with min_len 0 these
+    # prompts decode on fast steps.
     from vllm_ext.config import SpeedSfiConfig
 
     group = samples["niah"]
@@ -142,7 +148,7 @@ def test_sfi_preset_answers_what_dense_answers_on_fast_steps(samples, all_off, s
     missed = [(s.meta["requested_length"], s.depth, s.answer, text)
               for s, d, o, (_, text) in zip(group, dense, ours, outputs) if d and not o]
     assert not missed, f"the sfi preset misses what dense answers: {missed}"
-    sfi = SpeedSfiConfig.from_dict({"preset": "sfi"}).sfi
-    assert sfi.n_sink + sfi.k + sfi.n_recent < min(s.length for s in group)
+    sfi = SpeedSfiConfig.from_dict(SFI_SPARSE_AT_2K).sfi
+    assert sfi.n_sink + sfi.k + sfi.n_recent < min(s.length for s in group) and sfi.min_len == 0
     assert counts.get("sfi.fast_steps", 0) > 0, counts
     assert not [k for k in counts if k.startswith("fallback.")], counts

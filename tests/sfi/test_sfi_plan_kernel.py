@@ -47,13 +47,21 @@ QUEST_SCHEDULES = [c for c in SCHEDULES if c[0] != "always_slow" and c[1:4] == (
                    and c[4] is True]
 
 
-@pytest.mark.parametrize("selector, schedule, gap, fire_at, cooldown, track",
-                         [("sfi", *c) for c in SCHEDULES] + [("quest", *c) for c in QUEST_SCHEDULES])
-def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, selector):
+# sfi.min_len: rows 0 (slot 4, budget 20, context 40 + step) and 3 (slot 3, budget 28, context 50 +
+# step) decode dense until their context exceeds 45, then sparse
+MIN_LEN_CASES = [("sfi", "boundary", 0, "sentence_end", 0, "warmup", 45),
+                 ("sfi", "periodic", 0, "sentence_end", 0, True, 45),
+                 ("quest", "boundary", 0, "sentence_end", 0, True, 45)]
+
+
+@pytest.mark.parametrize("selector, schedule, gap, fire_at, cooldown, track, min_len",
+                         [("sfi", *c, 0) for c in SCHEDULES] + [("quest", *c, 0) for c in QUEST_SCHEDULES]
+                         + MIN_LEN_CASES)
+def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, selector, min_len):
     gen = torch.Generator().manual_seed(7)
     cfg = SfiConfig(enabled=True, k=16, k_min=4, n_sink=4, n_recent=8, refresh=4 if gap < 3 else 6,
                     schedule=schedule, min_boundary_gap=gap, fire_at=fire_at, sentence_cooldown=cooldown,
-                    selector=selector, page_size=4)
+                    selector=selector, page_size=4, min_len=min_len)
     n_slots, rows, cap = 9, 8, 6
     lut = torch.zeros(50, dtype=torch.int8)
     lut[ENDERS] |= 1
@@ -85,6 +93,10 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, select
         plan_step_triton(cfg, b_kern, row_slot=row_slot.to(DEVICE), row_last_token=tok.to(DEVICE),
                          row_is_decode=dec.to(DEVICE), seq_lens=seq.to(DEVICE),
                          trigger_lut=lut.to(DEVICE), block_table=bt.to(DEVICE), **kern)
+        if min_len:
+            for r, budget in ((0, 20), (3, 28)):
+                want = bool(dec[r]) and int(seq[r]) > max(budget, min_len)
+                assert bool(b_twin.row_sparse[r]) == want, f"step {step}: row {r} sparse"
         for name in ("row_slow", "row_fast", "row_sparse", "row_dense", "row_k", "recent_start",
                      "allowed_lo", "allowed_hi", "row_scratch", "row_page_slot"):
             assert torch.equal(getattr(b_twin, name)[:rows], getattr(b_kern, name)[:rows].cpu()), \

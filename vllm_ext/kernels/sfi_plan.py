@@ -45,7 +45,7 @@ if HAS_TRITON:
         O_SLOW, O_FAST, O_SPARSE, O_DENSE, O_SFI_SLOT, O_K, O_RSTART, O_LO, O_HI, O_SCRATCH,
         O_PAGE_SLOT,
         S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT, S_COUNT,
-        R, CAP, VOCAB, N_SINK, N_RECENT, REFRESH, MIN_GAP, COOLDOWN,
+        R, CAP, VOCAB, N_SINK, N_RECENT, MIN_LEN, REFRESH, MIN_GAP, COOLDOWN,
         SCHEDULE: tl.constexpr, FIRE_AT: tl.constexpr, TRACK: tl.constexpr, HAS_GAP: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, QUEST: tl.constexpr,
     ):
@@ -58,7 +58,7 @@ if HAS_TRITON:
         k = tl.load(SFI_K + slot, mask=rm, other=0)
         sfi_slot = tl.load(SFI_SLOT_OF + slot, mask=rm, other=-1)
         on = dec & (tl.load(SFI_ON + slot, mask=rm, other=0) != 0) & (sfi_slot >= 0)
-        sparse = on & (t > N_SINK + N_RECENT + k)
+        sparse = on & (t > tl.maximum(N_SINK + N_RECENT + k, MIN_LEN))
         steps = tl.load(STEPS + slot, mask=rm, other=0)
         nth = steps + 1
         has = tl.load(HAS_SEL + slot, mask=rm, other=0) != 0
@@ -203,7 +203,8 @@ def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, s
         b.row_slow, b.row_fast, b.row_sparse, b.row_dense, b.row_sfi_slot, b.row_k,
         b.recent_start, b.allowed_lo, b.allowed_hi, b.row_scratch, b.row_page_slot,
         b.slow_rows, b.slow_seq, b.slow_lo, b.slow_hi, b.slow_k, b.slow_sfi_slot, b.slow_count,
-        rows, cap, trigger_lut.shape[0], int(cfg.n_sink), int(cfg.n_recent), int(cfg.refresh),
+        rows, cap, trigger_lut.shape[0], int(cfg.n_sink), int(cfg.n_recent), int(cfg.min_len),
+        int(cfg.refresh),
         int(cfg.min_boundary_gap), int(cfg.sentence_cooldown),
         SCHEDULE=_SCHEDULE_CODE[cfg.schedule], FIRE_AT=_FIRE_AT_CODE[cfg.fire_at], TRACK=track,
         HAS_GAP=refresh_gap is not None,

@@ -5,7 +5,8 @@ metadata builder into persistent buffers (plan/run: the layers and a captured CU
 same addresses every step); pure tensor code with fixed shapes, no host synchronisation.
 
 Row modes (decode rows of requests with SFI on and a compact slot; every other row is ``dense``):
-- dense: ``t <= n_sink + n_recent + k`` (the sparse set is the whole history) — exactly dense;
+- dense: ``t <= n_sink + n_recent + k`` (the sparse set is the whole history) — exactly dense —
+  or ``t <= min_len`` (``sfi.min_len``: too short for sparse steps to pay);
 - slow: the schedule says so (sentence boundary, refresh budget, no selection yet): dense attention plus
   evidence, then the selector and the gather refresh the compact segment;
 - fast: attention over the compact segment (sink + selected) and the recent window in place.
@@ -182,7 +183,7 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     sfi_slot = sfi_slot_of[slot]
     decode = row_is_decode.bool()
     on = decode & sfi_on[slot] & (sfi_slot >= 0)
-    sparse = on & (t > cfg.n_sink + cfg.n_recent + k)
+    sparse = on & (t > torch.clamp(k + (cfg.n_sink + cfg.n_recent), min=cfg.min_len))
     slow = decide_slow(row_last_token, row_slot, sparse, steps_since_slow, has_selection,
                        trigger_lut, schedule=cfg.schedule, refresh=cfg.refresh,
                        min_boundary_gap=cfg.min_boundary_gap, fire_at=cfg.fire_at,
