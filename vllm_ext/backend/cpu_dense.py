@@ -46,6 +46,9 @@ class _StepSchedule:
     md = None
     rows = None
     sched = None
+    sub_md = None
+    sub_rows = None
+    sub = None
 
 
 def _isa_of(dtype, block_size, head_size, kv_cache_dtype) -> str:
@@ -158,6 +161,23 @@ class SpeedSfiCpuImpl(SpeedSfiImpl):
             step.md, step.rows = md, rows
         return step.sched
 
+    @staticmethod
+    def _sub_batch(md, picked: tuple):
+        """The rows ``picked`` of the step as ``CPU_ATTN``'s arguments (their tokens' indices,
+        query start locations, lengths, block-table rows), once per step."""
+        step = _StepSchedule
+        if step.sub_md is not md or step.sub_rows != picked:
+            qsl = md.query_start_loc_host
+            tok = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in picked])
+            lens = torch.tensor([qsl[i + 1] - qsl[i] for i in picked], dtype=torch.int32)
+            q_start = torch.zeros(len(picked) + 1, dtype=torch.int32)
+            torch.cumsum(lens, 0, out=q_start[1:])
+            idx = torch.tensor(picked, dtype=torch.long)
+            step.sub = (tok, q_start, md.seq_lens.index_select(0, idx),
+                        md.block_table.index_select(0, idx))
+            step.sub_md, step.sub_rows = md, picked
+        return step.sub
+
     def _write_kv(self, layer, kv_cache, key, value, slot_mapping) -> None:
         if not isinstance(kv_cache, PackedPages):
             return super()._write_kv(layer, kv_cache, key, value, slot_mapping)
@@ -191,13 +211,8 @@ class SpeedSfiCpuImpl(SpeedSfiImpl):
             q, out = query[:qsl[n]], output[:qsl[n]]
             q_start, seq, table = md.query_start_loc[:n + 1], md.seq_lens[:n], md.block_table[:n]
         else:
-            tok = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in picked]).to(query.device)
-            lens = torch.tensor([qsl[i + 1] - qsl[i] for i in picked], dtype=torch.int32)
-            q_start = torch.zeros(n + 1, dtype=torch.int32)
-            torch.cumsum(lens, 0, out=q_start[1:])
-            idx = torch.tensor(picked, dtype=torch.long, device=md.seq_lens.device)
+            tok, q_start, seq, table = self._sub_batch(md, tuple(picked))
             q, out = query.index_select(0, tok), torch.empty_like(query[:tok.shape[0]])
-            seq, table = md.seq_lens.index_select(0, idx), md.block_table.index_select(0, idx)
         sched = self._schedule(md, tuple(picked), n, seq, q_start, query.dtype)
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=pages.key_cache, value_cache=pages.value_cache, output=out,

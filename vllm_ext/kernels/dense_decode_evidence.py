@@ -540,11 +540,11 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
                                    scale, out, log_evidence, row_mask=None, alpha=0.5, *,
                                    evidence_rows=None, key_norms=None):
     """The twin on the CPU, where reading lengths costs nothing: per live entry, its row's blocks
-    gathered and converted to fp32 in one pass (:func:`gather_prefix_into`), the scores of its G
-    query heads per KV head by one matmul, then output, evidence over ``A`` and ``||k||`` from those
+    gathered and converted to fp32 as K transposed and V (:func:`gather_prefix_kt_into`: two
+    contiguous matmuls), the scores of its G query heads per KV head by one matmul, then output, evidence over ``A`` and ``||k||`` from those
     scores and that K. The batched form pads every row to the longest and converts K/V piecewise:
     2-4x slower at 2K on the real model's slow steps."""
-    from vllm_ext.kernels.paged_reference import gather_prefix_into
+    from vllm_ext.kernels.paged_reference import _scratch_buffer, gather_prefix_kt_into
 
     r_all, hq, d = query.shape
     hkv = kv_cache.shape[1]
@@ -561,10 +561,10 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
         seq = int(seqs[r])
         if seq <= 0 or not on[r]:
             continue
-        k, v = gather_prefix_into(kv_cache, block_table[r], seq, torch.float32)   # [Hkv, seq, D]
+        kt, v = gather_prefix_kt_into(kv_cache, block_table[r], seq, torch.float32)  # [Hkv, D, seq]
         q = query[r].float().view(hkv, g, d)
-        s = torch.matmul(q, k.transpose(1, 2)).mul_(scale)                          # [Hkv, G, seq]
-        o = torch.matmul(torch.softmax(s, dim=-1), v)                               # [Hkv, G, D]
+        s = torch.bmm(q, kt).mul_(scale)                                            # [Hkv, G, seq]
+        o = torch.bmm(torch.softmax(s, dim=-1), v)                                  # [Hkv, G, D]
         out[r] = o.reshape(hq, d).to(out.dtype)
         lim = min(seq, max_len)
         lo, hi = max(int(los[r]), 0), min(int(his[r]), lim)
@@ -578,7 +578,11 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
             else:
                 ev[:, lo:hi] = (torch.logsumexp(logp.mul_(alpha), dim=1) - log_g) / alpha
         if key_norms is not None:
-            torch.linalg.vector_norm(k[:, :lim], dim=-1, out=key_norms[e, :, :lim])
+            # sum over D as a matmul: a norm over K^T's middle dimension is 10x slower on the CPU
+            ktl = kt[:, :, :lim]
+            sq = _scratch_buffer(ktl.numel(), torch.float32, ktl.device, tag="kt_sq").view(ktl.shape)
+            torch.mul(ktl, ktl, out=sq)
+            torch.sqrt(torch.bmm(kt.new_ones(hkv, 1, d), sq).view(hkv, lim), out=key_norms[e, :, :lim])
     return out
 
 

@@ -220,6 +220,31 @@ def gather_prefix_into(kv_cache: torch.Tensor, block_table_row: torch.Tensor, le
     return kv[..., :d], kv[..., d:]
 
 
+def gather_prefix_kt_into(kv_cache, block_table_row: torch.Tensor, length: int,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's positions ``[0, length)`` converted to ``dtype`` into persistent scratch
+    buffers (valid until the next call), laid out for two contiguous matmuls: K transposed
+    ``[H, D, length]`` (``q @ K^T`` per head) and V ``[H, length, D]``. Whole blocks are copied, as
+    runs of consecutive block ids; on ``CPU_ATTN``'s packed pages (K already transposed per page)
+    every copy moves rows of ``block_size`` contiguous elements. CPU only."""
+    block_size, h = kv_cache.shape[2], kv_cache.shape[1]
+    d = kv_cache.shape[-1] // 2
+    n_blocks = -(-length // block_size)
+    k_all, v_all = split_kv(kv_cache)                                   # [B, H, N, D] views
+    span = n_blocks * block_size
+    kt = _scratch_buffer(h * d * span, dtype, kv_cache.device, tag="kt").view(h, d, n_blocks, block_size)
+    v = _scratch_buffer(h * span * d, dtype, kv_cache.device, tag="v").view(h, n_blocks, block_size, d)
+    ids = block_table_row[:n_blocks].tolist()
+    a = 0
+    for j in range(1, n_blocks + 1):
+        if j == n_blocks or ids[j] != ids[j - 1] + 1:
+            src = slice(ids[a], ids[a] + (j - a))
+            kt[:, :, a:j].copy_(k_all[src].permute(1, 3, 0, 2))
+            v[:, a:j].copy_(v_all[src].transpose(0, 1))
+            a = j
+    return kt.view(h, d, span)[:, :, :length], v.view(h, span, d)[:, :length]
+
+
 def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                           query_start_loc: list[int], seq_lens: list[int], scale: float,
                           output: torch.Tensor, *, sliding_window: int | None = None) -> torch.Tensor:
