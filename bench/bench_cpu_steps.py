@@ -35,7 +35,10 @@ for name in configs:
     ids = B._prompt(llm.get_tokenizer(), length).prompt_ids
     eng = llm.llm_engine
     sp = SamplingParams(temperature=0, max_tokens=N + 1, ignore_eos=True)
+    from vllm_ext import metrics
+
     for rep in range(2):
+        before = metrics.snapshot()
         eng.add_request(f"r{rep}", {"prompt_token_ids": ids}, sp)
         steps = []
         prof = cProfile.Profile(time.thread_time) if (rep == 1 and name == prof_cfg) else None
@@ -49,17 +52,22 @@ for name in configs:
             if prof:
                 prof.disable()
             n += 1
+        after = metrics.snapshot()
+        sfi_steps = {k[4:]: after[k] - before.get(k, 0) for k in ("sfi.slow_steps", "sfi.fast_steps")
+                     if k in after}
         pre = sum(steps[:-N]) if len(steps) > N else steps[0]
         dec = steps[-N + 1:]
         print(f"{name} rep{rep}: prefill cpu {pre:.3f}s  decode cpu median {1e3*statistics.median(dec):.1f} ms "
-              f"mean {1e3*statistics.mean(dec):.1f} ms min {1e3*min(dec):.1f} ms  steps {len(steps)}", flush=True)
+              f"mean {1e3*statistics.mean(dec):.1f} ms min {1e3*min(dec):.1f} ms  steps {len(steps)} {sfi_steps}",
+              flush=True)
         res[name] = (pre, statistics.median(dec), statistics.mean(dec))
         if os.environ.get("ROWS_OUT"):
             with open(os.environ["ROWS_OUT"], "a") as f:
                 f.write(json.dumps(dict(config=name, length=length, rep=rep, prefill_cpu_s=round(pre, 3),
                                         decode_cpu_ms_median=round(1e3 * statistics.median(dec), 1),
                                         decode_cpu_ms_mean=round(1e3 * statistics.mean(dec), 1),
-                                        decode_cpu_ms_min=round(1e3 * min(dec), 1))) + "\n")
+                                        decode_cpu_ms_min=round(1e3 * min(dec), 1), decode_steps=len(dec),
+                                        **sfi_steps)) + "\n")
         tokens = None
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
