@@ -211,14 +211,19 @@ class SpeedSfiImpl(AttentionImpl):
         sfi_rows = None
         if sfi is not None and md.num_decodes:
             # decode rows that SFI computes itself this step (slow: the evidence pass writes their
-            # output; fast: the two-segment pass); the host reads the plan for free on the CPU
-            sfi_rows = (~sfi.row_dense[:md.num_decodes]).tolist()
+            # output; fast: the two-segment pass); the host reads the plan for free on the CPU, once
+            # per step
+            if sfi.host_sparse_rows is None:
+                sfi.host_sparse_rows = (~sfi.row_dense[:md.num_decodes]).tolist()
+            sfi_rows = sfi.host_sparse_rows
         self._prefill_attention(layer, query, key, value, kv_cache, md, output, skip_rows=sfi_rows)
         if sfi is not None:
             self._sfi_prefill_end(query, kv_cache, md, sfi)
-        if sfi_rows is not None:
+        if sfi_rows is not None and (any(sfi_rows) or self._rows is not None
+                                     or self.config.sfi.selector == "quest"):
             # Dense rows have their output from the pass above (bit-identical to all-off); every other
-            # decode row was computed once, by SFI below.
+            # decode row was computed once, by SFI below. (With every row dense SFI has nothing to do,
+            # except Quest's page bounds, which every SFI decode row keeps up to date.)
             self._decode_rows(query, kv_cache, md, output, sfi, md.num_decodes, dense_done=True)
         return output
 

@@ -70,6 +70,8 @@ class SfiStep:
     row_page_slot: torch.Tensor | None = None  # int32 [rows]: compact slot of an SFI decode row, else -1
     row_page_first: torch.Tensor | None = None  # int32 [rows]: quest: first page the row (re)writes
     quest_pages: "object | None" = None        # quest mode: the step's prefill page updates (host plan)
+    # CPU build: the decode rows SFI computes itself (not dense), read once per step by the first layer
+    host_sparse_rows: "list[bool] | None" = None
 
 
 class SfiPlanBuffers:
