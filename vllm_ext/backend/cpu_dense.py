@@ -136,14 +136,21 @@ class SpeedSfiCpuImpl(SpeedSfiImpl):
                                        kv_cache_dtype=self.kv_cache_dtype)
         n_tok = md.query_start_loc_host[md.num_reqs] if md.query_start_loc_host else md.num_actual_tokens
         sched = self._schedule(md, None, md.num_reqs, md.seq_lens, md.query_start_loc, query.dtype)
+        self._attend(layer, query[:n_tok], key_cache, value_cache, output[:n_tok], md.query_start_loc,
+                     md.seq_lens, md.block_table, sched)
+        return output
+
+    def _attend(self, layer, query, key_cache, value_cache, out, query_start_loc, seq_lens,
+                block_table, sched) -> None:
+        from vllm import _custom_ops as ops
+
         ops.cpu_attention_with_kv_cache(
-            query=query[:n_tok], key_cache=key_cache, value_cache=value_cache, output=output[:n_tok],
-            query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, scale=self.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=md.block_table, softcap=0,
+            query=query, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0,
             scheduler_metadata=sched, s_aux=None, dynamic_causal=None,
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype)
-        return output
 
     def _schedule(self, md, rows: tuple | None, num_reqs: int, seq_lens, query_start_loc, dtype):
         """``CPU_ATTN``'s scheduler metadata for ``rows`` of the step (None: all), once per step."""
@@ -202,8 +209,6 @@ class SpeedSfiCpuImpl(SpeedSfiImpl):
         """``CPU_ATTN``'s kernel over the rows ``picked`` (host list, ascending) of the step: the
         step's own arguments when they are its first rows, else a gathered sub-batch whose
         output is scattered back."""
-        from vllm import _custom_ops as ops
-
         qsl = md.query_start_loc_host
         n = len(picked)
         prefix = picked[-1] == n - 1
@@ -214,13 +219,7 @@ class SpeedSfiCpuImpl(SpeedSfiImpl):
             tok, q_start, seq, table = self._sub_batch(md, tuple(picked))
             q, out = query.index_select(0, tok), torch.empty_like(query[:tok.shape[0]])
         sched = self._schedule(md, tuple(picked), n, seq, q_start, query.dtype)
-        ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=pages.key_cache, value_cache=pages.value_cache, output=out,
-            query_start_loc=q_start, seq_lens=seq, scale=self.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
-            scheduler_metadata=sched, s_aux=None, dynamic_causal=None,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype)
+        self._attend(layer, q, pages.key_cache, pages.value_cache, out, q_start, seq, table, sched)
         if not prefix:
             output.index_copy_(0, tok, out)
 
