@@ -14,7 +14,7 @@ import torch
 
 from kernel_testlib import blocks_needed, make_block_table, make_kv_cache, make_sfi_rows
 from vllm_ext.kernels import paged_reference as pr
-from vllm_ext.kernels.packed_pages import PackedPages, is_packed, layout_matches
+from vllm_ext.kernels.packed_pages import PackedPages, layout_matches
 
 CASES = [(16, 64, torch.bfloat16), (32, 64, torch.float32), (16, 32, torch.float16)]
 
@@ -38,7 +38,6 @@ def _cache(bs, d, dtype, seed=0, nb=9, h=2):
 def test_page_is_k_transposed_then_v(bs, d, dtype):
     kv, _ = _cache(bs, d, dtype)
     pages = pack(kv)
-    assert is_packed(pages) and not is_packed(kv)
     for b, h in ((0, 0), (4, 1), (8, 1)):
         flat = pages.raw[b, h].reshape(-1)
         torch.testing.assert_close(flat[:bs * d].view(d, bs), kv[b, h, :, :d].T, rtol=0, atol=0)
@@ -202,3 +201,17 @@ def test_block_representatives_are_the_same_on_both_formats():
         update_block_representatives_from_torch(cache, bt, seq, first, 32, r, slot)
     assert torch.equal(reps[0], reps[1])
     assert blocks_needed(lens, bs) <= kv.shape[0]
+
+
+@pytest.mark.parametrize("bs,d,dtype", CASES)
+def test_gather_prefix_kt_is_the_prefix_transposed(bs, d, dtype):
+    """The slow step's gather (K transposed + V, fp32) equals gather_prefix on both formats, for a
+    table of consecutive blocks and for a fragmented one (more runs than one copy each is worth)."""
+    kv, gen = _cache(bs, d, dtype, nb=48)
+    pages = pack(kv)
+    length = 40 * bs - 5
+    for table in (torch.arange(48, dtype=torch.int32), torch.randperm(48, generator=gen).to(torch.int32)):
+        k, v = pr.gather_prefix(kv, table, length)
+        for cache in (kv, pages):
+            kt, vv = pr.gather_prefix_kt_into(cache, table, length, torch.float32)
+            assert torch.equal(kt, k.float().transpose(1, 2)) and torch.equal(vv, v.float())

@@ -47,12 +47,6 @@ class PackedPages:
     def dim(self) -> int:
         return 4
 
-    def size(self, i: int | None = None):
-        return self.shape if i is None else self.shape[i]
-
-    def numel(self) -> int:
-        return self.raw.numel()
-
     def __getitem__(self, index) -> torch.Tensor:
         """Entries ``[..., 2D]`` (K then V) at an index over the first three dims (block, head,
         token): integers, slices or index tensors, as on the logical cache."""
@@ -70,10 +64,6 @@ class PackedPages:
 
     def __repr__(self) -> str:
         return f"PackedPages(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
-
-
-def is_packed(kv_cache) -> bool:
-    return isinstance(kv_cache, PackedPages)
 
 
 def layout_matches(write_fn, block_size: int, head_size: int, dtype: torch.dtype) -> bool:

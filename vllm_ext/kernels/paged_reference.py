@@ -173,6 +173,31 @@ def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device, tag: s
     return buf[:numel]
 
 
+def _block_runs(block_table_row: torch.Tensor, n_blocks: int) -> list[tuple[int, int, int]] | None:
+    """The first ``n_blocks`` of a block-table row as runs of consecutive block ids ``(start, end,
+    first id)``, or ``None`` past ``_MAX_RUNS`` runs (a fragmented cache: one gather is cheaper)."""
+    ids = block_table_row[:n_blocks].tolist()
+    runs, start = [], 0
+    for j in range(1, n_blocks + 1):
+        if j == n_blocks or ids[j] != ids[j - 1] + 1:
+            runs.append((start, j, ids[start]))
+            start = j
+            if len(runs) > _MAX_RUNS:
+                return None
+    return runs
+
+
+def _copy_blocks(dst: torch.Tensor, src: torch.Tensor, table: torch.Tensor, runs, perm: tuple,
+                 block_dim: int) -> None:
+    """``dst`` (block axis ``block_dim``) <- the blocks ``table`` of ``src`` ``[B, ...]`` permuted by
+    ``perm``: one copy per run of consecutive ids, or one gather then one copy (``runs`` None)."""
+    if runs is None:
+        dst.copy_(src.index_select(0, table.long()).permute(perm))
+        return
+    for a, b, first in runs:
+        dst.narrow(block_dim, a, b - a).copy_(src[first:first + (b - a)].permute(perm))
+
+
 def gather_prefix_into(kv_cache: torch.Tensor, block_table_row: torch.Tensor, length: int,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_prefix` converted to ``dtype`` in one pass on the CPU: the request's blocks are
@@ -190,32 +215,16 @@ def gather_prefix_into(kv_cache: torch.Tensor, block_table_row: torch.Tensor, le
     if kv_cache.device.type != "cpu" or n_blocks == 0:
         k, v = gather_prefix(kv_cache, block_table_row, length)
         return k.to(dtype), v.to(dtype)
-    ids = block_table_row[:n_blocks].tolist()
-    runs, start = [], 0
-    for j in range(1, n_blocks + 1):
-        if j == n_blocks or ids[j] != ids[j - 1] + 1:
-            runs.append((start, j))
-            start = j
-            if len(runs) > _MAX_RUNS:
-                break
+    runs = _block_runs(block_table_row, n_blocks)
     buf = _scratch_buffer(h * n_blocks * block_size * c, dtype, kv_cache.device)
     buf = buf.view(h, n_blocks, block_size, c)
+    table = block_table_row[:n_blocks]
     if isinstance(kv_cache, PackedPages):
         # K and V from their own views (K transposed per page): two transposing, converting copies
-        if len(runs) > _MAX_RUNS:
-            idx = block_table_row[:n_blocks].long()
-            buf[..., :d].copy_(kv_cache.k.index_select(0, idx).transpose(0, 1))
-            buf[..., d:].copy_(kv_cache.v.index_select(0, idx).transpose(0, 1))
-        else:
-            for a, b in runs:
-                buf[:, a:b, :, :d].copy_(kv_cache.k[ids[a]:ids[a] + (b - a)].transpose(0, 1))
-                buf[:, a:b, :, d:].copy_(kv_cache.v[ids[a]:ids[a] + (b - a)].transpose(0, 1))
-    elif len(runs) > _MAX_RUNS:
-        # scattered blocks: one gather in the cache dtype, then one transposing, converting copy
-        buf.copy_(kv_cache.index_select(0, block_table_row[:n_blocks].long()).transpose(0, 1))
+        _copy_blocks(buf[..., :d], kv_cache.k, table, runs, (1, 0, 2, 3), 1)
+        _copy_blocks(buf[..., d:], kv_cache.v, table, runs, (1, 0, 2, 3), 1)
     else:
-        for a, b in runs:
-            buf[:, a:b].copy_(kv_cache[ids[a]:ids[a] + (b - a)].transpose(0, 1))
+        _copy_blocks(buf, kv_cache, table, runs, (1, 0, 2, 3), 1)
     kv = buf.view(h, n_blocks * block_size, c)[:, :length]
     return kv[..., :d], kv[..., d:]
 
@@ -225,7 +234,7 @@ def gather_prefix_kt_into(kv_cache, block_table_row: torch.Tensor, length: int,
     """One request's positions ``[0, length)`` converted to ``dtype`` into persistent scratch
     buffers (valid until the next call), laid out for two contiguous matmuls: K transposed
     ``[H, D, length]`` (``q @ K^T`` per head) and V ``[H, length, D]``. Whole blocks are copied, as
-    runs of consecutive block ids; on ``CPU_ATTN``'s packed pages (K already transposed per page)
+    runs of consecutive block ids (one gather when fragmented); on ``CPU_ATTN``'s packed pages (K already transposed per page)
     every copy moves rows of ``block_size`` contiguous elements. CPU only."""
     block_size, h = kv_cache.shape[2], kv_cache.shape[1]
     d = kv_cache.shape[-1] // 2
@@ -234,14 +243,9 @@ def gather_prefix_kt_into(kv_cache, block_table_row: torch.Tensor, length: int,
     span = n_blocks * block_size
     kt = _scratch_buffer(h * d * span, dtype, kv_cache.device, tag="kt").view(h, d, n_blocks, block_size)
     v = _scratch_buffer(h * span * d, dtype, kv_cache.device, tag="v").view(h, n_blocks, block_size, d)
-    ids = block_table_row[:n_blocks].tolist()
-    a = 0
-    for j in range(1, n_blocks + 1):
-        if j == n_blocks or ids[j] != ids[j - 1] + 1:
-            src = slice(ids[a], ids[a] + (j - a))
-            kt[:, :, a:j].copy_(k_all[src].permute(1, 3, 0, 2))
-            v[:, a:j].copy_(v_all[src].transpose(0, 1))
-            a = j
+    runs, table = _block_runs(block_table_row, n_blocks), block_table_row[:n_blocks]
+    _copy_blocks(kt, k_all, table, runs, (1, 3, 0, 2), 2)
+    _copy_blocks(v, v_all, table, runs, (1, 0, 2, 3), 1)
     return kt.view(h, d, span)[:, :, :length], v.view(h, span, d)[:, :length]
 
 

@@ -64,7 +64,7 @@ def use_triton(device: torch.device | torch.Tensor | str | None) -> bool:
     """
     if not HAS_TRITON:
         return False
-    if isinstance(device, torch.Tensor) or hasattr(device, "raw"):    # a tensor or a PackedPages
+    if hasattr(device, "device"):        # a tensor, or anything holding one (kernels.packed_pages)
         device = device.device
     dev = torch.device(device) if device is not None and not isinstance(device, torch.device) else device
     if (dev is None or dev.type == "cpu") and not _INTERPRET_AT_IMPORT:
