@@ -6,7 +6,8 @@ Why ``CPU_ATTN``'s format. Its C++ ops (``cpu_attn_reshape_and_cache``,
 ``cpu_attention_with_kv_cache``) keep each (block, KV head) page in an ISA-specific packing inside the
 ``[num_blocks, Hkv, block_size, 2 * D]`` cache. Its kernel reads a 2K context in about a third of the
 time of PyTorch's fused attention on the same CPU (0.10 vs 0.28 ms per layer for one decode query
-of the real model's shape in bf16, one thread of the 2-core AMD EPYC VM), and its write of one token per layer is one call instead of a dozen ops. So:
+of the real model's shape in bf16, one thread of the 2-core AMD EPYC VM; kernel-only, by a script
+not committed), and its write of one token per layer is one call instead of a dozen ops. So:
 
 - every method off: the whole layer is ``CPU_ATTN``'s (same kernel, inputs and scheduler metadata):
   SPEEDSFI all off gives ``CPU_ATTN``'s output bit for bit, in every dtype;
