@@ -15,11 +15,12 @@ class DeviceCounters:
         self.values = torch.zeros(n, dtype=torch.int64, device=device)
         self._cuda = device.type == "cuda"
         if self._cuda:
-            self._host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._host = [torch.zeros(n, dtype=torch.int64, device="cpu", pin_memory=True)
+                          for _ in range(2)]
             self._events = [torch.cuda.Event() for _ in range(2)]
             self._issued = [False, False]
             self._next = 0
-            self._last = torch.zeros(n, dtype=torch.int64)
+            self._last = torch.zeros(n, dtype=torch.int64, device="cpu")
 
     def publish(self) -> None:
         """Queue a copy of the current values (call after the step's device updates)."""

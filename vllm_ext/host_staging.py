@@ -14,7 +14,9 @@ class PinnedStaging:
 
     def __init__(self, n: int, dtype: torch.dtype, device: torch.device):
         pin = device.type == "cuda"
-        self.cpu = torch.zeros(n, dtype=dtype, pin_memory=pin)
+        # explicit device: vLLM builds attention layers under a default-device context (CUDA), and a
+        # pinned buffer must be a CPU tensor
+        self.cpu = torch.zeros(n, dtype=dtype, device="cpu", pin_memory=pin)
         self.np = self.cpu.numpy()
         self.gpu = self.cpu if device.type == "cpu" else torch.zeros(n, dtype=dtype, device=device)
 

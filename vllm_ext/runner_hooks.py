@@ -80,9 +80,13 @@ def _make_table(runner) -> EngineRequestTable:
 
 
 def _bind_builders(runner, table: EngineRequestTable) -> None:
-    """Hand the table to every SPEEDSFI metadata builder of the runner (once: the builders live as
-    long as the runner's KV cache)."""
-    if runner.__dict__.get(_BOUND_ATTR):
+    """Hand the table to every SPEEDSFI metadata builder of the runner, once per KV cache: the
+    builders live as long as the runner's ``kv_cache_config``. On CUDA with graphs, vLLM first builds
+    a minimal KV cache to profile graph memory, clears ``attn_groups`` and builds the real one with
+    new builders (``_init_minimal_kv_cache_for_profiling``), so binding only once leaves the real
+    builders without a table."""
+    kv_cache_config = getattr(runner, "kv_cache_config", None)
+    if runner.__dict__.get(_BOUND_ATTR) is kv_cache_config and kv_cache_config is not None:
         return
     from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
 
@@ -94,7 +98,7 @@ def _bind_builders(runner, table: EngineRequestTable) -> None:
                     builder.bind_request_state(table)
                     found += 1
     if found:
-        runner.__dict__[_BOUND_ATTR] = True
+        runner.__dict__[_BOUND_ATTR] = kv_cache_config
 
 
 def _live_requests(runner) -> dict:
