@@ -120,8 +120,22 @@ def merge_results(parts: list[dict]) -> dict:
             out.setdefault("stages", {})[k] = v
         if p.get("quality") and not out.get("quality"):
             out["quality"] = p["quality"]
+    out["rows"] = _latest_rows(out.get("rows") or [])
     out["merged_from"] = [p.get("command") for p in parts]
     return out
+
+
+def _latest_rows(rows: list[dict]) -> list[dict]:
+    """One perf row per (model, config, mode, input, batch): the last measured one, else the last
+    (a later call that re-runs a configuration after a fix replaces the earlier error rows; the
+    failures themselves stay in ``failures``)."""
+    key = lambda r: (r.get("model"), r.get("config"), r.get("mode"), r.get("input_len"), r.get("batch"))  # noqa: E731
+    best: dict = {}
+    for r in rows:
+        k = key(r)
+        if k not in best or r.get("error") is None or best[k].get("error") is not None:
+            best[k] = r
+    return [r for r in rows if best[key(r)] is r]
 
 
 def markdown_report(result: dict) -> str:

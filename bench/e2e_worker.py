@@ -316,6 +316,8 @@ def _engine_kwargs(spec: dict) -> dict:
         kw.update(kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=256, block_size=32)
     else:
         kw.update(gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.9))
+        if spec.get("max_num_batched_tokens"):
+            kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     return kw
 
 

@@ -78,3 +78,27 @@ def test_prefill_w1_matches_decode_evidence():
     dense_decode_with_evidence(q[:, 0], kv, bt, seq, lo, hi, 0.125, out, b, num_splits=2)
     for i, n in enumerate(lens):                 # decode evidence covers each row's own length
         assert_evidence_close(a[i, :, :n], b[i, :, :n])
+
+
+@pytest.mark.parametrize("span", [None, 90, 97, "max_len"])
+def test_prefill_span_covers_the_prompt_only_and_changes_nothing(span):
+    """The prefill end passes its prompts' length (host) as ``span`` so the chunks stop there
+    instead of covering the whole ``max_len`` (the model's length): any span from the longest
+    active row up gives the same evidence (a shorter last chunk reduces in another order: float
+    noise only) and key norms, and ``-inf`` evidence past it."""
+    lens = [90, 5, 40]
+    kv, bt, q, qpos, max_len = _problem(lens, 4, seed=4)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    lo = torch.full((3,), 4, dtype=torch.int32, device=DEVICE)
+    hi = (seq - 3).clamp_min(0)
+    ref = torch.full((3, 2, max_len), SENTINEL, device=DEVICE)
+    ref_norms = torch.zeros(3, 2, max_len, device=DEVICE)
+    prefill_evidence(q, kv, bt, seq, lo, hi, 0.125, ref, qpos, chunk=16, key_norms=ref_norms,
+                     span=max_len)
+    ev = torch.full_like(ref, SENTINEL)
+    norms = torch.zeros_like(ref_norms)
+    prefill_evidence(q, kv, bt, seq, lo, hi, 0.125, ev, qpos, chunk=16, key_norms=norms,
+                     span=max_len if span == "max_len" else span)
+    torch.testing.assert_close(ev, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(norms, ref_norms, rtol=0, atol=0)
+    assert max_len > 97 and torch.all(ev[:, :, 97:] == float("-inf"))

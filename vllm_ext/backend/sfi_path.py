@@ -145,12 +145,13 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         rt.ring.keep(tables)
     evidence, norms = scratch.log_evidence[:n], scratch.key_norms[:n]
     # one request at a time: the shapes (and so the reduction orders) of a request's evidence never
-    # depend on how many other prefills end in the same step
+    # depend on how many other prefills end in the same step; its chunks cover its prompt only (on
+    # the GPU they covered max_model_len: at 131K that made an 8K prompt's end cost ~1 s)
     for i in range(n):
         e = slice(i, i + 1)
         prefill_evidence(queries[e], kv_cache, tables[e], plan.seq_lens[e], plan.allowed_lo[e],
                          plan.allowed_hi[e], scale, evidence[e], plan.positions[e],
-                         alpha=cfg.alpha, key_norms=norms[e])
+                         alpha=cfg.alpha, key_norms=norms[e], span=plan.prompt_lens[i])
     rt.ring.submit(entry, lambda: _prefill_end_select(
         rt, cfg, layer, kv_cache, tables, plan.sfi_slot, plan.seq_lens, evidence, norms,
         plan.allowed_lo, plan.allowed_hi, plan.k))

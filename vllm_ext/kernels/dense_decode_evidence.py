@@ -660,7 +660,7 @@ def dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens, a
 
 def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                            scale, log_evidence, query_positions, row_mask=None, alpha=0.5, *,
-                           chunk=4096, key_norms=None):
+                           chunk=4096, key_norms=None, span=None):
     """Prefill-end evidence from ``W`` queries per row (see module doc).
 
     ``query_rows [R, W, Hq, D]``; ``query_positions [R, W]`` int (absolute position of each query;
@@ -668,6 +668,10 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
     Writes ``log_evidence [R, Hkv, max_len]`` for active rows. Chunked over positions (two passes,
     K read twice, no ``[R, W*Hq, max_len]`` scratch). No host sync. ``key_norms`` (fp32, the shape of
     ``log_evidence``) receives ``||k_j||`` for ``j < min(seq_len, max_len)`` from the first pass.
+    ``span`` (host int, >= every active row's ``seq_len``): the positions the chunks cover; past it
+    an active row's evidence is ``-inf``. The caller passes it when the lengths are on the host (the
+    prefill end's plan): without it a device's chunks cover all of ``max_len`` (the model's length,
+    whatever the prompt's) to avoid a sync, and the CPU reads the longest row.
     """
     r, w, hq, d = query_rows.shape
     if r == 0:
@@ -701,14 +705,15 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
         s = s.masked_fill(~vis[:, None, :, None, :], float("-inf"))
         return s, in_a
 
-    span = max_len
-    if dev.type == "cpu":
-        # the CPU reads the lengths for free: nothing at or past the longest row is visible, so the
-        # chunks end there and the rest of each active row's evidence is -inf (as computed)
-        span = max(1, min(max_len, int(seq.max())))
-        if span < max_len:
-            tail = log_evidence[:, :, span:]
-            tail.copy_(torch.where(act[:, None, None], float("-inf"), tail))
+    if span is None:
+        # the CPU reads the lengths for free; a device would have to synchronise
+        span = int(seq.max()) if dev.type == "cpu" else max_len
+    span = max(1, min(max_len, span))
+    if span < max_len:
+        # nothing at or past the longest row is visible: the chunks end there and the rest of each
+        # active row's evidence is -inf (as computed)
+        tail = log_evidence[:, :, span:]
+        tail.copy_(torch.where(act[:, None, None], float("-inf"), tail))
     # pass 1: LSE over A ∩ causal, per (row, KV head, query, head); on the CPU the chunks' logits
     # are kept for pass 2 while they are small (the same values, K read once)
     keep = dev.type == "cpu" and r * hkv * w * g * span * 4 <= (64 << 20)
@@ -735,8 +740,8 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
 
 def prefill_evidence(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, scale,
                      log_evidence, query_positions, row_mask=None, alpha=0.5, *, chunk=4096,
-                     key_norms=None):
+                     key_norms=None, span=None):
     """Prefill-end evidence (PyTorch on every device; see :func:`prefill_evidence_torch`)."""
     return prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_lo,
                                   allowed_hi, scale, log_evidence, query_positions, row_mask, alpha,
-                                  chunk=chunk, key_norms=key_norms)
+                                  chunk=chunk, key_norms=key_norms, span=span)

@@ -70,6 +70,7 @@ class SfiPrefillEnd:
     k: torch.Tensor                 # int32 [n]
     sfi_slot: torch.Tensor          # int32 [n]
     num_ends: int                   # n (host)
+    prompt_lens: list[int]          # P of each ending request (host): the evidence's span
 
 
 @dataclass
@@ -155,5 +156,6 @@ def plan_prompt_tail(cfg: SfiConfig, rows: list[TailRow], device: torch.device
         rows=dev([r.row for r in ends], torch.int64), positions=dev(pos.reshape(n, w), torch.int64),
         seq_lens=dev(p_end, torch.int32), allowed_lo=dev(lo, torch.int32),
         allowed_hi=dev(hi, torch.int32), k=dev([r.k for r in ends], torch.int32),
-        sfi_slot=dev([r.sfi_slot for r in ends], torch.int32), num_ends=n)
+        sfi_slot=dev([r.sfi_slot for r in ends], torch.int32), num_ends=n,
+        prompt_lens=[r.prompt_len for r in ends])
     return plan, incomplete
