@@ -507,6 +507,9 @@ def worker_engine(spec: dict, ev: Events) -> int:
                 ttft_ms=(1e3 * sum(ttft) / len(ttft)) if ttft else None,
                 ttft_ms_first=(1e3 * min(ttft)) if ttft else None, ttft_ms_last=(1e3 * max(ttft)) if ttft else None,
                 ttft_ms_vllm=r["ttft_ms_vllm"], e2e_s=r["e2e_s"],
+                # every prompt token over the time until the last request's first token: the
+                # prefill rate the whole batch got (TTFT's mean hides which steps were slow)
+                prefill_tok_s=(batch * n / max(ttft)) if ttft and max(ttft) > 0 else None,
                 output_tok_s=batch * o / r["e2e_s"] if r["e2e_s"] else None,
                 decode_tok_s=(batch / (timing["tpot_ms"] * 1e-3)) if timing["tpot_ms"] else None,
                 weight_bytes=wbytes,

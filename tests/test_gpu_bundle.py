@@ -588,6 +588,7 @@ def test_driver_end_to_end_on_the_cpu_build(tmp_path):
         assert r["error"] is None and r["batch"] == 2 and r["tpot_ms"] > 0 and r["ttft_ms"] > 0
         assert r["output_tok_s"] > 0 and r["kv_gbps"] > 0 and r["max_concurrency"] >= 2
         assert r["tpot_ms_vllm"] and r["decode_steps_measured"] >= 10
+        assert r["prefill_tok_s"] == pytest.approx(r["batch"] * r["input_len"] / (r["ttft_ms_last"] / 1e3))
     sfi = next(r for r in rows if r["config"] == "speedsfi_sfi")
     assert sfi["sfi_fast_steps"] > 0 and sfi["kv_read_fraction"] < 1.0
     with tarfile.open(out / "vllm_e2e_logs.tar.gz") as tf:
