@@ -9,6 +9,7 @@ import torch
 from kernel_testlib import (DEVICE, SENTINEL, assert_evidence_close, blocks_needed,
                             make_block_table, make_kv_cache, reference_evidence)
 from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence, prefill_evidence
+from vllm_ext.kernels.triton_utils import use_triton
 
 
 def _problem(lens, w, g=4, hkv=2, d=64, bs=16, dtype=torch.float32, layout="LBNHC", seed=0):
@@ -102,3 +103,55 @@ def test_prefill_span_covers_the_prompt_only_and_changes_nothing(span):
     torch.testing.assert_close(ev, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(norms, ref_norms, rtol=0, atol=0)
     assert max_len > 97 and torch.all(ev[:, :, 97:] == float("-inf"))
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0])
+@pytest.mark.parametrize("w,g,d", [(16, 4, 64), (6, 3, 32), (1, 8, 64)])
+@pytest.mark.parametrize("layout,dtype", [("LBNHC", torch.float32), ("LBHNC", torch.bfloat16)])
+def test_triton_kernels_match_the_twin(alpha, w, g, d, layout, dtype):
+    """The two Triton launches against ``prefill_evidence_torch`` over a grid: padding queries
+    (prompts shorter than W), a masked row, an empty row, A ending before the window, key norms, and
+    a span shorter than ``max_len``."""
+    from vllm_ext.kernels.dense_decode_evidence import prefill_evidence_torch
+    from vllm_ext.kernels.prefill_evidence import prefill_evidence_triton
+
+    if not use_triton(DEVICE):
+        pytest.skip("needs Triton (CUDA or the interpreter)")
+    lens = [150, 5, 70, 0, 66]
+    kv, bt, q, qpos, max_len = _problem(lens, w, g=g, d=d, dtype=dtype, layout=layout, seed=7)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    lo = torch.full((len(lens),), 4, dtype=torch.int32, device=DEVICE)
+    hi = (seq - 12).clamp_min(0)
+    mask = torch.tensor([1, 1, 1, 1, 0], dtype=torch.int32, device=DEVICE)
+    span = max(lens) + 3
+    out = {}
+    for name, fn in (("twin", prefill_evidence_torch), ("triton", prefill_evidence_triton)):
+        ev = torch.full((len(lens), 2, max_len), SENTINEL, device=DEVICE)
+        kn = torch.full((len(lens), 2, max_len), SENTINEL, device=DEVICE)
+        fn(q, kv, bt, seq, lo, hi, 0.125, ev, qpos, mask, alpha, key_norms=kn, span=span)
+        out[name] = (ev, kn)
+    torch.testing.assert_close(out["triton"][0], out["twin"][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out["triton"][1], out["twin"][1], rtol=1e-5, atol=1e-5)
+    ev = out["triton"][0]
+    assert torch.all(ev[4] == SENTINEL) and torch.all(ev[3] == SENTINEL)   # masked, empty rows
+    # every query sees A up to the first window position (150 - w); past A's end (138) -inf
+    assert torch.isfinite(ev[0, :, 4:min(150 - w + 1, 138)]).all()
+    assert torch.all(ev[0, :, 138:] == float("-inf"))
+
+
+def test_the_dispatch_runs_the_kernels_where_triton_runs(monkeypatch):
+    import vllm_ext.kernels.dense_decode_evidence as dde
+
+    if not use_triton(DEVICE):
+        pytest.skip("needs Triton (CUDA or the interpreter)")
+
+    def twin(*a, **k):
+        raise AssertionError("the PyTorch twin ran")
+
+    monkeypatch.setattr(dde, "prefill_evidence_torch", twin)
+    kv, bt, q, qpos, max_len = _problem([40], 4, seed=8)
+    seq = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    ev = torch.zeros(1, 2, max_len, device=DEVICE)
+    dde.prefill_evidence(q, kv, bt, seq, torch.tensor([4], dtype=torch.int32, device=DEVICE),
+                         torch.tensor([30], dtype=torch.int32, device=DEVICE), 0.125, ev, qpos)
+    assert torch.isfinite(ev[0, :, 4:30]).all()

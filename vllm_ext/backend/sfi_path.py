@@ -145,8 +145,9 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         rt.ring.keep(tables)
     evidence, norms = scratch.log_evidence[:n], scratch.key_norms[:n]
     # one request at a time: the shapes (and so the reduction orders) of a request's evidence never
-    # depend on how many other prefills end in the same step; its chunks cover its prompt only (on
-    # the GPU they covered max_model_len: at 131K that made an 8K prompt's end cost ~1 s)
+    # depend on how many other prefills end in the same step; the work covers its prompt only (it
+    # covered max_model_len on the GPU until 2026-11-26: at 131K an 8K prompt's end cost ~1 s, in
+    # the PyTorch twin's ~5,000 small ops per layer; the GPU now runs two Triton launches)
     for i in range(n):
         e = slice(i, i + 1)
         prefill_evidence(queries[e], kv_cache, tables[e], plan.seq_lens[e], plan.allowed_lo[e],

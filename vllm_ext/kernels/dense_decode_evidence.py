@@ -30,8 +30,9 @@ benchmark baseline and as the CUDA dense path.
 
 ``prefill_evidence`` is the prefill-end variant: ``W`` query rows per request (the last W prompt
 queries), each with its own causal limit ``query_positions``, pooled into one ``G * W`` power mean
-(``log(G * W_valid)`` normaliser, where ``W_valid`` counts queries with position ``>= 0``). It is a
-chunked PyTorch implementation on every device (runs once per request at the end of its prefill).
+(``log(G * W_valid)`` normaliser, where ``W_valid`` counts queries with position ``>= 0``). Two
+Triton launches (:mod:`vllm_ext.kernels.prefill_evidence`) or the chunked PyTorch twin (runs once
+per request and layer at the end of its prefill, eagerly).
 
 A row is active iff ``row_mask[r] != 0`` (when given) and ``seq_lens[r] > 0``; inactive rows are
 untouched (``out`` and ``log_evidence``). No host synchronisation; pass a workspace to avoid
@@ -741,7 +742,14 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
 def prefill_evidence(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, scale,
                      log_evidence, query_positions, row_mask=None, alpha=0.5, *, chunk=4096,
                      key_norms=None, span=None):
-    """Prefill-end evidence (PyTorch on every device; see :func:`prefill_evidence_torch`)."""
+    """Prefill-end evidence: the Triton kernels where they run (``chunk`` is the twin's), else
+    :func:`prefill_evidence_torch`, which defines the values."""
+    if use_triton(query_rows):
+        from vllm_ext.kernels.prefill_evidence import prefill_evidence_triton
+
+        return prefill_evidence_triton(query_rows, kv_cache, block_table, seq_lens, allowed_lo,
+                                       allowed_hi, scale, log_evidence, query_positions, row_mask,
+                                       alpha, key_norms=key_norms, span=span)
     return prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_lo,
                                   allowed_hi, scale, log_evidence, query_positions, row_mask, alpha,
                                   chunk=chunk, key_norms=key_norms, span=span)
