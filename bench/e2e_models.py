@@ -51,6 +51,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "speedsfi_dense_pd": dict(backend="SPEEDSFI", speedsfi={"preset": "dense", "dense_decode": "paged_decode"},
                               env={}),
     "speedsfi_sfi": dict(backend="SPEEDSFI", speedsfi={"preset": "sfi"}, env={}),
+    # the same with FLASH_ATTN (FA3) as the dense delegate of prefill rows (opt-in, first GPU run due)
+    "speedsfi_sfi_fa": dict(backend="SPEEDSFI", speedsfi={"preset": "sfi", "dense_delegate": "flash_attn"},
+                            env={}),
+    "speedsfi_dense_fa": dict(backend="SPEEDSFI", speedsfi={"preset": "dense", "dense_delegate": "flash_attn"},
+                              env={}),
     "speedsfi_sfi_speed": dict(backend="SPEEDSFI", speedsfi={"preset": "sfi", "speed": {"enabled": True}}, env={}),
     "speedsfi_critiprefill": dict(backend="SPEEDSFI", speedsfi={"preset": "critiprefill"}, env={}),
     # a budget covering the whole context: every decode row must be dense

@@ -219,3 +219,15 @@ def test_request_overrides_from_json_text():
         request_overrides({"speedsfi": "{sfi"})
     with pytest.raises(ConfigError, match="must be a mapping"):
         request_overrides({"speedsfi": "[1, 2]"})
+
+
+def test_dense_delegate_is_an_engine_wide_choice_of_two():
+    from vllm_ext.config import ConfigError, SpeedSfiConfig, check_request_overrides
+
+    assert SpeedSfiConfig.from_dict(None).dense_delegate == "triton"
+    cfg = SpeedSfiConfig.from_dict({"preset": "sfi", "dense_delegate": "flash_attn"})
+    assert cfg.dense_delegate == "flash_attn" and cfg.sfi.enabled
+    with pytest.raises(ConfigError, match="dense_delegate"):
+        SpeedSfiConfig.from_dict({"dense_delegate": "flashinfer"})
+    with pytest.raises(ConfigError, match="engine-wide"):
+        check_request_overrides(cfg, {"dense_delegate": "triton"})

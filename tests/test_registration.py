@@ -88,3 +88,21 @@ def test_cpu_selector_honours_speedsfi_and_validates():
                         (ok._replace(use_mla=True), "MLA not supported")]:
         with pytest.raises(ValueError, match=reason):
             plat.get_attn_backend_cls(AttentionBackendEnum["SPEEDSFI"], bad)
+
+
+def test_flash_attn_delegate_is_refused_where_fa_cannot_run():
+    """``speedsfi.dense_delegate = "flash_attn"`` stops start-up naming what FLASH_ATTN refuses, and
+    says on the CPU build that it does not apply there."""
+    from types import SimpleNamespace
+
+    from vllm_ext.backend.startup import check_flash_attn_delegate
+    from vllm_ext.config import ConfigError
+
+    def cfg(head=128, cache="auto"):
+        return SimpleNamespace(model_config=SimpleNamespace(get_head_size=lambda: head),
+                               cache_config=SimpleNamespace(cache_dtype=cache))
+
+    check_flash_attn_delegate(cfg(head=1000), on_cpu=True, capability=None)      # CPU: not used
+    check_flash_attn_delegate(cfg(), on_cpu=False, capability=None)
+    with pytest.raises(ConfigError, match="head size 1000"):
+        check_flash_attn_delegate(cfg(head=1000), on_cpu=False, capability=None)

@@ -280,6 +280,13 @@ class SpeedSfiConfig:
     # is the like-for-like dense reference of SFI (bench/vllm_e2e: SFI with a covering budget ==
     # all off through paged_decode). The CPU build's dense path is paged_reference either way.
     dense_decode: Literal["auto", "delegate", "paged_decode"] = "auto"
+    # CUDA: the vLLM backend the dense rows our kernels leave go to (prefill chunks; with every
+    # method off, decode too), engine-wide. "triton": TRITON_ATTN (TritonAttentionImpl). "flash_attn":
+    # FLASH_ATTN (FA3 on Hopper), what `vllm serve` picks by default there: on an H200 a SPEEDSFI
+    # prefill step through TRITON_ATTN looked ~4x slower than FA3's (bench/README.md, 2026-11-26).
+    # Both read and write vLLM 0.32's one KV layout. The CPU build's dense path is CPU_ATTN either
+    # way. "flash_attn" has not yet run on a GPU: opt-in until it has.
+    dense_delegate: Literal["triton", "flash_attn"] = "triton"
 
     @property
     def any_enabled(self) -> bool:
@@ -351,8 +358,9 @@ class SpeedSfiConfig:
             return self
         if "preset" in overrides:
             raise ConfigError("speedsfi.preset cannot be overridden per request")
-        if "dense_decode" in overrides:
-            raise ConfigError("speedsfi.dense_decode is engine-wide: it cannot be overridden per request")
+        for name in ("dense_decode", "dense_delegate"):
+            if name in overrides:
+                raise ConfigError(f"speedsfi.{name} is engine-wide: it cannot be overridden per request")
         base = self.to_dict()
         base.pop("preset", None)
         _deep_update(base, dict(overrides))
@@ -385,7 +393,7 @@ def request_overrides(extra_args: Any) -> Mapping[str, Any] | None:
 
 def changed_fields(base: "SpeedSfiConfig", other: "SpeedSfiConfig") -> set[str]:
     """``section.field`` names whose values differ (the method sections; top-level scalars such as
-    ``preset`` and ``dense_decode`` are not sections)."""
+    ``preset``, ``dense_decode`` and ``dense_delegate`` are not sections)."""
     changed = set()
     for section in (f.name for f in dataclasses.fields(base)):
         a, b = getattr(base, section), getattr(other, section)

@@ -90,10 +90,11 @@ class SpeedSfiImpl(AttentionImpl):
         self._rows = row_counters.shared(_device())
         self._dense = None
         if not current_platform.is_cpu():
-            from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+            from vllm_ext.backend.metadata import dense_delegate_impl_cls
 
-            self._dense = TritonAttentionImpl(num_heads, head_size, scale, self.num_kv_heads, None,
-                                              None, kv_cache_dtype, None, attn_type, None)
+            self._dense = dense_delegate_impl_cls(self.config.dense_delegate)(
+                num_heads, head_size, scale, self.num_kv_heads, None, None, kv_cache_dtype, None,
+                attn_type, None)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         # Runs before vLLM profiles memory: what is allocated here comes out of its budget.

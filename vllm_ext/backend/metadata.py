@@ -101,6 +101,9 @@ def delegate_rows(delegate, cm: CommonAttentionMetadata, start: int, end: int):
     kw = dict(num_actual_tokens=n_tok, max_query_len=max_q, query_start_loc=qsl_dev,
               seq_lens=delegate.seq_lens[start:end], block_table=delegate.block_table[start:end],
               slot_mapping=delegate.slot_mapping[t0:t0 + n_tok])
+    if getattr(delegate, "scheduler_metadata", None) is not None:
+        # FLASH_ATTN's ahead-of-time schedule is the whole batch's: FA3 schedules the cut itself
+        kw["scheduler_metadata"] = None
     if isinstance(getattr(delegate, "causal", None), torch.Tensor) and delegate.causal.dim():
         kw["causal"] = delegate.causal[start:end]
     if getattr(delegate, "rswa_prefix_lens", None) is not None:
@@ -111,7 +114,8 @@ def delegate_rows(delegate, cm: CommonAttentionMetadata, start: int, end: int):
 def can_cut_rows(delegate, start: int) -> bool:
     """Can :func:`delegate_rows` cut from row ``start``? (Rows from 0 always.)"""
     return start == 0 or (getattr(delegate, "mm_prefix_range", None) is None
-                          and getattr(delegate, "mm_prefix_range_tensor", None) is None)
+                          and getattr(delegate, "mm_prefix_range_tensor", None) is None
+                          and getattr(delegate, "mm_prefix_query_range_tensor", None) is None)
 
 
 def delegate_head(delegate, cm: CommonAttentionMetadata, rows: int):
@@ -120,10 +124,26 @@ def delegate_head(delegate, cm: CommonAttentionMetadata, rows: int):
     return delegate_rows(delegate, cm, 0, rows)
 
 
-def _dense_delegate_builder_cls():
+def _dense_delegate_builder_cls(delegate: str = "triton"):
+    """The metadata builder of ``speedsfi.dense_delegate``'s vLLM backend."""
+    if delegate == "flash_attn":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+        return FlashAttentionMetadataBuilder
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
 
     return TritonAttentionMetadataBuilder
+
+
+def dense_delegate_impl_cls(delegate: str = "triton"):
+    """The attention impl of ``speedsfi.dense_delegate``'s vLLM backend (same constructor)."""
+    if delegate == "flash_attn":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+        return FlashAttentionImpl
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    return TritonAttentionImpl
 
 
 class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
@@ -136,7 +156,8 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
         cfg = resolve_config(vllm_config)
         if not cfg.any_enabled and cfg.resolved_dense_decode == "delegate":
             # all methods off: exactly the Triton delegate, whose graphs vLLM already trusts
-            return _dense_delegate_builder_cls().get_cudagraph_support(vllm_config, kv_cache_spec)
+            return _dense_delegate_builder_cls(cfg.dense_delegate).get_cudagraph_support(
+                vllm_config, kv_cache_spec)
         if not cfg.speed.enabled:
             # A uniform single-token decode step runs only our kernels, with every decision in
             # device buffers the builder rewrites before each replay (and the side stream forked and
@@ -177,8 +198,8 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             self._speed_keep_staging = PinnedStaging(sched.max_num_batched_tokens, torch.int64,
                                                      torch.device(device))
         if not self._on_cpu:
-            self._delegate = _dense_delegate_builder_cls()(kv_cache_spec, layer_names, vllm_config,
-                                                           device)
+            self._delegate = _dense_delegate_builder_cls(self.config.dense_delegate)(
+                kv_cache_spec, layer_names, vllm_config, device)
 
     def bind_request_state(self, table: RequestStateTable) -> None:
         """Called by the runner hooks once the runner's request-state table exists."""

@@ -46,6 +46,29 @@ def _describe(cfg: SpeedSfiConfig) -> str:
         (f" (preset {cfg.preset})" if cfg.preset else "")
 
 
+def check_flash_attn_delegate(vllm_config, *, on_cpu: bool, capability) -> None:
+    """``speedsfi.dense_delegate = "flash_attn"``: FLASH_ATTN must take this model, cache and GPU,
+    or start-up stops naming what it refuses (never a silent switch back to TRITON_ATTN)."""
+    if on_cpu:
+        logger.info("vllm_ext: speedsfi.dense_delegate = 'flash_attn' applies to CUDA; the CPU build "
+                    "attends dense rows with CPU_ATTN")
+        return
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    head = vllm_config.model_config.get_head_size()
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    why = None
+    if not FlashAttentionBackend.supports_head_size(head):
+        why = f"head size {head}"
+    elif not FlashAttentionBackend.supports_kv_cache_dtype(cache_dtype):
+        why = f"KV cache dtype {cache_dtype}"
+    elif capability is not None and not FlashAttentionBackend.supports_compute_capability(capability):
+        why = f"compute capability {capability}"
+    if why is not None:
+        raise ConfigError(f"speedsfi.dense_delegate = 'flash_attn': vLLM's FLASH_ATTN does not support "
+                          f"this {why}; use 'triton'")
+
+
 def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -56,6 +79,13 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
         if getattr(cfg, name).enabled and name not in IMPLEMENTED_METHODS:
             raise ConfigError(f"speedsfi.{name}.enabled: {name} is not available in vllm-speedsfi "
                               f"yet; remove it or set it to false")
+
+    if cfg.dense_delegate == "flash_attn":
+        from vllm.platforms import current_platform
+
+        check_flash_attn_delegate(vllm_config, on_cpu=current_platform.is_cpu(),
+                                  capability=None if current_platform.is_cpu()
+                                  else current_platform.get_device_capability())
 
     if getattr(model_config, "use_mla", False):
         raise ConfigError("SPEEDSFI does not support MLA models (DeepSeek-style latent attention)")
