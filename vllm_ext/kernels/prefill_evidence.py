@@ -160,7 +160,10 @@ if HAS_TRITON:
             a = tl.where(mm[:, None], alpha * logp, float("-inf"))
             am = tl.max(a, 0)
             am_safe = tl.where(am == float("-inf"), 0.0, am)
-            lf = (am_safe + tl.log(tl.sum(tl.exp(a - am_safe[None, :]), 0)) - log_n) / alpha
+            tot_a = tl.sum(tl.exp(a - am_safe[None, :]), 0)
+            lf = tl.where(tot_a > 0,
+                          (am_safe + tl.log(tl.where(tot_a > 0, tot_a, 1.0)) - log_n) / alpha,
+                          float("-inf"))
         lf = tl.where(in_a, lf, float("-inf"))
         tl.store(EV + r.to(tl.int64) * s_ev_r + h * s_ev_h + offs_j.to(tl.int64) * s_ev_j, lf,
                  mask=jm & (offs_j < MAX_LEN))
