@@ -10,20 +10,26 @@ import torch
 pytestmark = pytest.mark.e2e
 
 
-def test_delegate_head_cuts_the_triton_metadata_to_the_first_rows():
+def _batch(n_tokens: int):
+    """Two decode rows, a dense prefill (7 tokens) and a long chunk (40), then a short one (5)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0, 1, 2, 9, 49, 54], dtype=torch.int32)
+    seq = torch.tensor([30, 12, 7, 300, 5], dtype=torch.int32)
+    bt = torch.arange(50, dtype=torch.int32).reshape(5, 10)
+    slots = torch.arange(n_tokens)
+    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=5,
+                                 num_actual_tokens=n_tokens, max_query_len=40, max_seq_len=300,
+                                 block_table_tensor=bt, slot_mapping=slots)
+    return qsl, seq, bt, slots, cm
+
+
+def test_delegate_head_cuts_the_triton_metadata_to_the_first_rows():
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
 
     from vllm_ext.backend.metadata import delegate_head
 
-    q_lens = [1, 1, 7, 40, 5]                       # two decodes, a dense prefill, the sub-batch
-    qsl = torch.tensor([0, 1, 2, 9, 49, 54], dtype=torch.int32)
-    seq = torch.tensor([30, 12, 7, 300, 5], dtype=torch.int32)
-    bt = torch.arange(50, dtype=torch.int32).reshape(5, 10)
-    slots = torch.arange(64)
-    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=5,
-                                 num_actual_tokens=64, max_query_len=40, max_seq_len=300,
-                                 block_table_tensor=bt, slot_mapping=slots)
+    qsl, seq, bt, slots, cm = _batch(64)
     scratch = torch.zeros(1)
     md = TritonAttentionMetadata(num_actual_tokens=64, max_query_len=40, query_start_loc=qsl,
                                  max_seq_len=300, seq_lens=seq, block_table=bt, slot_mapping=slots,
@@ -58,17 +64,9 @@ def _fa_metadata(qsl, seq, bt, slots, **kw):
 def test_delegate_rows_cut_the_flash_attn_metadata_and_drop_its_batch_schedule():
     """``speedsfi.dense_delegate = "flash_attn"``: the same cut for FLASH_ATTN's metadata, whose
     ahead-of-time FA3 schedule describes the whole batch and must not reach the cut."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     from vllm_ext.backend.metadata import can_cut_rows, delegate_rows
 
-    qsl = torch.tensor([0, 1, 2, 9, 49, 54], dtype=torch.int32)
-    seq = torch.tensor([30, 12, 7, 300, 5], dtype=torch.int32)
-    bt = torch.arange(50, dtype=torch.int32).reshape(5, 10)
-    slots = torch.arange(54)
-    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=5,
-                                 num_actual_tokens=54, max_query_len=40, max_seq_len=300,
-                                 block_table_tensor=bt, slot_mapping=slots)
+    qsl, seq, bt, slots, cm = _batch(54)
     md = _fa_metadata(qsl, seq, bt, slots, scheduler_metadata=torch.zeros(8, dtype=torch.int32),
                       max_num_splits=4)
     tail = delegate_rows(md, cm, 2, 5)                 # the prefill rows after two decode rows

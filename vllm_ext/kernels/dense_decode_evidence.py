@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.kernels.merge_state import launch_merge_states
+from vllm_ext.kernels.prefill_evidence import fill_past_span, prefill_evidence_triton
 from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, fixed_meta,
                                            launch_meta, next_pow2, num_sms, untuned, use_triton)
 from vllm_ext.kernels.two_segment_decode import (LOG2E, SplitWorkspace, _configs, active_rows,
@@ -710,11 +711,7 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
         # the CPU reads the lengths for free; a device would have to synchronise
         span = int(seq.max()) if dev.type == "cpu" else max_len
     span = max(1, min(max_len, span))
-    if span < max_len:
-        # nothing at or past the longest row is visible: the chunks end there and the rest of each
-        # active row's evidence is -inf (as computed)
-        tail = log_evidence[:, :, span:]
-        tail.copy_(torch.where(act[:, None, None], float("-inf"), tail))
+    fill_past_span(log_evidence, act, span)       # the chunks end at the span
     # pass 1: LSE over A ∩ causal, per (row, KV head, query, head); on the CPU the chunks' logits
     # are kept for pass 2 while they are small (the same values, K read once)
     keep = dev.type == "cpu" and r * hkv * w * g * span * 4 <= (64 << 20)
@@ -745,8 +742,6 @@ def prefill_evidence(query_rows, kv_cache, block_table, seq_lens, allowed_lo, al
     """Prefill-end evidence: the Triton kernels where they run (``chunk`` is the twin's), else
     :func:`prefill_evidence_torch`, which defines the values."""
     if use_triton(query_rows):
-        from vllm_ext.kernels.prefill_evidence import prefill_evidence_triton
-
         return prefill_evidence_triton(query_rows, kv_cache, block_table, seq_lens, allowed_lo,
                                        allowed_hi, scale, log_evidence, query_positions, row_mask,
                                        alpha, key_norms=key_norms, span=span)

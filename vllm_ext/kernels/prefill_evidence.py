@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ext.kernels.triton_utils import HAS_TRITON, dot_in_fp32, fixed_meta, next_pow2
-from vllm_ext.kernels.two_segment_decode import LOG2E
+from vllm_ext.kernels.two_segment_decode import LOG2E, active_rows
 
 if HAS_TRITON:
     import triton
@@ -48,6 +48,16 @@ if HAS_TRITON:
         return q, qpos, mm
 
     @triton.jit
+    def _row_window(SEQ, LO, HI, MASK, r, MAX_LEN, HAS_MASK: tl.constexpr):
+        # the request's length (0: inactive, masked out) and its allowed set A = [lo, hi)
+        seq_len = tl.load(SEQ + r)
+        if HAS_MASK:
+            seq_len = tl.where(tl.load(MASK + r).to(tl.int32) == 0, 0, seq_len)
+        lo = tl.maximum(tl.load(LO + r), 0)
+        hi = tl.minimum(tl.minimum(tl.load(HI + r), seq_len), MAX_LEN)
+        return seq_len, lo, hi
+
+    @triton.jit
     def _load_k(KV, BT, r, h, pos, valid, s_bt_r, s_bt_b, s_kv_b, s_kv_h, s_kv_n, s_kv_c,
                 PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
         rowoff = _paged_row_offsets(BT, r, pos, valid, s_bt_r, s_bt_b, h, s_kv_b, s_kv_h, s_kv_n, PAGE)
@@ -69,14 +79,9 @@ if HAS_TRITON:
         r = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
-        if HAS_MASK:
-            if tl.load(MASK + r).to(tl.int32) == 0:
-                return
-        seq_len = tl.load(SEQ + r)
+        seq_len, lo, hi = _row_window(SEQ, LO, HI, MASK, r, MAX_LEN, HAS_MASK)
         if seq_len <= 0:
             return
-        lo = tl.maximum(tl.load(LO + r), 0)
-        hi = tl.minimum(tl.minimum(tl.load(HI + r), seq_len), MAX_LEN)
         q, qpos, mm = _load_window_q(Q, POS, r, h, s_q_r, s_q_w, s_q_h, s_q_d, s_p_r, s_p_w,
                                      W, G, BLOCK_M, D, BLOCK_D)
         chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -118,14 +123,9 @@ if HAS_TRITON:
         r = tl.program_id(0)
         h = tl.program_id(1)
         jb = tl.program_id(2)
-        if HAS_MASK:
-            if tl.load(MASK + r).to(tl.int32) == 0:
-                return
-        seq_len = tl.load(SEQ + r)
+        seq_len, lo, hi = _row_window(SEQ, LO, HI, MASK, r, MAX_LEN, HAS_MASK)
         if seq_len <= 0:
             return
-        lo = tl.maximum(tl.load(LO + r), 0)
-        hi = tl.minimum(tl.minimum(tl.load(HI + r), seq_len), MAX_LEN)
         q, qpos, mm = _load_window_q(Q, POS, r, h, s_q_r, s_q_w, s_q_h, s_q_d, s_p_r, s_p_w,
                                      W, G, BLOCK_M, D, BLOCK_D)
         # the splits' LSEs merged (log2 units); 0 where no key is visible, as the twin's lse_safe
@@ -214,12 +214,14 @@ def prefill_evidence_triton(query_rows, kv_cache, block_table, seq_lens, allowed
         W=w, G=g, BLOCK_M=block_m, D=d, BLOCK_D=block_d, PAGE=page,
         HAS_MASK=row_mask is not None, F32_DOT=f32, GEOMETRIC=float(alpha) == 0.0,
         NORMS=key_norms is not None, BLOCK_S=block_s, BLOCK_J=block_n, **meta)
-    if span < max_len:
-        # past the span an active row's evidence is -inf (what the twin writes)
-        from vllm_ext.kernels.two_segment_decode import active_rows
-
-        act = active_rows(seq_lens, row_mask)
-        tail = log_evidence[:, :, span:]
-        tail.copy_(torch.where(act[:, None, None], float("-inf"), tail))
+    fill_past_span(log_evidence, active_rows(seq_lens, row_mask), span)
     return log_evidence
+
+
+def fill_past_span(log_evidence: torch.Tensor, active: torch.Tensor, span: int) -> None:
+    """``-inf`` evidence at and past ``span`` for the active rows (``span`` >= each one's length:
+    nothing there is visible), the rest untouched."""
+    if span < log_evidence.shape[-1]:
+        tail = log_evidence[:, :, span:]
+        tail.copy_(torch.where(active[:, None, None], float("-inf"), tail))
 
