@@ -1,6 +1,7 @@
 """Per-step thread CPU time (time.thread_time: robust to other jobs on a shared machine, unlike wall time)
 of the prefill step and of each decode step, per configuration of bench_cpu_vllm (same engine settings, bf16):
-the decode steps' median (the typical step: SFI's fast steps) and mean (every step, SFI's slow steps included).
+the decode steps' median (the typical step: SFI's fast steps) and mean (every step, SFI's slow steps included),
+and the mean of SFI's slow decode steps and of the others apart (a step is slow when it adds to ``sfi.slow_steps``).
 usage: bench/bench_cpu_steps.py CONFIGS LENGTH DTYPE [PROFILE_CONFIG]   (env DECODE: decode steps, PROF_PREFILL=1,
 ROWS_OUT=path: append one JSON line per request)
 
@@ -40,15 +41,17 @@ for name in configs:
     for rep in range(2):
         before = metrics.snapshot()
         eng.add_request(f"r{rep}", {"prompt_token_ids": ids}, sp)
-        steps = []
+        steps, slow = [], []
         prof = cProfile.Profile(time.thread_time) if (rep == 1 and name == prof_cfg) else None
         n = 0
         while eng.has_unfinished_requests():
             if prof and (n == 0 if os.environ.get("PROF_PREFILL") else n >= 2):
                 prof.enable()
+            s0 = metrics.snapshot().get("sfi.slow_steps", 0)
             t0 = time.thread_time()
             eng.step()
             steps.append(time.thread_time() - t0)
+            slow.append(metrics.snapshot().get("sfi.slow_steps", 0) > s0)
             if prof:
                 prof.disable()
             n += 1
@@ -56,10 +59,14 @@ for name in configs:
         sfi_steps = {k[4:]: after[k] - before.get(k, 0) for k in ("sfi.slow_steps", "sfi.fast_steps")
                      if k in after}
         pre = sum(steps[:-N]) if len(steps) > N else steps[0]
-        dec = steps[-N + 1:]
+        dec, dec_slow = steps[-N + 1:], slow[-N + 1:]
+        by_kind = {kind: [t for t, sl in zip(dec, dec_slow) if sl == want]
+                   for kind, want in (("slow", True), ("other", False))}
+        kinds = {f"decode_cpu_ms_{kind}_mean": round(1e3 * statistics.mean(ts), 1)
+                 for kind, ts in by_kind.items() if ts}
         print(f"{name} rep{rep}: prefill cpu {pre:.3f}s  decode cpu median {1e3*statistics.median(dec):.1f} ms "
-              f"mean {1e3*statistics.mean(dec):.1f} ms min {1e3*min(dec):.1f} ms  steps {len(steps)} {sfi_steps}",
-              flush=True)
+              f"mean {1e3*statistics.mean(dec):.1f} ms min {1e3*min(dec):.1f} ms  steps {len(steps)} {sfi_steps} "
+              f"{kinds}", flush=True)
         res[name] = (pre, statistics.median(dec), statistics.mean(dec))
         if os.environ.get("ROWS_OUT"):
             with open(os.environ["ROWS_OUT"], "a") as f:
@@ -67,7 +74,7 @@ for name in configs:
                                         decode_cpu_ms_median=round(1e3 * statistics.median(dec), 1),
                                         decode_cpu_ms_mean=round(1e3 * statistics.mean(dec), 1),
                                         decode_cpu_ms_min=round(1e3 * min(dec), 1), decode_steps=len(dec),
-                                        **sfi_steps)) + "\n")
+                                        **kinds, **sfi_steps)) + "\n")
         tokens = None
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)

@@ -222,7 +222,8 @@ def test_evidence_count_driven_launch_equals_the_masked_grid(case):
 def test_evidence_twin_cpu_form_equals_batched_form(case, alpha):
     """The twin's two forms (per row on the CPU; batched, padded to the longest row, elsewhere)
     write the same output, evidence and key norms, and leave the same entries untouched: batch
-    mode with padded / masked rows, and compact mode with unused entries."""
+    mode with padded / masked rows, and compact mode with unused entries. Without ``out`` each
+    writes the same evidence and key norms."""
     p = _problem(case, 51)
     r = p["q"].shape[0]
     for rows in (None, torch.tensor([3, 6, -1, 5, 0], dtype=torch.int32, device=DEVICE)):
@@ -235,9 +236,28 @@ def test_evidence_twin_cpu_form_equals_batched_form(case, alpha):
             fn(p["q"], p["kv"], p["bt"], p["seq"], p["lo"], p["hi"], p["scale"], out, ev, p["mask"],
                alpha, evidence_rows=rows, key_norms=kn)
             got.append((out, ev, kn))
+            # out=None (the CPU build's slow rows, attended by the dense pass): the same evidence
+            # and key norms, nothing else
+            ev2, kn2 = torch.full_like(ev, SENTINEL), torch.full_like(kn, SENTINEL)
+            fn(p["q"], p["kv"], p["bt"], p["seq"], p["lo"], p["hi"], p["scale"], None, ev2, p["mask"],
+               alpha, evidence_rows=rows, key_norms=kn2)
+            assert torch.equal(ev2, ev) and torch.equal(kn2, kn)
         for a, b, what in zip(*got, ("out", "evidence", "key norms")):
             assert torch.equal(a == SENTINEL, b == SENTINEL), f"{what}: different entries written"
             assert torch.equal(torch.isinf(a), torch.isinf(b)), f"{what}: different -inf entries"
             fin = torch.isfinite(a) & (a != SENTINEL)
             torch.testing.assert_close(a[fin].float(), b[fin].float(), atol=2e-2, rtol=1e-2,
                                        msg=f"{what} (alpha {alpha}, rows {rows})")
+
+
+def test_evidence_only_is_the_twins_alone():
+    """``out=None`` is the PyTorch twin's evidence-only pass; the Triton kernel refuses it at once."""
+    from vllm_ext.kernels.triton_utils import use_triton
+
+    p = _problem(FAST_CASES[0], 52)
+    if not use_triton(p["q"]):
+        pytest.skip("no Triton here (neither CUDA nor the interpreter)")
+    ev = torch.zeros(p["q"].shape[0], p["hkv"], p["max_len"], device=DEVICE)
+    with pytest.raises(ValueError, match="out=None"):
+        dense_decode_with_evidence(p["q"], p["kv"], p["bt"], p["seq"], p["lo"], p["hi"], p["scale"],
+                                   None, ev, p["mask"])

@@ -14,7 +14,7 @@ import torch
 
 from kernel_testlib import blocks_needed, make_block_table, make_kv_cache, make_sfi_rows
 from vllm_ext.kernels import paged_reference as pr
-from vllm_ext.kernels.packed_pages import PackedPages, layout_matches
+from vllm_ext.kernels.packed_pages import PackedPages, index_blocks, layout_matches
 
 CASES = [(16, 64, torch.bfloat16), (32, 64, torch.float32), (16, 32, torch.float16)]
 
@@ -215,3 +215,18 @@ def test_gather_prefix_kt_is_the_prefix_transposed(bs, d, dtype):
         for cache in (kv, pages):
             kt, vv = pr.gather_prefix_kt_into(cache, table, length, torch.float32)
             assert torch.equal(kt, k.float().transpose(1, 2)) and torch.equal(vv, v.float())
+            kt, vv = pr.gather_prefix_kt_into(cache, table, length, torch.float32, values=False)
+            assert torch.equal(kt, k.float().transpose(1, 2)) and vv is None
+
+
+@pytest.mark.parametrize("bs,d,dtype", CASES)
+def test_index_blocks_is_index_select(bs, d, dtype):
+    """Whole-page gathers of K (transposed per page, gathered on the transposed view), V and the
+    logical cache equal ``index_select``, and so does ``PackedPages.index_select``."""
+    kv, gen = _cache(bs, d, dtype, nb=20)
+    pages = pack(kv)
+    idx = torch.randperm(20, generator=gen)[:13]
+    for view in (pages.k, pages.v, kv):
+        got = index_blocks(view, idx)
+        assert got.shape == view.index_select(0, idx).shape and torch.equal(got, view.index_select(0, idx))
+    assert torch.equal(pages.index_select(0, idx), kv.index_select(0, idx))

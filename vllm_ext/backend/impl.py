@@ -209,38 +209,43 @@ class SpeedSfiImpl(AttentionImpl):
                 return self._prefill_attention(layer, query, key, value, kv_cache, md, output)
             return self._forward_sfi_cuda(layer, query, key, value, kv_cache, md, output, sfi)
         self._write_kv(layer, kv_cache, key, value, md.slot_mapping)
-        sfi_rows = None
+        fast_rows = None
         if sfi is not None and md.num_decodes:
-            # decode rows that SFI computes itself this step (slow: the evidence pass writes their
-            # output; fast: the two-segment pass); the host reads the plan for free on the CPU, once
-            # per step
-            if sfi.host_sparse_rows is None:
-                sfi.host_sparse_rows = (~sfi.row_dense[:md.num_decodes]).tolist()
-            sfi_rows = sfi.host_sparse_rows
-        self._prefill_attention(layer, query, key, value, kv_cache, md, output, skip_rows=sfi_rows)
+            # the decode rows whose output SFI writes this step (fast: the two-segment pass); slow rows
+            # are attended by the dense pass (its kernel, CPU_ATTN's on its packed pages) and SFI's
+            # evidence pass only scores them. The host reads the plan for free on the CPU, once per step.
+            if sfi.host_fast_rows is None:
+                nd = md.num_decodes
+                sfi.host_fast_rows = sfi.row_fast[:nd].tolist()
+                sfi.host_any_sparse = not bool(sfi.row_dense[:nd].all())
+            fast_rows = sfi.host_fast_rows
+        self._prefill_attention(layer, query, key, value, kv_cache, md, output, skip_rows=fast_rows)
         if sfi is not None:
             self._sfi_prefill_end(query, kv_cache, md, sfi)
-        if sfi_rows is not None and (any(sfi_rows) or self._rows is not None
-                                     or self.config.sfi.selector == "quest"):
-            # Dense rows have their output from the pass above (bit-identical to all-off); every other
-            # decode row was computed once, by SFI below. (With every row dense SFI has nothing to do,
-            # except Quest's page bounds, which every SFI decode row keeps up to date.)
-            self._decode_rows(query, kv_cache, md, output, sfi, md.num_decodes, dense_done=True)
+        if fast_rows is not None and (sfi.host_any_sparse or self._rows is not None
+                                      or self.config.sfi.selector == "quest"):
+            # Dense and slow rows have their output from the pass above (bit-identical to all-off);
+            # every fast row was computed once, by SFI below. (With every row dense SFI has nothing
+            # to do, except Quest's page bounds, which every SFI decode row keeps up to date.)
+            self._decode_rows(query, kv_cache, md, output, sfi, md.num_decodes, dense_done=True,
+                              slow_done=True)
         return output
 
-    def _decode_rows(self, query, kv_cache, md, output, sfi, rows: int, *, dense_done: bool) -> None:
+    def _decode_rows(self, query, kv_cache, md, output, sfi, rows: int, *, dense_done: bool,
+                     slow_done: bool = False) -> None:
         """The first ``rows`` rows (one query each) through our decode kernels: SFI's path, or with
         every method off and ``dense_decode = "paged_decode"`` our dense paged decode.
-        ``dense_done``: the dense path already wrote the dense rows."""
+        ``dense_done``: the dense path already wrote the dense rows; ``slow_done`` (the CPU build):
+        and the slow rows."""
         if sfi is not None:
             from vllm_ext.backend.sfi_path import sfi_decode
 
             sfi_decode(query[:rows], kv_cache, md.block_table[:rows], md.seq_lens[:rows], sfi,
                        self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index, self.scale,
-                       output[:rows], dense_done=dense_done)
+                       output[:rows], dense_done=dense_done, slow_done=slow_done)
             if self._rows is not None:
                 self._rows.add_sfi(None if dense_done else sfi.row_dense[:rows],
-                                   sfi.row_slow[:rows], sfi.row_fast[:rows])
+                                   None if slow_done else sfi.row_slow[:rows], sfi.row_fast[:rows])
             return
         if dense_done:
             return

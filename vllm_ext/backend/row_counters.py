@@ -5,10 +5,12 @@ Counters (``vllm_ext.metrics`` snapshot keys, summed over layers and steps):
 
 * ``rows.layer``: rows of the layer calls (decode rows of a FULL CUDA graph include its padding);
 * ``rows.delegate``: rows the dense path attended (CUDA: vLLM's Triton delegate, with its metadata
-  cut to the rows it owns; CPU: ``paged_reference``, whose pass skips the rows SFI computes);
+  cut to the rows it owns; CPU: ``CPU_ATTN``'s kernel or ``paged_reference``, whose pass skips the
+  rows whose output SFI writes);
 * ``rows.paged_decode``: decode rows attended by our dense split-K ``paged_decode`` (SFI's dense rows
   on CUDA, or every decode row with ``speedsfi.dense_decode = "paged_decode"``);
-* ``rows.sfi_slow``: rows whose output SFI's slow pass (dense + evidence) wrote;
+* ``rows.sfi_slow``: rows whose output SFI's slow pass (dense + evidence) wrote (CUDA; on the CPU
+  build the dense pass attends the slow rows and SFI's pass scores them only: ``rows.delegate``);
 * ``rows.sfi_fast``: rows whose output SFI's two-segment pass wrote (with the Quest selector its
   selection rows too);
 * ``rows.critiprefill``: rows of CritiPrefill's block-sparse sub-batch.
@@ -51,15 +53,17 @@ class RowCounters:
         elif n:
             self.counters.values[i:i + 1].add_(int(n))
 
-    def add_sfi(self, dense: torch.Tensor | None, slow: torch.Tensor,
+    def add_sfi(self, dense: torch.Tensor | None, slow: torch.Tensor | None,
                 fast: torch.Tensor) -> None:
         """A call of SFI's decode path (the plan's masks of its rows): ``dense`` (None when the dense path already
         wrote the dense rows) to ``paged_decode``; slow rows that are not also fast (Quest's selection
-        rows are written by the fast pass) to ``sfi_slow``; fast rows to ``sfi_fast``. (The layer
-        call's rows are counted once, by the impl.)"""
+        rows are written by the fast pass) to ``sfi_slow`` (``slow`` None when the dense path wrote
+        them: the CPU build); fast rows to ``sfi_fast``. (The layer call's rows are counted once, by
+        the impl.)"""
         if dense is not None:
             self.add(PAGED_DECODE, dense)
-        self.add(SFI_SLOW, slow & ~fast)
+        if slow is not None:
+            self.add(SFI_SLOW, slow & ~fast)
         self.add(SFI_FAST, fast)
 
     def publish(self) -> None:

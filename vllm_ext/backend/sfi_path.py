@@ -79,13 +79,15 @@ def _prefill_end_select(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, 
 def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, step: SfiStep, cfg: SfiConfig, layer: SfiLayerBuffers,
                rt: SfiRuntime, layer_index: int, scale: float, out: torch.Tensor, *,
-               dense_done: bool) -> torch.Tensor:
+               dense_done: bool, slow_done: bool = False) -> torch.Tensor:
     """SFI for the decode rows ``0..R-1`` (one query each; ``query``/``out`` are ``[R, Hq, D]``).
 
     ``dense_done``: ``out`` already holds dense attention for the dense rows (the dense path ran
-    first: on CUDA a mixed step's delegate, which computed every row; on the CPU only the dense
+    first: on CUDA a mixed step's delegate, which computed every row; on the CPU the dense and slow
     rows): slow rows run the dense pass (for their evidence), fast rows are written by the
-    two-segment pass. Otherwise dense and slow rows are attended here.
+    two-segment pass. Otherwise dense and slow rows are attended here. ``slow_done`` (the CPU
+    build): the slow rows' output is the dense path's too, and their pass computes only their
+    evidence and key norms (on the real model at 8K half of its time was V's gather and ``p @ V``).
 
     The maintenance of the slow rows goes to ``rt.ring``: on CUDA with ``dual_stream`` a side stream
     overlaps it with the next layers; the compact segments it writes are read at the next step,
@@ -107,10 +109,12 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                            row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace)
     if on_cpu and not bool(step.row_slow[:rows].any()):
         return out
-    # slow rows: one dense pass over the compacted list, writing their output, evidence and ||k||
+    # slow rows: one dense pass over the compacted list, writing their output (unless the dense
+    # path did), evidence and ||k||
     entry, scratch = rt.ring.entry(layer_index)
     dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, step.allowed_lo[:rows],
-                               step.allowed_hi[:rows], scale, out, scratch.log_evidence,
+                               step.allowed_hi[:rows], scale, None if slow_done else out,
+                               scratch.log_evidence,
                                alpha=cfg.alpha, workspace=rt.dense_workspace,
                                evidence_rows=step.slow_rows, key_norms=scratch.key_norms,
                                evidence_count=step.slow_count)

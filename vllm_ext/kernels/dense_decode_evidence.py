@@ -465,8 +465,13 @@ def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_l
     -1 = unused entry) only those rows are attended, ``out[evidence_rows[e]]`` written and their
     evidence put in ``log_evidence[e]``; the launch covers the ``E`` entries, not the batch, and
     splits as for one row (dead entries exit at once). ``key_norms`` (fp32, the shape of
-    ``log_evidence``) receives ``||k_j||`` of the evidence rows from the same pass over K."""
+    ``log_evidence``) receives ``||k_j||`` of the evidence rows from the same pass over K. ``out``
+    None (the PyTorch twin only: the CPU build, whose dense pass attends the slow rows): evidence
+    and key norms only."""
     _check_evidence_args(query, kv_cache, log_evidence, evidence_rows, key_norms)
+    if out is None and use_triton(query):
+        raise ValueError("dense_decode_with_evidence: the Triton kernel writes the output (out=None "
+                         "is the PyTorch twin's evidence-only pass)")
     if not use_triton(query):
         return dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
                                                 allowed_hi, scale, out, log_evidence, row_mask,
@@ -542,10 +547,11 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
                                    scale, out, log_evidence, row_mask=None, alpha=0.5, *,
                                    evidence_rows=None, key_norms=None):
     """The twin on the CPU, where reading lengths costs nothing: per live entry, its row's blocks
-    gathered and converted to fp32 as K transposed and V (:func:`gather_prefix_kt_into`: two
-    contiguous matmuls), the scores of its G query heads per KV head by one matmul, then output, evidence over ``A`` and ``||k||`` from those
-    scores and that K. The batched form pads every row to the longest and converts K/V piecewise:
-    2-4x slower at 2K on the real model's slow steps."""
+    gathered and converted to fp32 as K transposed (and V when ``out`` is given;
+    :func:`gather_prefix_kt_into`: contiguous matmuls), the scores of its G query heads per KV head
+    by one matmul, then output, evidence over ``A`` (on the allowed span only) and ``||k||`` from
+    those scores and that K. The batched form pads every row to the longest and converts K/V
+    piecewise: 2-4x slower at 2K on the real model's slow steps."""
     from vllm_ext.kernels.paged_reference import _scratch_buffer, gather_prefix_kt_into
 
     r_all, hq, d = query.shape
@@ -563,22 +569,32 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
         seq = int(seqs[r])
         if seq <= 0 or not on[r]:
             continue
-        kt, v = gather_prefix_kt_into(kv_cache, block_table[r], seq, torch.float32)  # [Hkv, D, seq]
+        kt, v = gather_prefix_kt_into(kv_cache, block_table[r], seq, torch.float32,
+                                      values=out is not None)                         # [Hkv, D, seq]
         q = query[r].float().view(hkv, g, d)
         s = torch.bmm(q, kt).mul_(scale)                                            # [Hkv, G, seq]
-        o = torch.bmm(torch.softmax(s, dim=-1), v)                                  # [Hkv, G, D]
-        out[r] = o.reshape(hq, d).to(out.dtype)
+        if out is not None:
+            out[r] = torch.bmm(torch.softmax(s, dim=-1), v).reshape(hq, d).to(out.dtype)
         lim = min(seq, max_len)
         lo, hi = max(int(los[r]), 0), min(int(his[r]), lim)
-        ev = log_evidence[e, :, :lim]
-        ev.fill_(float("-inf"))
+        ev = log_evidence[e]
         if hi > lo:
+            ev[:, :lo].fill_(float("-inf"))
+            ev[:, hi:lim].fill_(float("-inf"))
+            # log p over A and the power mean over the group, in place on the span's (finite)
+            # scores: no infinity handling, a third of torch.logsumexp's passes
             sa = s[..., lo:hi]
-            logp = sa - torch.logsumexp(sa, dim=-1, keepdim=True)                   # [Hkv, G, n]
+            sa.sub_(sa.amax(dim=-1, keepdim=True))
+            logp = sa.sub_(sa.exp().sum(dim=-1, keepdim=True).log_())                # [Hkv, G, n]
             if alpha == 0.0:
-                ev[:, lo:hi] = logp.sum(dim=1) / g
+                torch.sum(logp, dim=1, out=ev[:, lo:hi]).div_(g)
             else:
-                ev[:, lo:hi] = (torch.logsumexp(logp.mul_(alpha), dim=1) - log_g) / alpha
+                logp.mul_(alpha)
+                m = logp.amax(dim=1, keepdim=True)
+                pooled = logp.sub_(m).exp_().sum(dim=1).log_().add_(m[:, 0])
+                torch.sub(pooled, log_g, out=ev[:, lo:hi]).div_(alpha)
+        else:
+            ev[:, :lim].fill_(float("-inf"))
         if key_norms is not None:
             # sum over D as a matmul: a norm over K^T's middle dimension is 10x slower on the CPU
             ktl = kt[:, :, :lim]
@@ -631,13 +647,14 @@ def dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens, a
     lse = torch.logsumexp(sm, dim=-1, keepdim=True)
     p = torch.exp(sm - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
     p = torch.where(vis[:, None, :], p, torch.zeros_like(p))
-    o = torch.einsum("rhgn,rhnd->rhgd", p.reshape(r, hkv, g, length), v.float()).reshape(r, hq, d)
     act = live & active_rows(seq_lens, row_mask)[src]
-    if evidence_rows is None:
-        out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
-    else:
-        idx = torch.nonzero(act).flatten()                 # the twin may synchronise
-        out[src[idx]] = o[idx].to(out.dtype)
+    if out is not None:
+        o = torch.einsum("rhgn,rhnd->rhgd", p.reshape(r, hkv, g, length), v.float()).reshape(r, hq, d)
+        if evidence_rows is None:
+            out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
+        else:
+            idx = torch.nonzero(act).flatten()             # the twin may synchronise
+            out[src[idx]] = o[idx].to(out.dtype)
 
     lo = allowed_lo.long()[src].clamp_min(0)
     lim = torch.clamp(seq, max=max_len)

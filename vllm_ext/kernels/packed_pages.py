@@ -22,6 +22,18 @@ from __future__ import annotations
 import torch
 
 
+def index_blocks(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``src.index_select(0, index)`` for a cache view ``[B, ...]``, copying whole pages: on a view
+    whose last axis is strided and the one before it contiguous (``CPU_ATTN``'s K, transposed per
+    page) ``index_select`` copies element by element, about 7x slower (the 8K prompt's K of one layer
+    on a fragmented cache: 2.0 ms against 0.3 ms as runs of consecutive blocks), so the gather runs
+    on the transposed view with each page as one row (2.4x faster again than with two page axes)."""
+    if src.dim() >= 3 and src.stride(-2) == 1 and src.stride(-1) == src.shape[-2]:
+        t = src.transpose(-1, -2)                              # pages contiguous in the last two axes
+        return t.flatten(-2).index_select(0, index).view(-1, *t.shape[1:]).transpose(-1, -2)
+    return src.index_select(0, index)
+
+
 class PackedPages:
     """``raw``: the contiguous ``[num_blocks, Hkv, block_size, 2 * D]`` tensor vLLM allocated, whose
     pages hold ``CPU_ATTN``'s ``vec``/``vec16`` packing."""
@@ -60,7 +72,7 @@ class PackedPages:
         """Whole blocks in the logical layout ``[n, Hkv, block_size, 2D]`` (a copy)."""
         if dim != 0:
             raise IndexError("PackedPages selects whole blocks (dim 0) only")
-        return torch.cat([self.k.index_select(0, index), self.v.index_select(0, index)], dim=-1)
+        return torch.cat([index_blocks(self.k, index), self.v.index_select(0, index)], dim=-1)
 
     def __repr__(self) -> str:
         return f"PackedPages(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.kernels.packed_pages import PackedPages
+from vllm_ext.kernels.packed_pages import PackedPages, index_blocks
 
 
 def split_kv(kv_cache: torch.Tensor | PackedPages) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +192,7 @@ def _copy_blocks(dst: torch.Tensor, src: torch.Tensor, table: torch.Tensor, runs
     """``dst`` (block axis ``block_dim``) <- the blocks ``table`` of ``src`` ``[B, ...]`` permuted by
     ``perm``: one copy per run of consecutive ids, or one gather then one copy (``runs`` None)."""
     if runs is None:
-        dst.copy_(src.index_select(0, table.long()).permute(perm))
+        dst.copy_(index_blocks(src, table.long()).permute(perm))
         return
     for a, b, first in runs:
         dst.narrow(block_dim, a, b - a).copy_(src[first:first + (b - a)].permute(perm))
@@ -230,10 +230,11 @@ def gather_prefix_into(kv_cache: torch.Tensor, block_table_row: torch.Tensor, le
 
 
 def gather_prefix_kt_into(kv_cache, block_table_row: torch.Tensor, length: int,
-                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                          dtype: torch.dtype, *, values: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One request's positions ``[0, length)`` converted to ``dtype`` into persistent scratch
     buffers (valid until the next call), laid out for two contiguous matmuls: K transposed
-    ``[H, D, length]`` (``q @ K^T`` per head) and V ``[H, length, D]``. Whole blocks are copied, as
+    ``[H, D, length]`` (``q @ K^T`` per head) and V ``[H, length, D]`` (None unless ``values``). Whole blocks are copied, as
     runs of consecutive block ids (one gather when fragmented); on ``CPU_ATTN``'s packed pages (K already transposed per page)
     every copy moves rows of ``block_size`` contiguous elements. CPU only."""
     block_size, h = kv_cache.shape[2], kv_cache.shape[1]
@@ -245,6 +246,8 @@ def gather_prefix_kt_into(kv_cache, block_table_row: torch.Tensor, length: int,
     v = _scratch_buffer(h * span * d, dtype, kv_cache.device, tag="v").view(h, n_blocks, block_size, d)
     runs, table = _block_runs(block_table_row, n_blocks), block_table_row[:n_blocks]
     _copy_blocks(kt, k_all, table, runs, (1, 3, 0, 2), 2)
+    if not values:
+        return kt.view(h, d, span)[:, :, :length], None
     _copy_blocks(v, v_all, table, runs, (1, 0, 2, 3), 1)
     return kt.view(h, d, span)[:, :, :length], v.view(h, span, d)[:, :length]
 

@@ -70,6 +70,7 @@ import torch
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import triton_utils
 from vllm_ext.kernels import sfi_selector_torch as _ref
+from vllm_ext.kernels.sfi_selector_cpu import select_rows as select_rows_cpu
 
 try:                                              # the CPU image may lack triton; the twin still works
     import triton
@@ -274,9 +275,9 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
                              count=count, exclude=exclude, exclude_slot=exclude_slot,
                              exclude_count=exclude_count)
     rows = key_norms.shape[0]
-    if (key_norms.device.type == "cpu" and evidence.dim() == 3 and _neutral(cfg, key_norms.shape[1])
-            and (exclude is None or exclude.shape[-1] == 0)):
-        sel, n_sel = _select_neutral_cpu(evidence, lo, hi, cfg, k, k_cap, count)
+    if key_norms.device.type == "cpu" and evidence.dim() == 3:
+        sel, n_sel = select_rows_cpu(evidence, key_norms, lo, hi, cfg, k, k_cap, count, exclude,
+                                     exclude_slot, exclude_count)
     else:
         sel, n_sel = _select_twin(evidence, key_norms, lo, hi, cfg, k, k_cap, count, exclude, exclude_slot,
                                   exclude_count)
@@ -290,40 +291,6 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     if workspace.n_prev is not None:           # keep the Triton path's padding bookkeeping right
         workspace.n_prev[:rows].copy_(n_sel[:, None].expand(rows, heads))
     return out_sel, out_n
-
-
-def _neutral(cfg: SfiConfig, heads: int) -> bool:
-    """The selector's steps 2-4 and the spans leave the pooled evidence as it is (selector "quest")."""
-    return (cfg.lambda_max == 0.0 and (cfg.nms_radius <= 0 or cfg.mu == 0.0)
-            and (heads <= 2 or cfg.lam_x == 0.0) and cfg.select_span <= 0 and cfg.select_span_back <= 0)
-
-
-def _select_neutral_cpu(evidence, lo, hi, cfg, k, k_cap, count):
-    """:func:`select_torch` for pooled 3-dim evidence and a neutral configuration (:func:`_neutral`) on
-    the CPU: per live row, over its allowed set only (a view), the evidence normalised over ``A``
-    (``log f``, the score), and the ``min(k_eff, |A|)`` best positions, ties to the lower position,
-    sorted ascending. The same selection as the masked full-length form (which adds ``-inf`` terms
-    to the normalising sum, and ranks the same keys)."""
-    rows, heads, length = evidence.shape
-    width, k_eff = _ref.resolve_k(k, cfg, rows, evidence.device, k_cap)
-    live = rows if count is None else max(0, min(rows, int(count.reshape(-1)[0])))
-    sel = torch.full((rows, heads, width), -1, dtype=torch.int32, device=evidence.device)
-    n_sel = torch.zeros(rows, dtype=torch.int32, device=evidence.device)
-    lo_l, hi_l, k_l = lo.reshape(-1)[:live].tolist(), hi.reshape(-1)[:live].tolist(), k_eff[:live].tolist()
-    for r in range(live):
-        a = min(max(int(lo_l[r]), 0), length)
-        b = max(min(int(hi_l[r]), length), a)
-        n = min(int(k_l[r]), b - a, width)
-        n_sel[r] = min(int(k_l[r]), b - a)
-        if n <= 0:
-            continue
-        x = evidence[r, :, a:b].float()                                               # [H, |A|]
-        z = torch.logsumexp(x, dim=-1, keepdim=True)
-        score = torch.where(z > _ref.NEG_INF, x - z, _ref.NEG_INF)
-        key = _ref.score_key32(score).long() * (2 ** 32) + (2 ** 31 - 1 - torch.arange(a, b))
-        idx = torch.topk(key, n, dim=-1, largest=True, sorted=False).indices
-        sel[r, :, :n] = (torch.sort(idx, dim=-1).values + a).to(torch.int32)
-    return sel, n_sel
 
 
 def _select_twin(evidence, key_norms, lo, hi, cfg, k, k_cap, count, exclude, exclude_slot, exclude_count):

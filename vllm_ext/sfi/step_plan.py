@@ -70,8 +70,10 @@ class SfiStep:
     row_page_slot: torch.Tensor | None = None  # int32 [rows]: compact slot of an SFI decode row, else -1
     row_page_first: torch.Tensor | None = None  # int32 [rows]: quest: first page the row (re)writes
     quest_pages: "object | None" = None        # quest mode: the step's prefill page updates (host plan)
-    # CPU build: the decode rows SFI computes itself (not dense), read once per step by the first layer
-    host_sparse_rows: "list[bool] | None" = None
+    # CPU build, read once per step by the first layer: the decode rows whose output SFI writes (fast
+    # rows; the dense pass attends dense and slow rows) and whether any row is sparse (slow or fast)
+    host_fast_rows: "list[bool] | None" = None
+    host_any_sparse: bool = False
 
 
 class SfiPlanBuffers:
