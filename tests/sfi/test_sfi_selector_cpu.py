@@ -1,5 +1,6 @@
 """The CPU build's selector (per live row over its allowed set, no masks:
-``vllm_ext.kernels.sfi_selector_cpu``) against the masked full-length twin it stands for.
+``vllm_ext.kernels.sfi_selector_cpu``, in PyTorch and as the compiled kernel of
+``vllm_ext.kernels.cpu_native``) against the masked full-length twin it stands for.
 
 Exact equality of the selections (same positions, ascending, -1 padding): the two compute the same
 formulas in a different order of summation, and random scores are far apart compared with that.
@@ -45,11 +46,12 @@ def check(ev, norms, lo, hi, cfg, k, **kw):
         n = int(count[0])
         empty = S.select(ev, norms, lo, lo, cfg, k, k_cap=k_cap)
         ref = (torch.cat([ref[0][:n], empty[0][n:]]), torch.cat([ref[1][:n], empty[1][n:]]))
-    got = C.select_rows(ev, norms, lo, hi, cfg, k, k_cap, count, kw.get("exclude"), kw.get("exclude_slot"),
-                        kw.get("exclude_count"))
-    assert got[0].dtype == torch.int32 and got[1].dtype == torch.int32
-    assert torch.equal(got[1], ref[1]), (got[1], ref[1])
-    assert torch.equal(got[0], ref[0]), (got[0], ref[0])
+    for native in (False, True):            # the PyTorch form, then the compiled kernel (where built)
+        got = C.select_rows(ev, norms, lo, hi, cfg, k, k_cap, count, kw.get("exclude"), kw.get("exclude_slot"),
+                            kw.get("exclude_count"), native=native)
+        assert got[0].dtype == torch.int32 and got[1].dtype == torch.int32
+        assert torch.equal(got[1], ref[1]), (native, got[1], ref[1])
+        assert torch.equal(got[0], ref[0]), (native, got[0], ref[0])
     return got
 
 

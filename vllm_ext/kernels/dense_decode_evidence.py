@@ -537,7 +537,8 @@ def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, all
     if query.device.type == "cpu":
         return dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allowed_lo,
                                               allowed_hi, scale, out, log_evidence, row_mask, alpha,
-                                              evidence_rows=evidence_rows, key_norms=key_norms)
+                                              evidence_rows=evidence_rows, key_norms=key_norms,
+                                              native=True)
     return dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens, allowed_lo,
                                               allowed_hi, scale, out, log_evidence, row_mask, alpha,
                                               evidence_rows=evidence_rows, key_norms=key_norms)
@@ -545,13 +546,18 @@ def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, all
 
 def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                                    scale, out, log_evidence, row_mask=None, alpha=0.5, *,
-                                   evidence_rows=None, key_norms=None):
+                                   evidence_rows=None, key_norms=None, native=False):
     """The twin on the CPU, where reading lengths costs nothing: per live entry, its row's blocks
     gathered and converted to fp32 as K transposed (and V when ``out`` is given;
     :func:`gather_prefix_kt_into`: contiguous matmuls), the scores of its G query heads per KV head
     by one matmul, then output, evidence over ``A`` (on the allowed span only) and ``||k||`` from
     those scores and that K. The batched form pads every row to the longest and converts K/V
-    piecewise: 2-4x slower at 2K on the real model's slow steps."""
+    piecewise: 2-4x slower at 2K on the real model's slow steps. ``native`` (the CPU build's
+    dispatch): an entry without output on ``CPU_ATTN``'s packed pages goes to the compiled kernel
+    (:func:`vllm_ext.kernels.cpu_native.evidence`, the same values up to summation order) when it
+    applies."""
+    from vllm_ext.kernels import cpu_native
+    from vllm_ext.kernels.packed_pages import PackedPages
     from vllm_ext.kernels.paged_reference import _scratch_buffer, gather_prefix_kt_into
 
     r_all, hq, d = query.shape
@@ -565,9 +571,15 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
     else:
         pairs = [(e, r) for e, r in enumerate(evidence_rows.tolist()) if 0 <= r < r_all]
     log_g = math.log(g)
+    native = native and out is None and isinstance(kv_cache, PackedPages)
     for e, r in pairs:
         seq = int(seqs[r])
         if seq <= 0 or not on[r]:
+            continue
+        lim = min(seq, max_len)
+        if native and cpu_native.evidence(query[r], kv_cache.k, block_table[r], seq, max(int(los[r]), 0),
+                                          min(int(his[r]), lim), lim, scale, alpha, log_evidence[e],
+                                          None if key_norms is None else key_norms[e]):
             continue
         kt, v = gather_prefix_kt_into(kv_cache, block_table[r], seq, torch.float32,
                                       values=out is not None)                         # [Hkv, D, seq]
@@ -575,7 +587,6 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
         s = torch.bmm(q, kt).mul_(scale)                                            # [Hkv, G, seq]
         if out is not None:
             out[r] = torch.bmm(torch.softmax(s, dim=-1), v).reshape(hq, d).to(out.dtype)
-        lim = min(seq, max_len)
         lo, hi = max(int(los[r]), 0), min(int(his[r]), lim)
         ev = log_evidence[e]
         if hi > lo:

@@ -277,7 +277,7 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     rows = key_norms.shape[0]
     if key_norms.device.type == "cpu" and evidence.dim() == 3:
         sel, n_sel = select_rows_cpu(evidence, key_norms, lo, hi, cfg, k, k_cap, count, exclude,
-                                     exclude_slot, exclude_count)
+                                     exclude_slot, exclude_count, native=True)
     else:
         sel, n_sel = _select_twin(evidence, key_norms, lo, hi, cfg, k, k_cap, count, exclude, exclude_slot,
                                   exclude_count)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_ext.config import SfiConfig
+from vllm_ext.kernels import cpu_native
 from vllm_ext.kernels import sfi_selector_torch as _ref
 
 NEG_INF = float("-inf")
@@ -114,10 +115,12 @@ def _dilate(score: torch.Tensor, span: int, back: int) -> torch.Tensor:
 
 
 def select_rows(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                cfg: SfiConfig, k, k_cap, count, exclude=None, exclude_slot=None, exclude_count=None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                cfg: SfiConfig, k, k_cap, count, exclude=None, exclude_slot=None, exclude_count=None,
+                *, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`vllm_ext.kernels.sfi_selector_torch.select` for pooled evidence ``[rows, Hkv, L]`` on the
-    CPU, per live row (``count``; every row without it) over its allowed set."""
+    CPU, per live row (``count``; every row without it) over its allowed set. ``native`` (the CPU
+    build's dispatch): each row through the compiled kernel
+    (:func:`vllm_ext.kernels.cpu_native.select_row`) when it applies."""
     rows, heads, length = evidence.shape
     width, k_eff = _ref.resolve_k(k, cfg, rows, evidence.device, k_cap)
     live = rows if count is None else max(0, min(rows, int(count.reshape(-1)[0])))
@@ -133,6 +136,9 @@ def select_rows(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tenso
         n_sel[r] = min(int(k_l[r]), b - a)
         n = min(int(k_l[r]), b - a, width)
         if n <= 0:
+            continue
+        if native and cpu_native.select_row(evidence[r], key_norms[r], a, b, cfg, n,
+                                            None if excl is None else excl[r], sel[r]):
             continue
         score = _dilate(_scores(evidence[r, :, a:b], key_norms[r, :, a:b], cfg), cfg.select_span,
                         cfg.select_span_back)

@@ -1,0 +1,136 @@
+"""SFI's compiled CPU kernels (``vllm_ext/kernels/csrc/sfi_cpu.cpp`` via ``cpu_native``) against the
+PyTorch twins they stand for, and the build's fallbacks.
+
+The evidence pass: the twin's evidence and key norms over a grid (KV dtype, block size: multiples
+of 16 take the register-blocked path, others the generic one; GQA group sizes past the blocked
+path's 8; alpha, allowed sets that are empty, one position or the whole history; a shorter
+``max_len`` than the history; fragmented block tables), the same entries written and the rest
+untouched. The selector: tests/sfi/test_sfi_selector_cpu.py runs its grid on both paths."""
+
+import pytest
+import torch
+
+from kernel_testlib import SENTINEL
+from vllm_ext import metrics
+from vllm_ext.kernels import cpu_native
+from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence_cpu
+from vllm_ext.kernels.packed_pages import PackedPages
+
+needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler here")
+
+
+def _pages(nb, hkv, bs, d, dtype, gen):
+    return PackedPages(torch.randn(nb, hkv, bs, 2 * d, generator=gen).to(dtype))
+
+
+def _run(native, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms):
+    e = rows.shape[0]
+    hkv = pages.shape[1]
+    ev = torch.full((e, hkv, max_len), SENTINEL)
+    kn = torch.full((e, hkv, max_len), SENTINEL) if norms else None
+    dense_decode_with_evidence_cpu(q, pages, bt, seq, lo, hi, q.shape[-1] ** -0.5, None, ev, None, alpha,
+                                   evidence_rows=rows, key_norms=kn, native=native)
+    return ev, kn
+
+
+CASES = [(torch.bfloat16, 32, 3), (torch.bfloat16, 16, 1), (torch.float32, 64, 4), (torch.bfloat16, 48, 2),
+         (torch.bfloat16, 32, 9), (torch.float32, 24, 8)]
+
+
+@needs_native
+@pytest.mark.parametrize("alpha", [0.5, 0.0, 1.0])
+@pytest.mark.parametrize("dtype,bs,g", CASES, ids=lambda c: str(c))
+def test_evidence_matches_the_twin(dtype, bs, g, alpha):
+    gen = torch.Generator().manual_seed(bs * 10 + g)
+    hkv, d, nb = 2, 64, 40
+    pages = _pages(nb, hkv, bs, d, dtype, gen)
+    lens = [5 * bs + 7, 3, bs, 9 * bs - 1]
+    max_blocks = max(-(-n // bs) for n in lens)
+    bt = torch.stack([torch.randperm(nb, generator=gen)[:max_blocks] for _ in lens]).to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    # allowed sets: sink-to-recent, empty, one position, the whole history
+    lo = torch.tensor([4, 2, bs // 2, 0], dtype=torch.int32)
+    hi = torch.tensor([lens[0] - 8, 2, bs // 2 + 1, lens[3]], dtype=torch.int32)
+    q = (torch.randn(len(lens), hkv * g, d, generator=gen) * 2).to(dtype)
+    rows = torch.tensor([2, 0, -1, 3, 1], dtype=torch.int32)
+    for max_len in (max_blocks * bs, 6 * bs):              # 6 blocks: shorter than rows 0 and 3
+        for norms in (True, False):
+            ref = _run(False, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms)
+            got = _run(True, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms)
+            for a, b, what in zip(got, ref, ("evidence", "key norms")):
+                if b is None:
+                    assert a is None
+                    continue
+                assert torch.equal(a == SENTINEL, b == SENTINEL), f"{what}: other entries written"
+                assert torch.equal(torch.isneginf(a), torch.isneginf(b)), f"{what}: other -inf entries"
+                fin = torch.isfinite(b) & (b != SENTINEL)
+                assert fin.any()
+                torch.testing.assert_close(a[fin], b[fin], atol=2e-5, rtol=2e-5, msg=what)
+
+
+@needs_native
+def test_evidence_is_a_distribution_over_the_allowed_set():
+    """Independent of the twin: with one query head per KV head and alpha 1 the evidence is the
+    softmax of the scores over [lo, hi), so it sums to 1 there; the norms are ||k||."""
+    gen = torch.Generator().manual_seed(1)
+    pages = _pages(12, 2, 32, 64, torch.bfloat16, gen)
+    bt = torch.randperm(12, generator=gen)[:10].to(torch.int32)[None]
+    seq = torch.tensor([300], dtype=torch.int32)
+    q = torch.randn(1, 2, 64, generator=gen).to(torch.bfloat16)
+    ev, kn = _run(True, q, pages, bt, seq, torch.tensor([5], dtype=torch.int32),
+                  torch.tensor([290], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 320, 1.0, True)
+    total = torch.logsumexp(ev[0, :, 5:290], dim=-1)
+    torch.testing.assert_close(total, torch.zeros(2), atol=1e-5, rtol=0)
+    k = pages.k.index_select(0, bt[0].long()).transpose(0, 1).reshape(2, -1, 64)[:, :300].float()
+    torch.testing.assert_close(kn[0, :, :300], k.norm(dim=-1), atol=1e-4, rtol=1e-5)
+    assert torch.isneginf(ev[0, :, :5]).all() and torch.isneginf(ev[0, :, 290:300]).all()
+    assert (ev[0, :, 300:] == SENTINEL).all()
+
+
+@needs_native
+def test_layouts_it_does_not_read_go_to_the_twin():
+    """A cache that is not CPU_ATTN's packed pages, or a KV dtype without a kernel: the wrapper
+    declines (nothing written) and the twin's values come out."""
+    gen = torch.Generator().manual_seed(2)
+    pages = _pages(6, 2, 16, 64, torch.float16, gen)
+    ev = torch.full((2, 64), SENTINEL)
+    assert not cpu_native.evidence(torch.randn(4, 64), pages.k, torch.arange(4, dtype=torch.int32), 60, 0, 50,
+                                   60, 0.125, 0.5, ev, None)
+    assert (ev == SENTINEL).all()
+    logical = torch.randn(6, 2, 16, 128).to(torch.bfloat16)[..., :64]        # K of a logical cache
+    assert not cpu_native.evidence(torch.randn(4, 64), logical, torch.arange(4, dtype=torch.int32), 60, 0, 50,
+                                   60, 0.125, 0.5, ev, None)
+    assert (ev == SENTINEL).all()
+
+
+def test_no_compiler_falls_back_logged_and_counted(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setattr(cpu_native, "SOURCE", tmp_path / "src.cpp")
+    (tmp_path / "src.cpp").write_text("int x;\n")
+    before = metrics.snapshot().get("fallback.cpu_native", 0)
+    assert cpu_native.library() is None
+    ev = torch.full((1, 8), SENTINEL)
+    assert not cpu_native.select_row(ev, ev, 0, 8, None, 2, None, torch.zeros(1, 2, dtype=torch.int32))
+    assert metrics.snapshot().get("fallback.cpu_native", 0) >= before + 2
+    assert not list(tmp_path.glob("*.so*"))                 # no partial library left behind
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(cpu_native.ENV, "0")
+    assert cpu_native.library() is None
+
+
+@needs_native
+def test_the_library_is_built_once_per_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
+    assert cpu_native.library() is not None
+    built = list(tmp_path.glob("sfi_cpu_*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("*.tmp"))
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    assert cpu_native.library() is not None and built[0].stat().st_mtime_ns == stamp   # reused

@@ -1,0 +1,463 @@
+// SFI's slow-step work on the CPU build, one request at a time: the evidence pass over CPU_ATTN's
+// packed pages and the closed-form selector over the request's allowed set (ALGORITHMS.md §1).
+// Twins: vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu (out=None) and
+// vllm_ext.kernels.sfi_selector_cpu.select_rows; tests/kernels/test_cpu_native.py compares them.
+//
+// Built at first use by vllm_ext/kernels/cpu_native.py (g++ -O3 -march=native, no torch headers,
+// loaded with ctypes). Every loop over positions is written so that the compiler vectorises it:
+// exp and log are branch-free polynomials (Cephes' single-precision coefficients, about 1 ulp)
+// instead of libm calls, and conditions are selects.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float from_bits(int32_t i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int32_t to_bits(float f) { int32_t i; std::memcpy(&i, &f, 4); return i; }
+
+// exp(x): 0 below -103.97 (and for -inf), clamped above 88.38 (never reached: arguments are <= 0).
+inline float vexp(float x) {
+  const float lo = -103.972084045410f, hi = 88.3762626647949f;
+  float xc = x < lo ? lo : (x > hi ? hi : x);
+  float k = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  float y = p * r * r + r + 1.0f;
+  int32_t ki = static_cast<int32_t>(k);
+  int32_t k1 = ki >> 1, k2 = ki - k1;          // 2^k in two factors: no exponent overflow
+  float res = y * from_bits((k1 + 127) << 23) * from_bits((k2 + 127) << 23);
+  return x < lo ? 0.0f : res;
+}
+
+// log(x): -inf at 0, +inf at +inf, NaN below 0 or at NaN; subnormals scaled first.
+inline float vlog(float x) {
+  bool sub = x < 1.17549435e-38f;
+  float xs = sub ? x * 8388608.0f : x;                   // 2^23
+  int32_t ix = to_bits(xs);
+  float e = static_cast<float>(((ix >> 23) & 0xff) - 126) - (sub ? 23.0f : 0.0f);
+  float m = from_bits((ix & 0x007fffff) | 0x3f000000);   // [0.5, 1)
+  bool low = m < 0.707106781186547524f;
+  e = low ? e - 1.0f : e;
+  float f = low ? m + m - 1.0f : m - 1.0f;
+  float z = f * f;
+  float y = 7.0376836292E-2f;
+  y = y * f - 1.1514610310E-1f;
+  y = y * f + 1.1676998740E-1f;
+  y = y * f - 1.2420140846E-1f;
+  y = y * f + 1.4249322787E-1f;
+  y = y * f - 1.6668057665E-1f;
+  y = y * f + 2.0000714765E-1f;
+  y = y * f - 2.4999993993E-1f;
+  y = y * f + 3.3333331174E-1f;
+  y = y * f * z;
+  y += -2.12194440e-4f * e;
+  y += -0.5f * z;
+  float res = f + y + 0.693359375f * e;
+  res = x == 0.0f ? kNegInf : res;
+  res = x == std::numeric_limits<float>::infinity() ? x : res;
+  return (x < 0.0f || x != x) ? std::numeric_limits<float>::quiet_NaN() : res;
+}
+
+inline float load(const uint16_t* p) { return from_bits(static_cast<int32_t>(*p) << 16); }   // bf16
+inline float load(const float* p) { return *p; }
+
+// Reductions in vector registers (GCC's vector extensions): without -ffast-math the compiler keeps
+// a float sum or maximum in its serial order, one element at a time. The order here is fixed too
+// (16 partial results, then the tail), so results do not depend on the machine.
+typedef float v16f __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline v16f load16(const float* p) { v16f f; std::memcpy(&f, p, sizeof(f)); return f; }
+
+inline float hsum(v16f v) { float t[kLanes]; std::memcpy(t, &v, sizeof(t)); float s = 0.0f; for (float x : t) s += x; return s; }
+
+float sum_v(const float* x, int64_t n) {
+  v16f acc = v16f{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load16(x + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += x[i];
+  return s;
+}
+
+float dot_v(const float* a, const float* b, int64_t n) {
+  v16f acc = v16f{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load16(a + i) * load16(b + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+float max_v(const float* x, int64_t n) {                     // NaN entries are skipped
+  v16f m = v16f{} + kNegInf;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) { const v16f v = load16(x + i); m = v > m ? v : m; }
+  float t[kLanes];
+  std::memcpy(t, &m, sizeof(t));
+  float r = kNegInf;
+  for (float v : t) r = v > r ? v : r;
+  for (; i < n; ++i) r = x[i] > r ? x[i] : r;
+  return r;
+}
+
+float* scratch_floats(int64_t n) {                            // per thread, grown as needed
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// log-sum-exp of x[0, n): -inf when every term is -inf (or n == 0)
+float lse(const float* x, int64_t n) {
+  const float m = max_v(x, n);
+  if (!(m > kNegInf)) return kNegInf;
+  float* e = scratch_floats(n);
+  for (int64_t i = 0; i < n; ++i) e[i] = vexp(x[i] - m);
+  return m + std::log(sum_v(e, n));
+}
+
+// x - lse(x) over [0, n) in place (-inf everywhere when lse is -inf)
+void normalize(float* x, int64_t n) {
+  float z = lse(x, n);
+  if (!(z > kNegInf)) {
+    for (int64_t i = 0; i < n; ++i) x[i] = kNegInf;
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) x[i] -= z;
+}
+
+// f[i] <- logaddexp(ca + f[i], cb + r[i]) (the fusion in log space; -inf + -inf = -inf). Three loops:
+// GCC vectorises exp and log in separate loops, not one loop holding both.
+void fuse(float* __restrict f, const float* __restrict r, float ca, float cb, int64_t n,
+          float* __restrict e) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = ca + f[i], b = cb + r[i];
+    const float mx = a > b ? a : b, mn = a > b ? b : a;
+    e[i] = mn - mx;                                               // NaN when both are -inf: not used
+    f[i] = mx;
+  }
+  for (int64_t i = 0; i < n; ++i) e[i] = vexp(e[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = f[i] + vlog(1.0f + e[i]);
+    f[i] = f[i] > kNegInf ? t : kNegInf;
+  }
+}
+
+// out[i] = max x[i - left .. i + right] within [0, n), by doubling: log2(window) passes of
+// y[k] = max(y[k], y[k + span]) over a -inf padded copy, each a vectorised loop
+void window_max(const float* x, float* out, int64_t n, int left, int right) {
+  const int64_t w = static_cast<int64_t>(left) + right + 1;
+  std::vector<float> y(n + w - 1, kNegInf);          // y[k] = x[k - left]
+  std::memcpy(y.data() + left, x, n * sizeof(float));
+  int64_t len = n + w - 1, span = 1;                  // y[k] = max of y0[k .. k + span - 1]
+  while (span * 2 <= w) {
+    len -= span;
+    for (int64_t k = 0; k < len; ++k) y[k] = std::max(y[k], y[k + span]);
+    span *= 2;
+  }
+  const int64_t rest = w - span;                      // 0 <= rest < span: one more overlapping pass
+  for (int64_t i = 0; i < n; ++i) out[i] = std::max(y[i], y[i + rest]);
+}
+
+constexpr int kMaxG = 8;
+
+// One page's scores s[g * seq + t] = scale * q_g . k_t and norms kn[t] = ||k_t|| (t < nt; norms t < nk).
+// Any block size and group: runtime loops over a converted row of K^T.
+template <typename T>
+void score_block(const T* page, int bs, int d, int g, const float* qh, float scale, float* s, int64_t seq,
+                 int64_t nt, float* kn, int64_t nk, float* acc, float* nrm, float* krow) {
+  std::fill(acc, acc + static_cast<int64_t>(g) * bs, 0.0f);
+  std::fill(nrm, nrm + bs, 0.0f);
+  for (int dd = 0; dd < d; ++dd) {                        // K^T: row dd holds bs positions
+    const T* kr = page + static_cast<int64_t>(dd) * bs;
+    for (int t = 0; t < bs; ++t) krow[t] = load(kr + t);
+    for (int t = 0; t < bs; ++t) nrm[t] += krow[t] * krow[t];
+    for (int gg = 0; gg < g; ++gg) {
+      const float qv = qh[static_cast<int64_t>(gg) * d + dd];
+      float* a = acc + static_cast<int64_t>(gg) * bs;
+      for (int t = 0; t < bs; ++t) a[t] += qv * krow[t];
+    }
+  }
+  for (int gg = 0; gg < g; ++gg)
+    for (int64_t t = 0; t < nt; ++t) s[gg * seq + t] = acc[gg * bs + t] * scale;
+  if (kn != nullptr)
+    for (int64_t t = 0; t < nk; ++t) kn[t] = std::sqrt(nrm[t]);
+}
+
+// The same for block sizes that are multiples of 16 and groups up to 8: 16 positions at a time in
+// vector registers (GCC's vector extensions: AVX-512, or two AVX2 halves) with the group's
+// accumulators held over the whole head dimension; 4x faster than the loops above, which the
+// compiler vectorises per row of K^T and spills between rows.
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+inline v16f load16(const uint16_t* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  v16i i = __builtin_convertvector(h, v16i) << 16;
+  v16f f;
+  std::memcpy(&f, &i, sizeof(f));
+  return f;
+}
+template <typename T, int G>
+void score_block_g(const T* page, int bs, int d, const float* qh, float scale, float* s, int64_t seq,
+                   int64_t nt, float* kn, int64_t nk) {
+  for (int t0 = 0; t0 < bs; t0 += kLanes) {
+    v16f a[G];
+    for (int gg = 0; gg < G; ++gg) a[gg] = v16f{} ;
+    v16f nr = v16f{};
+    const T* col = page + t0;
+    for (int dd = 0; dd < d; ++dd) {
+      const v16f kf = load16(col + static_cast<int64_t>(dd) * bs);
+      nr += kf * kf;
+      for (int gg = 0; gg < G; ++gg) a[gg] += qh[static_cast<int64_t>(gg) * d + dd] * kf;
+    }
+    const int64_t m = std::min<int64_t>(kLanes, nt - t0);
+    float tmp[kLanes];
+    for (int gg = 0; gg < G; ++gg) {
+      const v16f v = a[gg] * scale;
+      std::memcpy(tmp, &v, sizeof(tmp));
+      for (int64_t t = 0; t < m; ++t) s[gg * seq + t0 + t] = tmp[t];
+    }
+    if (kn != nullptr) {
+      std::memcpy(tmp, &nr, sizeof(tmp));
+      for (int64_t t = 0; t < std::min<int64_t>(kLanes, nk - t0); ++t) kn[t0 + t] = std::sqrt(tmp[t]);
+    }
+  }
+}
+
+template <typename T>
+void score_block_fixed(const T* page, int bs, int d, int g, const float* qh, float scale, float* s,
+                       int64_t seq, int64_t nt, float* kn, int64_t nk) {
+  switch (g) {
+    case 1: score_block_g<T, 1>(page, bs, d, qh, scale, s, seq, nt, kn, nk); break;
+    case 2: score_block_g<T, 2>(page, bs, d, qh, scale, s, seq, nt, kn, nk); break;
+    case 3: score_block_g<T, 3>(page, bs, d, qh, scale, s, seq, nt, kn, nk); break;
+    case 4: score_block_g<T, 4>(page, bs, d, qh, scale, s, seq, nt, kn, nk); break;
+    case 5: score_block_g<T, 5>(page, bs, d, qh, scale, s, seq, nt, kn, nk); break;
+    case 6: score_block_g<T, 6>(page, bs, d, qh, scale, s, seq, nt, kn, nk); break;
+    case 7: score_block_g<T, 7>(page, bs, d, qh, scale, s, seq, nt, kn, nk); break;
+    default: score_block_g<T, 8>(page, bs, d, qh, scale, s, seq, nt, kn, nk); break;
+  }
+}
+
+template <typename T>
+void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
+              const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
+              const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
+              int64_t kn_hs, float* scratch) {
+  // scratch: scores [G, seq] then per-block accumulators [G + 1, bs] and one converted row [bs]
+  float* s = scratch;
+  float* acc = scratch + static_cast<int64_t>(g) * seq;
+  float* nrm = acc + static_cast<int64_t>(g) * bs;
+  float* krow = nrm + bs;
+  const int64_t nb = (seq + bs - 1) / bs;
+  const float log_g = std::log(static_cast<float>(g));
+  for (int h = 0; h < hkv; ++h) {
+    const float* qh = q + static_cast<int64_t>(h) * g * d;
+    for (int64_t j = 0; j < nb; ++j) {
+      const T* page = k_base + static_cast<int64_t>(blocks[j]) * s_block + static_cast<int64_t>(h) * s_head;
+      const int64_t p0 = j * bs;
+      const int64_t nt = std::min<int64_t>(bs, seq - p0);
+      float* knh = kn == nullptr ? nullptr : kn + h * kn_hs;
+      const int64_t nk = std::min<int64_t>(nt, lim - p0);
+      if (bs % kLanes == 0 && g <= kMaxG) {
+        score_block_fixed(page, bs, d, g, qh, scale, s + p0, seq, nt, knh == nullptr ? nullptr : knh + p0, nk);
+      } else {
+        score_block(page, bs, d, g, qh, scale, s + p0, seq, nt, knh == nullptr ? nullptr : knh + p0, nk, acc,
+                    nrm, krow);
+      }
+    }
+    float* evh = ev + h * ev_hs;
+    if (hi <= lo) {
+      for (int64_t i = 0; i < lim; ++i) evh[i] = kNegInf;
+      continue;
+    }
+    for (int64_t i = 0; i < lo; ++i) evh[i] = kNegInf;
+    for (int64_t i = hi; i < lim; ++i) evh[i] = kNegInf;
+    const int64_t n = hi - lo;
+    float* out = evh + lo;
+    // per query row: log p over A (scores are finite), then the power mean over the group
+    for (int gg = 0; gg < g; ++gg) {
+      float* sg = s + gg * seq + lo;
+      const float z = lse(sg, n);
+      const float a = alpha == 0.0f ? 1.0f : alpha;
+      for (int64_t i = 0; i < n; ++i) sg[i] = (sg[i] - z) * a;
+    }
+    if (alpha == 0.0f) {
+      for (int64_t i = 0; i < n; ++i) out[i] = 0.0f;
+      for (int gg = 0; gg < g; ++gg) {
+        const float* sg = s + gg * seq + lo;
+        for (int64_t i = 0; i < n; ++i) out[i] += sg[i];
+      }
+      for (int64_t i = 0; i < n; ++i) out[i] /= static_cast<float>(g);
+      continue;
+    }
+    for (int64_t i = 0; i < n; ++i) out[i] = kNegInf;             // running max over the group
+    for (int gg = 0; gg < g; ++gg) {
+      const float* sg = s + gg * seq + lo;
+      for (int64_t i = 0; i < n; ++i) out[i] = std::max(out[i], sg[i]);
+    }
+    float* sum = s + lo;                                          // reuse row 0's span for the sums
+    std::vector<float> first(sum, sum + n);
+    for (int64_t i = 0; i < n; ++i) sum[i] = vexp(first[i] - out[i]);
+    for (int gg = 1; gg < g; ++gg) {
+      const float* sg = s + gg * seq + lo;
+      for (int64_t i = 0; i < n; ++i) sum[i] += vexp(sg[i] - out[i]);
+    }
+    for (int64_t i = 0; i < n; ++i) out[i] = (vlog(sum[i]) + out[i] - log_g) / alpha;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The slow step's evidence and key norms of one request (ALGORITHMS.md §1, "Slow step"; the twin
+// writes the same). K pages: element (d, t) of block b, KV head h at k_base + b * s_block +
+// h * s_head + d * bs + t (CPU_ATTN's vec packing). q: [Hkv, G, D] fp32. ev / kn: [Hkv, >= lim]
+// rows with strides ev_hs / kn_hs (kn may be null); positions [0, lim) are written: -inf outside
+// [lo, hi), lim = min(seq, max_len). scratch: G * seq + (G + 2) * bs floats.
+void sfi_evidence_bf16(const uint16_t* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv,
+                       int g, const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
+                       const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
+                       int64_t kn_hs, float* scratch) {
+  evidence(k_base, s_block, s_head, bs, d, hkv, g, blocks, seq, lo, hi, lim, q, scale, alpha, ev, ev_hs,
+           kn, kn_hs, scratch);
+}
+
+void sfi_evidence_f32(const float* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
+                      const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
+                      const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
+                      int64_t kn_hs, float* scratch) {
+  evidence(k_base, s_block, s_head, bs, d, hkv, g, blocks, seq, lo, hi, lim, q, scale, alpha, ev, ev_hs,
+           kn, kn_hs, scratch);
+}
+
+// The selector of one request over its allowed set [lo, hi) (the twin: sfi_selector_cpu.select_rows):
+// pooled log evidence ev and key norms kn, rows [H, >= hi] with strides ev_hs / kn_hs; cfg: alpha
+// (unused: the evidence is pooled), gamma_k, pos_power, pos_eta, pos_beta, w_k, w_pos, lambda_max,
+// mu, cross_head_temperature, lam_x, eps; nms_radius, span, back; n_sel positions per head (<= hi -
+// lo) into sel [H, >= n_sel] (stride sel_hs), ascending. exclude: [H, n_ex] absolute positions
+// (any value; those in [lo, hi) get -inf) or null. scratch: (2 * H + 2) * (hi - lo) floats.
+void sfi_select_row(const float* ev, int64_t ev_hs, const float* kn, int64_t kn_hs, int heads, int64_t lo,
+                    int64_t hi, const float* cfg, int nms_radius, int span, int back, int64_t n_sel,
+                    const int64_t* exclude, int64_t n_ex, int32_t* sel, int64_t sel_hs, float* scratch) {
+  const float gamma_k = cfg[1], pos_power = cfg[2], pos_eta = cfg[3], pos_beta = cfg[4], w_k = cfg[5],
+              w_pos = cfg[6], lambda_max = cfg[7], mu = cfg[8], temp = cfg[9], lam_x = cfg[10],
+              eps = cfg[11];
+  const int64_t n = hi - lo;
+  if (n <= 0 || n_sel <= 0) return;
+  float* ls = scratch;                        // [H, n] the score
+  float* lr = scratch + heads * n;            // [H, n] the prior, then window maxima
+  float* ld = scratch + 2 * heads * n;        // [n] the position factor
+  float* tmp = scratch + 2 * heads * n + n;   // [n]
+  for (int h = 0; h < heads; ++h) {
+    std::memcpy(ls + h * n, ev + h * ev_hs + lo, n * sizeof(float));
+    normalize(ls + h * n, n);
+  }
+  if (lambda_max != 0.0f) {
+    const float den = static_cast<float>(std::max<int64_t>(n - 1, 1));
+    for (int64_t i = 0; i < n; ++i) {
+      const float rel = static_cast<float>(i);
+      const float u = rel / den, omu = (den - rel) / den;
+      const float upow = vexp(pos_power * vlog(u));          // vexp(-inf) = 0 at u = 0
+      const float lomu = vlog(std::max(omu, eps));
+      ld[i] = -pos_beta * upow + pos_eta * lomu;
+    }
+    for (int h = 0; h < heads; ++h) {
+      const float* k = kn + h * kn_hs + lo;
+      float* r = lr + h * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float kc = k[i] > eps ? k[i] : eps;
+        r[i] = -gamma_k * w_k * vlog(kc) + w_pos * ld[i];
+      }
+      normalize(r, n);
+      float* f = ls + h * n;
+      float* fe = tmp;                                            // exp(log f), exp(log r)
+      float* re = scratch_floats(n);
+      for (int64_t i = 0; i < n; ++i) fe[i] = vexp(f[i]);
+      for (int64_t i = 0; i < n; ++i) re[i] = vexp(r[i]);
+      const float ff = dot_v(fe, fe, n), rr = dot_v(re, re, n), fr = dot_v(fe, re, n);
+      float lam = (ff - fr) / std::max(ff - 2.0f * fr + rr, eps);
+      lam = std::min(std::max(lam, 0.0f), lambda_max);
+      const float ca = std::log1p(-lam), cb = std::log(lam);      // cb = -inf when lam == 0
+      fuse(f, r, ca, cb, n, tmp);
+    }
+  }
+  if (nms_radius > 0 && mu != 0.0f) {
+    for (int h = 0; h < heads; ++h) {
+      float* x = ls + h * n;
+      window_max(x, tmp, n, nms_radius, nms_radius);
+      for (int64_t i = 0; i < n; ++i) {
+        const bool keep = x[i] > kNegInf;
+        const float gap = keep ? std::max(tmp[i] - x[i], 0.0f) : 0.0f;
+        x[i] = keep ? x[i] - mu * gap : kNegInf;
+      }
+    }
+  }
+  if (heads > 2 && lam_x != 0.0f) {
+    const float log_eps = std::log(eps);
+    for (int64_t i = 0; i < n; ++i) tmp[i] = kNegInf;            // per position max over heads of l/T
+    for (int h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < n; ++i) tmp[i] = std::max(tmp[i], ls[h * n + i] / temp);
+    float* sum = lr;                                              // [n] (the prior is no longer needed)
+    for (int64_t i = 0; i < n; ++i) sum[i] = 0.0f;
+    for (int h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < n; ++i) sum[i] += vexp(ls[h * n + i] / temp - tmp[i]);
+    for (int64_t i = 0; i < n; ++i) {
+      const float l = tmp[i] + vlog(sum[i]);                     // NaN where every head is -inf: not used
+      sum[i] = tmp[i] > kNegInf ? l : kNegInf;
+    }
+    for (int h = 0; h < heads; ++h) {
+      float* x = ls + h * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const bool keep = x[i] > kNegInf;
+        const float lrho = keep ? std::max(x[i] / temp - sum[i], log_eps) : 0.0f;
+        x[i] = keep ? x[i] + lam_x * lrho : kNegInf;
+      }
+    }
+  }
+  std::vector<std::pair<int64_t, int64_t>> keys(n);
+  for (int h = 0; h < heads; ++h) {
+    float* x = ls + h * n;
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] != x[i] ? kNegInf : x[i];
+    if (span > 0 || back > 0) {                                   // j takes the best of j - span .. j + back
+      window_max(x, tmp, n, span, back);
+      std::memcpy(x, tmp, n * sizeof(float));
+    }
+    if (exclude != nullptr)
+      for (int64_t e = 0; e < n_ex; ++e) {
+        const int64_t p = exclude[h * n_ex + e];
+        if (p >= lo && p < hi) x[p - lo] = kNegInf;
+      }
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t bits = to_bits(x[i]);
+      const int64_t key32 = bits >= 0 ? bits : (bits ^ 0x7FFFFFFF);
+      keys[i] = {key32 * 4294967296LL + (2147483647LL - (lo + i)), lo + i};
+    }
+    auto desc = [](const std::pair<int64_t, int64_t>& a, const std::pair<int64_t, int64_t>& b) {
+      return a.first > b.first;
+    };
+    if (n_sel < n) std::nth_element(keys.begin(), keys.begin() + n_sel, keys.end(), desc);
+    std::vector<int64_t> pos(n_sel);
+    for (int64_t i = 0; i < n_sel; ++i) pos[i] = keys[i].second;
+    std::sort(pos.begin(), pos.end());
+    for (int64_t i = 0; i < n_sel; ++i) sel[h * sel_hs + i] = static_cast<int32_t>(pos[i]);
+  }
+}
+
+}  // extern "C"
