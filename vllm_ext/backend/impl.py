@@ -209,26 +209,32 @@ class SpeedSfiImpl(AttentionImpl):
                 return self._prefill_attention(layer, query, key, value, kv_cache, md, output)
             return self._forward_sfi_cuda(layer, query, key, value, kv_cache, md, output, sfi)
         self._write_kv(layer, kv_cache, key, value, md.slot_mapping)
-        fast_rows = None
+        sfi_rows = None
         if sfi is not None and md.num_decodes:
-            # the decode rows whose output SFI writes this step (fast: the two-segment pass); slow rows
-            # are attended by the dense pass (its kernel, CPU_ATTN's on its packed pages) and SFI's
-            # evidence pass only scores them. The host reads the plan for free on the CPU, once per step.
-            if sfi.host_fast_rows is None:
+            # the decode rows whose output SFI writes this step; the host reads the plan for free on
+            # the CPU, once per step. With the PyTorch twins (the CPU build) the dense pass (CPU_ATTN's
+            # kernel on its packed pages) also attends the slow rows and SFI's evidence pass only
+            # scores them; Triton kernels (the interpreter in tests) write the slow rows' output in
+            # the pass that reads K for the evidence.
+            if sfi.host_sfi_rows is None:
+                from vllm_ext.kernels.triton_utils import use_triton
+
                 nd = md.num_decodes
-                sfi.host_fast_rows = sfi.row_fast[:nd].tolist()
+                sfi.host_slow_dense = not use_triton(query)
+                mine = sfi.row_fast[:nd] if sfi.host_slow_dense else ~sfi.row_dense[:nd]
+                sfi.host_sfi_rows = mine.tolist()
                 sfi.host_any_sparse = not bool(sfi.row_dense[:nd].all())
-            fast_rows = sfi.host_fast_rows
-        self._prefill_attention(layer, query, key, value, kv_cache, md, output, skip_rows=fast_rows)
+            sfi_rows = sfi.host_sfi_rows
+        self._prefill_attention(layer, query, key, value, kv_cache, md, output, skip_rows=sfi_rows)
         if sfi is not None:
             self._sfi_prefill_end(query, kv_cache, md, sfi)
-        if fast_rows is not None and (sfi.host_any_sparse or self._rows is not None
-                                      or self.config.sfi.selector == "quest"):
-            # Dense and slow rows have their output from the pass above (bit-identical to all-off);
-            # every fast row was computed once, by SFI below. (With every row dense SFI has nothing
-            # to do, except Quest's page bounds, which every SFI decode row keeps up to date.)
+        if sfi_rows is not None and (sfi.host_any_sparse or self._rows is not None
+                                     or self.config.sfi.selector == "quest"):
+            # Rows the pass above attended have their output from it (bit-identical to all-off);
+            # every other decode row was computed once, by SFI below. (With every row dense SFI has
+            # nothing to do, except Quest's page bounds, which every SFI decode row keeps up to date.)
             self._decode_rows(query, kv_cache, md, output, sfi, md.num_decodes, dense_done=True,
-                              slow_done=True)
+                              slow_done=sfi.host_slow_dense)
         return output
 
     def _decode_rows(self, query, kv_cache, md, output, sfi, rows: int, *, dense_done: bool,
