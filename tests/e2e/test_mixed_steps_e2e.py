@@ -26,8 +26,11 @@ def test_mixed_steps_compute_each_row_once(tiny_models, monkeypatch):
     assert d["steps.mixed"] > 0
     paths = ("rows.delegate", "rows.paged_decode", "rows.sfi_slow", "rows.sfi_fast", "rows.critiprefill")
     assert sum(d.get(k, 0) for k in paths) == d["rows.layer"] > 0
-    # SFI's fast rows were left out of the dense pass; on the CPU build the dense pass attends the
-    # slow rows too (SFI's pass only scores them), so no row's output is SFI's slow pass's
-    # (the slow-step count is the engine's own: its counters start at 0 with it)
-    assert d["rows.sfi_fast"] > 0 and after["sfi.slow_steps"] > 0 and d["rows.sfi_slow"] == 0
+    # SFI's fast rows were left out of the dense pass, and its slow rows too where the compiled CPU
+    # kernels write them; with the PyTorch twins the dense pass attends the slow rows (SFI's pass only
+    # scores them). (The slow-step count is the engine's own: its counters start at 0 with it.)
+    from vllm_ext.kernels import cpu_native
+
+    assert d["rows.sfi_fast"] > 0 and after["sfi.slow_steps"] > 0
+    assert (d["rows.sfi_slow"] > 0) == (cpu_native.library() is not None)
     assert d["rows.delegate"] < d["rows.layer"]

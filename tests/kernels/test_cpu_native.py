@@ -23,26 +23,30 @@ def _pages(nb, hkv, bs, d, dtype, gen):
     return PackedPages(torch.randn(nb, hkv, bs, 2 * d, generator=gen).to(dtype))
 
 
-def _run(native, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms):
+def _run(native, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out=False):
     e = rows.shape[0]
     hkv = pages.shape[1]
     ev = torch.full((e, hkv, max_len), SENTINEL)
     kn = torch.full((e, hkv, max_len), SENTINEL) if norms else None
-    dense_decode_with_evidence_cpu(q, pages, bt, seq, lo, hi, q.shape[-1] ** -0.5, None, ev, None, alpha,
+    out = torch.full(q.shape, SENTINEL, dtype=torch.float32) if with_out else None
+    dense_decode_with_evidence_cpu(q, pages, bt, seq, lo, hi, q.shape[-1] ** -0.5, out, ev, None, alpha,
                                    evidence_rows=rows, key_norms=kn, native=native)
-    return ev, kn
+    return ev, kn, out
 
 
-CASES = [(torch.bfloat16, 32, 3), (torch.bfloat16, 16, 1), (torch.float32, 64, 4), (torch.bfloat16, 48, 2),
-         (torch.bfloat16, 32, 9), (torch.float32, 24, 8)]
+# (KV dtype, block size, GQA group, head size): multiples of 16 take the register-blocked paths (scores:
+# block size; output: head size), the others and groups past 8 the generic loops
+CASES = [(torch.bfloat16, 32, 3, 64), (torch.bfloat16, 16, 1, 64), (torch.float32, 64, 4, 128),
+         (torch.bfloat16, 48, 2, 32), (torch.bfloat16, 32, 9, 64), (torch.float32, 24, 8, 80),
+         (torch.bfloat16, 16, 5, 48)]
 
 
 @needs_native
 @pytest.mark.parametrize("alpha", [0.5, 0.0, 1.0])
-@pytest.mark.parametrize("dtype,bs,g", CASES, ids=lambda c: str(c))
-def test_evidence_matches_the_twin(dtype, bs, g, alpha):
+@pytest.mark.parametrize("dtype,bs,g,d", CASES, ids=lambda c: str(c))
+def test_evidence_matches_the_twin(dtype, bs, g, d, alpha):
     gen = torch.Generator().manual_seed(bs * 10 + g)
-    hkv, d, nb = 2, 64, 40
+    hkv, nb = 2, 40
     pages = _pages(nb, hkv, bs, d, dtype, gen)
     lens = [5 * bs + 7, 3, bs, 9 * bs - 1]
     max_blocks = max(-(-n // bs) for n in lens)
@@ -53,19 +57,21 @@ def test_evidence_matches_the_twin(dtype, bs, g, alpha):
     hi = torch.tensor([lens[0] - 8, 2, bs // 2 + 1, lens[3]], dtype=torch.int32)
     q = (torch.randn(len(lens), hkv * g, d, generator=gen) * 2).to(dtype)
     rows = torch.tensor([2, 0, -1, 3, 1], dtype=torch.int32)
-    for max_len in (max_blocks * bs, 6 * bs):              # 6 blocks: shorter than rows 0 and 3
-        for norms in (True, False):
-            ref = _run(False, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms)
-            got = _run(True, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms)
-            for a, b, what in zip(got, ref, ("evidence", "key norms")):
-                if b is None:
-                    assert a is None
-                    continue
-                assert torch.equal(a == SENTINEL, b == SENTINEL), f"{what}: other entries written"
-                assert torch.equal(torch.isneginf(a), torch.isneginf(b)), f"{what}: other -inf entries"
-                fin = torch.isfinite(b) & (b != SENTINEL)
-                assert fin.any()
-                torch.testing.assert_close(a[fin], b[fin], atol=2e-5, rtol=2e-5, msg=what)
+    for max_len, norms, with_out in ((max_blocks * bs, True, False), (max_blocks * bs, False, True),
+                                     (6 * bs, True, True)):   # 6 blocks: shorter than rows 0 and 3
+        ref = _run(False, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out)
+        got = _run(True, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out)
+        for a, b, what in zip(got, ref, ("evidence", "key norms", "attention output")):
+            if b is None:
+                assert a is None
+                continue
+            assert torch.equal(a == SENTINEL, b == SENTINEL), f"{what}: other entries written"
+            assert torch.equal(torch.isneginf(a), torch.isneginf(b)), f"{what}: other -inf entries"
+            fin = torch.isfinite(b) & (b != SENTINEL)
+            assert fin.any()
+            torch.testing.assert_close(a[fin], b[fin], atol=2e-5, rtol=2e-5, msg=what)
+        if with_out:                                          # every row is some entry's: all written
+            assert not (got[2] == SENTINEL).any()
 
 
 @needs_native
@@ -77,27 +83,34 @@ def test_evidence_is_a_distribution_over_the_allowed_set():
     bt = torch.randperm(12, generator=gen)[:10].to(torch.int32)[None]
     seq = torch.tensor([300], dtype=torch.int32)
     q = torch.randn(1, 2, 64, generator=gen).to(torch.bfloat16)
-    ev, kn = _run(True, q, pages, bt, seq, torch.tensor([5], dtype=torch.int32),
-                  torch.tensor([290], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 320, 1.0, True)
+    ev, kn, out = _run(True, q, pages, bt, seq, torch.tensor([5], dtype=torch.int32),
+                       torch.tensor([290], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 320, 1.0, True,
+                       with_out=True)
     total = torch.logsumexp(ev[0, :, 5:290], dim=-1)
     torch.testing.assert_close(total, torch.zeros(2), atol=1e-5, rtol=0)
     k = pages.k.index_select(0, bt[0].long()).transpose(0, 1).reshape(2, -1, 64)[:, :300].float()
     torch.testing.assert_close(kn[0, :, :300], k.norm(dim=-1), atol=1e-4, rtol=1e-5)
     assert torch.isneginf(ev[0, :, :5]).all() and torch.isneginf(ev[0, :, 290:300]).all()
     assert (ev[0, :, 300:] == SENTINEL).all()
+    v = pages.v.index_select(0, bt[0].long()).transpose(0, 1).reshape(2, -1, 64)[:, :300].double()
+    p = torch.softmax((q[0].double()[:, None, :] * k.double()).sum(-1) / 8.0, dim=-1)     # [2, 300]
+    torch.testing.assert_close(out[0].double(), (p[..., None] * v).sum(1), atol=1e-5, rtol=1e-5)
 
 
 @needs_native
 def test_layouts_it_does_not_read_go_to_the_twin():
     """A cache that is not CPU_ATTN's packed pages, or a KV dtype without a kernel: the wrapper
     declines (nothing written) and the twin's values come out."""
+    from types import SimpleNamespace
+
     gen = torch.Generator().manual_seed(2)
     pages = _pages(6, 2, 16, 64, torch.float16, gen)
     ev = torch.full((2, 64), SENTINEL)
-    assert not cpu_native.evidence(torch.randn(4, 64), pages.k, torch.arange(4, dtype=torch.int32), 60, 0, 50,
+    assert not cpu_native.evidence(torch.randn(4, 64), pages, torch.arange(4, dtype=torch.int32), 60, 0, 50,
                                    60, 0.125, 0.5, ev, None)
     assert (ev == SENTINEL).all()
-    logical = torch.randn(6, 2, 16, 128).to(torch.bfloat16)[..., :64]        # K of a logical cache
+    kv = torch.randn(6, 2, 16, 128).to(torch.bfloat16)                       # a logical cache: K then V
+    logical = SimpleNamespace(k=kv[..., :64], v=kv[..., 64:])
     assert not cpu_native.evidence(torch.randn(4, 64), logical, torch.arange(4, dtype=torch.int32), 60, 0, 50,
                                    60, 0.125, 0.5, ev, None)
     assert (ev == SENTINEL).all()

@@ -212,15 +212,19 @@ class SpeedSfiImpl(AttentionImpl):
         sfi_rows = None
         if sfi is not None and md.num_decodes:
             # the decode rows whose output SFI writes this step; the host reads the plan for free on
-            # the CPU, once per step. With the PyTorch twins (the CPU build) the dense pass (CPU_ATTN's
-            # kernel on its packed pages) also attends the slow rows and SFI's evidence pass only
-            # scores them; Triton kernels (the interpreter in tests) write the slow rows' output in
-            # the pass that reads K for the evidence.
+            # the CPU, once per step. SFI's slow pass writes the slow rows' output from the scores
+            # it computes for the evidence (Triton kernels: the interpreter in tests; on CPU_ATTN's
+            # packed pages the compiled CPU kernels, one read of K and V); only when neither runs (the
+            # PyTorch twins, several times slower at it) the dense pass (CPU_ATTN's kernel) attends
+            # the slow rows too and SFI's pass only scores them.
             if sfi.host_sfi_rows is None:
+                from vllm_ext.kernels import cpu_native
+                from vllm_ext.kernels.packed_pages import PackedPages
                 from vllm_ext.kernels.triton_utils import use_triton
 
                 nd = md.num_decodes
-                sfi.host_slow_dense = not use_triton(query)
+                sfi.host_slow_dense = not use_triton(query) and not (
+                    isinstance(kv_cache, PackedPages) and cpu_native.library() is not None)
                 mine = sfi.row_fast[:nd] if sfi.host_slow_dense else ~sfi.row_dense[:nd]
                 sfi.host_sfi_rows = mine.tolist()
                 sfi.host_any_sparse = not bool(sfi.row_dense[:nd].all())

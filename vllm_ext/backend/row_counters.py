@@ -9,8 +9,9 @@ Counters (``vllm_ext.metrics`` snapshot keys, summed over layers and steps):
   rows whose output SFI writes);
 * ``rows.paged_decode``: decode rows attended by our dense split-K ``paged_decode`` (SFI's dense rows
   on CUDA, or every decode row with ``speedsfi.dense_decode = "paged_decode"``);
-* ``rows.sfi_slow``: rows whose output SFI's slow pass (dense + evidence) wrote (CUDA; on the CPU
-  build the dense pass attends the slow rows and SFI's pass scores them only: ``rows.delegate``);
+* ``rows.sfi_slow``: rows whose output SFI's slow pass (dense + evidence) wrote (on the CPU build
+  with the PyTorch twins the dense pass attends the slow rows and SFI's pass scores them only:
+  ``rows.delegate``);
 * ``rows.sfi_fast``: rows whose output SFI's two-segment pass wrote (with the Quest selector its
   selection rows too);
 * ``rows.critiprefill``: rows of CritiPrefill's block-sparse sub-batch.

@@ -86,8 +86,9 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     first: on CUDA a mixed step's delegate, which computed every row; on the CPU the dense and slow
     rows): slow rows run the dense pass (for their evidence), fast rows are written by the
     two-segment pass. Otherwise dense and slow rows are attended here. ``slow_done`` (the CPU
-    build): the slow rows' output is the dense path's too, and their pass computes only their
-    evidence and key norms (on the real model at 8K half of its time was V's gather and ``p @ V``).
+    build with the PyTorch twins): the slow rows' output is the dense path's too, and their pass
+    computes only their evidence and key norms (in the twin, V's gather and ``p @ V`` cost as much
+    as ``CPU_ATTN``'s attention).
 
     The maintenance of the slow rows goes to ``rt.ring``: on CUDA with ``dual_stream`` a side stream
     overlaps it with the next layers; the compact segments it writes are read at the next step,

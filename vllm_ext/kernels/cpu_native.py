@@ -1,10 +1,11 @@
-"""SFI's slow-step work on the CPU build as compiled code (``csrc/sfi_cpu.cpp``): the evidence pass
-over ``CPU_ATTN``'s packed pages and the closed-form selector, one request at a time.
+"""SFI's slow-step work on the CPU build as compiled code (``csrc/sfi_cpu.cpp``): the dense pass with
+evidence over ``CPU_ATTN``'s packed pages (the row's attention output, the evidence and the key
+norms from one set of scores) and the closed-form selector, one request at a time.
 
 Why: on the real model at 8K a slow step's PyTorch twins (about 150 small ops per layer: the fp32
 gather of K, two matmuls, the log-sum-exps, the selector's refinements) cost about 4x a dense step,
-and sparse decode lost to dense on the mean. The C++ reads bf16 K once, keeps the scores in cache
-and fuses the selector's passes.
+and sparse decode lost to dense on the mean. The C++ reads bf16 K and V once, keeps the scores in
+cache and fuses the selector's passes.
 
 Built at first use, like FlashInfer's JIT kernels: ``g++ -O3 -march=native`` into a shared object
 under ``$SPEEDSFI_CPU_KERNEL_CACHE`` (default ``~/.cache/vllm_speedsfi/cpu_kernels``), named by a
@@ -45,7 +46,7 @@ _tried = False
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _EVIDENCE_ARGS = [_ptr, _i64, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _f32,
-                  _ptr, _i64, _ptr, _i64, _ptr]
+                  _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
 _SELECT_ARGS = [_ptr, _i64, _ptr, _i64, _i32, _i64, _i64, _ptr, _i32, _i32, _i32, _i64, _ptr, _i64, _ptr,
                 _i64, _ptr]
 
@@ -127,25 +128,30 @@ def _p(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def evidence(query: torch.Tensor, k_pages: torch.Tensor, table: torch.Tensor, seq: int, lo: int, hi: int,
-             lim: int, scale: float, alpha: float, ev: torch.Tensor, kn: torch.Tensor | None) -> bool:
+def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int, hi: int, lim: int,
+             scale: float, alpha: float, ev: torch.Tensor, kn: torch.Tensor | None,
+             out: torch.Tensor | None = None) -> bool:
     """One request's evidence ``ev [Hkv, >= lim]`` and key norms ``kn`` (or None) over its positions
-    ``[0, seq)`` (``lim = min(seq, max_len)`` written; ``-inf`` outside ``[lo, hi)``), as
-    :func:`vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu` writes them with
-    ``out=None``. ``query [Hq, D]``; ``k_pages``: ``PackedPages.k`` (``[B, Hkv, bs, D]``, K transposed
-    per page); ``table``: the request's block-table row. False (nothing written) where the kernel
-    does not apply: no library, a KV dtype other than bf16 / fp32, another page layout, rows that
-    are not fp32 and unit-stride."""
+    ``[0, seq)`` (``lim = min(seq, max_len)`` written; ``-inf`` outside ``[lo, hi)``), and with ``out``
+    (``[Hq, D]``, any float dtype) its dense attention over them from the same scores: what
+    :func:`vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu` writes. ``query
+    [Hq, D]``; ``pages``: :class:`vllm_ext.kernels.packed_pages.PackedPages` (K transposed per page);
+    ``table``: the request's block-table row. False (nothing written) where the kernel does not
+    apply: no library, a KV dtype other than bf16 / fp32, another page layout, rows that are not fp32
+    and unit-stride."""
     lib = library()
     if lib is None:
         metrics.bump("fallback.cpu_native")
         return False
+    k_pages, v_pages = pages.k, pages.v
     nb_all, hkv, bs, d = k_pages.shape
     hq = query.shape[0]
     fn = {torch.bfloat16: lib.sfi_evidence_bf16, torch.float32: lib.sfi_evidence_f32}.get(k_pages.dtype)
     if (fn is None or k_pages.stride(2) != 1 or k_pages.stride(3) != bs or hq % hkv
+            or v_pages.stride(3) != 1 or v_pages.stride(2) != d or v_pages.stride()[:2] != k_pages.stride()[:2]
             or ev.dtype != torch.float32 or ev.stride(-1) != 1 or not 0 < lim <= seq
-            or (kn is not None and (kn.dtype != torch.float32 or kn.stride(-1) != 1))):
+            or (kn is not None and (kn.dtype != torch.float32 or kn.stride(-1) != 1))
+            or (out is not None and tuple(out.shape) != (hq, d))):
         return False
     g = hq // hkv
     n_blocks = -(-seq // bs)
@@ -155,10 +161,15 @@ def evidence(query: torch.Tensor, k_pages: torch.Tensor, table: torch.Tensor, se
     q = query.float().contiguous()
     from vllm_ext.kernels.paged_reference import _scratch_buffer
 
-    scratch = _scratch_buffer(g * seq + (g + 2) * bs, torch.float32, query.device, tag="cpu_native_ev")
+    extra = 0 if out is None else g * seq + (g + 1) * d
+    scratch = _scratch_buffer(g * seq + (g + 2) * bs + extra, torch.float32, query.device, tag="cpu_native_ev")
+    attn = None if out is None else _scratch_buffer(hq * d, torch.float32, query.device, tag="cpu_native_out")
     fn(k_pages.data_ptr(), k_pages.stride(0), k_pages.stride(1), bs, d, hkv, g, blocks.data_ptr(), seq,
        lo, hi, lim, q.data_ptr(), scale, alpha, ev.data_ptr(), ev.stride(0), _p(kn),
-       0 if kn is None else kn.stride(0), scratch.data_ptr())
+       0 if kn is None else kn.stride(0), scratch.data_ptr(), None if out is None else v_pages.data_ptr(),
+       _p(attn))
+    if out is not None:
+        out.copy_(attn.view(hq, d))
     return True
 
 

@@ -553,7 +553,7 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
     by one matmul, then output, evidence over ``A`` (on the allowed span only) and ``||k||`` from
     those scores and that K. The batched form pads every row to the longest and converts K/V
     piecewise: 2-4x slower at 2K on the real model's slow steps. ``native`` (the CPU build's
-    dispatch): an entry without output on ``CPU_ATTN``'s packed pages goes to the compiled kernel
+    dispatch): an entry on ``CPU_ATTN``'s packed pages goes to the compiled kernel
     (:func:`vllm_ext.kernels.cpu_native.evidence`, the same values up to summation order) when it
     applies."""
     from vllm_ext.kernels import cpu_native
@@ -571,15 +571,16 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
     else:
         pairs = [(e, r) for e, r in enumerate(evidence_rows.tolist()) if 0 <= r < r_all]
     log_g = math.log(g)
-    native = native and out is None and isinstance(kv_cache, PackedPages)
+    native = native and isinstance(kv_cache, PackedPages)
     for e, r in pairs:
         seq = int(seqs[r])
         if seq <= 0 or not on[r]:
             continue
         lim = min(seq, max_len)
-        if native and cpu_native.evidence(query[r], kv_cache.k, block_table[r], seq, max(int(los[r]), 0),
+        if native and cpu_native.evidence(query[r], kv_cache, block_table[r], seq, max(int(los[r]), 0),
                                           min(int(his[r]), lim), lim, scale, alpha, log_evidence[e],
-                                          None if key_norms is None else key_norms[e]):
+                                          None if key_norms is None else key_norms[e],
+                                          None if out is None else out[r]):
             continue
         kt, v = gather_prefix_kt_into(kv_cache, block_table[r], seq, torch.float32,
                                       values=out is not None)                         # [Hkv, D, seq]

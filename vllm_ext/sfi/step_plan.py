@@ -71,8 +71,8 @@ class SfiStep:
     row_page_first: torch.Tensor | None = None  # int32 [rows]: quest: first page the row (re)writes
     quest_pages: "object | None" = None        # quest mode: the step's prefill page updates (host plan)
     # CPU build, read once per step by the first layer: the decode rows whose output SFI writes (fast
-    # rows, and slow rows when the kernels are Triton's; the dense pass attends the others) and
-    # whether any row is sparse (slow or fast)
+    # rows, and slow rows unless its kernels are the PyTorch twins; the dense pass attends the
+    # others) and whether any row is sparse (slow or fast)
     host_sfi_rows: "list[bool] | None" = None
     host_slow_dense: bool = False
     host_any_sparse: bool = False

@@ -1,5 +1,6 @@
-// SFI's slow-step work on the CPU build, one request at a time: the evidence pass over CPU_ATTN's
-// packed pages and the closed-form selector over the request's allowed set (ALGORITHMS.md §1).
+// SFI's slow-step work on the CPU build, one request at a time: the dense pass with evidence over
+// CPU_ATTN's packed pages (attention output, evidence and key norms from one set of scores) and the
+// closed-form selector over the request's allowed set (ALGORITHMS.md §1).
 // Twins: vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu (out=None) and
 // vllm_ext.kernels.sfi_selector_cpu.select_rows; tests/kernels/test_cpu_native.py compares them.
 //
@@ -254,16 +255,150 @@ void score_block_fixed(const T* page, int bs, int d, int g, const float* qh, flo
   }
 }
 
+// acc[g, :] += sum_t w[g, t] v_t over the request's V pages, head dimensions that are multiples of 16
+// up to kMaxD and groups up to kMaxG: the group's accumulators held in vector registers across the
+// positions (4x faster than the loop over a converted row in attend()).
+constexpr int kMaxD = 128;
+
+template <typename T, int G, int NV>
+void attend_rows_g(const T* v_base, int64_t s_block, int64_t h_off, int bs, const int32_t* blocks, int64_t nb,
+                   int64_t seq, const float* w, float* acc) {
+  constexpr int D = NV * kLanes;
+  v16f a[G][NV];
+  for (int gg = 0; gg < G; ++gg)
+    for (int k = 0; k < NV; ++k) a[gg][k] = v16f{};
+  for (int64_t j = 0; j < nb; ++j) {
+    const T* page = v_base + static_cast<int64_t>(blocks[j]) * s_block + h_off;
+    const int64_t p0 = j * bs;
+    const int64_t nt = std::min<int64_t>(bs, seq - p0);
+    for (int64_t t = 0; t < nt; ++t) {
+      v16f v[NV];
+      for (int k = 0; k < NV; ++k) v[k] = load16(page + t * D + k * kLanes);
+      for (int gg = 0; gg < G; ++gg) {
+        const float wt = w[gg * seq + p0 + t];
+        for (int k = 0; k < NV; ++k) a[gg][k] += wt * v[k];
+      }
+    }
+  }
+  for (int gg = 0; gg < G; ++gg)
+    for (int k = 0; k < NV; ++k) std::memcpy(acc + gg * D + k * kLanes, &a[gg][k], sizeof(v16f));
+}
+
+template <typename T, int G>
+void attend_rows_d(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, const int32_t* blocks,
+                   int64_t nb, int64_t seq, const float* w, float* acc) {
+  switch (d / kLanes) {
+    case 1: attend_rows_g<T, G, 1>(v_base, s_block, h_off, bs, blocks, nb, seq, w, acc); break;
+    case 2: attend_rows_g<T, G, 2>(v_base, s_block, h_off, bs, blocks, nb, seq, w, acc); break;
+    case 4: attend_rows_g<T, G, 4>(v_base, s_block, h_off, bs, blocks, nb, seq, w, acc); break;
+    case 8: attend_rows_g<T, G, 8>(v_base, s_block, h_off, bs, blocks, nb, seq, w, acc); break;
+    default: {                                                   // 48, 80, 96, 112: one generic pass
+      for (int64_t j = 0; j < nb; ++j) {
+        const T* page = v_base + static_cast<int64_t>(blocks[j]) * s_block + h_off;
+        const int64_t p0 = j * bs;
+        const int64_t nt = std::min<int64_t>(bs, seq - p0);
+        for (int64_t t = 0; t < nt; ++t)
+          for (int gg = 0; gg < G; ++gg) {
+            const float wt = w[gg * seq + p0 + t];
+            for (int dd = 0; dd < d; ++dd) acc[gg * d + dd] += wt * load(page + t * d + dd);
+          }
+      }
+    }
+  }
+}
+
+template <typename T>
+void attend_rows_fixed(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int g,
+                       const int32_t* blocks, int64_t nb, int64_t seq, const float* w, float* acc) {
+  switch (g) {
+    case 1: attend_rows_d<T, 1>(v_base, s_block, h_off, bs, d, blocks, nb, seq, w, acc); break;
+    case 2: attend_rows_d<T, 2>(v_base, s_block, h_off, bs, d, blocks, nb, seq, w, acc); break;
+    case 3: attend_rows_d<T, 3>(v_base, s_block, h_off, bs, d, blocks, nb, seq, w, acc); break;
+    case 4: attend_rows_d<T, 4>(v_base, s_block, h_off, bs, d, blocks, nb, seq, w, acc); break;
+    case 5: attend_rows_d<T, 5>(v_base, s_block, h_off, bs, d, blocks, nb, seq, w, acc); break;
+    case 6: attend_rows_d<T, 6>(v_base, s_block, h_off, bs, d, blocks, nb, seq, w, acc); break;
+    case 7: attend_rows_d<T, 7>(v_base, s_block, h_off, bs, d, blocks, nb, seq, w, acc); break;
+    default: attend_rows_d<T, 8>(v_base, s_block, h_off, bs, d, blocks, nb, seq, w, acc); break;
+  }
+}
+
+// y[i] = exp(x[i] - m) over [0, n) (restrict: vectorised)
+void exp_shifted(const float* __restrict x, float m, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = vexp(x[i] - m);
+}
+
+// out[i] = (log sum_g exp(x[g * stride + i]) - log G) / alpha over [0, n): the power mean of the
+// group's alpha * log p (x), as a log. Separate loops over restrict-qualified buffers, so that each
+// vectorises (m: the running maximum, e: the sum).
+void power_mean(const float* x, int64_t stride, int g, int64_t n, float alpha, float log_g,
+                float* __restrict out, float* __restrict tmp) {
+  float* __restrict m = tmp;
+  float* __restrict e = tmp + n;
+  for (int64_t i = 0; i < n; ++i) m[i] = kNegInf;
+  for (int gg = 0; gg < g; ++gg) {
+    const float* __restrict xg = x + gg * stride;
+    for (int64_t i = 0; i < n; ++i) m[i] = xg[i] > m[i] ? xg[i] : m[i];
+  }
+  for (int64_t i = 0; i < n; ++i) e[i] = 0.0f;
+  for (int gg = 0; gg < g; ++gg) {
+    const float* __restrict xg = x + gg * stride;
+    for (int64_t i = 0; i < n; ++i) e[i] += vexp(xg[i] - m[i]);
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = (vlog(e[i]) + m[i] - log_g) / alpha;
+}
+
+// The group's dense attention of one KV head over positions [0, seq) from its scores s [G, seq]:
+// out[g, :] = sum_t softmax(s[g])_t v_t, fp32, V pages [bs, D] row-major at v_base + block * s_block
+// + h_off. w: G * seq floats of scratch; acc: (G + 1) * D floats.
+template <typename T>
+void attend(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int g, const int32_t* blocks,
+            int64_t seq, const float* s, float* w, float* acc, float* out) {
+  float* vrow = acc + static_cast<int64_t>(g) * d;
+  std::fill(acc, acc + static_cast<int64_t>(g) * d, 0.0f);
+  std::vector<float> inv_z(g);
+  for (int gg = 0; gg < g; ++gg) {
+    const float* sg = s + gg * seq;
+    float* wg = w + gg * seq;
+    const float m = max_v(sg, seq);
+    exp_shifted(sg, m, wg, seq);
+    inv_z[gg] = 1.0f / sum_v(wg, seq);
+  }
+  const int64_t nb = (seq + bs - 1) / bs;
+  if (d % kLanes == 0 && d <= kMaxD && g <= kMaxG) {
+    attend_rows_fixed(v_base, s_block, h_off, bs, d, g, blocks, nb, seq, w, acc);
+  } else {
+    for (int64_t j = 0; j < nb; ++j) {
+      const T* page = v_base + static_cast<int64_t>(blocks[j]) * s_block + h_off;
+      const int64_t p0 = j * bs;
+      const int64_t nt = std::min<int64_t>(bs, seq - p0);
+      for (int64_t t = 0; t < nt; ++t) {
+        const T* vr = page + t * d;
+        for (int dd = 0; dd < d; ++dd) vrow[dd] = load(vr + dd);
+        for (int gg = 0; gg < g; ++gg) {
+          const float wt = w[gg * seq + p0 + t];
+          float* a = acc + static_cast<int64_t>(gg) * d;
+          for (int dd = 0; dd < d; ++dd) a[dd] += wt * vrow[dd];
+        }
+      }
+    }
+  }
+  for (int gg = 0; gg < g; ++gg)
+    for (int dd = 0; dd < d; ++dd) out[gg * d + dd] = acc[gg * d + dd] * inv_z[gg];
+}
+
 template <typename T>
 void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
               const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
               const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
-              int64_t kn_hs, float* scratch) {
-  // scratch: scores [G, seq] then per-block accumulators [G + 1, bs] and one converted row [bs]
+              int64_t kn_hs, float* scratch, const T* v_base, float* attn_out) {
+  // scratch: scores [G, seq], per-block accumulators [G + 1, bs] and one converted row [bs]; with
+  // attn_out also softmax weights [G, seq] and accumulators [G + 1, D]
   float* s = scratch;
   float* acc = scratch + static_cast<int64_t>(g) * seq;
   float* nrm = acc + static_cast<int64_t>(g) * bs;
   float* krow = nrm + bs;
+  float* w = krow + bs;
+  float* oacc = w + static_cast<int64_t>(g) * seq;
   const int64_t nb = (seq + bs - 1) / bs;
   const float log_g = std::log(static_cast<float>(g));
   for (int h = 0; h < hkv; ++h) {
@@ -281,6 +416,9 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
                     nrm, krow);
       }
     }
+    if (attn_out != nullptr)                                      // before the evidence rewrites s
+      attend(v_base, s_block, static_cast<int64_t>(h) * s_head, bs, d, g, blocks, seq, s, w, oacc,
+             attn_out + static_cast<int64_t>(h) * g * d);
     float* evh = ev + h * ev_hs;
     if (hi <= lo) {
       for (int64_t i = 0; i < lim; ++i) evh[i] = kNegInf;
@@ -306,19 +444,7 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
       for (int64_t i = 0; i < n; ++i) out[i] /= static_cast<float>(g);
       continue;
     }
-    for (int64_t i = 0; i < n; ++i) out[i] = kNegInf;             // running max over the group
-    for (int gg = 0; gg < g; ++gg) {
-      const float* sg = s + gg * seq + lo;
-      for (int64_t i = 0; i < n; ++i) out[i] = std::max(out[i], sg[i]);
-    }
-    float* sum = s + lo;                                          // reuse row 0's span for the sums
-    std::vector<float> first(sum, sum + n);
-    for (int64_t i = 0; i < n; ++i) sum[i] = vexp(first[i] - out[i]);
-    for (int gg = 1; gg < g; ++gg) {
-      const float* sg = s + gg * seq + lo;
-      for (int64_t i = 0; i < n; ++i) sum[i] += vexp(sg[i] - out[i]);
-    }
-    for (int64_t i = 0; i < n; ++i) out[i] = (vlog(sum[i]) + out[i] - log_g) / alpha;
+    power_mean(s + lo, seq, g, n, alpha, log_g, out, scratch_floats(2 * n));
   }
 }
 
@@ -327,24 +453,26 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
 extern "C" {
 
 // The slow step's evidence and key norms of one request (ALGORITHMS.md §1, "Slow step"; the twin
-// writes the same). K pages: element (d, t) of block b, KV head h at k_base + b * s_block +
-// h * s_head + d * bs + t (CPU_ATTN's vec packing). q: [Hkv, G, D] fp32. ev / kn: [Hkv, >= lim]
-// rows with strides ev_hs / kn_hs (kn may be null); positions [0, lim) are written: -inf outside
-// [lo, hi), lim = min(seq, max_len). scratch: G * seq + (G + 2) * bs floats.
+// writes the same), and with attn_out its dense attention. K pages: element (d, t) of block b, KV
+// head h at k_base + b * s_block + h * s_head + d * bs + t (CPU_ATTN's vec packing); V pages (when
+// attn_out is given): element (t, d) at v_base + b * s_block + h * s_head + t * D + d. q: [Hkv, G, D]
+// fp32. ev / kn: [Hkv, >= lim] rows with strides ev_hs / kn_hs (kn may be null); positions [0, lim)
+// are written: -inf outside [lo, hi), lim = min(seq, max_len). attn_out: [Hkv * G, D] fp32 or null.
+// scratch: G * seq + (G + 2) * bs floats, and G * seq + (G + 1) * D more with attn_out.
 void sfi_evidence_bf16(const uint16_t* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv,
                        int g, const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
                        const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
-                       int64_t kn_hs, float* scratch) {
+                       int64_t kn_hs, float* scratch, const uint16_t* v_base, float* attn_out) {
   evidence(k_base, s_block, s_head, bs, d, hkv, g, blocks, seq, lo, hi, lim, q, scale, alpha, ev, ev_hs,
-           kn, kn_hs, scratch);
+           kn, kn_hs, scratch, v_base, attn_out);
 }
 
 void sfi_evidence_f32(const float* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
                       const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
                       const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
-                      int64_t kn_hs, float* scratch) {
+                      int64_t kn_hs, float* scratch, const float* v_base, float* attn_out) {
   evidence(k_base, s_block, s_head, bs, d, hkv, g, blocks, seq, lo, hi, lim, q, scale, alpha, ev, ev_hs,
-           kn, kn_hs, scratch);
+           kn, kn_hs, scratch, v_base, attn_out);
 }
 
 // The selector of one request over its allowed set [lo, hi) (the twin: sfi_selector_cpu.select_rows):
