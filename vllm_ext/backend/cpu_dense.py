@@ -91,6 +91,12 @@ class SpeedSfiCpuImpl(SpeedSfiImpl):
         self._isa = None
         self._packed = None                 # decided at the first forward with a cache
         self._pages = None                  # (the cache tensor, its PackedPages)
+        if self.config.sfi.enabled:
+            # SFI's compiled slow-step kernels: built (about 2 s, once per machine) or loaded now,
+            # at engine start, not at the first request's first slow step
+            from vllm_ext.kernels import cpu_native
+
+            cpu_native.library()
 
     def _cache_format(self, query, kv_cache) -> str:
         """"cpu_attn" (every method off), "packed" (a method on, CPU_ATTN's pages) or "ours"."""
