@@ -83,8 +83,8 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     """SFI for the decode rows ``0..R-1`` (one query each; ``query``/``out`` are ``[R, Hq, D]``).
 
     ``dense_done``: ``out`` already holds dense attention for the dense rows (the dense path ran
-    first: on CUDA a mixed step's delegate, which computed every row; on the CPU the dense and slow
-    rows): slow rows run the dense pass (for their evidence), fast rows are written by the
+    first: on CUDA a mixed step's delegate, which computed every row; on the CPU the dense rows):
+    slow rows run the dense pass (for their evidence), fast rows are written by the
     two-segment pass. Otherwise dense and slow rows are attended here. ``slow_done`` (the CPU
     build with the PyTorch twins): the slow rows' output is the dense path's too, and their pass
     computes only their evidence and key norms (in the twin, V's gather and ``p @ V`` cost as much

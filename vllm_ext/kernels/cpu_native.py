@@ -161,7 +161,7 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     q = query.float().contiguous()
     from vllm_ext.kernels.paged_reference import _scratch_buffer
 
-    extra = 0 if out is None else g * seq + (g + 1) * d
+    extra = 0 if out is None else g * seq + g * d
     scratch = _scratch_buffer(g * seq + (g + 2) * bs + extra, torch.float32, query.device, tag="cpu_native_ev")
     attn = None if out is None else _scratch_buffer(hq * d, torch.float32, query.device, tag="cpu_native_out")
     fn(k_pages.data_ptr(), k_pages.stride(0), k_pages.stride(1), bs, d, hkv, g, blocks.data_ptr(), seq,

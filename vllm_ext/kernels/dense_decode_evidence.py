@@ -466,8 +466,8 @@ def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_l
     evidence put in ``log_evidence[e]``; the launch covers the ``E`` entries, not the batch, and
     splits as for one row (dead entries exit at once). ``key_norms`` (fp32, the shape of
     ``log_evidence``) receives ``||k_j||`` of the evidence rows from the same pass over K. ``out``
-    None (the PyTorch twin only: the CPU build, whose dense pass attends the slow rows): evidence
-    and key norms only."""
+    None (the PyTorch twin only: the CPU build without its compiled kernels, whose dense pass then
+    attends the slow rows): evidence and key norms only."""
     _check_evidence_args(query, kv_cache, log_evidence, evidence_rows, key_norms)
     if out is None and use_triton(query):
         raise ValueError("dense_decode_with_evidence: the Triton kernel writes the output (out=None "
@@ -577,8 +577,9 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
         if seq <= 0 or not on[r]:
             continue
         lim = min(seq, max_len)
-        if native and cpu_native.evidence(query[r], kv_cache, block_table[r], seq, max(int(los[r]), 0),
-                                          min(int(his[r]), lim), lim, scale, alpha, log_evidence[e],
+        lo, hi = max(int(los[r]), 0), min(int(his[r]), lim)
+        if native and cpu_native.evidence(query[r], kv_cache, block_table[r], seq, lo, hi, lim, scale,
+                                          alpha, log_evidence[e],
                                           None if key_norms is None else key_norms[e],
                                           None if out is None else out[r]):
             continue
@@ -588,7 +589,6 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
         s = torch.bmm(q, kt).mul_(scale)                                            # [Hkv, G, seq]
         if out is not None:
             out[r] = torch.bmm(torch.softmax(s, dim=-1), v).reshape(hq, d).to(out.dtype)
-        lo, hi = max(int(los[r]), 0), min(int(his[r]), lim)
         ev = log_evidence[e]
         if hi > lo:
             ev[:, :lo].fill_(float("-inf"))

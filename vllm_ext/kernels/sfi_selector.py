@@ -274,7 +274,6 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
         return select_triton(evidence, key_norms, lo, hi, cfg, k, k_cap=k_cap, workspace=workspace,
                              count=count, exclude=exclude, exclude_slot=exclude_slot,
                              exclude_count=exclude_count)
-    rows = key_norms.shape[0]
     if key_norms.device.type == "cpu" and evidence.dim() == 3:
         sel, n_sel = select_rows_cpu(evidence, key_norms, lo, hi, cfg, k, k_cap, count, exclude,
                                      exclude_slot, exclude_count, native=True)

@@ -1,7 +1,7 @@
 // SFI's slow-step work on the CPU build, one request at a time: the dense pass with evidence over
 // CPU_ATTN's packed pages (attention output, evidence and key norms from one set of scores) and the
 // closed-form selector over the request's allowed set (ALGORITHMS.md §1).
-// Twins: vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu (out=None) and
+// Twins: vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu and
 // vllm_ext.kernels.sfi_selector_cpu.select_rows; tests/kernels/test_cpu_native.py compares them.
 //
 // Built at first use by vllm_ext/kernels/cpu_native.py (g++ -O3 -march=native, no torch headers,
@@ -257,7 +257,7 @@ void score_block_fixed(const T* page, int bs, int d, int g, const float* qh, flo
 
 // acc[g, :] += sum_t w[g, t] v_t over the request's V pages, head dimensions that are multiples of 16
 // up to kMaxD and groups up to kMaxG: the group's accumulators held in vector registers across the
-// positions (4x faster than the loop over a converted row in attend()).
+// positions (4x faster than attend_rows() below).
 constexpr int kMaxD = 128;
 
 template <typename T, int G, int NV>
@@ -284,6 +284,23 @@ void attend_rows_g(const T* v_base, int64_t s_block, int64_t h_off, int bs, cons
     for (int k = 0; k < NV; ++k) std::memcpy(acc + gg * D + k * kLanes, &a[gg][k], sizeof(v16f));
 }
 
+// The same for any head size and group: runtime loops (acc [G, D] accumulated in memory).
+template <typename T>
+void attend_rows(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int g, const int32_t* blocks,
+                 int64_t nb, int64_t seq, const float* w, float* acc) {
+  for (int64_t j = 0; j < nb; ++j) {
+    const T* page = v_base + static_cast<int64_t>(blocks[j]) * s_block + h_off;
+    const int64_t p0 = j * bs;
+    const int64_t nt = std::min<int64_t>(bs, seq - p0);
+    for (int64_t t = 0; t < nt; ++t)
+      for (int gg = 0; gg < g; ++gg) {
+        const float wt = w[gg * seq + p0 + t];
+        float* a = acc + static_cast<int64_t>(gg) * d;
+        for (int dd = 0; dd < d; ++dd) a[dd] += wt * load(page + t * d + dd);
+      }
+  }
+}
+
 template <typename T, int G>
 void attend_rows_d(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, const int32_t* blocks,
                    int64_t nb, int64_t seq, const float* w, float* acc) {
@@ -292,18 +309,7 @@ void attend_rows_d(const T* v_base, int64_t s_block, int64_t h_off, int bs, int 
     case 2: attend_rows_g<T, G, 2>(v_base, s_block, h_off, bs, blocks, nb, seq, w, acc); break;
     case 4: attend_rows_g<T, G, 4>(v_base, s_block, h_off, bs, blocks, nb, seq, w, acc); break;
     case 8: attend_rows_g<T, G, 8>(v_base, s_block, h_off, bs, blocks, nb, seq, w, acc); break;
-    default: {                                                   // 48, 80, 96, 112: one generic pass
-      for (int64_t j = 0; j < nb; ++j) {
-        const T* page = v_base + static_cast<int64_t>(blocks[j]) * s_block + h_off;
-        const int64_t p0 = j * bs;
-        const int64_t nt = std::min<int64_t>(bs, seq - p0);
-        for (int64_t t = 0; t < nt; ++t)
-          for (int gg = 0; gg < G; ++gg) {
-            const float wt = w[gg * seq + p0 + t];
-            for (int dd = 0; dd < d; ++dd) acc[gg * d + dd] += wt * load(page + t * d + dd);
-          }
-      }
-    }
+    default: attend_rows(v_base, s_block, h_off, bs, d, G, blocks, nb, seq, w, acc);   // 48, 80, 96, 112
   }
 }
 
@@ -349,11 +355,10 @@ void power_mean(const float* x, int64_t stride, int g, int64_t n, float alpha, f
 
 // The group's dense attention of one KV head over positions [0, seq) from its scores s [G, seq]:
 // out[g, :] = sum_t softmax(s[g])_t v_t, fp32, V pages [bs, D] row-major at v_base + block * s_block
-// + h_off. w: G * seq floats of scratch; acc: (G + 1) * D floats.
+// + h_off. w: G * seq floats of scratch; acc: G * D floats.
 template <typename T>
 void attend(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int g, const int32_t* blocks,
             int64_t seq, const float* s, float* w, float* acc, float* out) {
-  float* vrow = acc + static_cast<int64_t>(g) * d;
   std::fill(acc, acc + static_cast<int64_t>(g) * d, 0.0f);
   std::vector<float> inv_z(g);
   for (int gg = 0; gg < g; ++gg) {
@@ -364,24 +369,10 @@ void attend(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int 
     inv_z[gg] = 1.0f / sum_v(wg, seq);
   }
   const int64_t nb = (seq + bs - 1) / bs;
-  if (d % kLanes == 0 && d <= kMaxD && g <= kMaxG) {
+  if (d % kLanes == 0 && d <= kMaxD && g <= kMaxG)
     attend_rows_fixed(v_base, s_block, h_off, bs, d, g, blocks, nb, seq, w, acc);
-  } else {
-    for (int64_t j = 0; j < nb; ++j) {
-      const T* page = v_base + static_cast<int64_t>(blocks[j]) * s_block + h_off;
-      const int64_t p0 = j * bs;
-      const int64_t nt = std::min<int64_t>(bs, seq - p0);
-      for (int64_t t = 0; t < nt; ++t) {
-        const T* vr = page + t * d;
-        for (int dd = 0; dd < d; ++dd) vrow[dd] = load(vr + dd);
-        for (int gg = 0; gg < g; ++gg) {
-          const float wt = w[gg * seq + p0 + t];
-          float* a = acc + static_cast<int64_t>(gg) * d;
-          for (int dd = 0; dd < d; ++dd) a[dd] += wt * vrow[dd];
-        }
-      }
-    }
-  }
+  else
+    attend_rows(v_base, s_block, h_off, bs, d, g, blocks, nb, seq, w, acc);
   for (int gg = 0; gg < g; ++gg)
     for (int dd = 0; dd < d; ++dd) out[gg * d + dd] = acc[gg * d + dd] * inv_z[gg];
 }
@@ -392,7 +383,7 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
               const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
               int64_t kn_hs, float* scratch, const T* v_base, float* attn_out) {
   // scratch: scores [G, seq], per-block accumulators [G + 1, bs] and one converted row [bs]; with
-  // attn_out also softmax weights [G, seq] and accumulators [G + 1, D]
+  // attn_out also softmax weights [G, seq] and accumulators [G, D]
   float* s = scratch;
   float* acc = scratch + static_cast<int64_t>(g) * seq;
   float* nrm = acc + static_cast<int64_t>(g) * bs;
@@ -458,7 +449,7 @@ extern "C" {
 // attn_out is given): element (t, d) at v_base + b * s_block + h * s_head + t * D + d. q: [Hkv, G, D]
 // fp32. ev / kn: [Hkv, >= lim] rows with strides ev_hs / kn_hs (kn may be null); positions [0, lim)
 // are written: -inf outside [lo, hi), lim = min(seq, max_len). attn_out: [Hkv * G, D] fp32 or null.
-// scratch: G * seq + (G + 2) * bs floats, and G * seq + (G + 1) * D more with attn_out.
+// scratch: G * seq + (G + 2) * bs floats, and G * seq + G * D more with attn_out.
 void sfi_evidence_bf16(const uint16_t* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv,
                        int g, const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
                        const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
