@@ -115,6 +115,7 @@ class JobRunner:
             "schema": SCHEMA, "tool": "bench/vllm_e2e.py", "command": " ".join(sys.argv),
             "started_utc": now_utc(), "env": {"gpu": None, "vllm": None, "torch": None},
             "stages": {}, "checks": [], "correctness": [], "rows": [], "quality": None, "serving": [],
+            "kernel_tables": [],
             "kernels": [], "failures": [], "workarounds": [], "skipped": [], "plan": [],
         }
         self._env_from_payload()

@@ -56,6 +56,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
                             env={}),
     "speedsfi_dense_fa": dict(backend="SPEEDSFI", speedsfi={"preset": "dense", "dense_delegate": "flash_attn"},
                               env={}),
+    # dense_delegate "auto": the backend vLLM picks (FLASH_ATTN/FA3 on Hopper) attends the dense rows
+    # (issue 35: the candidate default, opt-in until this run checks it token for token)
+    "speedsfi_sfi_auto": dict(backend="SPEEDSFI", speedsfi={"preset": "sfi", "dense_delegate": "auto"}, env={}),
+    "speedsfi_dense_auto": dict(backend="SPEEDSFI", speedsfi={"preset": "dense", "dense_delegate": "auto"},
+                                env={}),
+    # vLLM's default backend (FLASH_ATTN on Hopper) on the V1 model runner, SPEEDSFI's runner: the
+    # runner's share of any gap with vllm_default, and the like-for-like reference of all off + auto
+    "flash_attn_v1": dict(backend="FLASH_ATTN", speedsfi=None, env={"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     "speedsfi_sfi_speed": dict(backend="SPEEDSFI", speedsfi={"preset": "sfi", "speed": {"enabled": True}}, env={}),
     "speedsfi_critiprefill": dict(backend="SPEEDSFI", speedsfi={"preset": "critiprefill"}, env={}),
     # a budget covering the whole context: every decode row must be dense

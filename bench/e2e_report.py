@@ -112,7 +112,7 @@ def merge_results(parts: list[dict]) -> dict:
     out = json.loads(json.dumps(out))
     for p in parts[1:]:
         for k in ("checks", "correctness", "rows", "failures", "workarounds", "skipped", "plan", "serving",
-                  "kernels"):
+                  "kernels", "kernel_tables"):
             out[k] = (out.get(k) or []) + (p.get(k) or [])
         out["env"] = {**{k: v for k, v in (p.get("env") or {}).items() if v is not None},
                       **{k: v for k, v in (out.get("env") or {}).items() if v is not None}}
@@ -170,6 +170,14 @@ def markdown_report(result: dict) -> str:
             out.append(f"| {k.get('context')} | {k.get('batch')} | {f(k.get('paged_decode_us'))} | "
                        f"{f(k.get('paged_decode_gbps'))} | {f(k.get('delegate_us'))} | {f(k.get('delegate_gbps'))} | "
                        f"{k.get('delegate_kernel') or '-'} | {k.get('faster') or '-'} | {(k.get('error') or '')[:80]} |")
+    for t in result.get("kernel_tables", []):
+        out += ["", f"Kernels of a decode window ({t.get('config')}, input {t.get('input_len')} x "
+                f"{t.get('batch')}, {t.get('profiled_steps')} steps; torch profiler): "
+                f"{t.get('gpu_us_per_step')} us of GPU time and {t.get('launches_per_step')} launches per step", "",
+                "| kernel | launches/step | launches/layer | us/step | longest us | share |", "|---|---|---|---|---|---|"]
+        for k in t.get("kernels", [])[:25]:
+            out.append(f"| `{k['kernel'][:90]}` | {k['launches_per_step']} | {k['launches_per_layer']} | "
+                       f"{k['us_per_step']} | {k['longest_us']} | {k['share']} |")
     if result.get("serving"):
         out += ["", "Serving (`vllm bench serve`, random prompts at a request rate):", "",
                 "| config | input | output | rate/s | prompts | output tok/s | mean TTFT ms | mean TPOT ms | error |",
@@ -189,6 +197,31 @@ def markdown_report(result: dict) -> str:
         for w in result.get("workarounds", []):
             out.append(f"| | | workaround | | {w} |")
     return "\n".join(out)
+
+
+def kernel_table(events: list[dict], *, steps: int, layers: int, top: int = 40) -> dict:
+    """A torch-profiler trace's GPU kernels as a table: per kernel name, launches and microseconds
+    per profiled step, launches per layer, the longest launch, and the share of the window's GPU
+    time. ``events``: the chrome trace's ``traceEvents``."""
+    agg: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or str(e.get("cat", "")).lower() not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        a = agg.setdefault(str(e.get("name")), [0, 0.0, 0.0])
+        d = float(e.get("dur", 0.0))
+        a[0] += 1
+        a[1] += d
+        a[2] = max(a[2], d)
+    total = sum(a[1] for a in agg.values())
+    steps = max(steps, 1)
+    rows = [dict(kernel=name[:160], launches_per_step=round(a[0] / steps, 2),
+                 launches_per_layer=round(a[0] / steps / max(layers, 1), 3),
+                 us_per_step=round(a[1] / steps, 1), longest_us=round(a[2], 1),
+                 share=round(a[1] / total, 4) if total else None)
+            for name, a in sorted(agg.items(), key=lambda kv: -kv[1][1])]
+    return dict(gpu_us_per_step=round(total / steps, 1),
+                launches_per_step=round(sum(a[0] for a in agg.values()) / steps, 1),
+                kernels=rows[:top], kernels_left_out=max(len(rows) - top, 0))
 
 
 def reference_config(rows: list[dict]) -> str:

@@ -41,17 +41,36 @@ from e2e_report import compare_quality, markdown_report, plot_perf
 from e2e_timing import compare_tokens, est_engine_s, make_perf_row
 
 STAGES = ("smoke", "graphs", "kernels", "sfi_perf", "correct", "quality", "perf", "critiprefill", "serving")
-# The documented invocation: three calls of at most CALL_DEADLINE_S each (a session's 30 minutes of
-# device time), each independent of the others (a later session can run the rest). Call 1 is the one
-# that must run first: SFI under FULL CUDA graphs, then SFI against what `vllm serve` gives by default.
+# The documented invocation: calls of at most CALL_DEADLINE_S each, each independent of the others
+# (a later session can run the rest).
 CALL_DEADLINE_S = 520
+# Issue 35: the GPU half in two calls of at most 10 minutes each (~20 minutes of device time with the
+# payload's transfer). Call 1 alone answers the principal question: SFI against what `vllm serve`
+# gives by default at 32K with the batch that fills the default's KV cache (TPOT, TTFT, and a kernel
+# table of a decode window from the torch profiler), after SFI under FULL CUDA graphs == eager.
+# Call 2: all off with dense_delegate "auto" == that backend on the V1 runner token for token (what
+# flips the default), and the 128K rows. What does not fit 20 minutes is calls 3 to 5, for later
+# sessions: the 8K rows and the serving run; the runner's share (the default backend on the V1
+# runner), all off, SFI + SPEED and CritiPrefill's TTFT at 32K, the kernel-only read rates; the
+# Llama-3.1-8B shape's token checks and quality.
 CALLS: dict[int, dict[str, str]] = {
-    1: dict(stages="smoke,graphs,kernels,sfi_perf,perf", sfi_perf_configs="speedsfi_sfi",
-            perf_configs="vllm_default"),
-    2: dict(stages="correct,perf", perf_configs="triton,speedsfi_dense"),
-    3: dict(stages="critiprefill,serving"),
-    4: dict(stages="sfi_perf,quality,perf", sfi_perf_configs="speedsfi_sfi_speed", perf_configs="speedsfi_dense_pd"),
+    1: dict(stages="smoke,graphs,sfi_perf,perf", sfi_perf_configs="speedsfi_sfi_auto",
+            perf_configs="vllm_default", lengths="32768", batches="32768:max", profile="1"),
+    2: dict(stages="correct,sfi_perf,perf", correct_models="qwen3-4b",
+            correct_configs="flash_attn_v1,speedsfi_dense_auto", sfi_perf_configs="speedsfi_sfi_auto",
+            perf_configs="vllm_default", lengths="131072", batches="131072:max"),
+    3: dict(stages="sfi_perf,perf,serving", sfi_perf_configs="speedsfi_sfi_auto",
+            perf_configs="vllm_default", lengths="8192", batches="8192:max",
+            serve_configs="vllm_default,speedsfi_sfi_auto", serve_prompts="8", serve_rate="0.5"),
+    4: dict(stages="kernels,sfi_perf,perf,critiprefill", sfi_perf_configs="speedsfi_sfi_speed",
+            perf_configs="flash_attn_v1,speedsfi_dense_auto", lengths="32768", batches="32768:max"),
+    5: dict(stages="correct,quality", correct_models="llama-3.1-8b",
+            correct_configs="flash_attn_v1,speedsfi_dense_auto,speedsfi_sfi"),
 }
+MAX_BATCH = 64
+# the driver's options a call may set (the rest keep their defaults)
+CALL_OPTIONS = ("perf_configs", "sfi_perf_configs", "lengths", "batches", "correct_models",
+                "correct_configs", "serve_configs", "serve_prompts", "serve_rate", "profile")
 SFI_PERF_CONFIGS = ("speedsfi_sfi", "speedsfi_sfi_speed")
 
 
@@ -83,9 +102,12 @@ def _perf_jobs(args, stage: str, configs: list[str]) -> list[dict]:
             if not lens:
                 continue
             groups = [dict(kind="perf", input_len=n, output_len=args.output_len,
-                           batch_cap=caps.get(n, args.default_batch)) for n in sorted(lens)]
+                           batch_cap=caps.get(n, args.default_batch),
+                           profile_steps=args.profile_steps if getattr(args, "profile", 0) else 0)
+                      for n in sorted(lens)]
             ints = [g["batch_cap"] for g in groups if isinstance(g["batch_cap"], int)]
-            max_seqs = max(ints + [1]) if all(isinstance(g["batch_cap"], int) for g in groups) else 32
+            # "max": the batch that fills the KV cache (vLLM's "Maximum concurrency"), up to 64
+            max_seqs = max(ints + [1]) if all(isinstance(g["batch_cap"], int) for g in groups) else MAX_BATCH
             jobs.append(_engine_job(stage, f"{stage}/{model}/{cfg}/{mode}", model, cfg, mode == "eager", groups,
                                     max(lens) + args.output_len + 16, max_seqs, cpu,
                                     min_s=60 if mode == "graph" else 45))
@@ -350,6 +372,10 @@ class Run(JobRunner):
             for k in ("gpu", "torch", "vllm", "triton"):
                 if engine.get(k) and not self.result["env"].get(k):
                     self.result["env"][k] = engine[k]
+        for e in events:
+            if e.get("type") == "kernel_table":
+                self.result.setdefault("kernel_tables", []).append(
+                    dict({k: v for k, v in e.items() if k != "type"}, model=j["model"]))
         if j["stage"] in ("perf", "sfi_perf", "critiprefill"):
             got = {(e["input_len"]): e for e in events if e.get("type") == "row"}
             for g in j["groups"]:
@@ -562,6 +588,8 @@ CORRECT_PAIRS = (
     ("speedsfi_sfi_full", "triton", "SFI budget covering the context vs TRITON_ATTN (two bf16 kernels; "
      "information)", False),
     ("triton_v2", "triton", "TRITON_ATTN on Model Runner V2 == V1 (information)", False),
+    ("speedsfi_dense_auto", "flash_attn_v1",
+     "SPEEDSFI all off with dense_delegate auto == vLLM's default backend on the V1 runner", True),
 )
 
 

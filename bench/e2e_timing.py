@@ -112,12 +112,18 @@ def est_engine_s(model: str, groups: list[dict], eager: bool, cpu: bool, warmup:
         total += 15.0                                       # the perf warm-up (short prompts, every batch)
     for g in groups:
         b, n, o = g.get("batch_cap", 1), g["input_len"], g["output_len"]
-        b = b if isinstance(b, int) else 3
+        if not isinstance(b, int):
+            # "max": what an H100's KV cache holds (0.9 of 80 GB less the weights), at most 64
+            kv_tokens = (0.9 * 80e9 - 2.0 * p - 3e9) / kv_bytes_per_token(model)
+            b = max(1, min(64, int(kv_tokens // (n + o))))
         attn = 2.0 * m["layers"] * m["heads"] * m["head_dim"] * n * n      # causal QK^T + PV
         prefill = b * (2.0 * p * n / 500e12 + attn / 200e12)
         step = (2.0 * p + b * (n + o / 2) * kv_bytes_per_token(model)) / 2.6e12
         step += (m["layers"] * 0.45e-3) if eager else 0.002
         total += prefill + o * step + 2.0
+        if g.get("profile_steps"):
+            # the kernel table: the batch again (prefill) and 40 tokens, the profiler's trace written
+            total += prefill + 40 * step + 15.0
     return total
 
 

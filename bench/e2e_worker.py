@@ -4,11 +4,15 @@ rows, checks and failures."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
+import shutil
+import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from e2e_models import MODELS, backend_of, make_prompts, param_count, speedsfi_section
@@ -300,8 +304,13 @@ def _engine_kwargs(spec: dict) -> dict:
     cc: dict[str, Any] = {}
     if spec.get("custom_ops_none"):
         cc["custom_ops"] = ["none"]
+    if any(g.get("profile_steps") for g in spec["groups"]):
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": _profile_dir(spec)}
     if not spec["eager"]:
-        sizes = sorted({1, 2, 4} | {g["batch_cap"] for g in spec["groups"] if isinstance(g["batch_cap"], int)})
+        sizes = {1, 2, 4} | {g["batch_cap"] for g in spec["groups"] if isinstance(g["batch_cap"], int)}
+        if any(not isinstance(g["batch_cap"], int) for g in spec["groups"]):
+            sizes |= set(range(8, spec["max_num_seqs"] + 1, 8))     # "max": every batch that may fit
+        sizes = sorted(sizes)
         sizes = [s for s in sizes if s <= spec["max_num_seqs"]] or [1]
         mode = spec.get("graph_mode", "full_decode")
         if mode == "full_decode":
@@ -319,6 +328,45 @@ def _engine_kwargs(spec: dict) -> dict:
         if spec.get("max_num_batched_tokens"):
             kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     return kw
+
+
+def _profile_dir(spec: dict) -> str:
+    return str(Path(tempfile.gettempdir()) / f"speedsfi_profile_{os.getpid()}")
+
+
+def _kernel_table(llm, spec: dict, prompts: list[list[int]], steps: int, ev: Events, input_len: int) -> None:
+    """A decode window's kernels (vLLM's torch profiler, ``steps`` decode steps after the batch's
+    prefill): per kernel name, launches and GPU microseconds per step, per layer, and its longest
+    launch (fast and slow steps run the same launches under FULL graphs: a slow step shows as the
+    maintenance kernels' longest launch)."""
+    from e2e_report import kernel_table
+
+    out = Path(_profile_dir(spec))
+    shutil.rmtree(out, ignore_errors=True)
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    prefill_steps = -(-sum(len(p) for p in prompts) // max(sched.max_num_batched_tokens, 1)) + 4
+    llm.start_profile(f"decode{input_len}", delay_iterations=prefill_steps, max_iterations=steps)
+    _generate(llm, prompts, prefill_steps + steps + 8, f"prof{input_len}")
+    llm.stop_profile()
+    traces = []
+    for _ in range(120):
+        traces = sorted(out.rglob("*.json*"))
+        if traces:
+            break
+        time.sleep(0.5)
+    if not traces:
+        ev.emit(type="error", phase="profile", error=f"no trace written under {out}")
+        return
+    time.sleep(2.0)                                          # the writer may still be flushing
+    events = []
+    for t in traces:
+        opener = gzip.open if t.suffix == ".gz" else open
+        with opener(t, "rt") as f:
+            events += json.load(f).get("traceEvents", [])
+    table = kernel_table(events, steps=steps, layers=MODELS[spec["model"]]["layers"])
+    ev.emit(type="kernel_table", config=spec["config"], input_len=input_len, batch=len(prompts),
+            profiled_steps=steps, **table)
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def _generate(llm, prompts: list[list[int]], out_len: int, tag: str) -> dict:
@@ -517,6 +565,8 @@ def worker_engine(spec: dict, ev: Events) -> int:
                 if timing["tpot_ms"] else None,
                 tokens_sha=tokens_digest(r["tokens"]), counters=counters, **kv, **sfi)
             ev.emit(type="row", **row)
+            if g.get("profile_steps"):
+                _kernel_table(llm, spec, prompts, int(g["profile_steps"]), ev, n)
             print(f"[worker] {spec['config']} {'eager' if spec['eager'] else 'graph'} in {n} x{batch}: "
                   f"TPOT {row['tpot_ms']} ms, TTFT {row['ttft_ms']} ms, {row['output_tok_s']} tok/s "
                   f"({time.time() - t0:.0f} s)", flush=True)

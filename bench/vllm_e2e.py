@@ -3,13 +3,15 @@
 performance against what users run by default, and serving (issues 10, 24).
 
 Run on the GPU machine by ``scripts/gpu_e2e.sh`` (which unpacks the payload of
-``scripts/gpu_vllm_bundle.sh`` and puts it on ``PYTHONPATH``); the documented invocation is three
-calls of at most 520 s each, 1 to 3 in a session's 30 minutes of device time, 4 in the next (``--call N`` picks a call's stages and configurations)::
+``scripts/gpu_vllm_bundle.sh`` and puts it on ``PYTHONPATH``); the documented invocation is five
+calls of at most 520 s each: 1 and 2 in a session's 30 minutes of device time (issue 35), 3 to 5 in
+later sessions (``--call N`` picks a call's stages and configurations)::
 
-    python bench/vllm_e2e.py --call 1 --out $OUT --deadline-s 520   # SFI under FULL CUDA graphs; SFI vs vLLM's default
-    python bench/vllm_e2e.py --call 2 --out $OUT --deadline-s 520   # correctness; TRITON_ATTN, all off
-    python bench/vllm_e2e.py --call 3 --out $OUT --deadline-s 520   # CritiPrefill TTFT; serving (vllm bench serve)
-    python bench/vllm_e2e.py --call 4 --out $OUT --deadline-s 520   # SFI + SPEED; quality; all off via paged_decode
+    python bench/vllm_e2e.py --call 1 --out $OUT --deadline-s 520   # graphs == eager; 32K x max: SFI vs vLLM's default + kernel tables
+    python bench/vllm_e2e.py --call 2 --out $OUT --deadline-s 520   # all off (auto) == FLASH_ATTN V1 token for token; 128K rows
+    python bench/vllm_e2e.py --call 3 --out $OUT --deadline-s 520   # 8K rows; serving (vllm bench serve)
+    python bench/vllm_e2e.py --call 4 --out $OUT --deadline-s 520   # 32K: runner share, all off, SFI + SPEED, CritiPrefill
+    python bench/vllm_e2e.py --call 5 --out $OUT --deadline-s 520   # Llama-3.1-8B token checks; quality
     python bench/vllm_e2e.py --call 1 --dry-run                     # the plan and its time estimate; no vLLM, no GPU
     python bench/vllm_e2e.py report --merge a.json b.json --out bench/results   # merge + re-plot (CPU)
     python bench/vllm_e2e.py smoke,graphs --out $OUT               # or any stages by name
@@ -48,7 +50,7 @@ from e2e_models import (CONFIGS, MODELS, N_SPECIAL, SFI_CPU, SFI_SMALL, TRIGGER_
                         param_count, speedsfi_section, token_strings, trigger_ids, write_config)
 from e2e_report import (compare_quality, markdown_report, merge_results, plot_perf,  # noqa: E402,F401
                         summary_table)
-from e2e_stages import (CALL_DEADLINE_S, CALLS, STAGES, Run, build_plan, derived_checks,  # noqa: E402,F401
+from e2e_stages import (CALL_DEADLINE_S, CALL_OPTIONS, CALLS, STAGES, Run, build_plan, derived_checks,  # noqa: E402,F401
                         parse_batches, plan_total, print_plan, serving_summary)
 from e2e_timing import (HANG_FACTOR, PERF_ROW_KEYS, compare_tokens, decode_timing,  # noqa: E402,F401
                         est_engine_s, hang_timeout, kv_gbps, make_perf_row, sfi_summary, tokens_digest)
@@ -125,6 +127,10 @@ def parse(argv=None):
     ap.add_argument("--serve-rate", type=float, default=0.5, help="requests per second (Poisson)")
     ap.add_argument("--serve-prompts", type=int, default=16)
     ap.add_argument("--serve-max-seqs", type=int, default=16)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="perf engines: after each group, a kernel table of a decode window (vLLM's torch "
+                         "profiler over PROFILE_STEPS decode steps; 0 = off)")
+    ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--no-plot", action="store_true")
     # report / note
     ap.add_argument("--merge", nargs="*", default=None, help="report: JSON files to merge")
@@ -135,9 +141,11 @@ def parse(argv=None):
         call = CALLS[args.call]
         if args.stages is None:
             args.stages = call["stages"]
-        for key in ("perf_configs", "sfi_perf_configs"):
+        for key in CALL_OPTIONS:
             if key in call:
-                setattr(args, key, call[key])
+                value = call[key]
+                setattr(args, key, type(getattr(args, key))(value) if isinstance(getattr(args, key),
+                                                                       (int, float)) else value)
     s = args.stages
     if s is None:
         ap.error("give stages or --call N")

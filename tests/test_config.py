@@ -221,10 +221,12 @@ def test_request_overrides_from_json_text():
         request_overrides({"speedsfi": "[1, 2]"})
 
 
-def test_dense_delegate_is_an_engine_wide_choice_of_two():
+def test_dense_delegate_is_an_engine_wide_choice():
     from vllm_ext.config import ConfigError, SpeedSfiConfig, check_request_overrides
 
+    # "triton" stays the default until a GPU run has checked "auto" token for token (issue 35)
     assert SpeedSfiConfig.from_dict(None).dense_delegate == "triton"
+    assert SpeedSfiConfig.from_dict({"dense_delegate": "auto"}).dense_delegate == "auto"
     cfg = SpeedSfiConfig.from_dict({"preset": "sfi", "dense_delegate": "flash_attn"})
     assert cfg.dense_delegate == "flash_attn" and cfg.sfi.enabled
     with pytest.raises(ConfigError, match="dense_delegate"):

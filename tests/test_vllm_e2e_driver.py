@@ -35,7 +35,7 @@ def _driver(*args, timeout=60):
 
 
 # ------------------------------------------------------------------------------------ e2e_stages
-@pytest.mark.parametrize("call", [1, 2, 3, 4])
+@pytest.mark.parametrize("call", [1, 2, 3, 4, 5])
 def test_each_documented_call_fits_its_deadline_in_dry_run(e2e, call):
     p = _driver("--call", str(call), "--deadline-s", str(e2e.CALL_DEADLINE_S), "--dry-run")
     assert p.returncode == 0, p.stderr
@@ -53,10 +53,14 @@ def test_calls_cover_every_stage_once(e2e):
     assert set(stages) == set(e2e.STAGES)
     configs = [c for call in e2e.CALLS.values() for key in ("perf_configs", "sfi_perf_configs")
                for c in call.get(key, "").split(",") if c]
-    assert {"vllm_default", "triton", "speedsfi_dense", "speedsfi_sfi", "speedsfi_sfi_speed"} <= set(configs)
+    assert {"vllm_default", "flash_attn_v1", "speedsfi_dense_auto", "speedsfi_sfi_auto",
+            "speedsfi_sfi_speed"} <= set(configs)
 
 
-def test_call_1_proves_sfi_under_full_graphs_then_measures_sfi_before_its_baseline(e2e):
+def test_call_1_alone_answers_sfi_against_the_default_at_32k_with_the_batch_that_fills_the_cache(e2e):
+    """Issue 35 item 6: correctness under FULL graphs first, then SFI (dense rows on vLLM's pick) and
+    what `vllm serve` gives by default, at 32K with the batch the default's KV cache holds, each with
+    a kernel table of a decode window."""
     args, _ = e2e.parse(["--call", "1"])
     jobs = e2e.build_plan(args)
     names = [j["name"] for j in jobs]
@@ -74,11 +78,40 @@ def test_call_1_proves_sfi_under_full_graphs_then_measures_sfi_before_its_baseli
         lengths = j["groups"][0]["lengths"]
         assert j["max_num_batched_tokens"] < sum(lengths) - min(lengths)
     engines = [j for j in jobs if j["kind"] == "engine" and j["stage"] in ("sfi_perf", "perf")]
-    assert [j["config"] for j in engines] == ["speedsfi_sfi", "vllm_default"]
+    assert [j["config"] for j in engines] == ["speedsfi_sfi_auto", "vllm_default"]
+    for j in engines:
+        (grp,) = j["groups"]
+        assert (grp["input_len"], grp["batch_cap"], grp["output_len"]) == (32768, "max", 256)
+        assert grp["profile_steps"] > 0 and not j["eager"]
+        assert j["max_num_seqs"] >= 16                      # an H100's KV cache holds ~13 at 32K
+    assert e2e.CONFIGS["speedsfi_sfi_auto"]["speedsfi"]["dense_delegate"] == "auto"
     assert e2e.backend_of("vllm_default", cpu=False) is None            # vLLM picks (FLASH_ATTN on Hopper)
     assert e2e.CONFIGS["vllm_default"]["env"] == {}                     # Model Runner V2, vLLM's default
-    k = next(j for j in jobs if j["kind"] == "kernels")
-    assert k["points"] == [[8192, 16], [32768, 4], [65536, 2], [131072, 1]]
+
+
+def test_call_2_checks_auto_token_for_token_against_the_same_backend_on_the_same_runner(e2e):
+    args, _ = e2e.parse(["--call", "2"])
+    jobs = e2e.build_plan(args)
+    correct = [j for j in jobs if j["stage"] == "correct"]
+    assert {j["config"] for j in correct} == {"flash_attn_v1", "speedsfi_dense_auto"}
+    assert all(j["eager"] for j in correct)
+    strict = {(a, b) for a, b, _, s in __import__("e2e_stages").CORRECT_PAIRS if s}
+    assert ("speedsfi_dense_auto", "flash_attn_v1") in strict
+    assert e2e.CONFIGS["flash_attn_v1"]["env"] == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def test_kernel_table_aggregates_a_trace_per_step_and_layer(e2e):
+    from e2e_report import kernel_table
+
+    ev = [dict(ph="X", cat="kernel", name="_two_segment_kernel", dur=10.0)] * 72 + \
+         [dict(ph="X", cat="kernel", name="gemm", dur=50.0)] * 8 + \
+         [dict(ph="X", cat="cpu_op", name="aten::mm", dur=999.0)]
+    t = kernel_table(ev, steps=2, layers=36)
+    assert t["launches_per_step"] == 40 and t["gpu_us_per_step"] == pytest.approx(560.0)
+    top = {k["kernel"]: k for k in t["kernels"]}
+    assert top["_two_segment_kernel"]["launches_per_layer"] == 1.0
+    assert top["gemm"]["us_per_step"] == 200.0 and top["gemm"]["longest_us"] == 50.0
+    assert "aten::mm" not in top
 
 
 def test_correctness_compares_sfi_covering_with_all_off_through_the_same_dense_kernel(e2e):

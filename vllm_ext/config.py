@@ -285,8 +285,11 @@ class SpeedSfiConfig:
     # FLASH_ATTN (FA3 on Hopper), what `vllm serve` picks by default there: on an H200 a SPEEDSFI
     # prefill step through TRITON_ATTN looked ~4x slower than FA3's (bench/README.md, 2026-11-26).
     # Both read and write vLLM 0.32's one KV layout. The CPU build's dense path is CPU_ATTN either
-    # way. "flash_attn" has not yet run on a GPU: opt-in until it has.
-    dense_delegate: Literal["triton", "flash_attn"] = "triton"
+    # way. "auto": the backend vLLM's own selector picks for this model, dtype and GPU (FLASH_ATTN on
+    # Hopper and Ampere, TRITON_ATTN where FA cannot take it; logged at start-up; a pick SPEEDSFI
+    # cannot delegate to, such as FLASHINFER, runs TRITON_ATTN, logged and counted). "flash_attn" and
+    # "auto" have not yet run on a GPU: opt-in until a GPU run has checked them token for token.
+    dense_delegate: Literal["auto", "triton", "flash_attn"] = "triton"
 
     @property
     def any_enabled(self) -> bool:

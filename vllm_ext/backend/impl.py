@@ -95,6 +95,10 @@ class SpeedSfiImpl(AttentionImpl):
             self._dense = dense_delegate_impl_cls(self.config.dense_delegate)(
                 num_heads, head_size, scale, self.num_kv_heads, None, None, kv_cache_dtype, None,
                 attn_type, None)
+            # our Triton kernels compile while the engine starts (vLLM's JIT warm-up registry)
+            from vllm_ext.backend.kernel_warmup import register_with_vllm
+
+            register_with_vllm(vllm_config)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         # Runs before vLLM profiles memory: what is allocated here comes out of its budget.

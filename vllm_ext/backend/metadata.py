@@ -124,8 +124,15 @@ def delegate_head(delegate, cm: CommonAttentionMetadata, rows: int):
     return delegate_rows(delegate, cm, 0, rows)
 
 
+def _check_resolved(delegate: str) -> None:
+    if delegate not in ("triton", "flash_attn"):
+        raise RuntimeError(f"SPEEDSFI: dense delegate {delegate!r} was not resolved at start-up "
+                           "(vllm_ext.backend.startup.resolve_dense_delegate)")
+
+
 def _dense_delegate_builder_cls(delegate: str = "triton"):
     """The metadata builder of ``speedsfi.dense_delegate``'s vLLM backend."""
+    _check_resolved(delegate)
     if delegate == "flash_attn":
         from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
 
@@ -137,6 +144,7 @@ def _dense_delegate_builder_cls(delegate: str = "triton"):
 
 def dense_delegate_impl_cls(delegate: str = "triton"):
     """The attention impl of ``speedsfi.dense_delegate``'s vLLM backend (same constructor)."""
+    _check_resolved(delegate)
     if delegate == "flash_attn":
         from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 

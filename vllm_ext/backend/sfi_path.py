@@ -79,7 +79,8 @@ def _prefill_end_select(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, 
 def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, step: SfiStep, cfg: SfiConfig, layer: SfiLayerBuffers,
                rt: SfiRuntime, layer_index: int, scale: float, out: torch.Tensor, *,
-               dense_done: bool, slow_done: bool = False) -> torch.Tensor:
+               dense_done: bool, slow_done: bool = False,
+               fixed_launches: bool | None = None) -> torch.Tensor:
     """SFI for the decode rows ``0..R-1`` (one query each; ``query``/``out`` are ``[R, Hq, D]``).
 
     ``dense_done``: ``out`` already holds dense attention for the dense rows (the dense path ran
@@ -93,12 +94,16 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     The maintenance of the slow rows goes to ``rt.ring``: on CUDA with ``dual_stream`` a side stream
     overlaps it with the next layers; the compact segments it writes are read at the next step,
     after the step's join (``MaintenanceRing.join``).
+
+    ``fixed_launches`` (default: on CUDA): every phase launches whatever the rows decide, so one
+    captured graph replays any step; otherwise (the CPU) a host check skips an empty phase. The
+    start-up warm-up and the launch tests ask for the CUDA sequence on any device.
     """
     if cfg.selector == "quest":
         return _quest_decode(query, kv_cache, block_table, seq_lens, step, cfg, layer, rt,
                              layer_index, scale, out, dense_done=dense_done)
     rows = query.shape[0]
-    on_cpu = query.device.type == "cpu"
+    on_cpu = query.device.type == "cpu" if fixed_launches is None else not fixed_launches
     fast = step.row_fast[:rows]
     dense = step.row_dense[:rows]
     if not dense_done and (not on_cpu or bool(dense.any())):

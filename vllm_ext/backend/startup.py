@@ -6,6 +6,7 @@ before KV-cache profiling, so a bad configuration stops start-up with a message 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from vllm_ext.config import BACKEND_NAME, ConfigError, SpeedSfiConfig
@@ -33,6 +34,11 @@ def resolve_config(vllm_config) -> SpeedSfiConfig:
     cfg = _cache.get(key)
     if cfg is None:
         cfg = SpeedSfiConfig.from_additional_config(vllm_config.additional_config)
+        if cfg.dense_delegate == "auto":
+            from vllm.platforms import current_platform
+
+            cfg = dataclasses.replace(cfg, dense_delegate=resolve_dense_delegate(
+                cfg, vllm_config, on_cpu=current_platform.is_cpu()))
         check_engine(cfg, vllm_config)
         _cache.clear()                      # one engine per process at a time; keep no stale entries
         _cache[key] = cfg
@@ -67,6 +73,52 @@ def check_flash_attn_delegate(vllm_config, *, on_cpu: bool, capability) -> None:
     if why is not None:
         raise ConfigError(f"speedsfi.dense_delegate = 'flash_attn': vLLM's FLASH_ATTN does not support "
                           f"this {why}; use 'triton'")
+
+
+# vLLM backends SPEEDSFI can hand its dense rows to, by vLLM's backend name
+DELEGATES = {"FLASH_ATTN": "flash_attn", "TRITON_ATTN": "triton"}
+
+
+def vllm_default_backend(vllm_config) -> str:
+    """The name of the attention backend vLLM's own selector picks for this model, dtype, cache and
+    device when no backend is named (what ``vllm serve MODEL`` runs)."""
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    selector = AttentionSelectorConfig(
+        head_size=model.get_head_size(), dtype=model.dtype, kv_cache_dtype=cache.cache_dtype,
+        block_size=cache.block_size if getattr(cache, "user_specified_block_size", False) else None,
+        use_mla=bool(getattr(model, "use_mla", False)))
+    path = current_platform.get_attn_backend_cls(
+        None, attn_selector_config=selector,
+        num_heads=model.get_num_attention_heads(vllm_config.parallel_config))
+    return resolve_obj_by_qualname(path).get_name()
+
+
+def resolve_dense_delegate(cfg: SpeedSfiConfig, vllm_config, *, on_cpu: bool, pick=None) -> str:
+    """``speedsfi.dense_delegate`` as it runs: ``"auto"`` becomes the delegate of vLLM's own pick
+    (``pick``: a callable returning that backend's name, default :func:`vllm_default_backend`).
+    The CPU build's dense rows run ``CPU_ATTN`` whatever the field says: ``"auto"`` stays."""
+    if cfg.dense_delegate != "auto":
+        return cfg.dense_delegate
+    if on_cpu:
+        logger.info("vllm_ext: speedsfi.dense_delegate = 'auto': the CPU build's dense rows run CPU_ATTN")
+        return "auto"
+    name = (pick or vllm_default_backend)(vllm_config)
+    delegate = DELEGATES.get(name)
+    if delegate is None:
+        from vllm_ext import metrics
+
+        metrics.fallback("dense_delegate_auto", "vllm_ext: speedsfi.dense_delegate = 'auto': vLLM would "
+                         "pick %s, which SPEEDSFI cannot hand dense rows to (it delegates to %s); "
+                         "using TRITON_ATTN", name, " or ".join(sorted(DELEGATES)))
+        return "triton"
+    logger.info("vllm_ext: speedsfi.dense_delegate = 'auto': %s (vLLM's pick for head size %s, %s, "
+                "KV cache %s) attends the dense rows", name, vllm_config.model_config.get_head_size(),
+                vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype)
+    return delegate
 
 
 def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:

@@ -65,7 +65,8 @@ if HAS_TRITON:
         return tl.load(KV + rowoff[:, None] + offs_d[None, :] * s_kv_c,
                        mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
 
-    @triton.jit
+    # a step ending several prompts passes each one's row of these int tables: any 4-byte offset
+    @triton.jit(do_not_specialize_on_alignment=["POS", "SEQ", "LO", "HI", "MASK"])
     def _prefill_lse_kernel(
         Q, POS, KV, BT, SEQ, LO, HI, MASK, PL,
         s_q_r, s_q_w, s_q_h, s_q_d, s_p_r, s_p_w,
@@ -107,7 +108,8 @@ if HAS_TRITON:
         offs_m = tl.arange(0, BLOCK_M)
         tl.store(PL + r.to(tl.int64) * s_pl_r + h * s_pl_h + split * s_pl_s + offs_m, lse, mask=mm)
 
-    @triton.jit
+    # a step ending several prompts passes each one's row of these int tables: any 4-byte offset
+    @triton.jit(do_not_specialize_on_alignment=["POS", "SEQ", "LO", "HI", "MASK"])
     def _prefill_evidence_kernel(
         Q, POS, KV, BT, SEQ, LO, HI, MASK, PL, EV, KN,
         s_q_r, s_q_w, s_q_h, s_q_d, s_p_r, s_p_w,

@@ -449,7 +449,7 @@ if HAS_TRITON:
         return res
 
     # ----------------------------------------------------------------------- 0. 4-D evidence pooling
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _pool_kernel(COUNT, ROWS, ev_ptr, s_ev_b, s_ev_h, s_ev_r, s_ev_l, out_ptr, s_out_b, s_out_h,
                      lo_ptr, s_lo, hi_ptr, s_hi, H, L, R, log_R, alpha, inv_alpha,
                      R_PAD: tl.constexpr, BLOCK_L: tl.constexpr, HAS_COUNT: tl.constexpr):
@@ -490,7 +490,7 @@ if HAS_TRITON:
                 tl.store(out_base + offs, lf, mask=lm)
 
     # ---------------------------------------------------------------------- 1. partial statistics
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _stats_kernel(COUNT, ROWS, NC, ev_ptr, s_ev_b, s_ev_h, s_ev_l, kn_ptr, s_kn_b, s_kn_h, s_kn_l,
                       lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, st_ptr, C1_WS,
                       H, L, gamma_k, w_k, w_pos, pos_power, pos_eta, pos_beta, eps,
@@ -536,7 +536,7 @@ if HAS_TRITON:
                 tl.store(base + 6, tl.sum(e_f * e_r, axis=1), mask=hm)
 
     # -------------------------------------------------------------------- 2. merge -> lam, coefs
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _merge_kernel(COUNT, ROWS, st_ptr, C1_WS, consts_ptr, hist_ptr, cnt_ptr, lo_ptr, s_lo, hi_ptr,
                       s_hi,
                       k_ptr, s_k, k_val, k_min, width, H, L, lambda_max, eps,
@@ -597,7 +597,7 @@ if HAS_TRITON:
                     tl.store(consts_ptr + pid.to(tl.int64) * 4 + 3, 0.0)   # lam of an empty set (the twin's 0)
 
     # ------------------------------------------------------------------------------ 3. scores
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _score_kernel(COUNT, ROWS, NC, ev_ptr, s_ev_b, s_ev_h, s_ev_l, kn_ptr, s_kn_b, s_kn_h, s_kn_l,
                       lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width,
                       consts_ptr, out_ptr, s_out_b, s_out_h, scr_ptr,
@@ -663,7 +663,7 @@ if HAS_TRITON:
                 tl.store(out_ptr + rb * s_out_b + hb * s_out_h + offs[None, :], l, mask=om)
 
     # ----------------------------------------------------------------- 3b. excluded positions
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _exclude_kernel(COUNT, ROWS, score_ptr, s_sc_b, s_sc_h, ex_ptr, s_ex_b, s_ex_h, s_ex_e, E, slot_ptr,
                         n_ex_ptr, lo_ptr, s_lo, hi_ptr, s_hi, H, L, BLOCK: tl.constexpr,
                         HAS_COUNT: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_N: tl.constexpr):
@@ -692,7 +692,7 @@ if HAS_TRITON:
                 tl.store(sc + pos, tl.full([BLOCK], float("-inf"), tl.float32), mask=ok)
 
     # ------------------------------------------------------------------------- 4. histogram
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _hist_kernel(COUNT, ROWS, NC, score_ptr, s_sc_b, s_sc_h, consts_ptr, hist_ptr, lo_ptr, s_lo, hi_ptr,
                      s_hi,
                      k_ptr, s_k, k_val, k_min, width, H, L, CHUNK,
@@ -720,7 +720,7 @@ if HAS_TRITON:
                 tl.atomic_add(hist_ptr + pid.to(tl.int64) * NB + bins, acc, mask=acc > 0)
 
     # --------------------------------------------------------------------------- 5. compaction
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _compact_kernel(COUNT, ROWS, NC, score_ptr, s_sc_b, s_sc_h, consts_ptr, hist_ptr, cnt_ptr, cand_ptr,
                         above_ptr,
                         lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, H, L, CHUNK, CW_WS,
@@ -755,7 +755,7 @@ if HAS_TRITON:
                 tl.store(above_ptr + pid.to(tl.int64) * CW_WS + c, above)
 
     # ---------------------------------------------------------------- 6. exact select + offsets
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _finish_kernel(COUNT, ROWS, score_ptr, s_sc_b, s_sc_h, consts_ptr, hist_ptr, cnt_ptr, cand_ptr,
                        above_ptr,
                        prefix_ptr, thresh_ptr, sel_ptr, nsel_ptr, nprev_ptr,
@@ -865,7 +865,7 @@ if HAS_TRITON:
                 tl.store(prefix_ptr + pid.to(tl.int64) * CW_WS + cs, tl.cumsum(tot, 0) - tot, mask=cm)
 
     # ---------------------------------------------------------------------------------- 7. write
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _write_kernel(COUNT, ROWS, NC, score_ptr, s_sc_b, s_sc_h, thresh_ptr, prefix_ptr, sel_ptr,
                       lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, H, L, CHUNK, CW_WS,
                       BLOCK: tl.constexpr, K_TENSOR: tl.constexpr, HAS_COUNT: tl.constexpr):

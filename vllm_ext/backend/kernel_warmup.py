@@ -1,0 +1,271 @@
+"""Compile the backend's Triton kernels while the engine starts, not during the first requests.
+
+Triton compiles a kernel once per compile key (constexprs, dtypes, pointer alignment, integers equal
+to 1 or divisible by 16: ``vllm_ext.kernels.launch_log``). vLLM's own start-up reaches some of ours:
+CUDA-graph capture runs a pure-decode step for each capture size. It never reaches a step with
+prefills (its profile run has no attention metadata), a prefill end (SFI's first selection), the
+decode rows of a mixed step, or anything under ``--enforce-eager``. On the H200 those compiled
+during the first requests (~16 s; vLLM's JIT monitor warned).
+
+:func:`warm_up_layer` runs this layer's launchers (the same functions the forward calls) over
+synthetic steps chosen to reach every compile key a real step can: batches of 1, 2 and 16 decode
+rows (the three integer classes) with dense, slow and fast rows, as a pure-decode step and as the
+decode rows of a mixed step, and prefill ends of one and of two prompts whose lengths fall in both
+classes. It reads
+the layer's real KV cache (never writes it) and its real persistent buffers, so strides and
+alignments are the engine's; the per-request buffers it scribbles on are cleared afterwards.
+``tests/test_kernel_warmup.py`` checks under the interpreter that a grid of real steps launches no
+compile key the warm-up did not.
+
+vLLM runs it through its JIT warm-up registry (``JitWarmupRegistry``, before CUDA-graph capture):
+the impl registers :class:`SpeedSfiWarmup` while the model is built. Not covered yet (they compile at
+first use, logged at start-up): CritiPrefill's prefill kernels, SPEED's upper-layer attention and
+the Quest selector's page kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ext.config import SfiConfig, SpeedSfiConfig
+
+logger = logging.getLogger("vllm_ext")
+
+# decode batch sizes the warm-up runs: Triton specialises an integer argument on == 1 and on
+# divisibility by 16, so these three reach every class a batch size can fall in
+DECODE_BATCHES = (1, 2, 16)
+
+
+@dataclass(frozen=True)
+class WarmupShape:
+    """What a layer's launches depend on besides its tensors."""
+    max_rows: int                  # max_num_seqs
+    block_table_width: int         # the runner's block table: ceil(max_model_len / block_size)
+    max_len: int                   # max_model_len
+
+
+def _cases(cfg: SfiConfig, rows: int) -> tuple[list[str], list[int]]:
+    """Row modes and context lengths of a synthetic decode batch: every mode present from two rows
+    on, lengths above SFI's threshold for sparse rows."""
+    sparse_len = cfg.n_sink + cfg.n_recent + cfg.k + 37
+    modes = ["slow", "fast", "dense"]
+    picked = [modes[i % 3] for i in range(rows)] if rows > 1 else ["slow"]
+    lens = [sparse_len + 5 * i if m != "dense" else 23 + i for i, m in enumerate(picked)]
+    return picked, lens
+
+
+def synthetic_decode_plan(buffers, cfg: SfiConfig, modes: list[str], lens: list[int],
+                          block_table: torch.Tensor):
+    """Write a plan with the given row modes (``"dense"``, ``"slow"``, ``"fast"``) into ``buffers``
+    (an ``SfiPlanBuffers``); row ``i`` takes compact slot ``i % capacity``."""
+    from vllm_ext.sfi.step_plan import write_plan
+
+    dev = buffers.device
+    rows = len(modes)
+    t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    slow = torch.tensor([m == "slow" for m in modes], device=dev)
+    fast = torch.tensor([m == "fast" for m in modes], device=dev)
+    sparse = slow | fast
+    slots = torch.arange(rows, dtype=torch.int32, device=dev) % buffers.capacity
+    return write_plan(buffers, rows, slow=slow, fast=fast, sparse=sparse,
+                      row_sfi_slot=torch.where(sparse, slots, 0),
+                      k=torch.full_like(t, cfg.k), recent_start=torch.clamp(t - cfg.n_recent, min=0),
+                      lo=torch.full_like(t, cfg.n_sink),
+                      hi=torch.clamp(t - cfg.n_recent, min=cfg.n_sink), t=t,
+                      block_table=block_table)
+
+
+def _block_table(shape: WarmupShape, rows: int, num_blocks: int, device) -> torch.Tensor:
+    """Rows of a block table as wide as the runner's (its row stride is part of the compile key),
+    pointing at blocks 1.. of the cache (read only)."""
+    bt = torch.zeros(max(shape.max_rows, rows), shape.block_table_width, dtype=torch.int32,
+                     device=device)
+    ids = 1 + torch.arange(shape.block_table_width, dtype=torch.int32, device=device) % max(num_blocks - 1, 1)
+    bt[:] = ids
+    return bt
+
+
+def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch.Tensor,
+                      num_heads: int, head_size: int, scale: float, dtype: torch.dtype,
+                      shape: WarmupShape, layer_index: int = 0) -> None:
+    """SFI's decode and prefill-end launches of one layer over synthetic steps (see the module
+    docstring). ``layer_buffers``/``runtime``: the layer's ``SfiLayerBuffers`` and ``SfiRuntime``."""
+    from vllm_ext.backend.sfi_path import sfi_decode, sfi_prefill_end
+    from vllm_ext.sfi.prompt_tail import TailRow, plan_prompt_tail
+    from vllm_ext.sfi.step_plan import SfiPlanBuffers
+
+    device = kv_cache.device
+    capacity = runtime.capacity
+    block_size = kv_cache.shape[2]                  # our kernels' view: [blocks, Hkv, page, 2D]
+    num_blocks = kv_cache.shape[0]
+    bt = _block_table(shape, max(DECODE_BATCHES), num_blocks, device)
+    buffers = SfiPlanBuffers(shape.max_rows, capacity, device)
+    seq_cap = shape.block_table_width * block_size
+    for rows in DECODE_BATCHES:
+        if rows > shape.max_rows:
+            continue
+        modes, lens = _cases(cfg, rows)
+        lens = [min(n, seq_cap) for n in lens]
+        step = synthetic_decode_plan(buffers, cfg, modes, lens, bt[:rows])
+        q = torch.randn(rows, num_heads, head_size, dtype=dtype, device=device)
+        out = torch.empty_like(q)
+        seq = torch.tensor(lens, dtype=torch.int32, device=device)
+        for dense_done in (False, True):          # a pure-decode step; a mixed step's decode rows
+            sfi_decode(q, kv_cache, bt[:rows], seq, step, cfg, layer_buffers, runtime, layer_index,
+                       scale, out, dense_done=dense_done, fixed_launches=True)
+            runtime.ring.join()
+    if layer_buffers.prompt_tail is not None:
+        # prompt lengths in both classes (divisible by 16 or not: the evidence's span), and one and
+        # two prompts ending in a step (the selector broadcasts a one-row table: another key)
+        p0 = cfg.n_sink + cfg.n_recent + cfg.k + 1
+        p_d = -(-p0 // 16) * 16
+        for prompt_lens in ([p_d], [p_d + 1, p_d]):
+            if max(prompt_lens) > seq_cap or len(prompt_lens) > capacity:
+                continue
+            rows, start = [], 0
+            for i, prompt_len in enumerate(prompt_lens):
+                q_len = min(prompt_len, cfg.w_prefill + 3)
+                rows.append(TailRow(row=i, token_start=start, computed=prompt_len - q_len, q_len=q_len,
+                                    prompt_len=prompt_len, k=cfg.k, sfi_slot=i, first_computed=0))
+                start += q_len
+            plan, _ = plan_prompt_tail(cfg, rows, device)
+            q = torch.randn(start, num_heads, head_size, dtype=dtype, device=device)
+            sfi_prefill_end(q, kv_cache, bt[:len(rows)], plan, cfg, layer_buffers, runtime,
+                            layer_index, scale)
+            runtime.ring.join()
+    _clear(layer_buffers)
+
+
+def warm_up_paged_decode(*, kv_cache: torch.Tensor, workspace, num_heads: int, head_size: int,
+                         scale: float, dtype: torch.dtype, shape: WarmupShape) -> None:
+    """``paged_decode`` (every method off with ``dense_decode = "paged_decode"``) at each batch class."""
+    from vllm_ext.kernels.dense_decode_evidence import paged_decode
+
+    device = kv_cache.device
+    bt = _block_table(shape, max(DECODE_BATCHES), kv_cache.shape[0], device)
+    for rows in DECODE_BATCHES:
+        if rows > shape.max_rows:
+            continue
+        q = torch.randn(rows, num_heads, head_size, dtype=dtype, device=device)
+        seq = torch.full((rows,), 33, dtype=torch.int32, device=device)
+        paged_decode(q, kv_cache, bt[:rows], seq, scale, torch.empty_like(q), workspace=workspace)
+
+
+def _clear(layer_buffers) -> None:
+    layer_buffers.compact_len.zero_()
+    layer_buffers.compact_kv.zero_()
+    if layer_buffers.kept_pos is not None:
+        layer_buffers.kept_pos.fill_(-1)
+    if layer_buffers.prompt_tail is not None:
+        layer_buffers.prompt_tail.queries.zero_()
+
+
+def warm_up_impl(impl, kv_cache: torch.Tensor, shape: WarmupShape, dtype: torch.dtype) -> bool:
+    """Warm up one ``SpeedSfiImpl`` layer; False when it launches none of our kernels."""
+    cfg: SpeedSfiConfig = impl.config
+    if impl._sfi_layer is not None:
+        if cfg.sfi.selector == "quest":
+            return False
+        warm_up_sfi_layer(cfg=cfg.sfi, layer_buffers=impl._sfi_layer, runtime=impl._sfi_rt,
+                          kv_cache=kv_cache, num_heads=impl.num_heads, head_size=impl.head_size,
+                          scale=impl.scale, dtype=dtype, shape=shape,
+                          layer_index=max(impl._layer_index, 0))
+        return True
+    if impl._ours_decode and impl._dense_ws is not None:
+        warm_up_paged_decode(kv_cache=kv_cache, workspace=impl._dense_ws, num_heads=impl.num_heads,
+                             head_size=impl.head_size, scale=impl.scale, dtype=dtype, shape=shape)
+        return True
+    return False
+
+
+def not_covered(cfg: SpeedSfiConfig) -> list[str]:
+    """The enabled paths whose kernels the warm-up does not reach yet."""
+    out = []
+    if cfg.critiprefill.enabled:
+        out.append("CritiPrefill's prefill kernels")
+    if cfg.speed.enabled:
+        out.append("SPEED's upper-layer attention")
+    if cfg.sfi.enabled and cfg.sfi.selector == "quest":
+        out.append("the Quest selector's kernels")
+    return out
+
+
+def warm_up_engine(vllm_config) -> int:
+    """Warm up one layer of each distinct geometry among this process's SPEEDSFI layers; returns
+    how many layers ran."""
+    from vllm_ext.config import BACKEND_NAME
+
+    sched = vllm_config.scheduler_config
+    block_size = vllm_config.cache_config.block_size
+    max_len = vllm_config.model_config.max_model_len
+    shape = WarmupShape(max_rows=sched.max_num_seqs, block_table_width=-(-max_len // block_size),
+                        max_len=max_len)
+    dtype = vllm_config.model_config.dtype
+    seen, ran = set(), 0
+    for name, layer in vllm_config.compilation_config.static_forward_context.items():
+        impl = getattr(layer, "impl", None)
+        kv = getattr(layer, "kv_cache", None)
+        backend = getattr(layer, "attn_backend", None)
+        ours = backend is not None and backend.get_name() == BACKEND_NAME
+        if not ours or impl is None or not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+            continue
+        geom = (impl.num_heads, impl.num_kv_heads, impl.head_size, kv.dtype, tuple(kv.stride()),
+                impl._sfi_layer is not None, impl._dense_ws is not None)
+        if geom in seen:
+            continue
+        seen.add(geom)
+        ran += warm_up_impl(impl, kv, shape, dtype)
+    missing = not_covered(resolve_config_of(vllm_config))
+    if missing:
+        logger.info("vllm_ext: the start-up warm-up does not reach %s yet: they compile at first use",
+                    ", ".join(missing))
+    return ran
+
+
+def resolve_config_of(vllm_config) -> SpeedSfiConfig:
+    from vllm_ext.backend.startup import resolve_config
+
+    return resolve_config(vllm_config)
+
+
+def register_with_vllm(vllm_config) -> None:
+    """Register the warm-up with vLLM's JIT warm-up registry (active while the model is built; vLLM
+    runs it after the KV cache exists, before CUDA-graph capture). Once per engine."""
+    try:
+        from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry, VllmJitKernel
+    except ImportError:                                   # pragma: no cover - vLLM without the registry
+        return
+    global _warmup_cls
+    if _warmup_cls is None:
+        class SpeedSfiWarmup(VllmJitKernel):
+            """The backend's kernels as one entry of vLLM's registry (one key per engine)."""
+
+            def __init__(self, config):
+                super().__init__()
+                self.config = config
+
+            def get_warmup_keys(self, *args, **kwargs):
+                return ["speedsfi"]
+
+            def compile(self, compile_key):
+                import time
+
+                t0 = time.perf_counter()
+                n = warm_up_engine(self.config)
+                torch.accelerator.synchronize() if hasattr(torch, "accelerator") else None
+                logger.info("vllm_ext: SPEEDSFI kernel warm-up: %d layer geometr%s in %.1f s", n,
+                            "y" if n == 1 else "ies", time.perf_counter() - t0)
+
+        _warmup_cls = SpeedSfiWarmup
+    key = id(vllm_config)
+    if key not in _registered:
+        _registered.clear()
+        _registered[key] = _warmup_cls(vllm_config)
+    JitWarmupRegistry.register(_registered[key])
+
+
+_warmup_cls = None
+_registered: dict[int, object] = {}
