@@ -22,6 +22,10 @@ from collections import Counter
 COUNTS: Counter = Counter()
 _lock = threading.Lock()
 _last_flush = 0.0
+_dirty = False
+_flush_lock = threading.Lock()
+_wake = threading.Event()
+_flusher_pid = None                      # the process whose flusher thread runs (threads do not fork)
 _last_log = time.monotonic()
 _providers: dict[str, "callable"] = {}
 _logged_once: set[str] = set()
@@ -94,20 +98,62 @@ def log_once(key: str, message: str, *args) -> None:
 
 
 def _maybe_flush() -> None:
-    global _last_flush
+    """Write this process's counters now, or, when the last write is younger than the interval,
+    once the interval has passed (a trailing write): the counters a request bumps last, e.g. as its
+    slots are released after its last token, reach ``/metrics`` within one interval although no
+    further step may come."""
+    global _dirty
     trace_dir = os.environ.get("VLLM_EXT_TRACE_DIR")
     if not trace_dir:
         return
-    now = time.monotonic()
-    if now - _last_flush < float(os.environ.get("VLLM_EXT_TRACE_INTERVAL_S", "0")):
-        return
-    _last_flush = now
-    os.makedirs(trace_dir, exist_ok=True)
-    path = os.path.join(trace_dir, f"trace-{os.getpid()}.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(snapshot(), f)
-    os.replace(tmp, path)
+    _dirty = True
+    wait = _flush_interval() - (time.monotonic() - _last_flush)
+    if wait <= 0:
+        _flush(trace_dir)
+    else:
+        _trailing_flush_soon()
+
+
+def _flush_interval() -> float:
+    return float(os.environ.get("VLLM_EXT_TRACE_INTERVAL_S", "0"))
+
+
+def _flush(trace_dir: str) -> None:
+    global _dirty, _last_flush
+    with _flush_lock:
+        _last_flush = time.monotonic()
+        _dirty = False                   # a bump during the snapshot makes it dirty again
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, f"trace-{os.getpid()}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(snapshot(), f)
+        os.replace(tmp, path)
+
+
+def _trailing_flush_soon() -> None:
+    """Wake this process's flusher thread (started on first use, again after a fork)."""
+    global _flusher_pid
+    if _flusher_pid != os.getpid():
+        _flusher_pid = os.getpid()
+        _wake.clear()
+        threading.Thread(target=_flusher, name="vllm_ext-metrics-flush", daemon=True).start()
+    _wake.set()
+
+
+def _flusher() -> None:
+    while True:
+        _wake.wait()
+        _wake.clear()
+        wait = _flush_interval() - (time.monotonic() - _last_flush)
+        if wait > 0:
+            time.sleep(wait)
+        trace_dir = os.environ.get("VLLM_EXT_TRACE_DIR")
+        if _dirty and trace_dir:
+            try:
+                _flush(trace_dir)
+            except OSError as e:         # the directory went away (tests, shutdown): say so once
+                log_once("metrics_flush", "vllm_ext: could not write the counters: %s", e)
 
 
 def ensure_trace_dir() -> str:
