@@ -18,8 +18,8 @@ def _written(trace_dir) -> dict:
 
 def test_the_last_bump_is_written_within_the_interval(tmp_path, monkeypatch):
     interval = 0.3
-    monkeypatch.setenv("VLLM_EXT_TRACE_DIR", str(tmp_path))
-    monkeypatch.setenv("VLLM_EXT_TRACE_INTERVAL_S", str(interval))
+    monkeypatch.setenv("SPEEDSFI_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPEEDSFI_TRACE_INTERVAL_S", str(interval))
     metrics.reset()
     monkeypatch.setattr(metrics, "_last_flush", 0.0)
     metrics.bump("test.first")                     # written at once: the last write is old
@@ -35,7 +35,7 @@ def test_the_last_bump_is_written_within_the_interval(tmp_path, monkeypatch):
 
 
 def test_no_trace_dir_writes_nothing(tmp_path, monkeypatch):
-    monkeypatch.delenv("VLLM_EXT_TRACE_DIR", raising=False)
+    monkeypatch.delenv("SPEEDSFI_TRACE_DIR", raising=False)
     metrics.reset()
     metrics.bump("test.nothing")
     assert not list(tmp_path.iterdir())

@@ -33,8 +33,8 @@ def test_a_request_is_on_metrics_within_a_second_and_slots_return_to_zero(tiny_m
     prompts = [[rng.randrange(4, 500) for _ in range(n)] for n in (300, 500)]
     with vllm_serve(tiny_models["llama"], str(tmp_path / "server.log"),
                     additional_config={"speedsfi": {"sfi": SFI}}, args=("--max-model-len", "1024"),
-                    env={"VLLM_EXT_TRACE_DIR": str(tmp_path / "trace"),
-                         "VLLM_EXT_TRACE_INTERVAL_S": str(INTERVAL_S)}) as server:
+                    env={"SPEEDSFI_TRACE_DIR": str(tmp_path / "trace"),
+                         "SPEEDSFI_TRACE_INTERVAL_S": str(INTERVAL_S)}) as server:
         client = server.client(max_retries=0, timeout=300)
         for n, prompt in enumerate(prompts, start=1):
             client.completions.create(model=server.model_name, prompt=prompt, max_tokens=24,
