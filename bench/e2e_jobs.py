@@ -188,8 +188,8 @@ class JobRunner:
         env["PYTHONPATH"] = os.pathsep.join(pp)
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1",
-                   TOKENIZERS_PARALLELISM="false", VLLM_EXT_TRACE_INTERVAL_S="0",
-                   VLLM_EXT_LOG_INTERVAL_S="600",
+                   TOKENIZERS_PARALLELISM="false", SPEEDSFI_TRACE_INTERVAL_S="0",
+                   SPEEDSFI_LOG_INTERVAL_S="600",
                    # the GPU image has no FlashInfer; vLLM's sampler imports it unless told not to
                    # (found on the H100: "ModuleNotFoundError: No module named 'flashinfer'" from
                    # TopKTopPSampler.__init__ -> flashinfer_sampler_supported)
@@ -220,7 +220,7 @@ class JobRunner:
         spec_path = self.work / f"spec_{abs(hash(spec['events']))}.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(env_extra or {})
-        env["VLLM_EXT_TRACE_DIR"] = spec["trace_dir"]
+        env["SPEEDSFI_TRACE_DIR"] = spec["trace_dir"]
         argv = [sys.executable, str(DRIVER), "_worker", "--spec", str(spec_path)]
         rc, text, secs = self.spawn(job["name"], argv, timeout, self.child_env(env))
         events = []

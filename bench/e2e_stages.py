@@ -7,7 +7,7 @@ before its baselines):
 * ``smoke``: vLLM's ``_C`` kernels against PyTorch, imports and the plugin entry point;
 * ``graphs``: a small engine with SFI (small budget) under FULL CUDA graphs (``FULL_DECODE_ONLY``) and
   the same engine eager: graph tokens == eager tokens (a check), fast and slow steps in the graph run,
-  every row of every mixed step computed once (``VLLM_EXT_ROW_COUNTERS``);
+  every row of every mixed step computed once (``SPEEDSFI_ROW_COUNTERS``);
 * ``kernels``: the copy rate (1 GiB torch copy); our ``paged_decode`` against the delegate's kernel (vLLM's Triton unified attention,
   as ``TritonAttentionImpl`` launches it) at the perf stage's (context, batch) points, in CUDA graphs;
 * ``sfi_perf``: the SFI configurations' perf engines (SFI preset, SFI + SPEED);
@@ -147,7 +147,7 @@ def build_plan(args) -> list[dict]:
                                     "speedsfi_sfi_small", eager, groups, max(lengths) + 128, len(lengths),
                                     cpu, min_s=40, graph_mode="full_decode", mode=mode, est_s=est,
                                     max_num_batched_tokens=None if cpu else 1024,
-                                    env={"VLLM_EXT_ROW_COUNTERS": "1"}))
+                                    env={"SPEEDSFI_ROW_COUNTERS": "1"}))
     if "kernels" in st:
         if not cpu:
             # the copy rate the achieved GB/s are compared with (env.copy_gbps_rw; merged into later calls)

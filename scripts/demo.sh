@@ -6,9 +6,9 @@
 # OpenAI chat completions endpoint, the same question about a ~5K-token survey logbook (one locker
 # number in it, vllm_ext/quality/document.py). It prints the question, the expected answer, each
 # answer and whether it is right, the fraction of the KV each method read (SPEEDSFI's counters), the
-# time of each request (the request only) and each server's start-up, then a summary table. 13.4
-# minutes measured on a 2-core CPU machine (vLLM CPU build). Without the real model (no network) it says
-# why and runs the retrieval demo below instead.
+# time of each request (the request only) and each server's start-up, then a summary table. How long
+# it took last: README.md, "Start here" (bench/results/first_hour.json). Without the real model (no
+# network) it says why and runs the retrieval demo below instead.
 #   scripts/demo.sh                               # the real model, a document question per method
 #   scripts/demo.sh --methods dense,critiprefill --length 3000 --depth 0.25
 #   scripts/demo.sh --retrieval-model             # models/retrieval-llama: dense, SFI, SPEED, CritiPrefill

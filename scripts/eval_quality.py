@@ -35,7 +35,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")     # in-process: c
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_EXT_TRACE_INTERVAL_S", "0")
+os.environ.setdefault("SPEEDSFI_TRACE_INTERVAL_S", "0")
 
 from vllm_ext.quality import tasks as T  # noqa: E402
 

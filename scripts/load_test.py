@@ -558,7 +558,7 @@ def server_env(pid: int) -> dict[str, str]:
     except (psutil.Error, OSError):
         return {}
     return {k: v for k, v in sorted(env.items())
-            if k.startswith(("VLLM_CPU", "SPEEDSFI_", "VLLM_EXT_", "TRITON_", "OMP_", "VLLM_USE", "MALLOC_"))}
+            if k.startswith(("VLLM_CPU", "SPEEDSFI_", "TRITON_", "OMP_", "VLLM_USE", "MALLOC_"))}
 
 
 def speedsfi_events(base_url: str) -> dict[str, int]:
@@ -956,7 +956,7 @@ def main(argv=None) -> int:
             trace_dir = tempfile.mkdtemp(prefix=f"load_test-{name}-")
             try:
                 with vllm_serve(served, log_path, additional_config=extra, args=sargs,
-                                env={"VLLM_EXT_TRACE_DIR": trace_dir},
+                                env={"SPEEDSFI_TRACE_DIR": trace_dir},
                                 startup_timeout_s=args.startup_timeout) as server:
                     startup = time.perf_counter() - t0
                     res = run_config(name, server.base, server.model_name, server.proc.pid, args,

@@ -6,9 +6,9 @@
 #
 # Two pytest workers (pytest-xdist), each taking a whole test file at a time (--dist loadfile: a
 # module's shared engine stays in one process), with one OpenMP thread each, so a 2-core machine
-# runs two engines or interpreted kernels side by side: 13 min 18 s instead of 22 min 37 s on the
-# 2-core VM (2026-11-26). SPEEDSFI_TEST_WORKERS=0 runs in one process (as before); any other count
-# is passed to -n.
+# runs two engines or interpreted kernels side by side (how long it took last: README.md, "Start
+# here", from bench/results/first_hour.json). SPEEDSFI_TEST_WORKERS=0 runs in one process; any other
+# count is passed to -n.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup_env.sh"

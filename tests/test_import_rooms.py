@@ -22,7 +22,8 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_ext"
 
 ROOMS = [
-    ("base", {"vllm_ext.config", "vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging"}),
+    ("base", {"vllm_ext.config", "vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging",
+              "vllm_ext.env_vars"}),
     ("kernels", {"vllm_ext.kernels"}),
     ("request_state", {"vllm_ext.request_state", "vllm_ext.method_slots"}),
     ("sfi", {"vllm_ext.sfi"}),

@@ -16,7 +16,7 @@ def _scrape(trace_dir, monkeypatch):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    monkeypatch.setenv("VLLM_EXT_TRACE_DIR", str(trace_dir))
+    monkeypatch.setenv("SPEEDSFI_TRACE_DIR", str(trace_dir))
     monkeypatch.setattr(metrics, "snapshot", lambda: {})           # this process adds nothing
     reg = CollectorRegistry()
     reg.register(metrics.PrometheusCollector())

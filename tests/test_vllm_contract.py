@@ -40,7 +40,7 @@ def test_runner_state_we_read():
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-    assert "finished_req_ids" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert {"finished_req_ids", "total_num_scheduled_tokens"} <= {f.name for f in dataclasses.fields(SchedulerOutput)}
     assert "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}
     assert {"sampling_params", "num_computed_tokens"} <= {f.name for f in dataclasses.fields(CachedRequestState)}
     assert "num_prompt_tokens" in inspect.getsource(CachedRequestState)

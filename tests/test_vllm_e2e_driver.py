@@ -68,7 +68,7 @@ def test_call_1_alone_answers_sfi_against_the_default_at_32k_with_the_batch_that
     g = [j for j in jobs if j["stage"] == "graphs"]
     assert [j["mode"] for j in g] == ["graph", "eager"] and names.index(g[0]["name"]) == 2
     assert not g[0]["eager"] and g[0]["graph_mode"] == "full_decode"
-    assert g[0]["env"] == {"VLLM_EXT_ROW_COUNTERS": "1"} and g[0]["config"] == "speedsfi_sfi_small"
+    assert g[0]["env"] == {"SPEEDSFI_ROW_COUNTERS": "1"} and g[0]["config"] == "speedsfi_sfi_small"
     # four prompts: the captured batch size 4 decodes without padded rows
     assert g[0]["groups"][0]["batch_cap"] == 4 == g[0]["max_num_seqs"]
     # a step budget below the prompts' total chunks them, so early requests decode beside later

@@ -2,10 +2,11 @@
 
 Counters are plain host integers bumped where the host already decides something (once per layer
 call or per step, never per token). Every process writes its counters to
-``$VLLM_EXT_TRACE_DIR/trace-<pid>.json`` at most every ``VLLM_EXT_TRACE_INTERVAL_S`` seconds. The
-first process that registers the plugin (the API server or the offline driver) picks a fresh
-directory when none is set (1 s interval); engine cores and workers inherit it (the ``VLLM_`` prefix
-makes Ray forward it too). A Prometheus collector registered in every process sums the directory on
+``$SPEEDSFI_TRACE_DIR/trace-<pid>.json`` at most every ``SPEEDSFI_TRACE_INTERVAL_S`` seconds, and
+once more when that interval has passed after its last bump (so an idle server's ``/metrics`` is
+current). The first process that registers the plugin (the API server or the offline driver) picks
+a fresh directory when none is set (1 s interval); engine cores and workers inherit it (Ray actors
+too: ``vllm_ext.env_vars.forward_to_ray``). A Prometheus collector registered in every process sums the directory on
 scrape, so vLLM's own ``/metrics`` shows ``speedsfi_events_total{event=...}``. Tests and the demo set
 the directory and an interval of 0 to read exact counts.
 """
@@ -19,9 +20,15 @@ import threading
 import time
 from collections import Counter
 
+from vllm_ext import env_vars
+
 COUNTS: Counter = Counter()
 _lock = threading.Lock()
 _last_flush = 0.0
+_dirty = False
+_flush_lock = threading.Lock()
+_wake = threading.Event()
+_flusher_pid = None                      # the process whose flusher thread runs (threads do not fork)
 _last_log = time.monotonic()
 _providers: dict[str, "callable"] = {}
 _logged_once: set[str] = set()
@@ -38,7 +45,7 @@ def bump(key: str, n: int = 1) -> None:
 def add_provider(name: str, fn) -> None:
     """``fn() -> dict[str, int]``: counters kept elsewhere (e.g. on the device), merged into
     ``snapshot()``. Reading device counters synchronises, so it happens only when counters are
-    flushed (at most every ``VLLM_EXT_TRACE_INTERVAL_S``) or logged, never per step."""
+    flushed (at most every ``SPEEDSFI_TRACE_INTERVAL_S``) or logged, never per step."""
     _providers[name] = fn
 
 
@@ -67,7 +74,7 @@ def summary(counts: dict[str, int]) -> str:
 def _maybe_log() -> None:
     global _last_log
     now = time.monotonic()
-    if not _providers or now - _last_log < float(os.environ.get("VLLM_EXT_LOG_INTERVAL_S", "30")):
+    if not _providers or now - _last_log < float(env_vars.get(env_vars.LOG_INTERVAL_S, "30")):
         return
     _last_log = now
     logger.info("vllm_ext: %s", summary(snapshot()))
@@ -94,37 +101,80 @@ def log_once(key: str, message: str, *args) -> None:
 
 
 def _maybe_flush() -> None:
-    global _last_flush
-    trace_dir = os.environ.get("VLLM_EXT_TRACE_DIR")
+    """Write this process's counters now, or, when the last write is younger than the interval,
+    once the interval has passed (a trailing write): the counters a request bumps last, e.g. as its
+    slots are released after its last token, reach ``/metrics`` within one interval although no
+    further step may come."""
+    global _dirty
+    trace_dir = env_vars.get(env_vars.TRACE_DIR)
     if not trace_dir:
         return
-    now = time.monotonic()
-    if now - _last_flush < float(os.environ.get("VLLM_EXT_TRACE_INTERVAL_S", "0")):
-        return
-    _last_flush = now
-    os.makedirs(trace_dir, exist_ok=True)
-    path = os.path.join(trace_dir, f"trace-{os.getpid()}.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(snapshot(), f)
-    os.replace(tmp, path)
+    _dirty = True
+    wait = _flush_interval() - (time.monotonic() - _last_flush)
+    if wait <= 0:
+        _flush(trace_dir)
+    else:
+        _trailing_flush_soon()
+
+
+def _flush_interval() -> float:
+    return float(env_vars.get(env_vars.TRACE_INTERVAL_S, "0"))
+
+
+def _flush(trace_dir: str) -> None:
+    global _dirty, _last_flush
+    with _flush_lock:
+        _last_flush = time.monotonic()
+        _dirty = False                   # a bump during the snapshot makes it dirty again
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, f"trace-{os.getpid()}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(snapshot(), f)
+        os.replace(tmp, path)
+
+
+def _trailing_flush_soon() -> None:
+    """Wake this process's flusher thread (started on first use, again after a fork)."""
+    global _flusher_pid
+    if _flusher_pid != os.getpid():
+        _flusher_pid = os.getpid()
+        _wake.clear()
+        threading.Thread(target=_flusher, name="vllm_ext-metrics-flush", daemon=True).start()
+    _wake.set()
+
+
+def _flusher() -> None:
+    while True:
+        _wake.wait()
+        _wake.clear()
+        wait = _flush_interval() - (time.monotonic() - _last_flush)
+        if wait > 0:
+            time.sleep(wait)
+        trace_dir = env_vars.get(env_vars.TRACE_DIR)
+        if _dirty and trace_dir:
+            try:
+                _flush(trace_dir)
+            except OSError as e:         # the directory went away (tests, shutdown): say so once
+                log_once("metrics_flush", "vllm_ext: could not write the counters: %s", e)
 
 
 def ensure_trace_dir() -> str:
     """Give this process tree a counters directory unless one is set (inherited by children)."""
-    d = os.environ.get("VLLM_EXT_TRACE_DIR")
+    d = env_vars.get(env_vars.TRACE_DIR)
     if not d:
         import tempfile
 
         d = tempfile.mkdtemp(prefix="vllm_ext-stats-")
-        os.environ["VLLM_EXT_TRACE_DIR"] = d
-        os.environ.setdefault("VLLM_EXT_TRACE_INTERVAL_S", "1")
+        os.environ[env_vars.TRACE_DIR] = d
+        if env_vars.get(env_vars.TRACE_INTERVAL_S) is None:
+            os.environ[env_vars.TRACE_INTERVAL_S] = "1"
     return d
 
 
 def totals(trace_dir: str | None = None) -> dict[str, int]:
     """Counters summed over every process writing to ``trace_dir`` (this one included)."""
-    trace_dir = trace_dir or os.environ.get("VLLM_EXT_TRACE_DIR")
+    trace_dir = trace_dir or env_vars.get(env_vars.TRACE_DIR)
     merged: Counter = Counter()
     traces = read_traces(trace_dir) if trace_dir else {}
     traces[os.getpid()] = snapshot()

@@ -133,6 +133,10 @@ def _after_update_states(runner, scheduler_output) -> None:
     preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
     reset = set(scheduler_output.finished_req_ids) | set(resumed) | set(preempted)
     table.sync_membership(reset, _live_requests(runner), resumed, known=runner.requests)
+    if not scheduler_output.total_num_scheduled_tokens:
+        # no forward this step (vLLM's step that hands back finished requests): the last forward's
+        # device counts would otherwise wait for the next request's plan to be published
+        table.publish_device_counters()
 
 
 def _stage_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool) -> None:

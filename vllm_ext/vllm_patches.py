@@ -2,7 +2,7 @@
 patched, why, the vLLM file it wraps, and the contract test that fails loudly when the internals it
 relies on move. Each patch is narrow, idempotent and inert unless SPEEDSFI is the selected backend;
 ``tests/test_vllm_patch_list.py`` checks that the list is whole (every wrapped function carries the
-``_speedsfi_patched`` mark and is listed) and that each contract test exists. The README gives the
+``_speedsfi_patched`` mark and is listed) and that each contract test exists. docs/design.md gives the
 count.
 """
 

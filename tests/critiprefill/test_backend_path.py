@@ -2,7 +2,7 @@
 of ``vllm_ext.backend.critiprefill_path``), driven chunk by chunk over a paged cache, against an
 independent oracle: ``select_for_sequence`` on contiguous tensors + attention over explicit visible sets.
 
-Properties (README, "CritiPrefill and chunked prefill"):
+Properties (docs/critiprefill.md, "Chunk boundaries change nothing"):
 - every chunking gives the oracle of that chunking: each chunk's segments are represented by their
   queries from the segment's start (the carried part included) to the chunk's end, key blocks are
   complete, fusion runs over the sparse layers of the step;

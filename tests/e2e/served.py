@@ -75,18 +75,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def vllm_serve(model: str, log_path: str, *, additional_config: dict | None = None,
+def vllm_serve(model: str, log_path: str, *, backend: str = "speedsfi", additional_config: dict | None = None,
                args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                startup_timeout_s: float = 300):
     port = _free_port()
     name = "speedsfi-test"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-           "--attention-backend", "speedsfi", "--host", "127.0.0.1", "--port", str(port),
+           "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", name, "--enforce-eager", "--dtype", "float32", *args]
     if additional_config is not None:
         cmd += ["--additional-config", json.dumps(additional_config)]
     full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                    SPEEDSFI_FORCE_TORCH_KERNELS="1", VLLM_EXT_TRACE_INTERVAL_S="0")
+                    SPEEDSFI_FORCE_TORCH_KERNELS="1", SPEEDSFI_TRACE_INTERVAL_S="0")
     full_env.update(env or {})
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,

@@ -28,7 +28,7 @@ def test_all_off_matches_cpu_attn(tiny_models, arch):
     for i, (a, b) in enumerate(zip(ours, reference)):
         assert a == b, f"prompt {i} ({len(prompts[i])} tokens) diverges at token " \
                        f"{next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
-    assert counts["steps.dense_torch"] == counts["steps.built"] > 0        # every real step ran our path
+    assert counts["steps.dense_cpu_attn"] == counts["steps.built"] > 0        # every real step ran our path
     assert ref_counts == {}
 
 
@@ -52,7 +52,7 @@ def test_prefix_cache_hit_changes_nothing(tiny_models):
     # (engines live inside helper functions: a lingering LLM reference tears down the next engine)
     cold, warm, cached = cold_then_warm()
     assert min(cached) >= 192, f"expected prefix-cache hits of >= 6 blocks of 32, got {cached}"
-    assert metrics.snapshot()["steps.dense_torch"] > 0
+    assert metrics.snapshot()["steps.dense_cpu_attn"] > 0
     assert warm[0] == cold[0]
     reference, _ = _run(tiny_models["qwen3"], "CPU_ATTN", prompts, enable_prefix_caching=False)
     assert warm == reference

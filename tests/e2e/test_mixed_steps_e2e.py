@@ -14,7 +14,7 @@ SMALL = {"enabled": True, "k": 8, "k_min": 4, "n_sink": 4, "n_recent": 16, "refr
 def test_mixed_steps_compute_each_row_once(tiny_models, monkeypatch):
     from vllm_ext import metrics
 
-    monkeypatch.setenv("VLLM_EXT_ROW_COUNTERS", "1")
+    monkeypatch.setenv("SPEEDSFI_ROW_COUNTERS", "1")
     # a short prompt decodes while the long ones are still prefilled in chunks of <= 64 tokens
     prompts = random_prompts(lengths=(40, 300, 200), seed=5)
     before = metrics.snapshot()

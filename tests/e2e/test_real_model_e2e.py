@@ -118,7 +118,7 @@ def test_all_off_matches_cpu_attn_token_for_token(samples, all_off, cpu_attn):
         assert len(a) == len(b) == MAX_TOKENS
         assert a == b, (f"{s.task} ({s.length} tokens) diverges at token "
                         f"{next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}; CPU_ATTN said {text!r}")
-    assert counts["steps.dense_torch"] == counts["steps.built"] > 0     # every step ran our path
+    assert counts["steps.dense_cpu_attn"] == counts["steps.built"] > 0     # every step ran our path
     assert not [k for k in counts if k.startswith(("sfi.", "speed.", "critiprefill.", "fallback."))]
     assert "steps.built" not in ref_counts                              # CPU_ATTN ran CPU_ATTN's
 

@@ -87,7 +87,7 @@ def test_concurrent_answers_equal_one_at_a_time_answers(tiny_models, tmp_path, m
         section, args = ALL_ON, ALL_ON_ARGS
     with vllm_serve(model, str(tmp_path / "server.log"),
                     additional_config={"speedsfi": section}, args=args,
-                    env={"VLLM_EXT_TRACE_DIR": str(tmp_path / "trace")}) as server:
+                    env={"SPEEDSFI_TRACE_DIR": str(tmp_path / "trace")}) as server:
         client, model = server.client(max_retries=0, timeout=300), server.model_name
         alone = [_complete(client, model, p) for p in PROMPTS]
 

@@ -124,6 +124,9 @@ class SpeedSfiCpuImpl(SpeedSfiImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         fmt = self._cache_format(query, kv_cache)
+        if layer.layer_name == attn_metadata.last_layer_name and attn_metadata.step.is_real:
+            # once per step: which kernels attended the dense rows (the name says what ran)
+            metrics.bump("steps.dense_torch" if fmt == "ours" else "steps.dense_cpu_attn")
         if fmt == "ours":
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         if fmt == "packed":

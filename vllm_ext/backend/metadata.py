@@ -250,8 +250,8 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
             metrics.bump("steps.built")
             if num_decodes and num_prefills:
                 metrics.bump("steps.mixed")
-            metrics.bump("steps.dense_torch" if self._on_cpu else
-                         "steps.sfi" if step.sfi is not None else "steps.dense_triton")
+            if not self._on_cpu:             # the CPU impl counts which kernels ran (cpu_dense.py)
+                metrics.bump("steps.sfi" if step.sfi is not None else "steps.dense_triton")
         return md
 
     def _cut_delegate(self, md: SpeedSfiMetadata, cm: CommonAttentionMetadata, delegate,

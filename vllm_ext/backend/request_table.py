@@ -72,6 +72,14 @@ class EngineRequestTable(RequestStateTable):
                              "without it (no compact buffers); it decodes densely")
         return slot
 
+    def publish_device_counters(self) -> None:
+        """Queue a copy of the methods' device counters (no host sync). The builders do this at each
+        step's plan, which covers the steps before it; a step without a forward (vLLM runs one to
+        hand back finished requests) calls this so that the last forward's counts are published."""
+        for tables in (self.sfi, self.critiprefill):
+            if tables is not None:
+                tables.counters.publish()
+
     def snapshot(self, step: StepState, row_req_ids: list[str | None]) -> dict[str, dict[str, int]]:
         views = super().snapshot(step, row_req_ids)
         if self.sfi is None:

@@ -1,5 +1,5 @@
 """Rows computed per attention path, per layer call: what shows that a step computes every row once
-(``VLLM_EXT_ROW_COUNTERS=1``; off by default, when nothing here runs).
+(``SPEEDSFI_ROW_COUNTERS=1``; off by default, when nothing here runs).
 
 Counters (``vllm_ext.metrics`` snapshot keys, summed over layers and steps):
 
@@ -29,16 +29,18 @@ import os
 
 import torch
 
+from vllm_ext import env_vars
+
 from vllm_ext.device_counters import DeviceCounters
 
-ENV = "VLLM_EXT_ROW_COUNTERS"
+ENV = "SPEEDSFI_ROW_COUNTERS"
 KEYS = ("rows.layer", "rows.delegate", "rows.paged_decode", "rows.sfi_slow", "rows.sfi_fast",
         "rows.critiprefill")
 LAYER, DELEGATE, PAGED_DECODE, SFI_SLOW, SFI_FAST, CRITIPREFILL = range(len(KEYS))
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+    return (env_vars.get(ENV) or "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 class RowCounters:
@@ -78,7 +80,7 @@ _shared: dict[torch.device, RowCounters] = {}
 
 
 def shared(device: torch.device) -> RowCounters | None:
-    """The process's counters on ``device`` when ``VLLM_EXT_ROW_COUNTERS`` is on, else None. Merged
+    """The process's counters on ``device`` when ``SPEEDSFI_ROW_COUNTERS`` is on, else None. Merged
     into ``vllm_ext.metrics.snapshot()`` (registered again on each call: tests reset the metrics)."""
     if not enabled():
         return None

@@ -24,7 +24,7 @@ first), so the sub-batch holds CritiPrefill rows only and every other row takes 
 CUDA the delegate). A row of the sub-batch without a slot (only if the scheduler's count and this
 one disagree) attends densely through the same kernel (``row_dense``).
 
-Chunk boundaries and traffic change nothing (``README.md``): the scheduler ends every chunk of a
+Chunk boundaries and traffic change nothing (``docs/critiprefill.md``): the scheduler ends every chunk of a
 CritiPrefill prompt that stops inside the sparse range on a segment boundary, cuts prefix-cache hits
 the same way (``vllm_ext.critiprefill.chunking``), and starts a prompt's sparse prefill only while a
 CritiPrefill slot is free (``vllm_ext.scheduler_policy``), so each sparse segment is computed whole,

@@ -176,7 +176,7 @@ def _served(model: str, additional_config: str | None, extra: list[str], *, time
     work = tempfile.mkdtemp(prefix="speedsfi-demo-")
     port = _free_port()
     trace_dir = os.path.join(work, "trace")
-    env = dict(os.environ, VLLM_EXT_TRACE_DIR=trace_dir, VLLM_EXT_TRACE_INTERVAL_S="0")
+    env = dict(os.environ, SPEEDSFI_TRACE_DIR=trace_dir, SPEEDSFI_TRACE_INTERVAL_S="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     cmd = _vllm_cli() + ["serve", model, "--attention-backend", "speedsfi", "--host", "127.0.0.1",
