@@ -8,6 +8,7 @@ launchers are the CUDA build's, so the launches and keys are those of the GPU.""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 
 import pytest
@@ -33,6 +34,9 @@ HQ = HKV * G
 CAP, MAX_ROWS, MAX_LEN = 4, 40, 512
 SHAPE = WarmupShape(max_rows=MAX_ROWS, block_table_width=MAX_LEN // BS, max_len=MAX_LEN)
 CFG = SfiConfig(enabled=True, k=24, k_min=4, n_sink=4, n_recent=16, w_prefill=8, dual_stream=False)
+# the shipped preset's shape (configs/sfi.yaml: kept prefill tokens, spans around selected tokens)
+PRESET_LIKE = dataclasses.replace(CFG, keep_prefill=8, select_span=3, select_span_back=1)
+QUEST = dataclasses.replace(CFG, selector="quest", page_size=16, quest_rerank=2)
 SCALE = D ** -0.5
 NUM_BLOCKS = 80
 
@@ -50,9 +54,9 @@ NUM_BLOCKS = 80
 FAST_STEP_BUDGET = 13
 
 
-def _layer():
-    layer = SfiLayerBuffers(CAP, HKV, CFG, D, torch.float32, DEV, num_heads=HQ)
-    rt = SfiRuntime(CFG, capacity=CAP, max_rows=MAX_ROWS, num_heads=HQ, num_kv_heads=HKV, head_size=D,
+def _layer(cfg=CFG):
+    layer = SfiLayerBuffers(CAP, HKV, cfg, D, torch.float32, DEV, num_heads=HQ, max_len=MAX_LEN)
+    rt = SfiRuntime(cfg, capacity=CAP, max_rows=MAX_ROWS, num_heads=HQ, num_kv_heads=HKV, head_size=D,
                     max_len=MAX_LEN, device=DEV)
     return layer, rt
 
@@ -67,21 +71,22 @@ def _block_table(gen):
     return bt.to(DEV)
 
 
-def _warmup_keys(kv):
-    layer, rt = _layer()
+def _warmup_keys(kv, cfg=CFG):
+    layer, rt = _layer(cfg)
     with launch_log.record() as log:
-        warm_up_sfi_layer(cfg=CFG, layer_buffers=layer, runtime=rt, kv_cache=kv, num_heads=HQ,
+        warm_up_sfi_layer(cfg=cfg, layer_buffers=layer, runtime=rt, kv_cache=kv, num_heads=HQ,
                           head_size=D, scale=SCALE, dtype=torch.float32, shape=SHAPE)
     assert not bool(layer.compact_len.any()), "the warm-up leaves no per-request state behind"
     return launch_log.keys(log)
 
 
-def _real_steps(kv, bt, gen):
+def _real_steps(kv, bt, gen, CFG=CFG):
     """A grid of steps as the engine makes them: decode batches of many sizes with random modes
     and lengths, as pure-decode steps and as a mixed step's decode rows, and prefill ends of one
-    to three requests with prompt lengths of either class."""
+    to three requests with prompt lengths of either class (Quest: the prefill chunks' page bounds
+    of one to three rows)."""
     rng = random.Random(5)
-    layer, rt = _layer()
+    layer, rt = _layer(CFG)
     buffers = SfiPlanBuffers(MAX_ROWS, CAP, DEV)
     long_len = CFG.n_sink + CFG.n_recent + CFG.k + 1
     with launch_log.record() as log:
@@ -95,6 +100,21 @@ def _real_steps(kv, bt, gen):
             for dense_done in (False, True):
                 sfi_decode(q, kv, bt[:rows], seq, step, CFG, layer, rt, 0, SCALE, torch.empty_like(q),
                            dense_done=dense_done, fixed_launches=True)
+        if CFG.selector == "quest":
+            from types import SimpleNamespace
+
+            from vllm_ext.backend.sfi_path import quest_prefill_pages
+
+            for n in (1, 2, 3):
+                lens = [rng.randrange(1, MAX_LEN) for _ in range(n)]
+                i32 = dict(dtype=torch.int32, device=DEV)
+                plan = SimpleNamespace(rows=torch.tensor(rng.sample(range(MAX_ROWS), n), device=DEV),
+                                       seq_lens=torch.tensor(lens, **i32),
+                                       first_page=torch.tensor([rng.randrange(0, 3) for _ in lens], **i32),
+                                       sfi_slot=torch.arange(n, **i32) % CAP,
+                                       max_pages=-(-max(lens) // CFG.page_size))
+                quest_prefill_pages(kv, bt, plan, CFG, layer)
+            return log
         for n_end in (1, 2, 3):
             rows, start = [], 0
             for i in range(n_end):
@@ -109,11 +129,12 @@ def _real_steps(kv, bt, gen):
     return log
 
 
-def test_warmup_reaches_every_compile_key_of_real_sfi_steps():
+@pytest.mark.parametrize("cfg", [CFG, PRESET_LIKE, QUEST], ids=["sfi", "preset_like", "quest_rerank"])
+def test_warmup_reaches_every_compile_key_of_real_sfi_steps(cfg):
     gen = torch.Generator().manual_seed(0)
     kv, bt = _kv(gen), _block_table(gen)
-    warm = _warmup_keys(kv)
-    real = launch_log.keys(_real_steps(kv, bt, gen))
+    warm = _warmup_keys(kv, cfg)
+    real = launch_log.keys(_real_steps(kv, bt, gen, cfg))
     assert real, "the grid launched none of our kernels"
     assert real <= warm, "compiled after start-up:\n" + launch_log.describe_missing(real, warm)
 
@@ -182,3 +203,36 @@ def test_a_fast_only_step_launches_within_its_budget_and_the_same_kernels_as_any
     assert len(fast_only) <= FAST_STEP_BUDGET, f"{len(fast_only)} launches per layer: {dict(counts)}"
     # a CUDA graph captured on one step replays on any other: the launches never depend on the modes
     assert fast_only == mixed
+
+
+def test_warmup_reaches_speed_upper_layer_keys():
+    from vllm_ext.backend.kernel_warmup import warm_up_speed_layer
+    from vllm_ext.kernels.speed_attention import speed_attention
+
+    gen = torch.Generator().manual_seed(4)
+    kv, bt = _kv(gen), _block_table(gen)
+    with launch_log.record() as log:
+        warm_up_speed_layer(kv_cache=kv, num_heads=HQ, head_size=D, scale=SCALE, dtype=torch.float32,
+                            shape=SHAPE, anchor_end=1, self_only=False)
+    warm = launch_log.keys(log)
+    from vllm_ext.speed.visibility import SpeedPlanBuffers, plan_upper_step
+
+    buffers = SpeedPlanBuffers(MAX_ROWS, 256, DEV)
+    with launch_log.record() as log:
+        # steps as the builder plans them: (query lengths per row, tokens before each row's chunk)
+        for q_lens, done in (([1], [90]), ([1, 1, 30], [120, 77, 0]), ([17, 1], [0, 300])):
+            rows, n = len(q_lens), sum(q_lens)
+            qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=DEV)
+            seq = torch.tensor([d + q for d, q in zip(done, q_lens)], dtype=torch.int32, device=DEV)
+            plan = plan_upper_step(slot_mapping=torch.arange(n, device=DEV), query_start_loc=qsl, seq_lens=seq,
+                                   row_prompt_len=torch.tensor([60] * rows, dtype=torch.int32, device=DEV),
+                                   num_reqs=rows, anchor_end=1, self_only=False, buffers=buffers)
+            q = torch.randn(n, HQ, D, generator=gen).to(DEV)
+            out = torch.empty_like(q)
+            speed_attention(q, kv, bt[:rows], plan.token_row, plan.positions, plan.tail_start, 1, False,
+                            SCALE, out)
+            keep = torch.arange(0, n, 2, device=DEV)          # the upper stack on the kept tokens only
+            speed_attention(q, kv, bt[:rows], plan.token_row[keep], plan.positions[keep], plan.tail_start, 1,
+                            False, SCALE, out)
+    real = launch_log.keys(log)
+    assert real and real <= warm, launch_log.describe_missing(real, warm)

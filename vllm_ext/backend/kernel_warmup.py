@@ -18,9 +18,10 @@ alignments are the engine's; the per-request buffers it scribbles on are cleared
 compile key the warm-up did not.
 
 vLLM runs it through its JIT warm-up registry (``JitWarmupRegistry``, before CUDA-graph capture):
-the impl registers :class:`SpeedSfiWarmup` while the model is built. Not covered yet (they compile at
-first use, logged at start-up): CritiPrefill's prefill kernels, SPEED's upper-layer attention and
-the Quest selector's page kernels.
+the impl registers :class:`SpeedSfiWarmup` while the model is built. SPEED's upper layers run their
+attention kernel; the Quest selector its page-bound kernels. Not covered yet (they compile at first
+use, logged at start-up): CritiPrefill's prefill kernels and Quest's re-ranking
+(``sfi.quest_rerank``).
 """
 
 from __future__ import annotations
@@ -117,6 +118,20 @@ def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch
             sfi_decode(q, kv_cache, bt[:rows], seq, step, cfg, layer_buffers, runtime, layer_index,
                        scale, out, dense_done=dense_done, fixed_launches=True)
             runtime.ring.join()
+    if cfg.selector == "quest":
+        # the prefill chunks' page bounds, for one and two rows (the prompt tail is SFI's only)
+        from types import SimpleNamespace
+
+        from vllm_ext.backend.sfi_path import quest_prefill_pages
+
+        for lens in ([min(cfg.page_size * 3 + 5, seq_cap)], [min(cfg.page_size * 2, seq_cap), 7]):
+            n = len(lens)
+            i32 = dict(dtype=torch.int32, device=device)
+            plan = SimpleNamespace(rows=torch.arange(n, dtype=torch.int64, device=device),
+                                   seq_lens=torch.tensor(lens, **i32), first_page=torch.zeros(n, **i32),
+                                   sfi_slot=torch.arange(n, **i32) % capacity,
+                                   max_pages=-(-max(lens) // cfg.page_size))
+            quest_prefill_pages(kv_cache, bt, plan, cfg, layer_buffers)
     if layer_buffers.prompt_tail is not None:
         # prompt lengths in both classes (divisible by 16 or not: the evidence's span), and one and
         # two prompts ending in a step (the selector broadcasts a one-row table: another key)
@@ -154,25 +169,51 @@ def warm_up_paged_decode(*, kv_cache: torch.Tensor, workspace, num_heads: int, h
         paged_decode(q, kv_cache, bt[:rows], seq, scale, torch.empty_like(q), workspace=workspace)
 
 
+def warm_up_speed_layer(*, kv_cache: torch.Tensor, num_heads: int, head_size: int, scale: float,
+                        dtype: torch.dtype, shape: WarmupShape, anchor_end: int, self_only: bool) -> None:
+    """SPEED's upper-layer attention (one kernel; the token count is its grid, not an argument)."""
+    from vllm_ext.kernels.speed_attention import speed_attention
+
+    device = kv_cache.device
+    bt = _block_table(shape, 2, kv_cache.shape[0], device)
+    for n in (1, 3):
+        # the dtypes of the plan's buffers (``vllm_ext.speed.visibility.SpeedPlanBuffers``)
+        q = torch.randn(n, num_heads, head_size, dtype=dtype, device=device)
+        rows = torch.zeros(n, dtype=torch.int64, device=device)
+        positions = torch.arange(40, 40 + n, dtype=torch.int64, device=device)
+        tail = torch.full((max(shape.max_rows, 1),), 39, dtype=torch.int32, device=device)
+        speed_attention(q, kv_cache, bt, rows, positions, tail, anchor_end, self_only, scale,
+                        torch.empty_like(q))
+
+
 def _clear(layer_buffers) -> None:
     layer_buffers.compact_len.zero_()
     layer_buffers.compact_kv.zero_()
+    if layer_buffers.page_reps is not None:
+        layer_buffers.page_reps.zero_()
     if layer_buffers.kept_pos is not None:
         layer_buffers.kept_pos.fill_(-1)
     if layer_buffers.prompt_tail is not None:
         layer_buffers.prompt_tail.queries.zero_()
 
 
-def warm_up_impl(impl, kv_cache: torch.Tensor, shape: WarmupShape, dtype: torch.dtype) -> bool:
+def warm_up_impl(impl, kv_cache: torch.Tensor, shape: WarmupShape, dtype: torch.dtype,
+                 layer_index: int) -> bool:
     """Warm up one ``SpeedSfiImpl`` layer; False when it launches none of our kernels."""
     cfg: SpeedSfiConfig = impl.config
+    if cfg.speed.enabled and layer_index >= impl._speed_l_cut:
+        from vllm_ext.speed.visibility import anchor_count
+
+        warm_up_speed_layer(kv_cache=kv_cache, num_heads=impl.num_heads, head_size=impl.head_size,
+                            scale=impl.scale, dtype=dtype, shape=shape,
+                            anchor_end=anchor_count(cfg.speed.anchor),
+                            self_only=cfg.speed.variant == "self_only")
+        return True
     if impl._sfi_layer is not None:
-        if cfg.sfi.selector == "quest":
-            return False
         warm_up_sfi_layer(cfg=cfg.sfi, layer_buffers=impl._sfi_layer, runtime=impl._sfi_rt,
                           kv_cache=kv_cache, num_heads=impl.num_heads, head_size=impl.head_size,
                           scale=impl.scale, dtype=dtype, shape=shape,
-                          layer_index=max(impl._layer_index, 0))
+                          layer_index=max(layer_index, 0))
         return True
     if impl._ours_decode and impl._dense_ws is not None:
         warm_up_paged_decode(kv_cache=kv_cache, workspace=impl._dense_ws, num_heads=impl.num_heads,
@@ -186,16 +227,16 @@ def not_covered(cfg: SpeedSfiConfig) -> list[str]:
     out = []
     if cfg.critiprefill.enabled:
         out.append("CritiPrefill's prefill kernels")
-    if cfg.speed.enabled:
-        out.append("SPEED's upper-layer attention")
-    if cfg.sfi.enabled and cfg.sfi.selector == "quest":
-        out.append("the Quest selector's kernels")
+    if cfg.sfi.enabled and cfg.sfi.selector == "quest" and cfg.sfi.quest_rerank:
+        out.append("the Quest re-ranking kernels")
     return out
 
 
 def warm_up_engine(vllm_config) -> int:
     """Warm up one layer of each distinct geometry among this process's SPEEDSFI layers; returns
     how many layers ran."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
     from vllm_ext.config import BACKEND_NAME
 
     sched = vllm_config.scheduler_config
@@ -212,12 +253,14 @@ def warm_up_engine(vllm_config) -> int:
         ours = backend is not None and backend.get_name() == BACKEND_NAME
         if not ours or impl is None or not isinstance(kv, torch.Tensor) or kv.numel() == 0:
             continue
+        index = extract_layer_index(name)
+        upper = impl.config.speed.enabled and index >= impl._speed_l_cut
         geom = (impl.num_heads, impl.num_kv_heads, impl.head_size, kv.dtype, tuple(kv.stride()),
-                impl._sfi_layer is not None, impl._dense_ws is not None)
+                impl._sfi_layer is not None, impl._dense_ws is not None, upper)
         if geom in seen:
             continue
         seen.add(geom)
-        ran += warm_up_impl(impl, kv, shape, dtype)
+        ran += warm_up_impl(impl, kv, shape, dtype, index)
     missing = not_covered(resolve_config_of(vllm_config))
     if missing:
         logger.info("vllm_ext: the start-up warm-up does not reach %s yet: they compile at first use",

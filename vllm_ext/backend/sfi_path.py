@@ -101,7 +101,8 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     """
     if cfg.selector == "quest":
         return _quest_decode(query, kv_cache, block_table, seq_lens, step, cfg, layer, rt,
-                             layer_index, scale, out, dense_done=dense_done)
+                             layer_index, scale, out, dense_done=dense_done,
+                             fixed_launches=fixed_launches)
     rows = query.shape[0]
     on_cpu = query.device.type == "cpu" if fixed_launches is None else not fixed_launches
     fast = step.row_fast[:rows]
@@ -214,7 +215,8 @@ def _quest_rerank(query, kv_cache, step: SfiStep, cfg: SfiConfig, layer: SfiLaye
 
 def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: SfiConfig,
                   layer: SfiLayerBuffers, rt: SfiRuntime, layer_index: int, scale: float,
-                  out: torch.Tensor, *, dense_done: bool) -> torch.Tensor:
+                  out: torch.Tensor, *, dense_done: bool,
+                  fixed_launches: bool | None = None) -> torch.Tensor:
     """Decode rows with the Quest-style selector (``sfi.selector = "quest"``):
 
     1. every SFI decode row updates its newest page's max/min of K (every page its slot has not
@@ -230,7 +232,7 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
        at ``t - n_recent``, so the two are disjoint and cover sink + selected + recent).
     """
     rows = query.shape[0]
-    on_cpu = query.device.type == "cpu"
+    on_cpu = query.device.type == "cpu" if fixed_launches is None else not fixed_launches
     fast = step.row_fast[:rows]
     dense = step.row_dense[:rows]
     quest_page_update(kv_cache, block_table, seq_lens, step.row_page_slot[:rows], step.row_page_first[:rows],
