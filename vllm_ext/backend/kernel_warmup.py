@@ -19,9 +19,8 @@ compile key the warm-up did not.
 
 vLLM runs it through its JIT warm-up registry (``JitWarmupRegistry``, before CUDA-graph capture):
 the impl registers :class:`SpeedSfiWarmup` while the model is built. SPEED's upper layers run their
-attention kernel; the Quest selector its page-bound kernels. Not covered yet (they compile at first
-use, logged at start-up): CritiPrefill's prefill kernels and Quest's re-ranking
-(``sfi.quest_rerank``).
+attention kernel; the Quest selector its page-bound and re-ranking kernels. Not covered yet (they
+compile at first use, logged at start-up): CritiPrefill's prefill kernels.
 """
 
 from __future__ import annotations
@@ -227,8 +226,6 @@ def not_covered(cfg: SpeedSfiConfig) -> list[str]:
     out = []
     if cfg.critiprefill.enabled:
         out.append("CritiPrefill's prefill kernels")
-    if cfg.sfi.enabled and cfg.sfi.selector == "quest" and cfg.sfi.quest_rerank:
-        out.append("the Quest re-ranking kernels")
     return out
 
 
