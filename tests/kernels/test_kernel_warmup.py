@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
@@ -236,3 +237,15 @@ def test_warmup_reaches_speed_upper_layer_keys():
                             False, SCALE, out)
     real = launch_log.keys(log)
     assert real and real <= warm, launch_log.describe_missing(real, warm)
+
+
+def test_the_launch_log_hooks_every_kernel_module():
+    """A new module of Triton kernels must be in ``launch_log.KERNEL_MODULES`` (or its launches
+    escape both the warm-up check and the launch budget)."""
+    from pathlib import Path
+
+    kernels_dir = Path(launch_log.__file__).parent
+    defining = {p.stem for p in kernels_dir.glob("*.py")
+                if re.search(r"^\s*@triton\.jit", p.read_text(), flags=re.M)}
+    assert defining == set(launch_log.KERNEL_MODULES)
+    assert launch_log.our_kernels(), "no kernel was found behind the listed modules"

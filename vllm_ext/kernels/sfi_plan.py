@@ -38,7 +38,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])      # the step's row count: one compile for any batch
     def _plan_kernel(
         ROW_SLOT, ROW_TOK, ROW_DEC, SEQ,
         SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS, TSTATE, GAP,
