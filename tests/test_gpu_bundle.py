@@ -567,7 +567,7 @@ def test_driver_end_to_end_on_the_cpu_build(tmp_path):
     p = _driver("smoke,graphs,sfi_perf,correct,perf", "--cpu", "--out", str(out), "--models-dir",
                 str(tmp_path / "models"), "--correct-models", "cpu-tiny-llama", "--perf-configs", "speedsfi_dense",
                 "--sfi-perf-configs", "speedsfi_sfi", "--lengths", "96", "--batches", "96:2", "--deadline-s", "840",
-                timeout=900)
+                "--profile", "1", "--profile-steps", "4", timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     res = json.loads((out / "vllm_e2e.json").read_text())
     assert set(os.listdir(out)) <= {"vllm_e2e.json", "vllm_e2e.png", "vllm_e2e_logs.tar.gz"}
@@ -589,6 +589,10 @@ def test_driver_end_to_end_on_the_cpu_build(tmp_path):
         assert r["output_tok_s"] > 0 and r["kv_gbps"] > 0 and r["max_concurrency"] >= 2
         assert r["tpot_ms_vllm"] and r["decode_steps_measured"] >= 10
         assert r["prefill_tok_s"] == pytest.approx(r["batch"] * r["input_len"] / (r["ttft_ms_last"] / 1e3))
+    # the kernel tables' path (vLLM's torch profiler, the trace parsed; the CPU trace has no GPU kernels)
+    tables = res["kernel_tables"]
+    assert {(t["config"], t["profiled_steps"], t["batch"]) for t in tables} == {
+        ("speedsfi_dense", 4, 2), ("speedsfi_sfi", 4, 2)}
     sfi = next(r for r in rows if r["config"] == "speedsfi_sfi")
     assert sfi["sfi_fast_steps"] > 0 and sfi["kv_read_fraction"] < 1.0
     with tarfile.open(out / "vllm_e2e_logs.tar.gz") as tf:
