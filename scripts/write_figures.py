@@ -41,6 +41,10 @@ UNRECORDED_COMMIT = {
         ("quality_cpu_retrieval-llama.json", "8c2f28d"),
         ("quality_cpu_retrieval-llama_keep_prefill.json", "e5118dc"),
         ("quality_cpu_retrieval-qwen3.json", "6765dfd"),
+        ("quality_cpu_smollm2_4k8k.json", "fa84261"),
+        ("quality_cpu_smollm2_4k8k_default_packed.json", "f9acf9a"),
+        *((f"quality_cpu_smollm2_4k8k_{run}.json", "3cdc749") for run in (
+            "warmup", "sparse_decode", "dense_decode", "warmup_seed200", "default_seed200")),
         ("quality_cpu_retrieval-qwen3_keep_prefill.json", "edf7bac"),
         ("quality_cpu_retrieval-llama_quest_keep.json", "cc31445"),
         ("quality_cpu_retrieval-qwen3_quest_keep.json", "bcbf2b4"),
@@ -257,14 +261,16 @@ def _quality(rows: list[tuple[str, str | None, str, str]], columns: dict[str, st
     for name, section, config, label in rows:
         row = _quality_rows(name, section)[config]
         lines.append(f"| {label} | " + " | ".join(row[c] for c in columns) + " |")
-    notes = []
-    for name in dict.fromkeys(r[0] for r in rows):
-        meta = _load(f"{name}.json")["meta"]
-        filler = f", {meta['filler']} filler" if meta.get("filler") else ""
-        notes.append(f"{meta['model']} ({meta['prompts']}{filler}), {meta['per_cell']} per cell; {meta['device_desc']}, "
-                     f"vLLM {meta['vllm']}, torch {meta['torch']}; {meta['date'][:10]}; "
-                     f"{UNRECORDED_COMMIT[name + '.json']}; `{meta['command']}`; {_source(name + '.md')}.")
+    notes = [_quality_note(name) for name in dict.fromkeys(r[0] for r in rows)]
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def _quality_note(name: str) -> str:
+    meta = _load(f"{name}.json")["meta"]
+    filler = f", {meta['filler']} filler" if meta.get("filler") else ""
+    return (f"{meta['model']} ({meta['prompts']}{filler}), {meta['per_cell']} per cell; {meta['device_desc']}, "
+            f"vLLM {meta['vllm']}, torch {meta['torch']}; {meta['date'][:10]}; "
+            f"{UNRECORDED_COMMIT[name + '.json']}; `{meta['command']}`; {_source(name + '.md')}.")
 
 
 _TASKS = {"niah_single": "single", "niah_multikey": "multi-key", "niah_multivalue": "multi-value",
@@ -283,6 +289,33 @@ def quality_real_2k() -> str:
                     {"fast-step read, all counted": "fast-step read, all counted",
                      "prefill keys read": "prefill keys read", "niah_single": "single needle (%)",
                      "passage_copy": "copy (ROUGE-L, %)", "all": "score"})
+
+
+_REAL_4K8K = (("warmup", "default_refresh_warmup", "the `sfi` preset (default)"),
+              ("default_packed", "default", "the preset without `refresh_warmup`"),
+              ("warmup_seed200", "default_refresh_warmup", "the preset, 20 more prompts (seed 200)"),
+              ("default_seed200", "default", "the preset without `refresh_warmup`, seed 200"),
+              ("", "quest_k336_rerank4", "Quest + `quest_rerank` 4, k 336"),
+              ("sparse_decode", "sfi_k256_published", "SFI as published, k 256"),
+              ("sparse_decode", "quest_k336_page16", "Quest alone, k 336"),
+              ("dense_decode", "critiprefill_b512", "CritiPrefill, 512 keys per segment"),
+              ("dense_decode", "speed_default", "SPEED (model not SPEED-adapted)"),
+              ("sparse_decode", "all_on", "all three on"))
+
+
+def quality_real_4k8k() -> str:
+    """Each config's score as a share of dense's in the same run, at 4K and 8K."""
+    lines = ["| config | score, % of dense, 4K / 8K | single needle, % 4K / 8K | fast-step read, all counted, 4K / 8K |",
+             "|---|---|---|---|"]
+    names = []
+    for run, config, label in _REAL_4K8K:
+        name = "quality_cpu_smollm2_4k8k" + (f"_{run}" if run else "")
+        names.append(name)
+        at = [_quality_rows(name, f"Length {n}:") for n in (4096, 8000)]
+        share = " / ".join(f"{100 * float(t[config]['all']) / float(t['dense']['all']):.0f}" for t in at)
+        lines.append(f"| {label} | {share} | {' / '.join(t[config]['niah_single'] for t in at)} | "
+                     f"{' / '.join(t[config]['fast-step read, all counted'] for t in at)} |")
+    return "\n".join(lines) + "\n\n" + "\n".join(_quality_note(n) for n in dict.fromkeys(names)) + "\n"
 
 
 def quality_retrieval_sfi() -> str:
@@ -369,7 +402,7 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
 
 FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
-           "quality_real_2k": quality_real_2k, "quality_retrieval_sfi": quality_retrieval_sfi,
+           "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill}
 
