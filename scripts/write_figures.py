@@ -41,6 +41,8 @@ UNRECORDED_COMMIT = {
         ("quality_cpu_retrieval-llama.json", "8c2f28d"),
         ("quality_cpu_retrieval-llama_keep_prefill.json", "e5118dc"),
         ("quality_cpu_retrieval-qwen3.json", "6765dfd"),
+        ("fast_step.json", "1e4df02"),
+        ("critiprefill_bench.json", "f38df37"),
         ("quality_cpu_smollm2_4k8k.json", "fa84261"),
         ("quality_cpu_smollm2_4k8k_default_packed.json", "f9acf9a"),
         *((f"quality_cpu_smollm2_4k8k_{run}.json", "3cdc749") for run in (
@@ -53,7 +55,7 @@ UNRECORDED_COMMIT = {
         ("quality_cpu_retrieval-llama_critiprefill.json", "3fd8c60"),
     )}
 # result files that do not record their date: the date of the commit they were measured at
-UNRECORDED_DATE = {"document_question_smollm2.json": "2026-11-25"}
+UNRECORDED_DATE = {"document_question_smollm2.json": "2026-11-25", "critiprefill_bench.json": "2026-11-22"}
 
 
 def _load(name: str) -> dict:
@@ -167,6 +169,29 @@ def sfi_path() -> str:
             f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}; {d['rows'][0]['model']} shape, "
             f"random weights, {d['rows'][0]['steps']} decode steps; {d['timing']}; {env['time_utc'][:10]}; "
             f"{d['code_state']}; `{d['reproduce']}`; {_source(name)}.\n")
+
+
+def gpu_kernels() -> str:
+    fast, cp = _load("fast_step.json"), _load("critiprefill_bench.json")
+    sweep, ctx = fast["retention_sweep"], fast["context_sweep"]
+    shape = fast["shapes"]
+    budget = ctx["budget"]
+    retained = ", ".join(f"{r['speedup']:.1f}x at {r['retained_pct']:.1f} %" for r in sweep["rows"])
+    by_ctx = ", ".join(f"{r['speedup']:.1f}x at {r['ctx'] // 1024}K" for r in ctx["rows"])
+    prefill = ", ".join(f"{r['speedup_vs_sdpa']:.1f}x at {r['n'] // 1024}K" for r in cp["results"])
+    lines = ["| what | result |", "| --- | --- |",
+             f"| SFI fast step vs our dense paged decode, {sweep['ctx'] // 1024}K KV, batch {shape['batch']}, "
+             f"{shape['q_heads']}/{shape['kv_heads']} heads, d {shape['head_size']}, bf16 | {retained} |",
+             f"| SFI fast step at the budget {budget['sink']} + {budget['k']} + {budget['recent']} | {by_ctx} |",
+             f"| CritiPrefill plan + block-sparse prefill vs torch SDPA flash, one request, budget "
+             f"{cp['config']['budget']} | {prefill} ({cp['timing']['iters']} timing iterations: indicative) |"]
+    return ("\n".join(lines) + "\n\n"
+            f"{fast['env']['gpu']}, torch {fast['env']['torch']}, Triton {fast['env']['triton']}; {fast['timing']}; "
+            f"{fast['env']['time_utc'][:10]}; {UNRECORDED_COMMIT['fast_step.json']}; "
+            f"`python bench/bench_fast_step.py --out bench/results`; {_source('fast_step.json')}.\n"
+            f"{cp['device']}, {cp['dense_kernel']}; {UNRECORDED_DATE['critiprefill_bench.json']} (the commit's "
+            f"date); {UNRECORDED_COMMIT['critiprefill_bench.json']}; `python bench/bench_critiprefill.py --out bench/results`; "
+            f"{_source('critiprefill_bench.json')}.\n")
 
 
 _LOAD_NAMES = {"cpu_attn": "vLLM `CPU_ATTN`", "dense": "SPEEDSFI dense", "sfi": "SPEEDSFI SFI (k 64, recent 64)",
@@ -401,7 +426,7 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
 
 
 FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "document_question": document_question,
-           "cpu_steps": cpu_steps, "sfi_path": sfi_path, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
+           "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill}
