@@ -58,8 +58,13 @@ UNRECORDED_COMMIT = {
 UNRECORDED_DATE = {"document_question_smollm2.json": "2026-11-25", "critiprefill_bench.json": "2026-11-22"}
 
 
+def _result_text(name: str) -> str:
+    """A committed result file's text: every figure block reads its files through here."""
+    return (ROOT / RESULTS / name).read_text()
+
+
 def _load(name: str) -> dict:
-    return json.loads((ROOT / RESULTS / name).read_text())
+    return json.loads(_result_text(name))
 
 
 def _source(name: str) -> str:
@@ -265,7 +270,7 @@ _QUALITY_HEAD = re.compile(r"^\| config \|.*$", re.M)
 
 def _quality_rows(name: str, section: str | None) -> dict[str, dict[str, str]]:
     """The rows of a table that scripts/eval_quality.py wrote: the first, or the one after ``section``."""
-    text = (ROOT / RESULTS / f"{name}.md").read_text()
+    text = _result_text(f"{name}.md")
     if section:
         text = text[text.index(section):]
     head = _QUALITY_HEAD.search(text)

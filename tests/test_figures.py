@@ -45,6 +45,16 @@ def test_a_changed_result_is_caught(monkeypatch):
     assert write_figures.render(text) != text
 
 
+@pytest.mark.parametrize("name", sorted(write_figures.FIGURES))
+def test_every_block_follows_its_files(name, monkeypatch):
+    """Each block is written from its result files: change every decimal in them and the block changes."""
+    read = write_figures._result_text
+    before = write_figures.FIGURES[name]()
+    monkeypatch.setattr(write_figures, "_result_text",
+                        lambda n: re.sub(r"\b(\d+)\.(\d+)", lambda m: f"{int(m.group(1)) + 1}.{m.group(2)}", read(n)))
+    assert write_figures.FIGURES[name]() != before
+
+
 def _bumped(name):
     import json
 
