@@ -116,6 +116,21 @@ def gpu_h200() -> str:
             f"`scripts/gpu_e2e.sh call1`; {_source(name)}.\n")
 
 
+def h200_decode_kernels() -> str:
+    name = "vllm_e2e_h200.json"
+    d = _load(name)
+    lines = ["| context x batch | `paged_decode` µs / TB/s | TRITON_ATTN unified (delegate) µs / TB/s | delegate's time / ours |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {k['context'] // 1024}K x {k['batch']} | {k['paged_decode_us']:.0f} / {k['paged_decode_gbps'] / 1e3:.1f} | "
+              f"{k['delegate_us']:.0f} / {k['delegate_gbps'] / 1e3:.1f} | {k['delegate_us'] / k['paged_decode_us']:.1f}x |"
+              for k in d["kernels"]]
+    k = d["kernels"][0]
+    return ("\n".join(lines) + "\n\n"
+            f"{d['env']['gpu']}, one layer in CUDA graphs, {k['heads']}/{k['kv_heads']} heads, d {k['head_dim']}, "
+            f"{k['dtype'].replace('bfloat16', 'bf16')}; {d['started_utc'][:10]}; {UNRECORDED_COMMIT[name]}; "
+            f"`scripts/gpu_e2e.sh call1` (its `kernels` job); {_source(name)}.\n")
+
+
 _DOCUMENT_ROWS = (("dense", "dense"), ("default", "the `sfi` preset (default)"),
                   ("default_no_warmup", "the preset without `refresh_warmup`"),
                   ("sfi_paper", "SFI as published (`sfi-paper`)"),
@@ -396,7 +411,8 @@ def quality_critiprefill() -> str:
 
 
 # a number with a unit of time, speed or size, a ratio or a percentage: a measurement
-MEASURED = re.compile(r"\b\d+(?:[.,]\d+)?\s?(?:ms|s|min|x|%|GiB|MiB|tokens/s)(?![\w-])")
+MEASURED = re.compile(r"\b\d+(?:[.,]\d+)?(?:K\s?(?:tokens/s|tok/s)|\s?(?:TB/s|GB/s|tokens/s|tok/s|ms|us|µs|min|s|x|%"
+                      r"|GiB|MiB|GB|MB))(?![\w-])")
 EXEMPT = re.compile(r"^<!-- (not measured|historical): (\S.*?) -->$")
 _FENCE = re.compile(r"```.*?```", re.S)
 
@@ -430,7 +446,7 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
     return stray, exempt
 
 
-FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "document_question": document_question,
+FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
