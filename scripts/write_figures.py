@@ -6,6 +6,16 @@ from its ``bench/results/`` file, with the machine, the date, the commit and the
 produced it. ``--check`` writes nothing and exits 1 when a block differs from its file
 (``tests/test_figures.py`` runs the same check).
 
+A measured figure (a number with a unit of time, speed or size, a ratio or a percentage) anywhere
+else in those pages is an error, except in a paragraph that starts with one of these marks, on a line
+of its own directly above it (the mark covers the lines up to the next blank line):
+
+* ``<!-- not measured: WHY -->``: the numbers are not measurements of ours (a paper's reported
+  figures, a specification's constant, a limit of a machine, arithmetic on a configuration);
+* ``<!-- historical: WHY -->``: a measurement of ours that no committed result file holds.
+
+``--check`` lists such figures too; ``tests/test_figures.py`` lists every mark it accepts.
+
     python scripts/write_figures.py           # rewrite the blocks
     python scripts/write_figures.py --check   # fail on drift
 """
@@ -22,13 +32,39 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = "bench/results"
 BLOCK = re.compile(r"(<!-- figures: ([\w-]+) -->\n)(.*?)(<!-- /figures -->)", re.S)
 # result files that do not record the commit they were measured at
-UNRECORDED_COMMIT = {"vllm_e2e_h200.json": "results committed at 7477d12 (the file records no commit)"}
+UNRECORDED_COMMIT = {
+    name: f"results committed at {commit} (the file records no commit)" for name, commit in (
+        ("vllm_e2e_h200.json", "7477d12"),
+        ("load_cpu.json", "38c4c94"),
+        ("load_cpu_passes6.json", "87b63e0"),
+        ("quality_cpu_smollm2_2k.json", "62a9199"),
+        ("quality_cpu_retrieval-llama.json", "8c2f28d"),
+        ("quality_cpu_retrieval-llama_keep_prefill.json", "e5118dc"),
+        ("quality_cpu_retrieval-qwen3.json", "6765dfd"),
+        ("fast_step.json", "1e4df02"),
+        ("critiprefill_bench.json", "f38df37"),
+        ("quality_cpu_smollm2_4k8k.json", "fa84261"),
+        ("quality_cpu_smollm2_4k8k_default_packed.json", "f9acf9a"),
+        *((f"quality_cpu_smollm2_4k8k_{run}.json", "3cdc749") for run in (
+            "warmup", "sparse_decode", "dense_decode", "warmup_seed200", "default_seed200")),
+        ("quality_cpu_retrieval-qwen3_keep_prefill.json", "edf7bac"),
+        ("quality_cpu_retrieval-llama_quest_keep.json", "cc31445"),
+        ("quality_cpu_retrieval-qwen3_quest_keep.json", "bcbf2b4"),
+        ("quality_cpu_retrieval-llama_quest_rerank.json", "c20029c"),
+        ("quality_cpu_retrieval-qwen3_quest_rerank.json", "c20029c"),
+        ("quality_cpu_retrieval-llama_critiprefill.json", "3fd8c60"),
+    )}
 # result files that do not record their date: the date of the commit they were measured at
-UNRECORDED_DATE = {"document_question_smollm2.json": "2026-11-25"}
+UNRECORDED_DATE = {"document_question_smollm2.json": "2026-11-25", "critiprefill_bench.json": "2026-11-22"}
+
+
+def _result_text(name: str) -> str:
+    """A committed result file's text: every figure block reads its files through here."""
+    return (ROOT / RESULTS / name).read_text()
 
 
 def _load(name: str) -> dict:
-    return json.loads((ROOT / RESULTS / name).read_text())
+    return json.loads(_result_text(name))
 
 
 def _source(name: str) -> str:
@@ -80,6 +116,21 @@ def gpu_h200() -> str:
             f"`scripts/gpu_e2e.sh call1`; {_source(name)}.\n")
 
 
+def h200_decode_kernels() -> str:
+    name = "vllm_e2e_h200.json"
+    d = _load(name)
+    lines = ["| context x batch | `paged_decode` µs / TB/s | TRITON_ATTN unified (delegate) µs / TB/s | delegate's time / ours |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {k['context'] // 1024}K x {k['batch']} | {k['paged_decode_us']:.0f} / {k['paged_decode_gbps'] / 1e3:.1f} | "
+              f"{k['delegate_us']:.0f} / {k['delegate_gbps'] / 1e3:.1f} | {k['delegate_us'] / k['paged_decode_us']:.1f}x |"
+              for k in d["kernels"]]
+    k = d["kernels"][0]
+    return ("\n".join(lines) + "\n\n"
+            f"{d['env']['gpu']}, one layer in CUDA graphs, {k['heads']}/{k['kv_heads']} heads, d {k['head_dim']}, "
+            f"{k['dtype'].replace('bfloat16', 'bf16')}; {d['started_utc'][:10]}; {UNRECORDED_COMMIT[name]}; "
+            f"`scripts/gpu_e2e.sh call1` (its `kernels` job); {_source(name)}.\n")
+
+
 _DOCUMENT_ROWS = (("dense", "dense"), ("default", "the `sfi` preset (default)"),
                   ("default_no_warmup", "the preset without `refresh_warmup`"),
                   ("sfi_paper", "SFI as published (`sfi-paper`)"),
@@ -126,8 +177,280 @@ def cpu_steps() -> str:
             f"`{d['commands'][0]}` (and the file's other commands); {_source(name)}.\n")
 
 
-FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "document_question": document_question,
-           "cpu_steps": cpu_steps}
+def sfi_path() -> str:
+    name = "sfi_path.json"
+    d = _load(name)
+    lines = ["| ctx | batch | dense ms/step | SFI ms/step (whole run) | speed-up | fast steps only |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['ctx'] // 1024}K | {r['batch']} | {r['dense_ms']:.1f} | {r['sfi_ms']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['speedup_fast_only']:.2f}x |" for r in d["rows"]]
+    env = d["env"]
+    return ("\n".join(lines) + "\n\n"
+            f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}; {d['rows'][0]['model']} shape, "
+            f"random weights, {d['rows'][0]['steps']} decode steps; {d['timing']}; {env['time_utc'][:10]}; "
+            f"{d['code_state']}; `{d['reproduce']}`; {_source(name)}.\n")
+
+
+def gpu_kernels() -> str:
+    fast, cp = _load("fast_step.json"), _load("critiprefill_bench.json")
+    sweep, ctx = fast["retention_sweep"], fast["context_sweep"]
+    shape = fast["shapes"]
+    budget = ctx["budget"]
+    retained = ", ".join(f"{r['speedup']:.1f}x at {r['retained_pct']:.1f} %" for r in sweep["rows"])
+    by_ctx = ", ".join(f"{r['speedup']:.1f}x at {r['ctx'] // 1024}K" for r in ctx["rows"])
+    prefill = ", ".join(f"{r['speedup_vs_sdpa']:.1f}x at {r['n'] // 1024}K" for r in cp["results"])
+    lines = ["| what | result |", "| --- | --- |",
+             f"| SFI fast step vs our dense paged decode, {sweep['ctx'] // 1024}K KV, batch {shape['batch']}, "
+             f"{shape['q_heads']}/{shape['kv_heads']} heads, d {shape['head_size']}, bf16 | {retained} |",
+             f"| SFI fast step at the budget {budget['sink']} + {budget['k']} + {budget['recent']} | {by_ctx} |",
+             f"| CritiPrefill plan + block-sparse prefill vs torch SDPA flash, one request, budget "
+             f"{cp['config']['budget']} | {prefill} ({cp['timing']['iters']} timing iterations: indicative) |"]
+    return ("\n".join(lines) + "\n\n"
+            f"{fast['env']['gpu']}, torch {fast['env']['torch']}, Triton {fast['env']['triton']}; {fast['timing']}; "
+            f"{fast['env']['time_utc'][:10]}; {UNRECORDED_COMMIT['fast_step.json']}; "
+            f"`python bench/bench_fast_step.py --out bench/results`; {_source('fast_step.json')}.\n"
+            f"{cp['device']}, {cp['dense_kernel']}; {UNRECORDED_DATE['critiprefill_bench.json']} (the commit's "
+            f"date); {UNRECORDED_COMMIT['critiprefill_bench.json']}; `python bench/bench_critiprefill.py --out bench/results`; "
+            f"{_source('critiprefill_bench.json')}.\n")
+
+
+_LOAD_NAMES = {"cpu_attn": "vLLM `CPU_ATTN`", "dense": "SPEEDSFI dense", "sfi": "SPEEDSFI SFI (k 64, recent 64)",
+               "speed": "SPEEDSFI SPEED (adapted model)"}
+
+
+def _load_footer(name: str, d: dict) -> str:
+    m = d["machine"]
+    load = ", ".join(f"{x:.1f}" for x in m["load_average_at_start"])
+    return (f"{m['description']}, load average {load} at the start (other jobs shared the cores); "
+            f"{d['model']}, {d['workload']['concurrency']} concurrent streams; {d['date'][:10]}; "
+            f"{UNRECORDED_COMMIT[name]}; `{d['command']}` (per-config serve commands in the file); "
+            f"{_source(name)}.\n")
+
+
+def load_cpu() -> str:
+    name = "load_cpu.json"
+    d = _load(name)
+    lines = ["| config (serve) | TTFT p50 / p99 ms | TPOT p50 / p99 ms | output tok/s | exact match | errors "
+             "| fast-step retained | RSS ready → end MiB |", "|---|---|---|---|---|---|---|---|"]
+    for c in d["configs"]:
+        kept = c["speedsfi"].get("sfi_fast_retained_fraction")
+        lines.append(f"| {_LOAD_NAMES[c['name']]} | {c['ttft_ms']['p50']:.1f} / {c['ttft_ms']['p99']:.1f} | "
+                     f"{c['tpot_ms']['p50']:.1f} / {c['tpot_ms']['p99']:.1f} | {c['output_tokens_per_s']:.1f} | "
+                     f"{100 * c['exact_match']:.1f} % | {c['errors']} | {'-' if kept is None else f'{kept:.3f}'} | "
+                     f"{c['rss_ready']['total_mib']:.0f} → {c['rss_end']['total_mib']:.0f} |")
+    return "\n".join(lines) + "\n\n" + _load_footer(name, d)
+
+
+def load_passes() -> str:
+    name = "load_cpu_passes6.json"
+    d = _load(name)
+    passes = d["workload"]["passes"]
+    lines = ["| MiB after each pass of 200 requests | ready | " + " | ".join(str(i + 1) for i in range(passes)) + " |",
+             "|---" * (passes + 2) + "|"]
+
+    def rss(snapshot, role):
+        return next(v for k, v in snapshot["per_process_mib"].items() if role in k)
+
+    for c in d["configs"]:
+        label = _LOAD_NAMES[c["name"]].replace("recent 64)", "recent 64, span 4)")
+        for role, what in (("Worker", "worker"), ("EngineCore", "engine core")):
+            row = [rss(c["rss_ready"], role)] + [rss(p["rss_end"], role) for p in c["passes"]]
+            lines.append(f"| {label}, {what} | " + " | ".join(f"{v:.0f}" for v in row) + " |")
+    return "\n".join(lines) + "\n\n" + _load_footer(name, d)
+
+
+_SOAK_NAMES = {"cpu_attn": "vLLM `CPU_ATTN`", "all_on": "SFI + SPEED + CritiPrefill",
+               "sfi_critiprefill_pc": "SFI + CritiPrefill, prefix caching"}
+
+
+def soak() -> str:
+    lines = ["| config | requests | aborted by the client | failed | RSS growth after warm-up → end, MiB: "
+             "API server / engine core / worker / total |", "|---|---|---|---|---|"]
+    notes = []
+    for name in ("soak_cpu.json", "soak_cpu_5000.json"):
+        d = _load(name)
+        for c in d["configs"]:
+            g = c["soak"]["rss_growth_mib"]
+            lines.append(f"| {_SOAK_NAMES[c['name']]} | {c['soak']['requests']:,} | {c['soak']['aborted']} | "
+                         f"{c['soak']['failures']} | {g['api_server']:.1f} / {g['engine_core']:.1f} / "
+                         f"{g['worker']:.1f} / {g['total']:.1f} |")
+        load = ", ".join(f"{x:.1f}" for x in d["machine"]["load_average_at_start"])
+        notes.append(f"{d['machine']['description']}, load average {load} at the start; {d['date'][:10]}; "
+                     f"commit {d['code']['commit'][:7]}; `{d['command'].split(' --out')[0].replace('/work/main/', '')}`; {_source(name)}.")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+_QUALITY_HEAD = re.compile(r"^\| config \|.*$", re.M)
+
+
+def _quality_rows(name: str, section: str | None) -> dict[str, dict[str, str]]:
+    """The rows of a table that scripts/eval_quality.py wrote: the first, or the one after ``section``."""
+    text = _result_text(f"{name}.md")
+    if section:
+        text = text[text.index(section):]
+    head = _QUALITY_HEAD.search(text)
+    columns = [c.strip() for c in head.group(0).strip("|").split("|")]
+    rows = {}
+    for line in text[head.end():].strip().split("\n")[1:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(columns, cells))
+    return rows
+
+
+def _quality(rows: list[tuple[str, str | None, str, str]], columns: dict[str, str]) -> str:
+    """A table of (result name, section, config, label) rows and the given columns (file's name: shown
+    name), then one line per result file: model, machine, date, commit, command, source."""
+    lines = ["| config | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, section, config, label in rows:
+        row = _quality_rows(name, section)[config]
+        lines.append(f"| {label} | " + " | ".join(row[c] for c in columns) + " |")
+    notes = [_quality_note(name) for name in dict.fromkeys(r[0] for r in rows)]
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def _quality_note(name: str) -> str:
+    meta = _load(f"{name}.json")["meta"]
+    filler = f", {meta['filler']} filler" if meta.get("filler") else ""
+    return (f"{meta['model']} ({meta['prompts']}{filler}), {meta['per_cell']} per cell; {meta['device_desc']}, "
+            f"vLLM {meta['vllm']}, torch {meta['torch']}; {meta['date'][:10]}; "
+            f"{UNRECORDED_COMMIT[name + '.json']}; `{meta['command']}`; {_source(name + '.md')}.")
+
+
+_TASKS = {"niah_single": "single", "niah_multikey": "multi-key", "niah_multivalue": "multi-value",
+          "kv_lookup": "key-value", "all": "all", "agree w/ dense": "agreement with dense"}
+
+
+def quality_real_2k() -> str:
+    name = "quality_cpu_smollm2_2k"
+    labels = (("dense", "dense"), ("sfi_k256_published", "SFI as published, k 256"),
+              ("sfi_k320_keep192", "SFI k 320, `keep_prefill` 192, spans 6 / 6"),
+              ("quest_k320_page16_rerank4", "Quest + `quest_rerank` 4, k 320"),
+              ("critiprefill_b128", "CritiPrefill, 128 keys per segment"),
+              ("critiprefill_b512", "CritiPrefill, 512 keys per segment"),
+              ("speed_default", "SPEED (model not SPEED-adapted)"), ("all_on", "all three on"))
+    return _quality([(name, None, c, label) for c, label in labels],
+                    {"fast-step read, all counted": "fast-step read, all counted",
+                     "prefill keys read": "prefill keys read", "niah_single": "single needle (%)",
+                     "passage_copy": "copy (ROUGE-L, %)", "all": "score"})
+
+
+_REAL_4K8K = (("warmup", "default_refresh_warmup", "the `sfi` preset (default)"),
+              ("default_packed", "default", "the preset without `refresh_warmup`"),
+              ("warmup_seed200", "default_refresh_warmup", "the preset, 20 more prompts (seed 200)"),
+              ("default_seed200", "default", "the preset without `refresh_warmup`, seed 200"),
+              ("", "quest_k336_rerank4", "Quest + `quest_rerank` 4, k 336"),
+              ("sparse_decode", "sfi_k256_published", "SFI as published, k 256"),
+              ("sparse_decode", "quest_k336_page16", "Quest alone, k 336"),
+              ("dense_decode", "critiprefill_b512", "CritiPrefill, 512 keys per segment"),
+              ("dense_decode", "speed_default", "SPEED (model not SPEED-adapted)"),
+              ("sparse_decode", "all_on", "all three on"))
+
+
+def quality_real_4k8k() -> str:
+    """Each config's score as a share of dense's in the same run, at 4K and 8K."""
+    lines = ["| config | score, % of dense, 4K / 8K | single needle, % 4K / 8K | fast-step read, all counted, 4K / 8K |",
+             "|---|---|---|---|"]
+    names = []
+    for run, config, label in _REAL_4K8K:
+        name = "quality_cpu_smollm2_4k8k" + (f"_{run}" if run else "")
+        names.append(name)
+        at = [_quality_rows(name, f"Length {n}:") for n in (4096, 8000)]
+        share = " / ".join(f"{100 * float(t[config]['all']) / float(t['dense']['all']):.0f}" for t in at)
+        lines.append(f"| {label} | {share} | {' / '.join(t[config]['niah_single'] for t in at)} | "
+                     f"{' / '.join(t[config]['fast-step read, all counted'] for t in at)} |")
+    return "\n".join(lines) + "\n\n" + "\n".join(_quality_note(n) for n in dict.fromkeys(names)) + "\n"
+
+
+def quality_retrieval_sfi() -> str:
+    rows = [("quality_cpu_retrieval-llama", "Length 2048:", "dense", "dense"),
+            ("quality_cpu_retrieval-llama", "Length 2048:", "sfi_k256", "SFI k 256, n_recent 64 (the paper's selector)"),
+            ("quality_cpu_retrieval-llama", "Length 2048:", "sfi_k1536", "SFI k 1536, n_recent 64"),
+            ("quality_cpu_retrieval-llama_keep_prefill", None, "sfi_k256_span4",
+             "SFI k 256, n_recent 64, `select_span` 4")]
+    return _quality(rows, {"fast-step retained": "fast-step retained", **_TASKS})
+
+
+def quality_qwen3() -> str:
+    rows = [("quality_cpu_retrieval-qwen3", None, c, label) for c, label in (
+        ("dense", "dense"), ("sfi_k256", "SFI k 256 (the paper's selector)"),
+        ("sfi_k256_span4", "SFI k 256, `select_span` 4"),
+        ("sfi_k256_span4_preset_schedule", "the same with the `sfi-paper` preset's schedule"))]
+    return _quality(rows, {"read fraction": "read fraction", **_TASKS})
+
+
+def _both_models(suffix: str, configs: tuple[tuple[str, str], ...]) -> str:
+    rows = [(f"quality_cpu_retrieval-{model}_{suffix}", None, c, f"{label} ({model.capitalize()})")
+            for model in ("llama", "qwen3") for c, label in configs]
+    return _quality(rows, {"read fraction": "read fraction", **_TASKS})
+
+
+def quality_keep_prefill() -> str:
+    return _both_models("keep_prefill", (("dense", "dense"), ("sfi_k320_span6_back6_keep192",
+                                          "SFI k 320, spans 6 / 6, `keep_prefill` 192")))
+
+
+def quality_quest_keep() -> str:
+    return _both_models("quest_keep", (("dense", "dense"), ("quest_k320_page8_keep192_span6_back6",
+                                        "Quest page 8 + `keep_prefill` 192, spans 6 / 6, k 320")))
+
+
+def quality_quest_rerank() -> str:
+    return _both_models("quest_rerank", (("dense", "dense"),
+                                         ("quest_k320_page16_rerank4", "Quest page 16, `quest_rerank` 4, k 320"),
+                                         ("quest_k320_page8_rerank4", "Quest page 8, `quest_rerank` 4, k 320")))
+
+
+def quality_critiprefill() -> str:
+    rows = [("quality_cpu_retrieval-llama_critiprefill", None, c, label) for c, label in (
+        ("dense", "dense"), ("cp_b128", "CritiPrefill, 128 keys per segment"),
+        ("cp_b256", "CritiPrefill, 256 keys"), ("cp_b512", "CritiPrefill, 512 keys"),
+        ("cp_b1024", "CritiPrefill, 1024 keys"))]
+    return _quality(rows, _TASKS)
+
+
+# a number with a unit of time, speed or size, a ratio or a percentage: a measurement
+MEASURED = re.compile(r"\b\d+(?:[.,]\d+)?(?:K\s?(?:tokens/s|tok/s)|\s?(?:TB/s|GB/s|tokens/s|tok/s|ms|us|µs|min|s|x|%"
+                      r"|GiB|MiB|GB|MB))(?![\w-])")
+EXEMPT = re.compile(r"^<!-- (not measured|historical): (\S.*?) -->$")
+_FENCE = re.compile(r"```.*?```", re.S)
+
+
+def _blanked(text: str) -> list[str]:
+    """The page's lines with figure blocks and code fences (commands, not figures) emptied."""
+    def blank(m: re.Match) -> str:
+        return "\n" * m.group(0).count("\n")
+
+    return _FENCE.sub(blank, BLOCK.sub(blank, text)).split("\n")
+
+
+def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, list[str]]]]:
+    """(stray, exempt): each measured figure outside a block, fence or marked paragraph as
+    (line, figure); each mark as (line, kind, why, the figures its paragraph holds)."""
+    stray, exempt, mark = [], [], None
+    for number, line in enumerate(_blanked(text), 1):
+        m = EXEMPT.match(line.strip())
+        if m:
+            mark = (number, m.group(1), m.group(2), [])
+            exempt.append(mark)
+            continue
+        if not line.strip():
+            mark = None
+            continue
+        found = MEASURED.findall(line)
+        if mark:
+            mark[3].extend(found)
+        else:
+            stray += [(number, f) for f in found]
+    return stray, exempt
+
+
+FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
+           "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
+           "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
+           "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
+           "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill}
 
 
 def documents() -> list[pathlib.Path]:
@@ -158,7 +481,12 @@ def main() -> int:
                 path.write_text(new)
     verb = "differ from their files" if args.check else "rewritten"
     print(f"figure blocks {verb}: {', '.join(drifted) or 'none'}")
-    return 1 if args.check and drifted else 0
+    stray = [f"{path.relative_to(ROOT)}:{line}: {figure}"
+             for path in documents() for line, figure in scan(path.read_text())[0]]
+    if stray:
+        print("measured figures outside a figure block (generate them, drop them or mark the paragraph):")
+        print("\n".join(f"  {s}" for s in stray))
+    return 1 if args.check and (drifted or stray) else 0
 
 
 if __name__ == "__main__":
