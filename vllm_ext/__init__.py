@@ -36,6 +36,9 @@ def register() -> None:
     from vllm_ext.speed.kv_spec import register_speed_kv_spec
 
     register_speed_kv_spec()
+    from vllm_ext.sfi.kv_spec import register_sfi_kv_spec
+
+    register_sfi_kv_spec()
     metrics.ensure_trace_dir()
     metrics.register_prometheus_collector()
     _registered = True

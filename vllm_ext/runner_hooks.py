@@ -27,6 +27,35 @@ if TYPE_CHECKING:
 _TABLE_ATTR = "_speedsfi_request_table"
 _BOUND_ATTR = "_speedsfi_builders_bound"
 _PATCHED_ATTR = "_speedsfi_patched"
+_COMPACT_ATTR = "_speedsfi_compact_groups"
+
+
+def compact_groups(kv_cache_config) -> dict[int, tuple[int, list[str]]]:
+    """SFI's KV-cache groups (``vllm_ext.sfi.kv_spec``): group id -> (blocks per request, the
+    attention layers whose compact caches the group holds)."""
+    from vllm_ext.backend.sfi_compact import SUFFIX
+    from vllm_ext.sfi.kv_spec import SfiCompactSpec
+
+    out = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, SfiCompactSpec):
+            out[gid] = (spec.compact_blocks, [n[:-len(SUFFIX)] for n in group.layer_names
+                                              if n.endswith(SUFFIX)])
+    return out
+
+
+def _staged_group_tables(runner, num_reqs: int) -> dict | None:
+    """The real rows' block-table rows of SFI's groups and whether each holds all its blocks."""
+    groups = runner.__dict__.get(_COMPACT_ATTR)
+    if not groups:
+        return None
+    tables = runner.input_batch.block_table
+    out = {}
+    for gid, (n_c, _) in groups.items():
+        bt = tables[gid]
+        out[gid] = (bt.get_device_tensor(num_reqs), bt.num_blocks_per_row[:num_reqs] >= n_c)
+    return out
 
 
 def table_of(runner) -> EngineRequestTable | None:
@@ -90,6 +119,11 @@ def _bind_builders(runner, table: EngineRequestTable) -> None:
         return
     from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
 
+    if table.sfi is not None and kv_cache_config is not None:
+        groups = compact_groups(kv_cache_config)
+        runner.__dict__[_COMPACT_ATTR] = groups
+        table.sfi.bind_compact_groups({gid: (n_c, names) for gid, (n_c, names) in groups.items()})
+
     found = 0
     for groups in getattr(runner, "attn_groups", []) or []:
         for group in groups:
@@ -147,7 +181,8 @@ def _stage_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool) 
                      >= batch.num_prompt_tokens[:num_reqs])
         table.stage(batch.req_ids, num_reqs, num_rows, real=True, input_ids=runner.input_ids.gpu,
                     query_start_loc=runner.query_start_loc.gpu, row_is_decode=is_decode,
-                    host_geometry=(runner.query_start_loc.np, batch.num_computed_tokens_cpu))
+                    host_geometry=(runner.query_start_loc.np, batch.num_computed_tokens_cpu),
+                    group_tables=_staged_group_tables(runner, num_reqs))
     else:
         table.stage([], 0, num_rows, real=False)
 

@@ -38,18 +38,23 @@ class SfiLayerBuffers:
     Selector ``quest`` (needs ``max_len``): instead of the prompt tail, the page max/min of K
     ``page_reps [C + 1, 2, ceil(max_len / page_size), Hkv, D]`` (activation dtype; entry ``C`` is a
     scratch slot that rows without a compact slot write to), kept up to date by the prefill chunks
-    and by every decode step (the page of the newest token)."""
+    and by every decode step (the page of the newest token).
+
+    ``paged``: the compact segments live in vLLM's KV-cache blocks (``vllm_ext.sfi.kv_spec``): no
+    ``compact_kv`` is allocated here; the impl points ``compact_kv`` (the compact layer's pages) and
+    ``compact_table`` (the per-slot block table) at them before each forward."""
 
     def __init__(self, capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
                  dtype: torch.dtype, device: torch.device, num_heads: int | None = None,
-                 max_len: int | None = None):
+                 max_len: int | None = None, paged: bool = False):
         from vllm_ext.sfi.prompt_tail import PromptTailQueries
 
         quest = cfg.selector == "quest"
         if quest and max_len is None:
             raise ValueError("SfiLayerBuffers: selector 'quest' needs max_len (the page tables)")
-        self.compact_kv = torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k, 2 * head_size,
-                                      dtype=dtype, device=device)
+        self.compact_kv = None if paged else torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k,
+                                                         2 * head_size, dtype=dtype, device=device)
+        self.compact_table: torch.Tensor | None = None
         self.compact_len = torch.zeros(capacity, dtype=torch.int32, device=device)
         # sfi.keep_prefill: the positions each slot's prefill-end selection keeps (compact entries
         # [n_sink, n_sink + n_kept)), which decode-time selections exclude
@@ -67,7 +72,8 @@ class SfiLayerBuffers:
 
     @staticmethod
     def nbytes(capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
-               dtype: torch.dtype, num_heads: int | None = None, max_len: int | None = None) -> int:
+               dtype: torch.dtype, num_heads: int | None = None, max_len: int | None = None,
+               paged: bool = False) -> int:
         from vllm_ext.sfi.prompt_tail import PromptTailQueries
 
         elem = torch.empty((), dtype=dtype).element_size()
@@ -78,7 +84,8 @@ class SfiLayerBuffers:
         if quest and max_len is not None:
             pages = ((capacity + 1) * 2 * (-(-max_len // cfg.page_size)) * num_kv_heads * head_size
                      * elem)
-        return (capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem + capacity * 4
+        compact = 0 if paged else capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem
+        return (compact + capacity * 4
                 + capacity * num_kv_heads * cfg.keep_prefill * 4 + tail + pages)
 
 
