@@ -278,8 +278,10 @@ def limit_prefix_hit(scheduler, request, policy, result):
     if limit >= num_hit:
         return result
     groups = scheduler.kv_cache_config.kv_cache_groups
-    if num_hit % bs or any(g.kv_cache_spec.block_size != bs for g in groups) or any(
-            len(b) * bs != num_hit for b in blocks.blocks):
+    # groups that never prefix-cache (SFI's compact blocks) hold no hit blocks: nothing to cut there
+    cached = [i for i, g in enumerate(groups) if g.kv_cache_spec.prefix_cacheable]
+    if num_hit % bs or any(groups[i].kv_cache_spec.block_size != bs for i in cached) or any(
+            len(blocks.blocks[i]) * bs != num_hit for i in cached):
         metrics.fallback("prefix_hit_uncut", "a prefix-cache hit could not be cut where SPEEDSFI "
                          "needs it (block layout); that request's prompt-tail window is padded "
                          "(SFI) or its first segment is represented by its computed queries only "
