@@ -20,6 +20,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from vllm_ext import metrics
 from vllm_ext.config import SfiConfig
 
 
@@ -88,6 +89,7 @@ class SfiCompactManager(SingleTypeKVCacheManager):
             return []
         new = self.block_pool.get_new_blocks(n)
         self.req_to_blocks[request_id].extend(new)
+        metrics.bump("sfi.compact_allocations")   # once per request and group (and per resume)
         if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in new)
         return new
