@@ -119,10 +119,11 @@ def _bind_builders(runner, table: EngineRequestTable) -> None:
         return
     from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
 
-    if table.sfi is not None and kv_cache_config is not None:
+    sfi = getattr(table, "sfi", None)
+    if sfi is not None and kv_cache_config is not None:
         groups = compact_groups(kv_cache_config)
         runner.__dict__[_COMPACT_ATTR] = groups
-        table.sfi.bind_compact_groups({gid: (n_c, names) for gid, (n_c, names) in groups.items()})
+        sfi.bind_compact_groups(groups)
 
     found = 0
     for groups in getattr(runner, "attn_groups", []) or []:
