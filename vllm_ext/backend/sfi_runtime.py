@@ -3,8 +3,9 @@ decode path runs on (``vllm_ext.backend.sfi_path``). Torch only (no vLLM import)
 drive it without vLLM.
 
 Sizes follow the work, never ``max_num_seqs``:
-- per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = ``sfi.max_requests``),
-  and the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
+- per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = SFI's request
+  capacity: ``--max-num-seqs``, or ``sfi.max_requests`` when set) outside vLLM; inside vLLM they are
+  KV-cache blocks of SFI's own group (``vllm_ext.sfi.kv_spec``) and nothing here; the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
   spans prefill chunks); with ``sfi.keep_prefill`` P the kept positions ``C x Hkv x P`` int32;
 - shared by the layers of a device (one :class:`SfiRuntime`):
   - the maintenance ring, ``N`` slots of evidence + key norms, ``2 x N x S x Hkv x L`` fp32
@@ -283,7 +284,7 @@ class SfiRuntime:
                 f"{_nbytes(self.selector_workspace) / 2**20:.1f} MiB"
                 + (f" + quest_rerank candidates {self._candidate_nbytes / 2**20:.1f} MiB"
                    if self.candidate_workspace is not None else "")
-                + f"; S = sfi.max_requests, independent of max_num_seqs ({max_rows})")
+                + f"; S = SFI's request capacity (max_num_seqs {max_rows}, or sfi.max_requests)")
 
 
 _dense_workspaces: dict[tuple, object] = {}
