@@ -118,6 +118,12 @@ class RequestStateTable:
         self.methods.append(method)
         return method
 
+    def bind_kv_groups(self, groups: Mapping[str, Mapping[int, tuple[int, list[str]]]]) -> None:
+        """Hand each registered method its KV-cache groups (``groups``: method name -> group id ->
+        (blocks per request, layer names)); called once per KV cache vLLM builds."""
+        for method in self.methods:
+            method.bind_kv_groups(groups.get(method.name, {}))
+
     @property
     def staged_host_geometry(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The staged step's host geometry (``query_start_loc``, tokens computed before the step)."""

@@ -27,34 +27,33 @@ if TYPE_CHECKING:
 _TABLE_ATTR = "_speedsfi_request_table"
 _BOUND_ATTR = "_speedsfi_builders_bound"
 _PATCHED_ATTR = "_speedsfi_patched"
-_COMPACT_ATTR = "_speedsfi_compact_groups"
+_GROUPS_ATTR = "_speedsfi_method_groups"
 
 
-def compact_groups(kv_cache_config) -> dict[int, tuple[int, list[str]]]:
-    """SFI's KV-cache groups (``vllm_ext.sfi.kv_spec``): group id -> (blocks per request, the
-    attention layers whose compact caches the group holds)."""
-    from vllm_ext.backend.sfi_compact import SUFFIX
-    from vllm_ext.sfi.kv_spec import SfiCompactSpec
-
-    out = {}
+def method_kv_groups(kv_cache_config) -> dict[str, dict[int, tuple[int, list[str]]]]:
+    """The KV-cache groups that hold a method's per-request memory (their spec names the method in
+    ``speedsfi_method``: ``vllm_ext.method_slots``): method -> group id -> (blocks per request,
+    layer names)."""
+    out: dict[str, dict[int, tuple[int, list[str]]]] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if isinstance(spec, SfiCompactSpec):
-            out[gid] = (spec.compact_blocks, [n[:-len(SUFFIX)] for n in group.layer_names
-                                              if n.endswith(SUFFIX)])
+        method = getattr(spec, "speedsfi_method", None)
+        if method:
+            out.setdefault(method, {})[gid] = (int(spec.blocks_per_request), list(group.layer_names))
     return out
 
 
 def _staged_group_tables(runner, num_reqs: int) -> dict | None:
-    """The real rows' block-table rows of SFI's groups and whether each holds all its blocks."""
-    groups = runner.__dict__.get(_COMPACT_ATTR)
+    """The real rows' block-table rows of the methods' groups and whether each row holds all the
+    blocks its group gives a request (the runner's count: rows' stale entries are never trusted)."""
+    groups = runner.__dict__.get(_GROUPS_ATTR)
     if not groups:
         return None
     tables = runner.input_batch.block_table
     out = {}
-    for gid, (n_c, _) in groups.items():
+    for gid, n in groups.items():
         bt = tables[gid]
-        out[gid] = (bt.get_device_tensor(num_reqs), bt.num_blocks_per_row[:num_reqs] >= n_c)
+        out[gid] = (bt.get_device_tensor(num_reqs), bt.num_blocks_per_row[:num_reqs] >= n)
     return out
 
 
@@ -119,11 +118,11 @@ def _bind_builders(runner, table: EngineRequestTable) -> None:
         return
     from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
 
-    sfi = getattr(table, "sfi", None)
-    if sfi is not None and kv_cache_config is not None:
-        groups = compact_groups(kv_cache_config)
-        runner.__dict__[_COMPACT_ATTR] = groups
-        sfi.bind_compact_groups(groups)
+    if kv_cache_config is not None and hasattr(table, "bind_kv_groups"):
+        groups = method_kv_groups(kv_cache_config)
+        runner.__dict__[_GROUPS_ATTR] = {gid: n for by_gid in groups.values()
+                                         for gid, (n, _) in by_gid.items()}
+        table.bind_kv_groups(groups)
 
     found = 0
     for groups in getattr(runner, "attn_groups", []) or []:

@@ -19,7 +19,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder,
                                        MultipleOf)
 
-SUFFIX = ".sfi_compact"
+from vllm_ext.sfi.slot_tables import COMPACT_SUFFIX as SUFFIX  # noqa: E402
 
 
 def compact_layer_name(attn_layer_name: str) -> str:

@@ -44,6 +44,13 @@ class SfiCompactSpec(AttentionSpec):
     compact_blocks: int = 1
     first_len: int = 1
 
+    # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds
+    speedsfi_method = "sfi"
+
+    @property
+    def blocks_per_request(self) -> int:
+        return self.compact_blocks
+
     @property
     def prefix_cacheable(self) -> bool:
         return False

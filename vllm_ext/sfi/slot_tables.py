@@ -47,6 +47,9 @@ class QuestPrefillPages:
     max_pages: int                  # host bound of the pages one row rewrites
 
 
+# the name of an attention layer's compact cache layer (``vllm_ext.backend.sfi_compact``)
+COMPACT_SUFFIX = ".sfi_compact"
+
 STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
               STAT_DENSE: "sfi.dense_rows", STAT_RETAINED: "sfi.fast_retained_tokens",
               STAT_CONTEXT: "sfi.fast_context_tokens",
@@ -109,6 +112,13 @@ class SfiSlotTables(MethodSlots):
     @property
     def stats(self) -> torch.Tensor:
         return self.counters.values
+
+    def bind_kv_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
+        """``MethodSlots``: SFI's KV-cache groups (``vllm_ext.sfi.kv_spec``), group id -> (blocks
+        per request, the compact cache layers ``<attention layer>`` + :data:`COMPACT_SUFFIX`)."""
+        self.bind_compact_groups({gid: (n_c, [n[:-len(COMPACT_SUFFIX)] for n in names
+                                               if n.endswith(COMPACT_SUFFIX)])
+                                  for gid, (n_c, names) in groups.items()})
 
     def bind_compact_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
         """The compact segments live in vLLM's KV-cache groups ``groups``: group id -> (blocks per
