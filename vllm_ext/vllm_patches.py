@@ -279,7 +279,7 @@ def limit_prefix_hit(scheduler, request, policy, result):
         return result
     groups = scheduler.kv_cache_config.kv_cache_groups
     # groups that never prefix-cache (SFI's compact blocks) hold no hit blocks: nothing to cut there
-    cached = [i for i, g in enumerate(groups) if g.kv_cache_spec.prefix_cacheable]
+    cached = [i for i, g in enumerate(groups) if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
     if num_hit % bs or any(groups[i].kv_cache_spec.block_size != bs for i in cached) or any(
             len(blocks.blocks[i]) * bs != num_hit for i in cached):
         metrics.fallback("prefix_hit_uncut", "a prefix-cache hit could not be cut where SPEEDSFI "
