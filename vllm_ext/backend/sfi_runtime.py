@@ -311,6 +311,7 @@ def shared_dense_workspace(*, max_rows: int, num_heads: int, num_kv_heads: int, 
 
 
 _runtimes: dict[tuple, SfiRuntime] = {}
+LARGE_RUNTIME_BYTES = 2 << 30
 
 
 def shared_runtime(cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: int,
@@ -332,4 +333,11 @@ def shared_runtime(cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: i
         _runtimes[key] = rt
         logger.info("vllm_ext: %s; maintenance %s", rt.describe(),
                     "on a side stream" if rt.ring.dual else "serial")
+        if rt.nbytes > LARGE_RUNTIME_BYTES:
+            # the scratch follows SFI's request capacity (every request of --max-num-seqs since the
+            # compact segments moved into vLLM's KV cache: docs/per_request_memory.md)
+            logger.warning("vllm_ext: SFI's slow-step scratch takes %.1f GiB for %d requests at once, "
+                           "out of the KV cache's memory; set speedsfi.sfi.max_requests (an upper "
+                           "bound on requests decoding with SFI at once) or a smaller --max-num-seqs "
+                           "to shrink it", rt.nbytes / 2**30, capacity)
     return rt
