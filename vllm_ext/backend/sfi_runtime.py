@@ -284,7 +284,8 @@ class SfiRuntime:
                 f"{_nbytes(self.selector_workspace) / 2**20:.1f} MiB"
                 + (f" + quest_rerank candidates {self._candidate_nbytes / 2**20:.1f} MiB"
                    if self.candidate_workspace is not None else "")
-                + f"; S = SFI's request capacity (max_num_seqs {max_rows}, or sfi.max_requests)")
+                + f"; S = sfi.max_requests when set (then independent of max_num_seqs), else "
+                f"max_num_seqs ({max_rows})")
 
 
 _dense_workspaces: dict[tuple, object] = {}
