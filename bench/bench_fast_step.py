@@ -15,6 +15,9 @@ the recent window read in place.
 (b) ctx 8K .. 128K at the SFI default budget (sink 4 + K 2048 + recent 256 = 2308 tokens).
 
 Times are CUDA-graph replays (``ms``; eager ``ms_eager`` beside them); GB/s = KV bytes read / time.
+Every point also times the fast step with the compact segment paged as vLLM holds it (SFI's own
+KV-cache group, read through a per-slot block table: ``sparse_paged_ms``, and
+``paged_over_contiguous``, the issue-36 check that paging costs under 5 %).
 Writes ``fast_step.json``, ``fast_step_retention.png``, ``fast_step_context.png``.
 """
 
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from common import (BASELINE_NOTE, DecodeProblem, copy_bandwidth, device_for, env_info, gbps,  # noqa: E402
-                    parse_args, plot, split_budget, time_op, write_json)
+                    paged_compact, parse_args, plot, split_budget, time_op, write_json)
 
 PAPER_KERNEL_SPEEDUP = {"1.6": 10.67, "25": 3.96, "50": 2.10, "98.4": 1.10}
 DESIGN_TARGET = {"1.6": 10.7, "12.5": 7.2, "25": 4.0, "50": 2.1}
@@ -60,6 +63,12 @@ def measure_point(prob: DecodeProblem, sink: int, sel: int, recent: int, split_g
                                           st["compact_len"], st["slot_idx"], prob.scale, out,
                                           num_splits=ns, max_recent=recent, workspace=ws)
     t_default = time_op(run(default), dev)
+    pages, table = paged_compact(st["compact_kv"], prob.block_size)
+    out_paged = torch.empty_like(prob.query)
+    t_paged = time_op(lambda: two_segment_decode(
+        prob.query, prob.kv_cache, prob.block_table, prob.seq_lens, st["recent_start"], pages,
+        st["compact_len"], st["slot_idx"], prob.scale, out_paged, num_splits=default, max_recent=recent,
+        workspace=ws, compact_table=table), dev)
     by_split = {}
     for ns in split_grid:
         by_split[str(ns)] = time_op(run(ns), dev)["ms"]
@@ -69,6 +78,7 @@ def measure_point(prob: DecodeProblem, sink: int, sel: int, recent: int, split_g
     res = dict(retained_tokens=retained, sink=sink, selected=sel, recent=recent,
                retained_pct=100.0 * retained / prob.ctx,
                sparse_ms=t_default["ms"], sparse_ms_eager=t_default["ms_eager"],
+               sparse_paged_ms=t_paged["ms"], paged_over_contiguous=t_paged["ms"] / t_default["ms"],
                sparse_num_splits=default, sparse_ms_by_splits=by_split,
                sparse_best_ms=by_split[best_ns], sparse_best_splits=int(best_ns),
                sparse_kv_bytes=nbytes, sparse_gbps=gbps(nbytes, t_default["ms"]),
@@ -77,6 +87,7 @@ def measure_point(prob: DecodeProblem, sink: int, sel: int, recent: int, split_g
                speedup_best_splits=dense_t["ms"] / by_split[best_ns],
                speedup_eager=dense_t["ms_eager"] / t_default["ms_eager"])
     run(default)()
+    res["paged_max_abs_diff"] = float((out_paged.float() - out.float()).abs().max())
     return res, out, st
 
 
@@ -120,7 +131,8 @@ def main(argv=None):
         print(f"[a] {frac:6.2f}% retained={row['retained_tokens']:6d} "
               f"sparse {row['sparse_ms'] * 1e3:8.1f} us ({row['sparse_gbps']:.0f} GB/s) "
               f"dense {dense_t['ms'] * 1e3:8.1f} us  speed-up {row['speedup']:.2f}x "
-              f"(best splits {row['speedup_best_splits']:.2f}x)", flush=True)
+              f"(best splits {row['speedup_best_splits']:.2f}x); paged compact "
+              f"{row['paged_over_contiguous']:.3f}x the contiguous time", flush=True)
     del prob
     if dev.type == "cuda":
         torch.cuda.empty_cache()

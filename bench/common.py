@@ -229,6 +229,24 @@ class DecodeProblem:
                     selected=sel, n_sel=nsel_t, n_sink=n_sink, max_recent=n_recent)
 
 
+def paged_compact(compact: torch.Tensor, block_size: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contiguous compact segments ``[S, Hkv, C, 2D]`` laid out as SFI's KV-cache group holds
+    them inside vLLM (``vllm_ext.sfi.kv_spec``): ``(pages [B, Hkv, block_size, 2D], table [S, n_c])``,
+    each slot's blocks scattered over a pool with as many spare blocks again (shuffled, as vLLM's
+    free list hands them out)."""
+    s, hkv, cap, c2 = compact.shape
+    n_c = -(-cap // block_size)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    num_blocks = 2 * s * n_c + 1
+    ids = (torch.randperm(num_blocks - 1, generator=g)[:s * n_c] + 1).to(torch.int32)
+    table = ids.view(s, n_c).to(compact.device)
+    pages = torch.zeros(num_blocks, hkv, block_size, c2, dtype=compact.dtype, device=compact.device)
+    padded = torch.zeros(s, hkv, n_c * block_size, c2, dtype=compact.dtype, device=compact.device)
+    padded[:, :, :cap] = compact
+    pages[table.long()] = padded.view(s, hkv, n_c, block_size, c2).transpose(1, 2)
+    return pages, table
+
+
 def split_budget(ctx: int, retained: int, n_sink: int = 4, n_recent: int = 256) -> tuple[int, int, int]:
     """Retained tokens -> (sink, selected, recent) with the SFI defaults: the recent window first
     (at most ``n_recent``), then the sink, the rest selected."""

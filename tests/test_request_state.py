@@ -159,3 +159,41 @@ def test_without_sfi_a_request_asking_for_it_is_counted():
     t.sync_membership([], {"a": (4, {"sfi": {"enabled": True}}), "b": (4, None)})
     assert metrics.snapshot().get("fallback.sfi_not_configured", 0) == 1
     assert t.sfi is None and t.critiprefill is None and t.methods == []
+
+
+def test_sfi_reads_its_kv_cache_group_rows_and_a_request_without_blocks_decodes_densely():
+    """Inside vLLM the compact segments are blocks of SFI's own KV-cache group: each step the rows'
+    block-table rows land in the per-compact-slot table the kernels read, and a request that does
+    not hold its blocks yet (vLLM's flag per row) decodes densely until it does."""
+    from vllm_ext.config import SpeedSfiConfig
+
+    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 8, "k_min": 4, "n_sink": 4,
+                                            "n_recent": 16}})
+    t = EngineRequestTable(max_reqs=4, device="cpu", config=cfg, sfi_capacity=4)
+    # the one door: the generic table hands each method the KV-cache groups its spec declares
+    t.bind_kv_groups({"sfi": {1: (2, ["model.layers.0.attn.sfi_compact"])}, "other": {2: (1, ["x"])}})
+    assert t.sfi.compact_table_of_layer["model.layers.0.attn"] is t.sfi.compact_tables[1]
+    t.sync_membership([], {"a": (100, None), "b": (100, None)})
+
+    def step(has_blocks_b):
+        qsl = np.array([0, 1, 2], dtype=np.int32)
+        ids = torch.tensor([7, 9], dtype=torch.int32)
+        rows = torch.tensor([[11, 12, 0], [13, 14, 0] if has_blocks_b else [0, 0, 0]], dtype=torch.int32)
+        t.stage(["a", "b"], 2, 2, real=True, input_ids=ids, query_start_loc=torch.from_numpy(qsl),
+                row_is_decode=np.array([True, True]),
+                host_geometry=(qsl, np.array([100, 100], dtype=np.int32)),
+                group_tables={1: (rows, np.array([True, has_blocks_b]))})
+        return t.build_step(torch.tensor([101, 101], dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32))
+
+    s = step(has_blocks_b=False)
+    slot_a = t.sfi.slot_host[t.slot_of["a"]]
+    assert t.sfi.compact_tables[1][slot_a].tolist() == [11, 12]
+    assert s.sfi.row_sparse.tolist() == [True, False]          # "b" holds no compact blocks yet
+    s = step(has_blocks_b=True)
+    slot_b = t.sfi.slot_host[t.slot_of["b"]]
+    assert t.sfi.compact_tables[1][slot_b].tolist() == [13, 14]
+    assert s.sfi.row_sparse.tolist() == [True, True]
+    # a request resumed after preemption starts without blocks (vLLM freed them)
+    t.sync_membership(["b"], {"a": (100, None), "b": (100, None)}, resumed_req_ids=["b"])
+    s = step(has_blocks_b=False)
+    assert s.sfi.row_sparse.tolist() == [True, False]

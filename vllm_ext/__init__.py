@@ -39,6 +39,9 @@ def register() -> None:
     from vllm_ext import env_vars
 
     env_vars.forward_to_ray()
+    from vllm_ext.sfi.kv_spec import register_sfi_kv_spec
+
+    register_sfi_kv_spec()
     metrics.ensure_trace_dir()
     metrics.register_prometheus_collector()
     _registered = True

@@ -144,7 +144,10 @@ class SfiConfig:
     # `quest_rerank * budget` tokens per selection besides the page scan. 0 = Quest's page selection.
     quest_rerank: int = 0
     # system
-    max_requests: int | None = None    # requests holding SFI state at once; None = min(max_num_seqs, 32)
+    # an optional upper bound on the requests decoding with SFI at once (beyond it requests wait in
+    # vLLM's queue); None = every request of --max-num-seqs: the compact segments are vLLM's KV-cache
+    # blocks (vllm_ext.sfi.kv_spec, docs/per_request_memory.md)
+    max_requests: int | None = None
     dual_stream: bool = True           # selector + gather on a side stream (CUDA); False = serial
     side_stream_slots: int = 4         # evidence scratch ring shared by the side stream and the layers
 

@@ -7,7 +7,10 @@ request slot. The table calls every registered method table, in registration ord
 - device, at the next build: ``reset_slots`` (the slots assigned since the last build start clean);
 - per step, at build: ``plan_step`` (the method's plan of the step into its persistent buffers, or
   ``None``; the step exposes it under the method's ``name``), and, when a test records the steps,
-  ``snapshot_fields`` (extra host fields of a row's snapshot).
+  ``snapshot_fields`` (extra host fields of a row's snapshot);
+- once per KV cache vLLM builds: ``bind_kv_groups`` (the KV-cache groups whose spec names this method
+  in ``speedsfi_method``: a method's per-request memory that vLLM's block manager pages, e.g. SFI's
+  compact segments; their block-table rows reach ``plan_step`` as ``step.group_tables``).
 
 Everything here runs inside the plan half of the plan/run split (see ``vllm_ext.request_state``).
 Torch only (no vLLM).
@@ -38,6 +41,10 @@ class MethodSlots:
     def plan_step(self, step) -> Any:
         """The method's plan of ``step`` (a :class:`vllm_ext.request_state.StepState`), or ``None``."""
         return None
+
+    def bind_kv_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
+        """This method's KV-cache groups: group id -> (blocks a request holds there, the group's
+        layer names)."""
 
     def snapshot_fields(self, plan: Any, row: int, slot: int) -> dict[str, Any]:
         """Host fields this method adds to row ``row``'s snapshot (synchronises: tests only)."""

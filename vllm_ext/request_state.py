@@ -58,6 +58,10 @@ class StepState:
     query_start_loc: torch.Tensor | None = None   # the step's device buffer (real steps)
     host_geometry: tuple[np.ndarray, np.ndarray] | None = None   # see RequestStateTable.stage
     block_table: torch.Tensor | None = None
+    # other KV-cache groups' block tables of the real rows, by group id: (device table [num_reqs,
+    # width], host flags [num_reqs]: the row holds all the blocks its group gives a request); a
+    # method that keeps per-request memory in a group of its own reads its rows here
+    group_tables: Mapping[int, tuple[torch.Tensor, np.ndarray]] | None = None
     plans: dict[str, Any] = field(default_factory=dict)   # method name -> its plan of the step (or None)
 
 
@@ -113,6 +117,12 @@ class RequestStateTable:
             raise RuntimeError("vllm_ext: a method's slot tables must be registered before any request")
         self.methods.append(method)
         return method
+
+    def bind_kv_groups(self, groups: Mapping[str, Mapping[int, tuple[int, list[str]]]]) -> None:
+        """Hand each registered method its KV-cache groups (``groups``: method name -> group id ->
+        (blocks per request, layer names)); called once per KV cache vLLM builds."""
+        for method in self.methods:
+            method.bind_kv_groups(groups.get(method.name, {}))
 
     @property
     def staged_host_geometry(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -195,7 +205,8 @@ class RequestStateTable:
     def stage(self, row_req_ids: list[str | None], num_reqs: int, num_rows: int, *, real: bool,
               input_ids: torch.Tensor | None = None, query_start_loc: torch.Tensor | None = None,
               row_is_decode: np.ndarray | None = None,
-              host_geometry: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+              host_geometry: tuple[np.ndarray, np.ndarray] | None = None,
+              group_tables: Mapping[int, tuple[torch.Tensor, np.ndarray]] | None = None) -> None:
         """Stage the step's rows on the host (no device work). ``row_req_ids`` is the runner's row
         order; ``input_ids`` / ``query_start_loc`` are the step's device buffers (read at build);
         ``host_geometry`` = (host ``query_start_loc [num_reqs + 1]``, tokens computed before this
@@ -214,7 +225,7 @@ class RequestStateTable:
             self._row_is_decode.np[:num_reqs] = row_is_decode[:num_reqs]
         self._row_is_decode.np[num_reqs:num_rows] = False
         self._staged = _Staged(list(row_req_ids[:num_reqs]), num_reqs, num_rows, real, input_ids,
-                               query_start_loc, host_geometry)
+                               query_start_loc, host_geometry, group_tables if real else None)
         self._built = None
 
     # ------------------------------------------------------------------ per step: build (device)
@@ -250,7 +261,7 @@ class RequestStateTable:
                               step_id=next(self._step_ids),
                               seq_lens=None if seq_lens is None else seq_lens[:num_rows],
                               query_start_loc=st.query_start_loc, host_geometry=st.host_geometry,
-                              block_table=block_table)
+                              block_table=block_table, group_tables=st.group_tables)
         for method in self.methods:
             step.plans[method.name] = method.plan_step(step)
         if self.recorder is not None and st.real:
@@ -294,4 +305,5 @@ class _Staged:
     input_ids: torch.Tensor | None
     query_start_loc: torch.Tensor | None
     host_geometry: tuple | None
+    group_tables: Mapping | None = None
 

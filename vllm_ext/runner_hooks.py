@@ -27,6 +27,34 @@ if TYPE_CHECKING:
 _TABLE_ATTR = "_speedsfi_request_table"
 _BOUND_ATTR = "_speedsfi_builders_bound"
 _PATCHED_ATTR = "_speedsfi_patched"
+_GROUPS_ATTR = "_speedsfi_method_groups"
+
+
+def method_kv_groups(kv_cache_config) -> dict[str, dict[int, tuple[int, list[str]]]]:
+    """The KV-cache groups that hold a method's per-request memory (their spec names the method in
+    ``speedsfi_method``: ``vllm_ext.method_slots``): method -> group id -> (blocks per request,
+    layer names)."""
+    out: dict[str, dict[int, tuple[int, list[str]]]] = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        method = getattr(spec, "speedsfi_method", None)
+        if method:
+            out.setdefault(method, {})[gid] = (int(spec.blocks_per_request), list(group.layer_names))
+    return out
+
+
+def _staged_group_tables(runner, num_reqs: int) -> dict | None:
+    """The real rows' block-table rows of the methods' groups and whether each row holds all the
+    blocks its group gives a request (the runner's count: rows' stale entries are never trusted)."""
+    groups = runner.__dict__.get(_GROUPS_ATTR)
+    if not groups:
+        return None
+    tables = runner.input_batch.block_table
+    out = {}
+    for gid, n in groups.items():
+        bt = tables[gid]
+        out[gid] = (bt.get_device_tensor(num_reqs), bt.num_blocks_per_row[:num_reqs] >= n)
+    return out
 
 
 def table_of(runner) -> EngineRequestTable | None:
@@ -90,6 +118,12 @@ def _bind_builders(runner, table: EngineRequestTable) -> None:
         return
     from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
 
+    if kv_cache_config is not None and hasattr(table, "bind_kv_groups"):
+        groups = method_kv_groups(kv_cache_config)
+        runner.__dict__[_GROUPS_ATTR] = {gid: n for by_gid in groups.values()
+                                         for gid, (n, _) in by_gid.items()}
+        table.bind_kv_groups(groups)
+
     found = 0
     for groups in getattr(runner, "attn_groups", []) or []:
         for group in groups:
@@ -151,7 +185,8 @@ def _stage_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool) 
                      >= batch.num_prompt_tokens[:num_reqs])
         table.stage(batch.req_ids, num_reqs, num_rows, real=True, input_ids=runner.input_ids.gpu,
                     query_start_loc=runner.query_start_loc.gpu, row_is_decode=is_decode,
-                    host_geometry=(runner.query_start_loc.np, batch.num_computed_tokens_cpu))
+                    host_geometry=(runner.query_start_loc.np, batch.num_computed_tokens_cpu),
+                    group_tables=_staged_group_tables(runner, num_reqs))
     else:
         table.stage([], 0, num_rows, real=False)
 

@@ -1,8 +1,10 @@
 """What SPEEDSFI asks of vLLM's scheduler so that an answer depends on its request alone (DESIGN.md:
 never on batch composition, chunk boundaries or other traffic).
 
-The worker holds per-request state in fixed pools: ``C_sfi`` SFI compact slots
-(``sfi.max_requests``) and ``C_cp`` CritiPrefill slots (``critiprefill.max_requests``). A request that
+The worker holds per-request state in fixed pools: ``C_cp`` CritiPrefill slots
+(``critiprefill.max_requests``) and, only when ``sfi.max_requests`` is set below ``--max-num-seqs``,
+``C_sfi`` SFI slots (by default SFI's compact segments are vLLM's KV-cache blocks and the scheduler's
+own block accounting admits requests: ``vllm_ext.sfi.kv_spec``). A request that
 found its pool full used to be served densely (counted as a fallback): its answer then depended on
 what else the server was doing. Here the scheduler, which sees every request, keeps each pool from
 overflowing instead, and the request waits in vLLM's queue (the same way a request waits for KV

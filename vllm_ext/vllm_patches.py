@@ -232,7 +232,7 @@ def scheduler_policy_of(scheduler):
     if cached is False:
         cached = None
         if is_speedsfi_selected(scheduler.vllm_config):
-            from vllm_ext.backend.metadata import critiprefill_capacity, sfi_capacity
+            from vllm_ext.backend.metadata import critiprefill_capacity, sfi_admission_cap
             from vllm_ext.backend.startup import resolve_config
             from vllm_ext.scheduler_policy import SchedulerPolicy
 
@@ -245,18 +245,20 @@ def scheduler_policy_of(scheduler):
                 from vllm_ext.sfi.prompt_tail import prefix_hit_limit
 
                 sfi_limit = functools.partial(prefix_hit_limit, cfg.sfi)
-            policy = SchedulerPolicy(cfg, sfi_capacity=sfi_capacity(vllm_config),
+            policy = SchedulerPolicy(cfg, sfi_capacity=sfi_admission_cap(vllm_config),
                                      critiprefill_capacity=critiprefill_capacity(vllm_config),
                                      sfi_prefix_limit=sfi_limit)
             cached = policy if policy.active else None
             if policy.sfi_capacity or policy.cp_capacity:
                 import logging
 
+                caps = ([f"{policy.sfi_capacity} requests with SFI (sfi.max_requests)"]
+                        if policy.sfi_capacity else []) + \
+                       ([f"{policy.cp_capacity} prompts in a CritiPrefill sparse prefill "
+                         f"(critiprefill.max_requests)"] if policy.cp_capacity else [])
                 logging.getLogger("vllm_ext").info(
-                    "vllm_ext: the scheduler runs at most %d requests with SFI (sfi.max_requests) and "
-                    "%d prompts in a CritiPrefill sparse prefill (critiprefill.max_requests) at once; "
-                    "others wait in the queue rather than run densely", policy.sfi_capacity,
-                    policy.cp_capacity)
+                    "vllm_ext: the scheduler runs at most %s at once; others wait in the queue "
+                    "rather than run densely", " and ".join(caps))
         scheduler.__dict__["_speedsfi_policy"] = cached
     return cached
 
@@ -276,8 +278,10 @@ def limit_prefix_hit(scheduler, request, policy, result):
     if limit >= num_hit:
         return result
     groups = scheduler.kv_cache_config.kv_cache_groups
-    if num_hit % bs or any(g.kv_cache_spec.block_size != bs for g in groups) or any(
-            len(b) * bs != num_hit for b in blocks.blocks):
+    # groups that never prefix-cache (SFI's compact blocks) hold no hit blocks: nothing to cut there
+    cached = [i for i, g in enumerate(groups) if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
+    if num_hit % bs or any(groups[i].kv_cache_spec.block_size != bs for i in cached) or any(
+            len(blocks.blocks[i]) * bs != num_hit for i in cached):
         metrics.fallback("prefix_hit_uncut", "a prefix-cache hit could not be cut where SPEEDSFI "
                          "needs it (block layout); that request's prompt-tail window is padded "
                          "(SFI) or its first segment is represented by its computed queries only "

@@ -135,6 +135,32 @@ def make_sfi_rows(*, seq_lens: list[int], active: list[bool], g: int, hkv: int, 
                    n_sel.to(DEVICE), n_sink, index_sets, 1.0 / math.sqrt(d))
 
 
+def page_compact(compact_kv: torch.Tensor, block_size: int, seed: int = 0,
+                 garbage: float = 50.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contiguous compact segments ``[S, Hkv, C, 2D]`` in the paged layout SFI's KV-cache group
+    gives them (``kernels.two_segment_decode``, module doc): ``(pages [B, Hkv, block_size, 2D],
+    table [S, ceil(C / block_size)] int32)``, the slots' blocks scattered over the pool in random
+    order, block 0 (vLLM's null block) and spare blocks left with garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    s, hkv, cap, c2 = compact_kv.shape
+    n_c = -(-cap // block_size)
+    num_blocks = s * n_c + 3
+    pages = torch.full((num_blocks, hkv, block_size, c2), garbage).to(compact_kv.dtype).to(compact_kv.device)
+    ids = (torch.randperm(num_blocks - 1, generator=gen)[:s * n_c] + 1).to(torch.int32)
+    table = ids.view(s, n_c).to(compact_kv.device)
+    padded = torch.full((s, hkv, n_c * block_size, c2), garbage).to(compact_kv.dtype).to(compact_kv.device)
+    padded[:, :, :cap] = compact_kv
+    pages[table.long()] = padded.view(s, hkv, n_c, block_size, c2).transpose(1, 2)
+    return pages, table
+
+
+def unpage_compact(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`page_compact`: ``[S, Hkv, n_c * block_size, 2D]``."""
+    s, n_c = table.shape
+    blocks = pages[table.long()]                                   # [S, n_c, Hkv, bs, 2D]
+    return blocks.transpose(1, 2).reshape(s, pages.shape[1], n_c * pages.shape[2], pages.shape[3])
+
+
 def reference_sparse_attention(rows: SfiRows) -> list:
     """Per active row: fp32 attention of every query head over ``S ∪ M_h ∪ R`` of its KV head,
     via a dense ``[1, Hq, L]`` visibility mask over all positions (paged_reference)."""

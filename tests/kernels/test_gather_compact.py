@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, case_id, cuda_only,
-                            make_sfi_rows, row_lengths)
+                            make_sfi_rows, page_compact, row_lengths, unpage_compact)
 from vllm_ext.kernels.gather_compact import gather_compact, gather_compact_torch
 from vllm_ext.kernels.paged_reference import gather_kv
 
@@ -20,7 +20,10 @@ def _expected(rows, i, h, use_seq):
     return torch.cat([k[h], v[h]], dim=-1), ns + m
 
 
-def _run(case, seed, use_seq=True):
+def _run(case, seed, use_seq=True, compact_block=None):
+    """``compact_block``: write the compact segments paged (SFI's KV-cache group) in blocks of that
+    many entries through a per-slot block table, compared after unpaging; spare pool blocks must
+    stay untouched."""
     g, d, bs, layout, dtn = case
     lens, act = row_lengths(bs)
     if not use_seq:   # without seq_lens every row is taken as at least n_sink long
@@ -31,8 +34,18 @@ def _run(case, seed, use_seq=True):
     for fn in (gather_compact, gather_compact_torch):
         ckv = torch.full_like(rows.compact_kv, GARBAGE)
         clen = torch.full_like(rows.compact_len, -5)
-        fn(rows.kv_cache, rows.block_table, rows.slot_idx, rows.selected, rows.n_sel, rows.n_sink,
-           ckv, clen, rows.row_mask, seq_lens=rows.seq_lens if use_seq else None)
+        if compact_block is None:
+            fn(rows.kv_cache, rows.block_table, rows.slot_idx, rows.selected, rows.n_sel, rows.n_sink,
+               ckv, clen, rows.row_mask, seq_lens=rows.seq_lens if use_seq else None)
+        else:
+            pages, table = page_compact(ckv, compact_block, seed=seed, garbage=GARBAGE)
+            fn(rows.kv_cache, rows.block_table, rows.slot_idx, rows.selected, rows.n_sel, rows.n_sink,
+               pages, clen, rows.row_mask, seq_lens=rows.seq_lens if use_seq else None,
+               compact_table=table)
+            spare = torch.ones(pages.shape[0], dtype=torch.bool)
+            spare[table.long().flatten().cpu()] = False
+            assert torch.all(pages[spare.to(pages.device)] == GARBAGE), f"{fn.__name__} wrote a spare block"
+            ckv = unpage_compact(pages, table)[:, :, :ckv.shape[2]]
         touched = set()
         for i in range(len(lens)):
             s = int(rows.slot_idx[i])
@@ -56,6 +69,12 @@ def test_gather_compact_fast_grid(case):
     _run(case, seed=FAST_CASES.index(case))
 
 
+@pytest.mark.parametrize("case", FAST_CASES, ids=case_id)
+def test_gather_compact_fast_grid_paged_compact(case):
+    idx = FAST_CASES.index(case)
+    _run(case, seed=idx, compact_block=(case[2], 8)[idx % 2])
+
+
 def test_gather_compact_without_seq_lens():
     _run((4, 64, 16, "LBNHC", "fp16"), seed=3, use_seq=False)
 
@@ -65,6 +84,13 @@ def test_gather_compact_without_seq_lens():
 @pytest.mark.parametrize("case", FULL_GRID, ids=case_id)
 def test_gather_compact_full_grid(case):
     _run(case, seed=5)
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("case", FULL_GRID, ids=case_id)
+def test_gather_compact_full_grid_paged_compact(case):
+    _run(case, seed=5, compact_block=case[2])
 
 
 def test_gather_compact_clamps_and_shared_padded_slot():
@@ -172,3 +198,52 @@ def test_offset_writes_after_the_kept_entries(count):
     if count is not None:
         return
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("compact_block", [16, 5])
+def test_paged_layout_equals_contiguous_with_offset_and_count(compact_block):
+    """The paged compact layout (SFI's KV-cache group: a per-slot block table) holds, entry for
+    entry, what the contiguous layout holds after a kept-entries gather and an ``offset`` gather
+    with a count-driven launch, for the Triton kernel and both twins; other pool blocks untouched."""
+    from kernel_testlib import make_block_table, make_kv_cache
+    from vllm_ext.kernels.gather_compact import gather_compact_cpu
+
+    gen = torch.Generator().manual_seed(11)
+    lens, bs, hkv, d, n_sink, k, cap = [120, 75, 2], 16, 2, 32, 4, 20, 4 + 24
+    kv = make_kv_cache("LBNHC", 24, hkv, bs, d, torch.float32, gen=gen)
+    bt = make_block_table(lens, bs, 9, 24, gen).to(DEVICE)
+    kept = torch.full((3, hkv, k), -1, dtype=torch.int32)
+    rest = torch.full((3, hkv, k), -1, dtype=torch.int32)
+    for r in range(2):
+        for h in range(hkv):
+            p = torch.randperm(lens[r] - n_sink, generator=gen)[:2 * k] + n_sink
+            kept[r, h, :8] = p[:8].sort().values
+            rest[r, h, :12] = p[k:k + 12].sort().values
+    kept, rest = kept.to(DEVICE), rest.to(DEVICE)
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    n_kept = torch.tensor([8, 8, 0], dtype=torch.int32, device=DEVICE)
+    n_rest = torch.tensor([12, 12, 0], dtype=torch.int32, device=DEVICE)
+    count = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+
+    def run(fn, paged):
+        ckv = torch.full((3, hkv, cap, 2 * d), GARBAGE, device=DEVICE)
+        clen = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+        table = None
+        if paged:
+            ckv, table = page_compact(ckv, compact_block, seed=3, garbage=GARBAGE)
+        fn(kv, bt, slots, kept, n_kept, n_sink, ckv, clen, seq_lens=seq, compact_table=table)
+        fn(kv, bt, slots, rest, n_rest, n_sink, ckv, clen, seq_lens=seq, offset=n_kept,
+           compact_table=table, **({"count": count} if fn is gather_compact else {}))
+        if paged:
+            spare = torch.ones(ckv.shape[0], dtype=torch.bool)
+            spare[table.long().flatten().cpu()] = False
+            assert torch.all(ckv[spare.to(ckv.device)] == GARBAGE), f"{fn.__name__} wrote a spare block"
+            ckv = unpage_compact(ckv, table)[:, :, :cap]
+        return ckv, clen
+
+    reference = run(gather_compact_torch, paged=False)
+    assert reference[1].tolist() == [4 + 8 + 12, 2, 4 + 8 + 12]
+    for fn in (gather_compact, gather_compact_torch, gather_compact_cpu):
+        got = run(fn, paged=True)
+        assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1]), fn.__name__

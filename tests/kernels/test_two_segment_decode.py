@@ -5,27 +5,32 @@ import pytest
 import torch
 
 from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, SENTINEL,
-                            assert_close_out, case_id, cuda_only, make_sfi_rows,
+                            assert_close_out, case_id, cuda_only, make_sfi_rows, page_compact,
                             reference_dense_attention, reference_sparse_attention, row_lengths)
 from vllm_ext.kernels.gather_compact import gather_compact
 from vllm_ext.kernels.two_segment_decode import (two_segment_decode, two_segment_decode_torch,
                                                  two_segment_workspace)
 
 
-def _run_case(case, num_splits, seed=0, k=12, n_recent=20):
+def _run_case(case, num_splits, seed=0, k=12, n_recent=20, compact_block=None):
+    """``compact_block``: read the compact segments paged in blocks of that many entries through
+    a per-slot block table (SFI's KV-cache group); None: the contiguous layout."""
     g, d, bs, layout, dtn = case
     dtype = DTYPES[dtn]
     lens, act = row_lengths(bs)
     rows = make_sfi_rows(seq_lens=lens, active=act, g=g, hkv=2, d=d, bs=bs, dtype=dtype,
                          layout=layout, k=k, n_recent=n_recent, seed=seed)
+    ckv, table = rows.compact_kv, None
+    if compact_block is not None:
+        ckv, table = page_compact(rows.compact_kv, compact_block, seed=seed)
     out = torch.full_like(rows.query, SENTINEL)
     two_segment_decode(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
-                       rows.recent_start, rows.compact_kv, rows.compact_len, rows.slot_idx,
-                       rows.scale, out, rows.row_mask, num_splits=num_splits)
+                       rows.recent_start, ckv, rows.compact_len, rows.slot_idx,
+                       rows.scale, out, rows.row_mask, num_splits=num_splits, compact_table=table)
     twin = torch.full_like(rows.query, SENTINEL)
     two_segment_decode_torch(rows.query, rows.kv_cache, rows.block_table, rows.seq_lens,
-                             rows.recent_start, rows.compact_kv, rows.compact_len, rows.slot_idx,
-                             rows.scale, twin, rows.row_mask)
+                             rows.recent_start, ckv, rows.compact_len, rows.slot_idx,
+                             rows.scale, twin, rows.row_mask, compact_table=table)
     ref = reference_sparse_attention(rows)
     for i, r in enumerate(ref):
         if r is None:   # padded row: untouched by both
@@ -44,12 +49,28 @@ def test_two_segment_fast_grid(case):
     _run_case(case, num_splits=(1, 3, 2)[idx % 3], seed=idx)
 
 
+@pytest.mark.parametrize("case", FAST_CASES, ids=case_id)
+def test_two_segment_fast_grid_paged_compact(case):
+    # the compact segment in SFI's KV-cache blocks: the layer's block size and a smaller one (a
+    # capacity of 19 entries spans several blocks, the last one partly)
+    idx = FAST_CASES.index(case)
+    _run_case(case, num_splits=(1, 3, 2)[idx % 3], seed=idx, compact_block=(case[2], 8)[idx % 2])
+
+
 @pytest.mark.cuda
 @cuda_only
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("case", FULL_GRID, ids=case_id)
 def test_two_segment_full_grid(case, num_splits):
     _run_case(case, num_splits=num_splits, seed=7, k=40, n_recent=37)
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("case", FULL_GRID, ids=case_id)
+def test_two_segment_full_grid_paged_compact(case, num_splits):
+    _run_case(case, num_splits=num_splits, seed=7, k=40, n_recent=37, compact_block=case[2])
 
 
 @pytest.mark.cuda

@@ -219,3 +219,13 @@ def test_prefix_hit_limit_and_cut():
     assert cut[0].blocks == (list(range(19)),) and cut[1:] == (608, 0, False)
     # a hit that already leaves the tail alone is returned as it is
     assert limit_prefix_hit(sched, SimpleNamespace(num_prompt_tokens=700), policy, hit) is hit
+    # SFI's compact group (never prefix-cached: no hit blocks) does not make the hit uncuttable
+    from vllm_ext import metrics
+
+    metrics.reset()
+    sched.kv_cache_config.kv_cache_groups.append(
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=32, prefix_cacheable=False)))
+    hit = (Blocks((list(range(20)), [])), 640, 0, False)
+    cut = limit_prefix_hit(sched, SimpleNamespace(num_prompt_tokens=645), policy, hit)
+    assert cut[0].blocks == (list(range(19)), []) and cut[1] == 608
+    assert "fallback.prefix_hit_uncut" not in metrics.snapshot()

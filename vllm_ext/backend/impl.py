@@ -74,6 +74,7 @@ class SpeedSfiImpl(AttentionImpl):
         self._max_len = vllm_config.model_config.max_model_len
         self._sfi_capacity = sfi_capacity(vllm_config)
         self._sfi_layer = None
+        self._compact = None                           # this layer's SfiCompactCache
         self._sfi_rt = None
         self._layer_index = -1
         self._cp_capacity = critiprefill_capacity(vllm_config)
@@ -112,19 +113,22 @@ class SpeedSfiImpl(AttentionImpl):
                                                     head_size=self.head_size, max_len=self._max_len,
                                                     device=_device())
         if self._sfi_capacity:
+            self._register_compact_cache()
             from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, shared_runtime
 
             device = _device()
             self._sfi_layer = SfiLayerBuffers(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
                                               self.head_size, act_dtype, device,
-                                              num_heads=self.num_heads, max_len=self._max_len)
+                                              num_heads=self.num_heads, max_len=self._max_len,
+                                              paged=True)
             layer_mib = SfiLayerBuffers.nbytes(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
                                                self.head_size, act_dtype, num_heads=self.num_heads,
-                                               max_len=self._max_len) / 2**20
+                                               max_len=self._max_len, paged=True) / 2**20
             if self._sfi_layer.page_reps is not None:
-                metrics.log_once("sfi_buffers", "vllm_ext: SFI (selector quest) per layer %.1f MiB: "
-                                 "compact segments C %d request slots x Hkv %d x (n_sink + k) %d "
-                                 "entries x 2D + page max/min of K (C + 1) x 2 x ceil(max_model_len "
+                metrics.log_once("sfi_buffers", "vllm_ext: SFI (selector quest) per layer %.1f MiB "
+                                 "besides the compact segments (%d request slots; Hkv %d x (n_sink + k) "
+                                 "%d entries per request in vLLM's KV-cache blocks): page max/min of K "
+                                 "(C + 1) x 2 x ceil(max_model_len "
                                  "%d / page_size %d) x Hkv x D (%.2f MiB)%s", layer_mib,
                                  self._sfi_capacity, self.num_kv_heads,
                                  self.config.sfi.n_sink + self.config.sfi.k, self._max_len,
@@ -133,8 +137,9 @@ class SpeedSfiImpl(AttentionImpl):
                                  " + prompt-tail queries (keep_prefill) %.2f MiB"
                                  % (self._sfi_layer.prompt_tail.queries.nbytes / 2**20))
             else:
-                metrics.log_once("sfi_buffers", "vllm_ext: SFI per layer %.1f MiB: compact segments C "
-                                 "%d request slots x Hkv %d x (n_sink + k) %d entries x 2D + "
+                metrics.log_once("sfi_buffers", "vllm_ext: SFI per layer %.1f MiB besides the compact "
+                                 "segments (C %d request slots; Hkv %d x (n_sink + k) %d entries per "
+                                 "request in vLLM's KV-cache blocks): "
                                  "prompt-tail queries C x w_prefill %d x Hq %d x D %d (%.2f MiB)",
                                  layer_mib, self._sfi_capacity, self.num_kv_heads,
                                  self.config.sfi.n_sink + self.config.sfi.k,
@@ -145,14 +150,34 @@ class SpeedSfiImpl(AttentionImpl):
                                           num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                                           max_len=self._max_len, device=device)
 
+    def _own_layer_name(self) -> str | None:
+        for name, attn in self._forward_context.items():
+            if getattr(attn, "impl", None) is self:
+                return name
+        return None
+
     def _own_layer_index(self) -> int:
         """This impl's layer index, from vLLM's forward context (-1 if not found)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-        for name, attn in self._forward_context.items():
-            if getattr(attn, "impl", None) is self:
-                return extract_layer_index(name)
-        return -1
+        name = self._own_layer_name()
+        return -1 if name is None else extract_layer_index(name)
+
+    def _register_compact_cache(self) -> bool:
+        """Register this layer's SFI compact cache in the forward context, so that vLLM pages its
+        compact segments (``vllm_ext.backend.sfi_compact``); none for a layer that never decodes
+        sparsely (a SPEED upper layer). Returns whether it has one."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from vllm_ext.backend.sfi_compact import register_compact_layer
+
+        name = self._own_layer_name()
+        if name is None:
+            raise RuntimeError("SPEEDSFI: an attention impl not found in vLLM's forward context")
+        if extract_layer_index(name) >= self._speed_l_cut:
+            return False
+        self._compact = register_compact_layer(self._forward_context, name, self.config.sfi)
+        return True
 
     def _allocate_critiprefill(self, act_dtype: torch.dtype) -> None:
         from vllm_ext.backend.critiprefill_path import CritiPrefillLayerBuffers, shared_runtime
@@ -184,6 +209,11 @@ class SpeedSfiImpl(AttentionImpl):
             return output.fill_(0)
         md = attn_metadata
         sfi = md.step.sfi if self._sfi_layer is not None else None
+        if sfi is not None and self._compact is not None:
+            # the compact segments: this layer's pages of SFI's KV-cache group, through the group's
+            # per-slot block table (the runner hooks bound it: vllm_ext.sfi.slot_tables)
+            self._sfi_layer.compact_kv = self._compact.kv_cache
+            self._sfi_layer.compact_table = md.step.table.sfi.compact_table_of_layer[layer.layer_name]
         if self._layer_index < 0:
             from vllm.model_executor.models.utils import extract_layer_index
 

@@ -28,12 +28,21 @@ from vllm_ext.request_state import RequestStateTable, StepState
 
 
 def sfi_capacity(vllm_config) -> int:
-    """Requests that can hold SFI compact state at once (``speedsfi.sfi.max_requests``)."""
+    """Requests that can hold SFI state at once: every request the engine runs
+    (``--max-num-seqs``); the compact segments themselves are vLLM's KV-cache blocks
+    (``vllm_ext.sfi.kv_spec``). ``speedsfi.sfi.max_requests``, when set, is an upper bound."""
     cfg = resolve_config(vllm_config).sfi
     if not cfg.enabled:
         return 0
     max_seqs = vllm_config.scheduler_config.max_num_seqs
-    return min(cfg.max_requests or min(max_seqs, 32), max_seqs)
+    return min(cfg.max_requests or max_seqs, max_seqs)
+
+
+def sfi_admission_cap(vllm_config) -> int:
+    """How many requests with SFI the scheduler admits at once: ``sfi.max_requests`` when it is
+    set below ``--max-num-seqs``, else 0 (no cap of ours: vLLM's KV-cache blocks decide)."""
+    cap = sfi_capacity(vllm_config)
+    return cap if cap < vllm_config.scheduler_config.max_num_seqs else 0
 
 
 def critiprefill_capacity(vllm_config) -> int:

@@ -46,13 +46,15 @@ def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, 
         selected, n_sel = select(evidence, norms, lo, hi, rt.select_cfg, k, k_cap=cfg.k,
                                  workspace=rt.selector_workspace, count=count)
         gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
-                       layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count)
+                       layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count,
+                       compact_table=layer.compact_table)
         return
     selected, n_sel = select(evidence, norms, lo, hi, rest_cfg or rt.rest_select_cfg, k, k_cap=cfg.k,
                              workspace=rt.selector_workspace, count=count, exclude=layer.kept_pos,
                              exclude_slot=sfi_slot, exclude_count=kept)
     gather_compact(kv_cache, block_table, sfi_slot, selected, n_sel, cfg.n_sink,
-                   layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count, offset=kept)
+                   layer.compact_kv, layer.compact_len, seq_lens=seq_lens, count=count, offset=kept,
+                   compact_table=layer.compact_table)
 
 
 def _prefill_end_select(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
@@ -69,7 +71,7 @@ def _prefill_end_select(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, 
     n_kept = n_kept.clone()
     layer.kept_pos.index_copy_(0, sfi_slot.long(), kept_sel[:, :, :cfg.keep_prefill])
     gather_compact(kv_cache, block_table, sfi_slot, kept_sel, n_kept, cfg.n_sink, layer.compact_kv,
-                   layer.compact_len, seq_lens=seq_lens)
+                   layer.compact_len, seq_lens=seq_lens, compact_table=layer.compact_table)
     # the rest from the same (SFI) evidence, also in quest mode: its pages replace it at the first
     # decode selection
     _maintain(rt, cfg, layer, kv_cache, block_table, sfi_slot, seq_lens, evidence, norms, lo, hi,
@@ -113,7 +115,8 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     if not on_cpu or bool(fast.any()):
         two_segment_decode(query, kv_cache, block_table, seq_lens, step.recent_start[:rows],
                            layer.compact_kv, layer.compact_len, step.row_sfi_slot[:rows], scale, out,
-                           row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace)
+                           row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace,
+                           compact_table=layer.compact_table)
     if on_cpu and not bool(step.row_slow[:rows].any()):
         return out
     # slow rows: one dense pass over the compacted list, writing their output (unless the dense
@@ -254,5 +257,6 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
     if not on_cpu or bool(fast.any()):
         two_segment_decode(query, kv_cache, block_table, seq_lens, step.recent_start[:rows],
                            layer.compact_kv, layer.compact_len, step.row_sfi_slot[:rows], scale, out,
-                           row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace)
+                           row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace,
+                           compact_table=layer.compact_table)
     return out

@@ -3,8 +3,9 @@ decode path runs on (``vllm_ext.backend.sfi_path``). Torch only (no vLLM import)
 drive it without vLLM.
 
 Sizes follow the work, never ``max_num_seqs``:
-- per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = ``sfi.max_requests``),
-  and the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
+- per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = SFI's request
+  capacity: ``--max-num-seqs``, or ``sfi.max_requests`` when set) outside vLLM; inside vLLM they are
+  KV-cache blocks of SFI's own group (``vllm_ext.sfi.kv_spec``) and nothing here; the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
   spans prefill chunks); with ``sfi.keep_prefill`` P the kept positions ``C x Hkv x P`` int32;
 - shared by the layers of a device (one :class:`SfiRuntime`):
   - the maintenance ring, ``N`` slots of evidence + key norms, ``2 x N x S x Hkv x L`` fp32
@@ -38,18 +39,23 @@ class SfiLayerBuffers:
     Selector ``quest`` (needs ``max_len``): instead of the prompt tail, the page max/min of K
     ``page_reps [C + 1, 2, ceil(max_len / page_size), Hkv, D]`` (activation dtype; entry ``C`` is a
     scratch slot that rows without a compact slot write to), kept up to date by the prefill chunks
-    and by every decode step (the page of the newest token)."""
+    and by every decode step (the page of the newest token).
+
+    ``paged``: the compact segments live in vLLM's KV-cache blocks (``vllm_ext.sfi.kv_spec``): no
+    ``compact_kv`` is allocated here; the impl points ``compact_kv`` (the compact layer's pages) and
+    ``compact_table`` (the per-slot block table) at them before each forward."""
 
     def __init__(self, capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
                  dtype: torch.dtype, device: torch.device, num_heads: int | None = None,
-                 max_len: int | None = None):
+                 max_len: int | None = None, paged: bool = False):
         from vllm_ext.sfi.prompt_tail import PromptTailQueries
 
         quest = cfg.selector == "quest"
         if quest and max_len is None:
             raise ValueError("SfiLayerBuffers: selector 'quest' needs max_len (the page tables)")
-        self.compact_kv = torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k, 2 * head_size,
-                                      dtype=dtype, device=device)
+        self.compact_kv = None if paged else torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k,
+                                                         2 * head_size, dtype=dtype, device=device)
+        self.compact_table: torch.Tensor | None = None
         self.compact_len = torch.zeros(capacity, dtype=torch.int32, device=device)
         # sfi.keep_prefill: the positions each slot's prefill-end selection keeps (compact entries
         # [n_sink, n_sink + n_kept)), which decode-time selections exclude
@@ -67,7 +73,8 @@ class SfiLayerBuffers:
 
     @staticmethod
     def nbytes(capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
-               dtype: torch.dtype, num_heads: int | None = None, max_len: int | None = None) -> int:
+               dtype: torch.dtype, num_heads: int | None = None, max_len: int | None = None,
+               paged: bool = False) -> int:
         from vllm_ext.sfi.prompt_tail import PromptTailQueries
 
         elem = torch.empty((), dtype=dtype).element_size()
@@ -78,7 +85,8 @@ class SfiLayerBuffers:
         if quest and max_len is not None:
             pages = ((capacity + 1) * 2 * (-(-max_len // cfg.page_size)) * num_kv_heads * head_size
                      * elem)
-        return (capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem + capacity * 4
+        compact = 0 if paged else capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem
+        return (compact + capacity * 4
                 + capacity * num_kv_heads * cfg.keep_prefill * 4 + tail + pages)
 
 
@@ -276,7 +284,8 @@ class SfiRuntime:
                 f"{_nbytes(self.selector_workspace) / 2**20:.1f} MiB"
                 + (f" + quest_rerank candidates {self._candidate_nbytes / 2**20:.1f} MiB"
                    if self.candidate_workspace is not None else "")
-                + f"; S = sfi.max_requests, independent of max_num_seqs ({max_rows})")
+                + f"; S = sfi.max_requests when set (then independent of max_num_seqs), else "
+                f"max_num_seqs ({max_rows})")
 
 
 _dense_workspaces: dict[tuple, object] = {}
@@ -303,6 +312,7 @@ def shared_dense_workspace(*, max_rows: int, num_heads: int, num_kv_heads: int, 
 
 
 _runtimes: dict[tuple, SfiRuntime] = {}
+LARGE_RUNTIME_BYTES = 2 << 30
 
 
 def shared_runtime(cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: int,
@@ -324,4 +334,11 @@ def shared_runtime(cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: i
         _runtimes[key] = rt
         logger.info("vllm_ext: %s; maintenance %s", rt.describe(),
                     "on a side stream" if rt.ring.dual else "serial")
+        if rt.nbytes > LARGE_RUNTIME_BYTES:
+            # the scratch follows SFI's request capacity (every request of --max-num-seqs since the
+            # compact segments moved into vLLM's KV cache: docs/per_request_memory.md)
+            logger.warning("vllm_ext: SFI's slow-step scratch takes %.1f GiB for %d requests at once, "
+                           "out of the KV cache's memory; set speedsfi.sfi.max_requests (an upper "
+                           "bound on requests decoding with SFI at once) or a smaller --max-num-seqs "
+                           "to shrink it", rt.nbytes / 2**30, capacity)
     return rt

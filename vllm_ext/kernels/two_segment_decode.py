@@ -16,7 +16,10 @@ once per group. Partial ``(out, lse)`` pairs are merged by log-sum-exp (``merge_
 with ``num_splits == 1`` the kernel writes ``out`` directly.
 
 Conventions: ``kv_cache`` is vLLM's logical ``[num_blocks, Hkv, block_size, 2*D]`` view with any
-strides; ``compact_kv`` is ``[num_slots, Hkv, capacity, 2*D]`` (any strides too). A row is active
+strides; ``compact_kv`` is ``[num_slots, Hkv, capacity, 2*D]`` (any strides too), or, with
+``compact_table [num_slots, n_c]`` (int32), paged like the KV cache: ``compact_kv [num_blocks, Hkv,
+bs_c, 2*D]`` and entry ``e`` of slot ``s`` at ``compact_kv[compact_table[s, e // bs_c], :, e % bs_c]``
+(capacity ``n_c * bs_c``; vLLM's blocks of SFI's own KV-cache group, ``vllm_ext.sfi.kv_spec``). A row is active
 iff ``row_mask[r] != 0`` (when given) and ``seq_lens[r] > 0``; inactive rows are left untouched.
 No host synchronisation; pass a :func:`two_segment_workspace` to avoid allocation.
 """
@@ -128,17 +131,18 @@ if HAS_TRITON:
     @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT"])
     @triton.jit
     def _two_segment_kernel(
-        Q, KV, BT, SEQ, RSTART, CKV, CLEN, SLOT, MASK, PO, PLSE, OUT,
+        Q, KV, BT, SEQ, RSTART, CKV, CLEN, SLOT, MASK, CTAB, PO, PLSE, OUT,
         s_q_r, s_q_h, s_q_d,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
         s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c,
+        s_ct_s, s_ct_b,
         s_po_r, s_po_s, s_po_h, s_po_d,
         s_pl_r, s_pl_s, s_pl_h,
         s_o_r, s_o_h, s_o_d,
         CAP, qk_scale, NUM_SPLITS,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
+        PAGE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_CTAB: tl.constexpr, CPAGE: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -172,7 +176,14 @@ if HAS_TRITON:
         for n0 in range(start, c_end, BLOCK_N):
             idx = n0 + offs_n
             valid = idx < c_end
-            rowoff = cbase + idx.to(tl.int64) * s_ckv_n
+            if HAS_CTAB:
+                # paged compact segment: the slot's block-table row, as the recent window's
+                cblk = tl.load(CTAB + tl.maximum(slot, 0).to(tl.int64) * s_ct_s + (idx // CPAGE) * s_ct_b,
+                               mask=valid, other=0)
+                rowoff = (cblk.to(tl.int64) * s_ckv_s + h * s_ckv_h
+                          + (idx % CPAGE).to(tl.int64) * s_ckv_n)
+            else:
+                rowoff = cbase + idx.to(tl.int64) * s_ckv_n
             k, v = _load_kv_rows(CKV, rowoff, valid, s_ckv_c, D, BLOCK_D)
             s = _scores(q, k, qk_scale, F32_DOT)
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -291,21 +302,43 @@ def _est_recent(kv_cache: torch.Tensor, block_table: torch.Tensor, max_recent: i
 # Public op
 # ----------------------------------------------------------------------------------------------
 
+def compact_capacity(compact_kv: torch.Tensor, compact_table: torch.Tensor | None) -> int:
+    """Entries one slot's compact segment can hold (contiguous or paged layout, module doc)."""
+    if compact_table is None:
+        return int(compact_kv.shape[2])
+    return int(compact_table.shape[1]) * int(compact_kv.shape[2])
+
+
+def compact_entries(compact_kv: torch.Tensor, compact_table: torch.Tensor | None, slot: int,
+                    n: int) -> torch.Tensor:
+    """Entries ``[0, n)`` of slot ``slot``'s compact segment as ``[Hkv, n, 2D]`` (a view for the
+    contiguous layout; for the paged one a gather of its first ``ceil(n / bs_c)`` blocks)."""
+    if compact_table is None:
+        return compact_kv[slot, :, :n]
+    bs = compact_kv.shape[2]
+    nb = -(-n // bs)
+    if nb == 0:
+        return compact_kv.new_empty((compact_kv.shape[1], 0, compact_kv.shape[3]))
+    blocks = compact_kv.index_select(0, compact_table[slot, :nb].long())          # [nb, H, bs, 2D]
+    return blocks.transpose(0, 1).reshape(compact_kv.shape[1], nb * bs, -1)[:, :n]
+
+
 def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
                        compact_len, slot_idx, scale, out, row_mask=None, *, num_splits=None,
-                       max_recent=None, workspace=None):
+                       max_recent=None, workspace=None, compact_table=None):
     """Fast-step decode attention (see module doc). Writes ``out [R, Hq, D]`` in place and returns it.
 
     ``num_splits``: split-K count (default from shapes: :func:`two_segment_num_splits`, the compact
     capacity plus ``max_recent`` entries). ``max_recent``: a host-side bound on the recent window
     length (default ``max_blocks * block_size``); it only sizes the split heuristic and the PyTorch
     twin's gather. ``workspace``: a :class:`SplitWorkspace` (from :func:`two_segment_workspace`).
+    ``compact_table``: the paged compact layout (module doc); ``None``: contiguous.
     """
     if not use_triton(query):
         return two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_start,
                                         compact_kv, compact_len, slot_idx, scale, out, row_mask,
                                         num_splits=num_splits, max_recent=max_recent,
-                                        workspace=workspace)
+                                        workspace=workspace, compact_table=compact_table)
     num_rows, hq, d = query.shape
     hkv = kv_cache.shape[1]
     assert kv_cache.shape[-1] == 2 * d and compact_kv.shape[-1] == 2 * d
@@ -316,7 +349,8 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
         return out
     if num_splits is None:
         num_splits = two_segment_num_splits(
-            num_rows, hkv, compact_kv.shape[2] + _est_recent(kv_cache, block_table, max_recent),
+            num_rows, hkv, compact_capacity(compact_kv, compact_table)
+            + _est_recent(kv_cache, block_table, max_recent),
             query.device)
     num_splits = int(num_splits)
     direct = num_splits == 1
@@ -333,14 +367,17 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
     # a masked launch's work is decided on the device: fixed config (see triton_utils.untuned)
     kernel = untuned(_two_segment_kernel) if has_mask else _two_segment_kernel
     meta = fixed_meta(MASKED_META, {"BLOCK_N": 32}) if has_mask else _interp_meta()
+    has_ctab = compact_table is not None
     kernel[grid](
         query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len, slot_idx,
-        row_mask if has_mask else seq_lens, po, pl, out,
+        row_mask if has_mask else seq_lens, compact_table if has_ctab else slot_idx, po, pl, out,
         *query.stride(), *kv_cache.stride(), *block_table.stride(), *compact_kv.stride(),
+        *(compact_table.stride() if has_ctab else (0, 0)),
         *po_strides, *pl_strides, *out.stride(),
-        compact_kv.shape[2], float(scale) * LOG2E, num_splits,
+        compact_capacity(compact_kv, compact_table), float(scale) * LOG2E, num_splits,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
-        PAGE=kv_cache.shape[2], HAS_MASK=has_mask,
+        PAGE=kv_cache.shape[2], HAS_MASK=has_mask, HAS_CTAB=has_ctab,
+        CPAGE=compact_kv.shape[2] if has_ctab else 1,
         F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, **meta)
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens)
@@ -439,7 +476,7 @@ def active_rows(seq_lens: torch.Tensor, row_mask: torch.Tensor | None) -> torch.
 
 def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
                              compact_len, slot_idx, scale, out, row_mask=None, *, num_splits=None,
-                             max_recent=None, workspace=None):
+                             max_recent=None, workspace=None, compact_table=None):
     """PyTorch twin of :func:`two_segment_decode` (fp32 math, no host sync, no Python row loop); on
     the CPU :func:`two_segment_decode_cpu` (same result)."""
     del num_splits, workspace
@@ -448,16 +485,22 @@ def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_star
         return out
     if query.device.type == "cpu":
         return two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
-                                      compact_len, slot_idx, scale, out, row_mask, max_recent=max_recent)
+                                      compact_len, slot_idx, scale, out, row_mask, max_recent=max_recent,
+                                      compact_table=compact_table)
     dev = query.device
-    cap = compact_kv.shape[2]
+    cap = compact_capacity(compact_kv, compact_table)
     seq = seq_lens.long()
     slot = slot_idx.long()
-    slot_c = slot.clamp(0, compact_kv.shape[0] - 1)
+    n_slots = compact_kv.shape[0] if compact_table is None else compact_table.shape[0]
+    slot_c = slot.clamp(0, n_slots - 1)
     clen = compact_len.long()[slot_c].clamp(0, cap)
     clen = torch.where(slot < 0, torch.zeros_like(clen), clen)
-    ckv = compact_kv[slot_c]                                                  # [R, Hkv, C, 2D]
-    ck, cv = ckv[..., :d], ckv[..., d:]
+    if compact_table is None:
+        ckv = compact_kv[slot_c]                                              # [R, Hkv, C, 2D]
+        ck, cv = ckv[..., :d], ckv[..., d:]
+    else:
+        ck, cv = gather_paged_rows(compact_kv, compact_table[slot_c],
+                                   torch.arange(cap, device=dev)[None, :].expand(num_rows, cap))
     cmask = torch.arange(cap, device=dev)[None, :] < clen[:, None]            # [R, C]
 
     w = _est_recent(kv_cache, block_table, max_recent)
@@ -476,7 +519,7 @@ def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_star
 
 
 def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len,
-                           slot_idx, scale, out, row_mask=None, *, max_recent=None):
+                           slot_idx, scale, out, row_mask=None, *, max_recent=None, compact_table=None):
     """The twin on the CPU, where reading lengths costs nothing and the vectorised form's padding
     to the widest row dominates: per active row, the compact segment and the recent window's blocks
     (gathered once) copied, converted to fp32 in the same pass, into a persistent buffer, then one
@@ -489,7 +532,8 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
     num_rows, hq, d = query.shape
     bs, hkv = kv_cache.shape[2], kv_cache.shape[1]
     g = hq // hkv
-    cap = compact_kv.shape[2]
+    cap = compact_capacity(compact_kv, compact_table)
+    n_slots = compact_kv.shape[0] if compact_table is None else compact_table.shape[0]
     w = _est_recent(kv_cache, block_table, max_recent)
     act = active_rows(seq_lens, row_mask).tolist()
     seqs, starts, slots = seq_lens.tolist(), recent_start.tolist(), slot_idx.tolist()
@@ -499,7 +543,7 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
             continue
         seq = seqs[r]
         slot = slots[r]
-        clen = 0 if slot < 0 or slot >= compact_kv.shape[0] else max(0, min(int(lens[slot]), cap))
+        clen = 0 if slot < 0 or slot >= n_slots else max(0, min(int(lens[slot]), cap))
         rs = min(max(starts[r], 0), seq)
         re = min(seq, rs + w)
         n = clen + max(re - rs, 0)
@@ -509,7 +553,7 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
         kv = _scratch_buffer(hkv * n * 2 * d, torch.float32, query.device, tag="two_segment")
         kv = kv.view(hkv, n, 2 * d)                                              # [H, n, 2D] fp32
         if clen:
-            kv[:, :clen].copy_(compact_kv[slot, :, :clen])
+            kv[:, :clen].copy_(compact_entries(compact_kv, compact_table, slot, clen))
         if re > rs:
             b0, b1 = rs // bs, (re - 1) // bs + 1
             blk = kv_cache.index_select(0, block_table[r, b0:b1].long())       # [nb, H, N, 2D]

@@ -6,7 +6,7 @@ A request's prompt may be split into chunks anywhere (the token budget, the othe
 step, a prefix-cache hit decide where), so the last ``W_p`` prompt queries may come from several
 chunks. DESIGN.md: "an answer depends only on its request ... the prefill-end evidence window spans
 chunks". Each layer therefore keeps a persistent buffer ``[C, W_p, Hq, D]`` (``C`` = the SFI compact
-slots, ``sfi.max_requests``) indexed by the request's compact slot; whichever chunk computes a
+slots: ``--max-num-seqs``, or ``sfi.max_requests`` when set) indexed by the request's compact slot; whichever chunk computes a
 position of ``[P - W_p, P)`` (``P`` = prompt length) writes its query to entry ``position - (P - W_p)``,
 and the chunk that reaches ``P`` runs the evidence from the buffer over the prompt's K/V once its own
 K/V are in the cache. The selection then depends on the prompt only, never on the chunking.

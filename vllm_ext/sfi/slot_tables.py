@@ -5,8 +5,12 @@
 Per slot (device): the compact-segment slot (or -1), SFI on/off and ``k`` for the request, steps
 since the last slow step, whether a selection exists, the tokens selected at the last slow step, and
 the sentence-boundary state (``trigger_state``: cooldown and arm, :mod:`vllm_ext.sfi.schedule`).
-Compact slots are fewer than request slots (``sfi.max_requests``): a request without one decodes
-densely and is counted (``fallback.sfi_capacity``). Counters live on the device (``stats``) and are
+Compact slots: one per request slot by default (``sfi.max_requests`` can bound them: a request
+without one decodes densely and is counted, ``fallback.sfi_capacity``). Inside vLLM the compact
+segments are KV-cache blocks of SFI's own groups (``vllm_ext.sfi.kv_spec``): :meth:`bind_compact_groups`
+names the groups, and every step copies the rows' block-table rows into a per-compact-slot table
+(``compact_tables``, read by the kernels) and marks which requests hold their blocks; a request
+without them (vLLM gives them when its length first reaches ``first_compact_len``) decodes densely. Counters live on the device (``stats``) and are
 read asynchronously (:class:`vllm_ext.device_counters.DeviceCounters`). Torch only (no vLLM).
 """
 
@@ -42,6 +46,9 @@ class QuestPrefillPages:
     sfi_slot: torch.Tensor          # int32 [n]: compact slot (the page table's entry)
     max_pages: int                  # host bound of the pages one row rewrites
 
+
+# the name of an attention layer's compact cache layer (``vllm_ext.backend.sfi_compact``)
+COMPACT_SUFFIX = ".sfi_compact"
 
 STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
               STAT_DENSE: "sfi.dense_rows", STAT_RETAINED: "sfi.fast_retained_tokens",
@@ -93,10 +100,60 @@ class SfiSlotTables(MethodSlots):
         self._reset_sfi_slot = PinnedStaging(n_slots, torch.int32, device)
         self._reset_k = PinnedStaging(n_slots, torch.int32, device)
         self._reset_on = PinnedStaging(n_slots, torch.bool, device)
+        # SFI's KV-cache groups (bind_compact_groups): per group a table [capacity + 1, n_c] (entry
+        # ``capacity`` takes the rows of requests without a compact slot), by attention layer name
+        self.compact_tables: dict[int, torch.Tensor] = {}
+        self.compact_table_of_layer: dict[str, torch.Tensor] = {}
+        self._n_slots, self._max_rows = n_slots, max_rows
+        self.compact_ok: torch.Tensor | None = None
+        self._sfi_on_eff: torch.Tensor | None = None
+        self._ok_staging: PinnedStaging | None = None
 
     @property
     def stats(self) -> torch.Tensor:
         return self.counters.values
+
+    def bind_kv_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
+        """``MethodSlots``: SFI's KV-cache groups (``vllm_ext.sfi.kv_spec``), group id -> (blocks
+        per request, the compact cache layers ``<attention layer>`` + :data:`COMPACT_SUFFIX`)."""
+        self.bind_compact_groups({gid: (n_c, [n[:-len(COMPACT_SUFFIX)] for n in names
+                                               if n.endswith(COMPACT_SUFFIX)])
+                                  for gid, (n_c, names) in groups.items()})
+
+    def bind_compact_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
+        """The compact segments live in vLLM's KV-cache groups ``groups``: group id -> (blocks per
+        request, the attention layers whose compact caches it holds). Called again when vLLM
+        builds a new KV cache (the tables start empty; every live request's rows come back with its
+        next step)."""
+        dev = self.device
+        self.compact_tables = {gid: torch.zeros(self.capacity + 1, n_c, dtype=torch.int32, device=dev)
+                               for gid, (n_c, _) in groups.items()}
+        self.compact_table_of_layer = {name: self.compact_tables[gid]
+                                       for gid, (_, names) in groups.items() for name in names}
+        self.compact_ok = torch.zeros(self._n_slots, dtype=torch.bool, device=dev)
+        self._sfi_on_eff = torch.zeros(self._n_slots, dtype=torch.bool, device=dev)
+        self._ok_staging = PinnedStaging(self._max_rows, torch.bool, dev)
+
+    def _update_compact_tables(self, step: StepState) -> torch.Tensor:
+        """Copy the step's block-table rows of SFI's groups into the per-compact-slot tables, mark
+        which requests hold their blocks, and return ``sfi_on`` restricted to those (device work,
+        no sync; a request not in the step keeps its rows: its blocks do not move)."""
+        n = step.num_reqs
+        staged = step.group_tables or {}
+        if step.is_real and n and all(gid in staged for gid in self.compact_tables):
+            row_slot = step.row_slot[:n].long()
+            ok = np.ones(n, dtype=bool)
+            for gid in self.compact_tables:
+                ok &= staged[gid][1][:n]
+            self._ok_staging.np[:n] = ok
+            self.compact_ok.index_copy_(0, row_slot, self._ok_staging.copy_to_device(n))
+            sfi_slot = self.sfi_slot_of[row_slot]
+            dst = torch.where(sfi_slot >= 0, sfi_slot, self.capacity).long()
+            for gid, table in self.compact_tables.items():
+                rows = staged[gid][0]
+                table.index_copy_(0, dst, rows[:n, :table.shape[1]].to(table.dtype))
+        torch.logical_and(self.sfi_on, self.compact_ok, out=self._sfi_on_eff)
+        return self._sfi_on_eff
 
     # ------------------------------------------------------------------ lifecycle (host)
     def assign(self, slot: int, overrides: Mapping[str, Any] | None) -> tuple[int, bool, int]:
@@ -144,6 +201,8 @@ class SfiSlotTables(MethodSlots):
         self.sfi_slot_of.index_copy_(0, idx, sfi_slot)
         self.sfi_k.index_copy_(0, idx, sfi_k)
         self.sfi_on.index_copy_(0, idx, sfi_on)
+        if self.compact_ok is not None:
+            self.compact_ok.index_fill_(0, idx, False)      # its blocks come with its next step
         self.sel_count.index_fill_(0, idx, 0)
         self.steps_since_slow.index_fill_(0, idx, 0)
         self.has_selection.index_fill_(0, idx, False)
@@ -194,8 +253,10 @@ class SfiSlotTables(MethodSlots):
             qsl = step.query_start_loc
             q_len = qsl[1:num_rows + 1] - qsl[:num_rows]
             sfi_rows = step.row_is_decode * (q_len == 1)
+        sfi_on = self._update_compact_tables(step) if self.compact_tables else self.sfi_on
         plan = self.plan(row_slot=step.row_slot, row_last_token=step.row_last_token,
-                         row_is_decode=sfi_rows, seq_lens=step.seq_lens, block_table=step.block_table)
+                         row_is_decode=sfi_rows, seq_lens=step.seq_lens, block_table=step.block_table,
+                         sfi_on=sfi_on)
         if step.is_real and step.host_geometry is not None and self.cfg.selector == "quest":
             # quest: the prefill chunks write their pages' max/min of K; without keep_prefill
             # there is no prefill-end selection (the first decode step selects)
@@ -206,7 +267,7 @@ class SfiSlotTables(MethodSlots):
             plan.prefill_end = self.plan_prefill_end(
                 num_reqs=num_reqs, row_slots=step.row_slot_np, row_is_decode=step.row_is_decode_np,
                 prompt_len=step.table.prompt_len_np, host_geometry=step.host_geometry,
-                row_slot_device=step.row_slot)
+                row_slot_device=step.row_slot, row_has_blocks=self._host_blocks(step))
         self.counters.publish()
         return plan
 
@@ -216,10 +277,12 @@ class SfiSlotTables(MethodSlots):
                          "slow" if bool(plan.row_slow[row]) else "fast")}
 
     # ------------------------------------------------------------------ per step (device)
-    def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table) -> SfiStep:
+    def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table,
+             sfi_on: torch.Tensor | None = None) -> SfiStep:
         step = plan_sfi_step(self.cfg, row_slot=row_slot, row_last_token=row_last_token,
                              row_is_decode=row_is_decode, seq_lens=seq_lens,
-                             sfi_slot_of=self.sfi_slot_of, sfi_on=self.sfi_on, sfi_k=self.sfi_k,
+                             sfi_slot_of=self.sfi_slot_of,
+                             sfi_on=self.sfi_on if sfi_on is None else sfi_on, sfi_k=self.sfi_k,
                              steps_since_slow=self.steps_since_slow, has_selection=self.has_selection,
                              sel_count=self.sel_count, trigger_lut=self.trigger_lut, stats=self.stats,
                              buffers=self.plan_buffers, block_table=block_table,
@@ -244,10 +307,24 @@ class SfiSlotTables(MethodSlots):
         step.row_page_first.copy_(torch.where(on, torch.div(upto, self.cfg.page_size, rounding_mode="floor"), 0))
         self.page_upto.index_put_((slot,), torch.where(on, seq_lens[:ps.shape[0]].to(upto.dtype), upto))
 
+    def _host_blocks(self, step: StepState) -> np.ndarray | None:
+        """Per real row (host): the request holds its compact blocks (None: no SFI groups bound)."""
+        if not self.compact_tables or not step.group_tables:
+            return None
+        ok = np.ones(step.num_reqs, dtype=bool)
+        for gid in self.compact_tables:
+            if gid not in step.group_tables:
+                return np.zeros(step.num_reqs, dtype=bool)
+            ok &= step.group_tables[gid][1][:step.num_reqs]
+        return ok
+
     def plan_prefill_end(self, *, num_reqs: int, row_slots: np.ndarray, row_is_decode: np.ndarray,
-                         prompt_len: np.ndarray, host_geometry, row_slot_device: torch.Tensor):
+                         prompt_len: np.ndarray, host_geometry, row_slot_device: torch.Tensor,
+                         row_has_blocks: np.ndarray | None = None):
         """This step's prompt-tail writes and the requests whose prefill ends in it (host geometry
-        is exact for prefill rows); see :mod:`vllm_ext.sfi.prompt_tail`."""
+        is exact for prefill rows); see :mod:`vllm_ext.sfi.prompt_tail`. ``row_has_blocks`` (inside
+        vLLM): a request without its compact blocks makes no selection (its first decode step
+        selects; counted)."""
         from vllm_ext.sfi.schedule import mark_selected
 
         cfg = self.cfg
@@ -259,6 +336,12 @@ class SfiSlotTables(MethodSlots):
                 continue
             p, k = int(prompt_len[slot]), self.k_host[slot]
             if not makes_prefill_selection(cfg, p, k):
+                continue
+            ends = int(computed[row]) + int(qsl[row + 1] - qsl[row]) >= p
+            if ends and row_has_blocks is not None and not row_has_blocks[row]:
+                metrics.fallback("sfi_no_compact_blocks", "a request's prefill ended without its SFI "
+                                 "compact blocks (vLLM's scheduler and SPEEDSFI's rule disagree); its "
+                                 "first decode step makes the selection")
                 continue
             done = int(computed[row])
             first = self.first_computed.setdefault(slot, done)

@@ -1,0 +1,122 @@
+"""As many requests at once as dense (issue 36): SFI's compact segments are blocks of vLLM's KV cache
+(``vllm_ext.sfi.kv_spec``), so under a load the KV cache limits, SPEEDSFI with SFI on runs about as
+many requests at once as with every method off, less exactly its compact blocks; no pool of ours
+caps it (the old default capped SFI at 32 requests). Real vLLM, CPU build, a tiny Qwen3, a small KV
+cache and 80 concurrent requests of mixed lengths, short ones included.
+
+- vLLM's start-up concurrency counts the compact blocks: ``blocks(L) / (blocks(L) + n_c)`` of dense's;
+- the most requests one step runs with SFI is at least dense's x ``ctx / (ctx + n_c * block_size)``
+  (``ctx``: the requests' mean length), and above the old cap of 32;
+- only requests whose length reaches ``first_compact_len`` get compact blocks (short ones never);
+- every request finishes with all its tokens, and request slots, compact slots and KV blocks all
+  come back.
+"""
+
+import random
+
+import pytest
+
+from tests.e2e.engine import engine, model_runner
+from vllm_ext.runner_hooks import table_of
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SFI = {"enabled": True, "k": 8, "k_min": 4, "n_sink": 4, "n_recent": 32, "refresh": 8}
+BLOCK = 32
+NUM_BLOCKS = 260               # about 50 of these requests at once: the KV cache is the limit
+MAX_TOKENS = 24
+NUM_REQUESTS = 80
+
+
+def _requests():
+    rng = random.Random(36)
+    # a third short (a chat question: 3-12 tokens, never reaching SFI's first compact length), the
+    # rest 60-400 tokens
+    lengths = [rng.randrange(3, 12) if i % 3 == 0 else rng.randrange(60, 400) for i in range(NUM_REQUESTS)]
+    return [[rng.randrange(4, 500) for _ in range(n)] for n in lengths]
+
+
+def _run(model, sfi):
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    from vllm_ext import metrics
+
+    prompts = _requests()
+    extra = {"speedsfi": {"sfi": sfi}} if sfi else {}
+    metrics.reset()
+    with engine(model, "SPEEDSFI", max_model_len=1024, max_num_seqs=96, max_num_batched_tokens=4096,
+                block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS, enable_prefix_caching=False,
+                additional_config=extra) as llm:
+        core = llm.llm_engine.engine_core.engine_core
+        sched = core.scheduler
+        mgr = sched.kv_cache_manager
+        free0 = mgr.block_pool.get_num_free_blocks()
+        concurrency = get_max_concurrency_for_kv_cache_config(llm.llm_engine.vllm_config,
+                                                              sched.kv_cache_config)
+        table = table_of(model_runner(llm))
+        table.recorder = []
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        records = table.recorder
+        table.recorder = None
+        # the worker hears of the last finished requests with the next step's scheduler output; the
+        # probe (SFI off) holds one request slot until the step after it
+        llm.generate([{"prompt_token_ids": [7, 8, 9]}],
+                     SamplingParams(max_tokens=1, extra_args={"speedsfi": {"sfi": {"enabled": False}}}),
+                     use_tqdm=False)
+        leftover = {"request slots": len(table.slot_of) - 1,
+                    "SFI slots": len(table.sfi.slot_host) if table.sfi is not None else 0,
+                    "KV blocks": free0 - mgr.block_pool.get_num_free_blocks()}
+        counts = metrics.snapshot()
+        groups = [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups]
+    print(f"SPEEDSFI {'SFI on' if sfi else 'all off'}: start-up concurrency {concurrency:.3f}, "
+          f"peak requests in one step {max(len(step) for step in records)}")
+    return dict(tokens=[list(o.outputs[0].token_ids) for o in outs], prompts=prompts,
+                peak=max(len(step) for step in records), leftover=leftover, counts=counts,
+                concurrency=concurrency, groups=groups)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models):
+    return _run(tiny_models["qwen3"], None), _run(tiny_models["qwen3"], SFI)
+
+
+def test_startup_concurrency_counts_the_compact_blocks(runs):
+    dense, sfi = runs
+    assert dense["groups"] == ["FullAttentionSpec"]
+    assert sfi["groups"] == ["FullAttentionSpec", "SfiCompactSpec"]
+    per_request = -(-1024 // BLOCK)                       # a max_model_len request, in blocks
+    n_c = -(-(SFI["n_sink"] + SFI["k"]) // BLOCK)
+    assert sfi["concurrency"] == pytest.approx(dense["concurrency"] * per_request / (per_request + n_c))
+
+
+def test_sfi_runs_as_many_requests_at_once_as_dense_less_its_blocks(runs):
+    dense, sfi = runs
+    ctx = sum(len(p) + MAX_TOKENS for p in dense["prompts"]) / len(dense["prompts"])
+    n_c = -(-(SFI["n_sink"] + SFI["k"]) // BLOCK)
+    assert dense["peak"] > 32, "the KV cache, not max_num_seqs, must limit dense here"
+    assert dense["peak"] < NUM_REQUESTS
+    assert sfi["peak"] >= dense["peak"] * ctx / (ctx + n_c * BLOCK), (sfi["peak"], dense["peak"])
+    assert sfi["peak"] > 32                               # the old pool's default cap
+    assert sfi["counts"].get("sched.sfi_admission_waits", 0) == 0
+    assert sfi["counts"]["sfi.fast_steps"] > 0 and sfi["counts"]["sfi.slow_steps"] > 0
+
+
+def test_only_requests_that_can_go_sparse_get_compact_blocks(runs):
+    from vllm_ext.sfi.kv_spec import first_compact_len
+    from vllm_ext.config import SfiConfig
+
+    _, sfi = runs
+    first = first_compact_len(SfiConfig(**SFI))
+    long = sum(len(p) + MAX_TOKENS >= first for p in sfi["prompts"])
+    short = len(sfi["prompts"]) - long
+    assert short >= NUM_REQUESTS // 4
+    resumes = sfi["counts"].get("fallback.sfi_preempted", 0)
+    assert long <= sfi["counts"]["sfi.compact_allocations"] <= long + resumes
+
+
+def test_every_request_finishes_and_nothing_leaks(runs):
+    for run in runs:
+        assert [len(t) for t in run["tokens"]] == [MAX_TOKENS] * NUM_REQUESTS
+        assert run["leftover"] == {"request slots": 0, "SFI slots": 0, "KV blocks": 0}

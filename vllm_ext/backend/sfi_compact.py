@@ -1,0 +1,110 @@
+"""The per-layer cache of SFI's compact segments, as vLLM pages it (``docs/per_request_memory.md``).
+
+:class:`SfiCompactCache` is an ``AttentionLayerBase`` registered in the forward context beside a
+SPEEDSFI attention layer (``<layer>.sfi_compact``), as vLLM's own ``DeepseekV32IndexerCache`` and
+``CompressorStateCache`` are: vLLM collects its spec (``vllm_ext.sfi.kv_spec.SfiCompactSpec``, the
+attention layer's page format), groups it, allocates its blocks from the shared pool and binds a
+view of the KV cache to it (``kv_cache``, logically ``[num_blocks, Hkv, block_size, 2D]``). The
+model never calls it; the attention impl reads and writes its blocks through the compact group's
+block table (the runner hooks hand that table to the request table every step). Its backend's
+metadata builder has nothing to build.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder,
+                                       MultipleOf)
+
+from vllm_ext.sfi.slot_tables import COMPACT_SUFFIX as SUFFIX  # noqa: E402
+
+
+def compact_layer_name(attn_layer_name: str) -> str:
+    return attn_layer_name + SUFFIX
+
+
+class SfiCompactMetadataBuilder(AttentionMetadataBuilder):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        return None
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        return None
+
+
+class SfiCompactBackend(AttentionBackend):
+    """The compact caches' backend: SPEEDSFI's page constraints (``backend.SpeedSfiBackend``: kernel
+    block sizes, layouts; the compact pages share the attention layer's format), a builder that
+    builds nothing, no impl (the model never calls the layer)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_name() -> str:
+        return "SPEEDSFI_COMPACT"
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("SPEEDSFI's compact caches are read by the attention impl")
+
+    @staticmethod
+    def get_builder_cls():
+        return SfiCompactMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        from vllm.platforms import current_platform
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        if current_platform.is_cpu():
+            return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
+        return (KVCacheLayout.LBNHC,)
+
+
+class SfiCompactCache(torch.nn.Module, AttentionLayerBase):
+    """The compact segments of one SPEEDSFI attention layer (``attn``), paged by vLLM."""
+
+    def __init__(self, attn, prefix: str, sfi_config):
+        super().__init__()
+        self.kv_cache = torch.tensor([])
+        self.layer_name = prefix
+        self.sfi_config = sfi_config
+        self._attn = [attn]          # not a submodule: the model owns the attention layer
+
+    def get_kv_cache_spec(self, vllm_config):
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        from vllm_ext.sfi.kv_spec import compact_spec_for
+
+        spec = self._attn[0].get_kv_cache_spec(vllm_config)
+        if not isinstance(spec, AttentionSpec):
+            return None
+        return compact_spec_for(spec, self.sfi_config)
+
+    def get_attn_backend(self):
+        return SfiCompactBackend
+
+    def forward(self):  # never called: the attention impl reads the blocks
+        raise RuntimeError("SfiCompactCache is a KV-cache holder, not a model layer")
+
+
+def register_compact_layer(forward_context: dict, attn_layer_name: str, sfi_config) -> SfiCompactCache:
+    """The compact cache of ``attn_layer_name`` in the forward context, registered on first call
+    (before vLLM collects the KV-cache specs: the attention impl calls this while the weights load)."""
+    name = compact_layer_name(attn_layer_name)
+    layer = forward_context.get(name)
+    if layer is None:
+        layer = SfiCompactCache(forward_context[attn_layer_name], name, sfi_config)
+        forward_context[name] = layer
+    return layer

@@ -1,0 +1,146 @@
+"""SFI's compact segments in vLLM's block manager: their KV-cache spec and its manager (vLLM glue;
+``docs/per_request_memory.md``).
+
+Every SPEEDSFI attention layer that can decode sparsely has a companion cache layer
+(``vllm_ext.backend.sfi_compact.SfiCompactCache``) reporting :class:`SfiCompactSpec`: the layer's own
+page format (block size, KV heads, head size, dtype, so vLLM groups it beside the attention layers
+and both draw block ids from the one shared pool), with a fixed ``compact_blocks`` blocks per
+request. :class:`SfiCompactManager` gives a request those blocks in the step its length first
+reaches ``first_len`` (the shortest context SFI writes a compact segment for), never earlier, and
+vLLM frees them with the request's other blocks on finish, abort and preemption. The blocks are
+never prefix-cached or shared (``prefix_cacheable`` is False: vLLM's hybrid coordinator leaves the
+group out of hit lookup, and the manager caches nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_ext import metrics
+from vllm_ext.config import SfiConfig
+
+
+def compact_blocks(cfg: SfiConfig, block_size: int) -> int:
+    """Blocks of ``block_size`` entries that hold one request's ``n_sink + k`` compact entries."""
+    return cdiv(cfg.n_sink + cfg.k, block_size)
+
+
+def first_compact_len(cfg: SfiConfig) -> int:
+    """The shortest context for which SFI writes a compact segment: a sparse decode row needs
+    ``t > max(min_len, n_sink + n_recent + k)`` and a prefill-end selection ``P > n_sink + n_recent +
+    k``, with ``k >= k_min`` for any request (its own override included)."""
+    return cfg.n_sink + cfg.n_recent + cfg.k_min + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class SfiCompactSpec(AttentionSpec):
+    """One SPEEDSFI layer's compact segments: ``compact_blocks`` pages of the layer's format per
+    request, from the step its length reaches ``first_len``."""
+
+    compact_blocks: int = 1
+    first_len: int = 1
+
+    # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds
+    speedsfi_method = "sfi"
+
+    @property
+    def blocks_per_request(self) -> int:
+        return self.compact_blocks
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        return None
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        return False
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        """A ``max_model_len`` request holds ``compact_blocks`` pages: vLLM's "Maximum concurrency"
+        counts them beside the attention groups' blocks."""
+        return self.compact_blocks * self.page_size_bytes
+
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        return self.compact_blocks
+
+    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+        return all(isinstance(spec, SfiCompactSpec) for spec in kv_cache_specs.values())
+
+
+class SfiCompactManager(SingleTypeKVCacheManager):
+    """``compact_blocks`` blocks per request once its length reaches ``first_len``; none before."""
+
+    def _wants(self, request_id: str, num_tokens: int) -> int:
+        spec = self.kv_cache_spec
+        if self.req_to_blocks.get(request_id) or num_tokens < spec.first_len:
+            return 0
+        return spec.compact_blocks
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   prefill_end: int = 0) -> int:
+        return self._wants(request_id, num_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        n = self._wants(request_id, num_tokens)
+        if not n:
+            return []
+        new = self.block_pool.get_new_blocks(n)
+        self.req_to_blocks[request_id].extend(new)
+        metrics.bump("sfi.compact_allocations")   # once per request and group (and per resume)
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in new)
+        return new
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
+        return None                  # KV connectors are refused with SPEEDSFI
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks,
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        return None                  # never a prefix hit (the group is not prefix-cacheable)
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args, **kwargs):
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+    def cache_blocks(self, request, num_tokens: int, retention_interval=None, *,
+                     replay_boundaries=()) -> None:
+        return None                  # never prefix-cached
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        return None
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+
+def register_sfi_kv_spec() -> None:
+    """Register the spec and its manager (idempotent; after vLLM's built-ins, as SPEED's)."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(SfiCompactSpec, SfiCompactManager,
+                                 uniform_type_base_spec=SfiCompactSpec)
+
+
+def compact_spec_for(spec: AttentionSpec, cfg: SfiConfig) -> SfiCompactSpec:
+    """The compact spec beside an attention layer's ``spec`` (same page format)."""
+    return SfiCompactSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                          head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
+                          kv_quant_mode=spec.kv_quant_mode, page_size_padded=spec.page_size_padded,
+                          dcp_sharded=spec.dcp_sharded, max_tp_shards=spec.max_tp_shards,
+                          compact_blocks=compact_blocks(cfg, spec.block_size),
+                          first_len=first_compact_len(cfg))
