@@ -259,7 +259,7 @@ def load_passes() -> str:
     return "\n".join(lines) + "\n\n" + _load_footer(name, d)
 
 
-_SOAK_NAMES = {"cpu_attn": "vLLM `CPU_ATTN`", "all_on": "SFI + SPEED + CritiPrefill",
+_SOAK_NAMES = {"cpu_attn": "vLLM `CPU_ATTN`", "sfi": "the `sfi` preset", "all_on": "SFI + SPEED + CritiPrefill",
                "sfi_critiprefill_pc": "SFI + CritiPrefill, prefix caching"}
 
 
@@ -278,6 +278,37 @@ def soak() -> str:
         notes.append(f"{d['machine']['description']}, load average {load} at the start; {d['date'][:10]}; "
                      f"commit {d['code']['commit'][:7]}; `{d['command'].split(' --out')[0].replace('/work/main/', '')}`; {_source(name)}.")
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def soak_tight_kv() -> str:
+    """The soak with a KV cache small enough to preempt (issue 36)."""
+    name = "soak_cpu_tight_kv.json"
+    d = _load(name)
+    lines = ["| config | requests | aborted by the client | failed | preemptions | at the end: slots / queue / KV usage |",
+             "|---|---|---|---|---|---|"]
+    for c in d["configs"]:
+        sk, end = c["soak"], c["soak"]["end"]
+        zero = sk["back_to_zero"]
+        lines.append(f"| {_SOAK_NAMES.get(c['name'], c['name'])} | {sk['requests']} | {sk['aborted']} | "
+                     f"{sk['failures']} | {end['preemptions']} | "
+                     f"{'0' if zero['slots'] else 'left'} / {'0' if zero['queue'] else 'left'} / "
+                     f"{'0' if zero['kv_cache_usage'] else 'left'} |")
+    load = ", ".join(f"{x:.1f}" for x in d["machine"]["load_average_at_start"])
+    note = (f"{d['machine']['description']}, load average {load} at the start; {d['date'][:10]}; "
+            f"commit {d['code']['commit'][:7]}; `{d['command'].split(' --out')[0]}`; {_source(name)}.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def concurrency_cpu() -> str:
+    """Requests at once under a KV cache that limits them, all off vs SFI on (issue 36)."""
+    name = "concurrency_cpu.json"
+    d = _load(name)
+    lines = ["| | start-up \"Maximum concurrency\" | most requests in one step |", "|---|---|---|"]
+    for r in d["runs"]:
+        lines.append(f"| SPEEDSFI, {r['config']} | {r['startup_concurrency']:.3f}x | {r['peak_requests_in_a_step']} |")
+    note = (f"{d['machine']}; {d['workload']}; {d['date']}; commit {d['commit'][:7]}; `{d['command']}`; "
+            f"{_source(name)}.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 _QUALITY_HEAD = re.compile(r"^\| config \|.*$", re.M)
@@ -448,6 +479,7 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
 
 FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
+           "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill}
