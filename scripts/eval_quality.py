@@ -68,7 +68,8 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wordings", default="ruler",
                    help=f"with --text: niah_single's wordings, comma-separated, of {','.join(T.TEXT_WORDINGS)}")
-    p.add_argument("--value-digits", type=int, default=7, help="with --text: digits of each value")
+    p.add_argument("--value-digits", default="7",
+                   help="with --text: digits of each value; a comma-separated list runs each length")
     p.add_argument("--ks", default="64,128,256,512", help="SFI budgets of the default configurations")
     p.add_argument("--n-recent", type=int, default=64)
     p.add_argument("--configs", default=None,
@@ -144,11 +145,13 @@ def build_samples(args, tokenizer):
     if not args.text:
         return T.make_suite(tasks, lengths, depths, args.per_cell, seed=args.seed, filler=args.filler)
     wordings = [w for w in args.wordings.split(",") if w]
-    # each wording takes its own seeds (seed + 1000 x its place in --wordings): a sample's key stays
-    # (task, length, depth, seed)
-    samples = [T.make_text_sample(t, n, d, args.seed + 1000 * j + i, tokenizer, wording=w,
-                                  value_digits=args.value_digits)
+    digits = [int(x) for x in str(args.value_digits).split(",") if x]
+    # each (wording, value length) takes its own seeds: seed + 1000 x its place in --wordings + 100 x
+    # its place in --value-digits (a sample's key stays (task, length, depth, seed))
+    samples = [T.make_text_sample(t, n, d, args.seed + 1000 * j + 100 * v + i, tokenizer, wording=w,
+                                  value_digits=nd)
                for t in tasks for j, w in enumerate(wordings if t == "niah_single" else ["ruler"])
+               for v, nd in enumerate(digits)
                for n in lengths for d in depths for i in range(args.per_cell)]
     if args.chat:
         samples = [T.chat_sample(s, tokenizer) for s in samples]
