@@ -128,6 +128,9 @@ class SfiConfig:
     # whole"). Decided on the device from a per-request token history (int32, max_model_len per SFI
     # request). 0 = off (the paper's schedule); 2..MAX_COPY_NGRAM otherwise.
     copy_ngram: int = 0
+    # the copy trigger fires only when the span occurs at most this many times in the allowed set (a
+    # value stated once, not a phrase the context repeats everywhere); 0 = any number of times
+    copy_max_matches: int = 1
     # which selector a slow row runs (bench/QUALITY.md, "Quest-style page selection"):
     #   "sfi": the paper's selector (dense pass + attention evidence, prior, Soft-NMS, exclusivity);
     #   "quest": Quest-style pages (Tang et al. 2024): per `page_size` tokens the element-wise max/min
@@ -200,6 +203,7 @@ class SfiConfig:
         if self.copy_ngram and not 2 <= self.copy_ngram <= MAX_COPY_NGRAM:
             raise ConfigError(f"speedsfi.sfi.copy_ngram ({self.copy_ngram!r}) must be 0 (off) or 2..{MAX_COPY_NGRAM}: "
                               "the tail tokens a copy must match (1 would match almost every token)")
+        _non_negative("sfi.copy_max_matches", self.copy_max_matches)
         if self.copy_ngram and self.schedule == "always_slow":
             raise ConfigError("speedsfi.sfi.copy_ngram applies to schedules 'boundary' and 'periodic' "
                               "('always_slow' is dense at every step already)")

@@ -16,14 +16,15 @@ needs_triton = pytest.mark.skipif(not (HAS_TRITON and use_triton(DEVICE)),
                                   reason="needs CUDA or the Triton interpreter")
 
 
-def reference_copy(tokens: list[int], t: int, n_sink: int, n_recent: int, m: int) -> bool:
+def reference_copy(tokens: list[int], t: int, n_sink: int, n_recent: int, m: int, max_matches: int = 0) -> bool:
     """The rule of the module docstring, spelled out: the last m of tokens[:t] occur earlier, ending
-    at j, with the follower j + 1 in [n_sink, t - n_recent)."""
+    at j, with the follower j + 1 in [n_sink, t - n_recent), at least once and at most max_matches
+    times (0: any number)."""
     if t < m:
         return False
     tail = tokens[t - m:t]
-    return any(tokens[j - m + 1:j + 1] == tail
-               for j in range(max(n_sink - 1, m - 1), t - n_recent - 1))
+    hits = sum(tokens[j - m + 1:j + 1] == tail for j in range(max(n_sink - 1, m - 1), t - n_recent - 1))
+    return hits > 0 and (max_matches == 0 or hits <= max_matches)
 
 
 def _history(rng: random.Random, slots: int, max_len: int, lens: list[int], vocab: int):
@@ -40,8 +41,9 @@ def _history(rng: random.Random, slots: int, max_len: int, lens: list[int], voca
     return hist, streams
 
 
+@pytest.mark.parametrize("max_matches", [0, 1, 2])
 @pytest.mark.parametrize("m, n_sink, n_recent", [(2, 4, 8), (3, 4, 8), (4, 0, 0), (2, 1, 30)])
-def test_copy_match_twin_equals_reference(m, n_sink, n_recent):
+def test_copy_match_twin_equals_reference(m, n_sink, n_recent, max_matches):
     rng = random.Random(m * 100 + n_recent)
     lens = [40, 37, 64, 5, 2, 70, 33]
     hist, streams = _history(rng, len(lens), 80, lens, vocab=6)   # a small vocabulary: many repeats
@@ -50,17 +52,20 @@ def test_copy_match_twin_equals_reference(m, n_sink, n_recent):
     seq = torch.tensor(lens + [40, 5], dtype=torch.int32)
     active = torch.tensor([1, 1, 1, 1, 1, 0, 1, 1, 0], dtype=torch.int32)     # row 5 not a decode row
     out = torch.full((rows,), 7, dtype=torch.int32)
-    copy_match_torch(hist, seq, slot, active, out, n_sink=n_sink, n_recent=n_recent, ngram=m)
+    copy_match_torch(hist, seq, slot, active, out, n_sink=n_sink, n_recent=n_recent, ngram=m,
+                     max_matches=max_matches)
     want = [int(bool(active[r]) and int(slot[r]) >= 0 and
-                reference_copy(streams[int(slot[r])], int(seq[r]), n_sink, n_recent, m)) for r in range(rows)]
+                reference_copy(streams[int(slot[r])], int(seq[r]), n_sink, n_recent, m, max_matches))
+            for r in range(rows)]
     assert out.tolist() == want
-    assert any(want) and not all(want)
+    assert not all(want) and (any(want) or max_matches)
 
 
 @needs_triton
+@pytest.mark.parametrize("max_matches", [0, 1, 3])
 @pytest.mark.parametrize("m, n_sink, n_recent", [(2, 4, 8), (3, 4, 8), (5, 0, 0), (8, 2, 16)])
 @pytest.mark.parametrize("max_len", [80, 1500])        # one block / several blocks per row
-def test_copy_match_kernel_equals_twin(m, n_sink, n_recent, max_len):
+def test_copy_match_kernel_equals_twin(m, n_sink, n_recent, max_len, max_matches):
     rng = random.Random(m + max_len)
     lens = [40, 37, 64, 5, 2, 70, 33] if max_len == 80 else [1500, 1200, 777, 1024, 513, 1499, 9]
     hist, _ = _history(rng, len(lens), max_len, lens, vocab=4 if max_len == 80 else 3)
@@ -68,10 +73,10 @@ def test_copy_match_kernel_equals_twin(m, n_sink, n_recent, max_len):
     seq = torch.tensor(lens + [33], dtype=torch.int32)
     active = torch.tensor([1, 1, 1, 1, 1, 0, 1, 1], dtype=torch.int32)
     twin = copy_match_torch(hist, seq, slot, active, torch.zeros(8, dtype=torch.int32),
-                            n_sink=n_sink, n_recent=n_recent, ngram=m)
+                            n_sink=n_sink, n_recent=n_recent, ngram=m, max_matches=max_matches)
     kern = copy_match(hist.to(DEVICE), seq.to(DEVICE), slot.to(DEVICE), active.to(DEVICE),
                       torch.full((8,), 7, dtype=torch.int32, device=DEVICE),
-                      n_sink=n_sink, n_recent=n_recent, ngram=m)
+                      n_sink=n_sink, n_recent=n_recent, ngram=m, max_matches=max_matches)
     assert kern.cpu().tolist() == twin.tolist()
 
 

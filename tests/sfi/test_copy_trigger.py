@@ -64,6 +64,19 @@ def test_slow_exactly_while_the_value_is_copied():
     assert t.sfi.counter_values()["sfi.copy_slow_steps"] == 4
 
 
+def test_a_span_the_context_repeats_does_not_fire():
+    """copy_max_matches 1 (the default): the value stated twice in the prompt is no longer a span
+    only one place holds; with 2 it fires again."""
+    global PROMPT
+    saved = list(PROMPT)
+    PROMPT[40:46] = VALUE
+    try:
+        _, modes, _ = _run(M, ANSWER)
+        assert modes[6:10] == ["fast"] * 4
+    finally:
+        PROMPT[:] = saved
+
+
 def test_off_leaves_the_same_steps_fast():
     t, modes, _ = _run(0, ANSWER)
     assert modes[6:10] == ["fast"] * 4

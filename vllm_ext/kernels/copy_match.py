@@ -11,10 +11,13 @@ build's path: the CPU plan is PyTorch):
   a trash row for writes that have no slot). Grid ``(rows, cdiv(max_q_len, BLOCK))``: a decode-only
   step launches one block per row.
 * :func:`copy_match` sets ``out[r]`` (int32 0/1) for the rows marked ``active`` that hold a slot:
-  with ``t = seq_lens[r]`` (the step's input token at position ``t - 1``) and ``m = ngram``, 1 when
-  some ``j`` has ``history[j - i] == history[t - 1 - i]`` for ``i < m``, ``j - m + 1 >= 0`` and the
-  follower ``j + 1`` in ``[n_sink, t - n_recent)`` (the selector's allowed set: what a fast step
-  reads only if it was selected). Grid ``(rows,)``, a loop over ``t - n_recent`` positions per row.
+  with ``t = seq_lens[r]`` (the step's input token at position ``t - 1``) and ``m = ngram``, an
+  occurrence is a ``j`` with ``history[j - i] == history[t - 1 - i]`` for ``i < m``, ``j - m + 1 >= 0``
+  and the follower ``j + 1`` in ``[n_sink, t - n_recent)`` (the selector's allowed set: what a fast
+  step reads only if it was selected); ``out[r]`` is 1 when there are between 1 and ``max_matches``
+  occurrences (``max_matches`` 0: any number). A span that occurs once is one the model can only
+  copy from there; a phrase that recurs all over the context (a repetitive haystack, boilerplate)
+  needs no particular position. Grid ``(rows,)``, a loop over ``t - n_recent`` positions per row.
 
 Cost per decode row and step: ``m`` int32 reads per allowed position (``4 (t - n_recent)`` bytes
 from memory, the rest cached), against a fast step's ``layers x 2 x H_kv x D x dtype`` bytes per
@@ -48,7 +51,7 @@ if HAS_TRITON:
         tl.store(HIST + slot.to(tl.int64) * s_hist + pos, tok, mask=ok)
 
     @triton.jit
-    def _match_kernel(HIST, SEQ, HSLOT, ACTIVE, OUT, max_len, s_hist, n_sink, n_recent,
+    def _match_kernel(HIST, SEQ, HSLOT, ACTIVE, OUT, max_len, s_hist, n_sink, n_recent, max_matches,
                       M: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0)
         t = tl.load(SEQ + r)
@@ -58,7 +61,7 @@ if HAS_TRITON:
         # the occurrence's last position j: follower j + 1 in [n_sink, t - n_recent), j >= M - 1
         j_lo = tl.maximum(n_sink - 1, M - 1)
         j_hi = tl.where(act, t - n_recent - 1, 0)
-        found = tl.zeros([BLOCK], dtype=tl.int32)
+        hits = tl.zeros([BLOCK], dtype=tl.int32)
         for j0 in range(j_lo, j_hi, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
             ok = j < j_hi
@@ -66,8 +69,9 @@ if HAS_TRITON:
                 want = tl.load(base + t - 1 - i)
                 got = tl.load(base + j - i, mask=ok, other=-1)
                 ok = ok & (got == want)
-            found = tl.maximum(found, ok.to(tl.int32))
-        tl.store(OUT + r, tl.max(found, 0))
+            hits += ok.to(tl.int32)
+        n = tl.sum(hits, 0)
+        tl.store(OUT + r, ((n > 0) & ((max_matches == 0) | (n <= max_matches))).to(tl.int32))
 
 
 def record_tokens_torch(history: torch.Tensor, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
@@ -90,7 +94,7 @@ def record_tokens_torch(history: torch.Tensor, input_ids: torch.Tensor, query_st
 
 def copy_match_torch(history: torch.Tensor, seq_lens: torch.Tensor, row_hist_slot: torch.Tensor,
                      row_active: torch.Tensor, out: torch.Tensor, *, n_sink: int, n_recent: int,
-                     ngram: int) -> torch.Tensor:
+                     ngram: int, max_matches: int = 0) -> torch.Tensor:
     """``out[r] = 1`` where the row copies (module docstring), else 0; returns ``out``."""
     rows = row_hist_slot.shape[0]
     max_len = history.shape[1]
@@ -105,7 +109,9 @@ def copy_match_torch(history: torch.Tensor, seq_lens: torch.Tensor, row_hist_slo
         want = h.gather(1, (t - 1 - i).clamp(0, max_len - 1)[:, None])
         got = h.gather(1, (j - i).clamp(min=0).expand(rows, -1))
         ok = ok & (got == want)
-    out[:rows].copy_(ok.any(1).to(out.dtype))
+    n = ok.sum(1)
+    hit = (n > 0) & ((n <= max_matches) if max_matches else True)
+    out[:rows].copy_(hit.to(out.dtype))
     return out
 
 
@@ -123,13 +129,14 @@ def record_tokens(history, input_ids, query_start_loc, seq_lens, row_hist_slot, 
 
 
 def copy_match(history, seq_lens, row_hist_slot, row_active, out, *, n_sink: int, n_recent: int,
-               ngram: int) -> torch.Tensor:
+               ngram: int, max_matches: int = 0) -> torch.Tensor:
     """Triton on CUDA (or under the interpreter), else the twin: :func:`copy_match_torch`."""
     if not (HAS_TRITON and use_triton(history)):
         return copy_match_torch(history, seq_lens, row_hist_slot, row_active, out, n_sink=n_sink,
-                                n_recent=n_recent, ngram=ngram)
+                                n_recent=n_recent, ngram=ngram, max_matches=max_matches)
     rows = row_hist_slot.shape[0]
     if rows:
         _match_kernel[(rows,)](history, seq_lens, row_hist_slot, row_active, out, history.shape[1],
-                               history.stride(0), int(n_sink), int(n_recent), M=int(ngram), BLOCK=512)
+                               history.stride(0), int(n_sink), int(n_recent), int(max_matches),
+                               M=int(ngram), BLOCK=512)
     return out

@@ -82,8 +82,9 @@ def slow_steps(cfg, answer_ids: list[int], prompt_ids: list[int], upto: int, tok
         if cfg.copy_ngram:
             m, t = cfg.copy_ngram, len(tokens)
             tail = tokens[t - m:]
-            fire |= any(tokens[j - m + 1:j + 1] == tail
-                        for j in range(max(cfg.n_sink - 1, m - 1), t - cfg.n_recent - 1))
+            hits = sum(tokens[j - m + 1:j + 1] == tail
+                       for j in range(max(cfg.n_sink - 1, m - 1), t - cfg.n_recent - 1))
+            fire |= hits > 0 and (not cfg.copy_max_matches or hits <= cfg.copy_max_matches)
         if fire:
             slow.append(i)
             since, gap = 0, min(gap * 2, cfg.refresh)

@@ -251,7 +251,8 @@ class SfiSlotTables(MethodSlots):
             record_tokens(self.history, step.input_ids, step.query_start_loc, seq_lens,
                           hist_slot[:step.num_reqs], max_q_len)
         return copy_match(self.history, seq_lens, hist_slot, sfi_rows, self.row_copy[:num_rows],
-                          n_sink=self.cfg.n_sink, n_recent=self.cfg.n_recent, ngram=self.cfg.copy_ngram)
+                          n_sink=self.cfg.n_sink, n_recent=self.cfg.n_recent, ngram=self.cfg.copy_ngram,
+                          max_matches=self.cfg.copy_max_matches)
 
     def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table,
              row_copy=None) -> SfiStep:
