@@ -189,6 +189,8 @@ def main(argv=None):
     p.add_argument("--config", required=True, help="the configuration's name in that JSON")
     p.add_argument("--sfi", default=None, help="JSON of the SfiConfig to replay (default: the preset 'sfi')")
     p.add_argument("--max-samples", type=int, default=4)
+    p.add_argument("--include-correct", action="store_true",
+                   help="also answers SFI got right (traced at the step that wrote the value's last token)")
     p.add_argument("--json", default=None, help="write the traces here")
     args = p.parse_args(argv)
 
@@ -205,8 +207,8 @@ def main(argv=None):
     by_name = {c["name"]: c for c in data["configs"]}
     dense = {(r["task"], r["length"], r["depth"], r["seed"]): r for r in by_name["dense"]["samples"]}
     misses = [r for r in by_name[args.config]["samples"]
-              if r["task"] == "niah_single" and not r["correct"]
-              and dense[(r["task"], r["length"], r["depth"], r["seed"])]["correct"]]
+              if r["task"] == "niah_single" and dense[(r["task"], r["length"], r["depth"], r["seed"])]["correct"]
+              and (args.include_correct or not r["correct"])]
     traces = []
     for r in misses[:args.max_samples]:
         s = T.chat_sample(T.make_text_sample(r["task"], r["length"], r["depth"], r["seed"], tok,
@@ -214,9 +216,12 @@ def main(argv=None):
                                              value_digits=len(r["expected"])), tok)
         mine = r["output_ids"]
         ref = dense[(r["task"], r["length"], r["depth"], r["seed"])]["output_ids"]
-        wrong = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)
         vpos = _value_positions(tok, s.prompt_ids, r["expected"])
         value_ids = [s.prompt_ids[q] for q in vpos]
+        wrong = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        if r["correct"]:                    # right: the step that wrote the value's last token
+            wrong = next(i + len(value_ids) - 1 for i in range(len(mine))
+                         if mine[i:i + len(value_ids)] == value_ids)
         # value tokens already written right: the longest prefix of the value that ends the answer
         written = max((n for n in range(len(value_ids) + 1) if mine[max(0, wrong - n):wrong] == value_ids[:n]),
                       default=0)
