@@ -191,6 +191,7 @@ def main(argv=None):
     p.add_argument("--max-samples", type=int, default=4)
     p.add_argument("--include-correct", action="store_true",
                    help="also answers SFI got right (traced at the step that wrote the value's last token)")
+    p.add_argument("--length", type=int, default=None, help="only samples of this requested length")
     p.add_argument("--json", default=None, help="write the traces here")
     args = p.parse_args(argv)
 
@@ -208,7 +209,8 @@ def main(argv=None):
     dense = {(r["task"], r["length"], r["depth"], r["seed"]): r for r in by_name["dense"]["samples"]}
     misses = [r for r in by_name[args.config]["samples"]
               if r["task"] == "niah_single" and dense[(r["task"], r["length"], r["depth"], r["seed"])]["correct"]
-              and (args.include_correct or not r["correct"])]
+              and (args.include_correct or not r["correct"])
+              and (args.length is None or r["length"] == args.length)]
     traces = []
     for r in misses[:args.max_samples]:
         s = T.chat_sample(T.make_text_sample(r["task"], r["length"], r["depth"], r["seed"], tok,
