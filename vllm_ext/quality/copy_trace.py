@@ -168,7 +168,7 @@ def _value_positions(tokenizer, prompt_ids: list[int], value: str) -> list[int]:
 
 
 def summarise(tr: dict) -> list[str]:
-    lines = [f"prompt {tr['prompt_len']} tokens; wrong token at decode step {tr['wrong_step']} "
+    lines = [f"prompt {tr['prompt_len']} tokens; traced decode step {tr['wrong_step']} (the first token unlike dense; a right answer: its value's last token) "
              f"(slow steps {tr['slow_steps']}; selection from "
              f"{'step %d' % tr['last_slow'] if tr['last_slow'] else 'the prefill end'}); "
              f"value tokens still to copy at positions {tr['remaining']}",
