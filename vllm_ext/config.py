@@ -131,6 +131,9 @@ class SfiConfig:
     # the copy trigger fires only when the span occurs at most this many times in the allowed set (a
     # value stated once, not a phrase the context repeats everywhere); 0 = any number of times
     copy_max_matches: int = 1
+    # fire at the first step of each run of copying steps only (its slow step reselects from the
+    # copying query and `select_span` brings the span's next tokens); False = at every copying step
+    copy_once: bool = False
     # which selector a slow row runs (bench/QUALITY.md, "Quest-style page selection"):
     #   "sfi": the paper's selector (dense pass + attention evidence, prior, Soft-NMS, exclusivity);
     #   "quest": Quest-style pages (Tang et al. 2024): per `page_size` tokens the element-wise max/min

@@ -120,3 +120,34 @@ def test_record_tokens_kernel_equals_twin(q_lens, computed, max_q_len):
     kern = twin.new_full((5, width), -1).to(DEVICE)
     record_tokens(kern, ids.to(DEVICE), qsl.to(DEVICE), seq.to(DEVICE), slot.to(DEVICE), max_q_len)
     assert torch.equal(kern.cpu()[:4], twin[:4])
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_triton)])
+def test_copy_once_fires_at_the_first_step_of_a_run(use_kernel):
+    """``prev`` (sfi.copy_once): across steps a row fires when it starts copying, not while it goes
+    on; an inactive row leaves its slot's state alone; the kernel and the twin agree step by step."""
+    rng = random.Random(5)
+    hist, _ = _history(rng, 3, 200, [150, 150, 150], vocab=1000)
+    hist[0, 40:46] = torch.tensor([7, 8, 9, 10, 11, 12], dtype=torch.int32)    # a span row 0 copies
+    slot = torch.tensor([0, 1, -1], dtype=torch.int32)
+    prev_twin = torch.zeros(4, dtype=torch.int32)
+    prev_kern = prev_twin.clone().to(DEVICE)
+    fired = []
+    stream = [1, 7, 8, 9, 10, 2, 7, 8, 3]        # two runs: 7 8 9 10 and 7 8
+    for step, tok in enumerate(stream):
+        t = 150 + step + 1
+        hist[0, t - 1] = tok
+        hist[1, t - 1] = 5000 + step
+        seq = torch.tensor([t, t, t], dtype=torch.int32)
+        active = torch.tensor([1, int(step != 3), 1], dtype=torch.int32)        # row 1 idle at step 3
+        want = copy_match_torch(hist, seq, slot, active, torch.zeros(3, dtype=torch.int32), n_sink=4,
+                                n_recent=8, ngram=2, max_matches=1, prev=prev_twin)
+        if use_kernel:
+            got = copy_match(hist.to(DEVICE), seq.to(DEVICE), slot.to(DEVICE), active.to(DEVICE),
+                             torch.zeros(3, dtype=torch.int32, device=DEVICE), n_sink=4, n_recent=8,
+                             ngram=2, max_matches=1, prev=prev_kern)
+            assert got.cpu().tolist() == want.tolist(), f"step {step}"
+            assert torch.equal(prev_kern.cpu()[:3], prev_twin[:3]), f"step {step}"
+        fired.append(int(want[0]))
+    # tails 7 8 / 8 9 / 9 10 copy (steps 2-4): fires at step 2 only; 7 8 again at step 7: fires
+    assert fired == [0, 0, 1, 0, 0, 0, 0, 1, 0]

@@ -22,10 +22,10 @@ def reference_copy(tokens, m=M):
     return any(tokens[j - m + 1:j + 1] == tail for j in range(max(N_SINK - 1, m - 1), t - N_RECENT - 1))
 
 
-def _run(copy_ngram: int, answer: list[int]):
+def _run(copy_ngram: int, answer: list[int], **more):
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": K, "k_min": 4, "n_sink": N_SINK,
                                             "n_recent": N_RECENT, "refresh": 1000, "schedule": "periodic",
-                                            "copy_ngram": copy_ngram}})
+                                            "copy_ngram": copy_ngram, **more}})
     t = EngineRequestTable(max_reqs=2, device="cpu", config=cfg, sfi_capacity=2, max_model_len=128)
     t.sync_membership([], {"a": (len(PROMPT), None)})
     # the prefill in two chunks
@@ -75,6 +75,12 @@ def test_a_span_the_context_repeats_does_not_fire():
         assert modes[6:10] == ["fast"] * 4
     finally:
         PROMPT[:] = saved
+
+
+def test_copy_once_is_slow_at_the_first_copying_step_only():
+    t, modes, expected = _run(M, ANSWER, copy_once=True)
+    assert modes[6:10] == ["slow", "fast", "fast", "fast"]
+    assert t.sfi.counter_values()["sfi.copy_slow_steps"] == 1
 
 
 def test_off_leaves_the_same_steps_fast():

@@ -18,6 +18,10 @@ build's path: the CPU plan is PyTorch):
   occurrences (``max_matches`` 0: any number). A span that occurs once is one the model can only
   copy from there; a phrase that recurs all over the context (a repetitive haystack, boilerplate)
   needs no particular position. Grid ``(rows,)``, a loop over ``t - n_recent`` positions per row.
+  With ``prev`` (int32 per slot, ``sfi.copy_once``) a row fires only at the first step of a run of
+  copying steps: ``out = hit & ~prev[slot]``, and ``prev[slot] = hit`` for the active rows (that
+  step's slow step reselects from the copying query, whose evidence points at the span's next
+  token, and ``select_span`` brings the tokens after it).
 
 Cost per decode row and step: ``m`` int32 reads per allowed position (``4 (t - n_recent)`` bytes
 from memory, the rest cached), against a fast step's ``layers x 2 x H_kv x D x dtype`` bytes per
@@ -51,8 +55,8 @@ if HAS_TRITON:
         tl.store(HIST + slot.to(tl.int64) * s_hist + pos, tok, mask=ok)
 
     @triton.jit
-    def _match_kernel(HIST, SEQ, HSLOT, ACTIVE, OUT, max_len, s_hist, n_sink, n_recent, max_matches,
-                      M: tl.constexpr, BLOCK: tl.constexpr):
+    def _match_kernel(HIST, SEQ, HSLOT, ACTIVE, OUT, PREV, max_len, s_hist, n_sink, n_recent, max_matches,
+                      M: tl.constexpr, BLOCK: tl.constexpr, ONCE: tl.constexpr):
         r = tl.program_id(0)
         t = tl.load(SEQ + r)
         slot = tl.load(HSLOT + r)
@@ -71,7 +75,12 @@ if HAS_TRITON:
                 ok = ok & (got == want)
             hits += ok.to(tl.int32)
         n = tl.sum(hits, 0)
-        tl.store(OUT + r, ((n > 0) & ((max_matches == 0) | (n <= max_matches))).to(tl.int32))
+        hit = (n > 0) & ((max_matches == 0) | (n <= max_matches))
+        if ONCE:
+            seen = tl.load(PREV + tl.maximum(slot, 0), mask=act, other=0) != 0
+            tl.store(PREV + tl.maximum(slot, 0), hit.to(tl.int32), mask=act)
+            hit = hit & (~seen)
+        tl.store(OUT + r, hit.to(tl.int32))
 
 
 def record_tokens_torch(history: torch.Tensor, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
@@ -94,8 +103,9 @@ def record_tokens_torch(history: torch.Tensor, input_ids: torch.Tensor, query_st
 
 def copy_match_torch(history: torch.Tensor, seq_lens: torch.Tensor, row_hist_slot: torch.Tensor,
                      row_active: torch.Tensor, out: torch.Tensor, *, n_sink: int, n_recent: int,
-                     ngram: int, max_matches: int = 0) -> torch.Tensor:
-    """``out[r] = 1`` where the row copies (module docstring), else 0; returns ``out``."""
+                     ngram: int, max_matches: int = 0, prev: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[r] = 1`` where the row copies (module docstring), else 0; returns ``out``. ``prev``: the
+    per-slot state of ``sfi.copy_once`` (updated in place)."""
     rows = row_hist_slot.shape[0]
     max_len = history.shape[1]
     m = int(ngram)
@@ -111,6 +121,12 @@ def copy_match_torch(history: torch.Tensor, seq_lens: torch.Tensor, row_hist_slo
         ok = ok & (got == want)
     n = ok.sum(1)
     hit = (n > 0) & ((n <= max_matches) if max_matches else True)
+    if prev is not None:
+        trash = prev.shape[0] - 1                  # the slot table's trash entry takes inactive rows
+        idx = torch.where(act, slot, trash)
+        seen = (prev[idx] != 0) & act
+        prev.index_put_((idx,), hit.to(prev.dtype))
+        hit = hit & ~seen
     out[:rows].copy_(hit.to(out.dtype))
     return out
 
@@ -129,14 +145,15 @@ def record_tokens(history, input_ids, query_start_loc, seq_lens, row_hist_slot, 
 
 
 def copy_match(history, seq_lens, row_hist_slot, row_active, out, *, n_sink: int, n_recent: int,
-               ngram: int, max_matches: int = 0) -> torch.Tensor:
+               ngram: int, max_matches: int = 0, prev: torch.Tensor | None = None) -> torch.Tensor:
     """Triton on CUDA (or under the interpreter), else the twin: :func:`copy_match_torch`."""
     if not (HAS_TRITON and use_triton(history)):
         return copy_match_torch(history, seq_lens, row_hist_slot, row_active, out, n_sink=n_sink,
-                                n_recent=n_recent, ngram=ngram, max_matches=max_matches)
+                                n_recent=n_recent, ngram=ngram, max_matches=max_matches, prev=prev)
     rows = row_hist_slot.shape[0]
     if rows:
-        _match_kernel[(rows,)](history, seq_lens, row_hist_slot, row_active, out, history.shape[1],
+        _match_kernel[(rows,)](history, seq_lens, row_hist_slot, row_active, out,
+                               prev if prev is not None else out, history.shape[1],
                                history.stride(0), int(n_sink), int(n_recent), int(max_matches),
-                               M=int(ngram), BLOCK=512)
+                               M=int(ngram), BLOCK=512, ONCE=prev is not None)
     return out

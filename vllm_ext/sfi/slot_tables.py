@@ -88,12 +88,15 @@ class SfiSlotTables(MethodSlots):
         # never match), and each row's copy flag of the step (kernels.copy_match)
         self.history: torch.Tensor | None = None
         self.row_copy: torch.Tensor | None = None
+        self.copy_prev: torch.Tensor | None = None
         if self.cfg.copy_ngram:
             if max_model_len <= 0:
                 raise ConfigError("speedsfi.sfi.copy_ngram needs the model's max_model_len (the token "
                                   "history's size)")
             self.history = torch.full((capacity + 1, max_model_len), -1, **i32)
             self.row_copy = torch.zeros(max_rows, **i32)
+        # sfi.copy_once: per compact slot (+ the trash row) whether its last decode step copied
+        self.copy_prev = torch.zeros(capacity + 1, **i32) if self.cfg.copy_once else None
         self.counters = DeviceCounters(NUM_STATS, device)
         self.plan_buffers = SfiPlanBuffers(max_rows, capacity, device)
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -168,6 +171,8 @@ class SfiSlotTables(MethodSlots):
             self.n_kept.index_fill_(0, fresh, 0)
         if self.history is not None:
             self.history.index_fill_(0, fresh, -1)
+        if self.copy_prev is not None:
+            self.copy_prev.index_fill_(0, fresh, 0)
 
     # ------------------------------------------------------------------ MethodSlots
     def slot_assigned(self, slot: int, overrides: Mapping[str, Any] | None, *, resumed: bool) -> None:
@@ -252,7 +257,7 @@ class SfiSlotTables(MethodSlots):
                           hist_slot[:step.num_reqs], max_q_len)
         return copy_match(self.history, seq_lens, hist_slot, sfi_rows, self.row_copy[:num_rows],
                           n_sink=self.cfg.n_sink, n_recent=self.cfg.n_recent, ngram=self.cfg.copy_ngram,
-                          max_matches=self.cfg.copy_max_matches)
+                          max_matches=self.cfg.copy_max_matches, prev=self.copy_prev)
 
     def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table,
              row_copy=None) -> SfiStep:
