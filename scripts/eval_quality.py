@@ -66,6 +66,10 @@ def parse(argv=None):
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     p.add_argument("--per-cell", type=int, default=2, help="samples per (task, length, depth)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wordings", default="ruler",
+                   help=f"with --text: niah_single's wordings, comma-separated, of {','.join(T.TEXT_WORDINGS)}")
+    p.add_argument("--value-digits", default="7",
+                   help="with --text: digits of each value; a comma-separated list runs each length")
     p.add_argument("--ks", default="64,128,256,512", help="SFI budgets of the default configurations")
     p.add_argument("--n-recent", type=int, default=64)
     p.add_argument("--configs", default=None,
@@ -140,8 +144,15 @@ def build_samples(args, tokenizer):
     depths = [float(x) for x in args.depths.split(",") if x]
     if not args.text:
         return T.make_suite(tasks, lengths, depths, args.per_cell, seed=args.seed, filler=args.filler)
-    samples = [T.make_text_sample(t, n, d, args.seed + i, tokenizer) for t in tasks for n in lengths
-               for d in depths for i in range(args.per_cell)]
+    wordings = [w for w in args.wordings.split(",") if w]
+    digits = [int(x) for x in str(args.value_digits).split(",") if x]
+    # each (wording, value length) takes its own seeds: seed + 1000 x its place in --wordings + 100 x
+    # its place in --value-digits (a sample's key stays (task, length, depth, seed))
+    samples = [T.make_text_sample(t, n, d, args.seed + 1000 * j + 100 * v + i, tokenizer, wording=w,
+                                  value_digits=nd)
+               for t in tasks for j, w in enumerate(wordings if t == "niah_single" else ["ruler"])
+               for v, nd in enumerate(digits)
+               for n in lengths for d in depths for i in range(args.per_cell)]
     if args.chat:
         samples = [T.chat_sample(s, tokenizer) for s in samples]
     return samples
@@ -257,7 +268,8 @@ def summarise(args, configs, samples, results):
         for s in samples:
             out_text = outs[s.key] if args.text else " ".join(T.words_of(outs[s.key]))
             rows.append(dict(task=s.task, length=s.meta.get("requested_length", s.length), depth=s.depth,
-                             seed=s.seed, correct=score(s, outs[s.key]),
+                             seed=s.seed, wording=s.meta.get("wording", "ruler"),
+                             prompt_tokens=s.length, correct=score(s, outs[s.key]),
                              agree=_same_output(outs, dense_out, s.key),
                              expected=s.answer, output=out_text, output_ids=outs[s.key + ("ids",)]))
         c_all = results[name]["counters"]

@@ -52,6 +52,7 @@ def _in_unit(name: str, v: float, *, closed_low: bool = True) -> None:
 MAX_SELECT_SPAN = 32
 MAX_PAGE_SIZE = 256
 MAX_QUEST_RERANK = 16
+MAX_COPY_NGRAM = 8                    # copy_ngram: tail tokens compared (unrolled in the match kernel)
 MAX_SENTENCE_COOLDOWN = 1 << 20       # the per-slot trigger state packs it with one flag in an int32
 
 
@@ -119,6 +120,20 @@ class SfiConfig:
     # bench/QUALITY.md, "Multi-value"). The budget, and so the retained fraction, do not change.
     # 0 = the paper's selector (each slow step replaces the whole selection).
     keep_prefill: int = 0
+    # not in the paper: a decode step is also slow when the request's last `copy_ngram` tokens (the
+    # step's input token included) occur earlier in its own tokens and the token that followed that
+    # occurrence lies outside the sink and the recent window: the model is copying a span of its
+    # context, and the next token it copies may not be in the selection made at the last slow step
+    # (a 6-digit value answered with digits lost mid-value: bench/QUALITY.md, "Copying a value
+    # whole"). Decided on the device from a per-request token history (int32, max_model_len per SFI
+    # request). 0 = off (the paper's schedule); 2..MAX_COPY_NGRAM otherwise.
+    copy_ngram: int = 0
+    # the copy trigger fires only when the span occurs at most this many times in the allowed set (a
+    # value stated once, not a phrase the context repeats everywhere); 0 = any number of times
+    copy_max_matches: int = 1
+    # fire at the first step of each run of copying steps only (its slow step reselects from the
+    # copying query and `select_span` brings the span's next tokens); False = at every copying step
+    copy_once: bool = False
     # which selector a slow row runs (bench/QUALITY.md, "Quest-style page selection"):
     #   "sfi": the paper's selector (dense pass + attention evidence, prior, Soft-NMS, exclusivity);
     #   "quest": Quest-style pages (Tang et al. 2024): per `page_size` tokens the element-wise max/min
@@ -191,6 +206,13 @@ class SfiConfig:
                 raise ConfigError("speedsfi.sfi.schedule 'always_slow' (dense decode) does not apply to "
                                   "selector 'quest'; use schedule 'periodic' with refresh 1 to select "
                                   "pages every step")
+        if self.copy_ngram and not 2 <= self.copy_ngram <= MAX_COPY_NGRAM:
+            raise ConfigError(f"speedsfi.sfi.copy_ngram ({self.copy_ngram!r}) must be 0 (off) or 2..{MAX_COPY_NGRAM}: "
+                              "the tail tokens a copy must match (1 would match almost every token)")
+        _non_negative("sfi.copy_max_matches", self.copy_max_matches)
+        if self.copy_ngram and self.schedule == "always_slow":
+            raise ConfigError("speedsfi.sfi.copy_ngram applies to schedules 'boundary' and 'periodic' "
+                              "('always_slow' is dense at every step already)")
         if self.k_min > self.k:
             raise ConfigError(f"speedsfi.sfi.k_min ({self.k_min}) must be <= sfi.k ({self.k})")
         if self.keep_prefill and self.keep_prefill > self.k - self.k_min:

@@ -56,6 +56,7 @@ class StepState:
     step_id: int
     seq_lens: torch.Tensor | None = None   # int32 [num_rows] (device), the current tokens included
     query_start_loc: torch.Tensor | None = None   # the step's device buffer (real steps)
+    input_ids: torch.Tensor | None = None         # the step's device buffer of input tokens (real steps)
     host_geometry: tuple[np.ndarray, np.ndarray] | None = None   # see RequestStateTable.stage
     block_table: torch.Tensor | None = None
     # other KV-cache groups' block tables of the real rows, by group id: (device table [num_reqs,
@@ -260,7 +261,8 @@ class RequestStateTable:
                               row_is_decode_np=self._row_is_decode.np[:num_rows], table=self,
                               step_id=next(self._step_ids),
                               seq_lens=None if seq_lens is None else seq_lens[:num_rows],
-                              query_start_loc=st.query_start_loc, host_geometry=st.host_geometry,
+                              query_start_loc=st.query_start_loc, input_ids=st.input_ids,
+                              host_geometry=st.host_geometry,
                               block_table=block_table, group_tables=st.group_tables)
         for method in self.methods:
             step.plans[method.name] = method.plan_step(step)

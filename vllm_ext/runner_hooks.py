@@ -94,7 +94,8 @@ def _make_table(runner) -> EngineRequestTable:
 
     table = EngineRequestTable(runner.max_num_reqs, runner.device, config=cfg,
                                sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut,
-                               critiprefill_capacity=critiprefill_capacity(runner.vllm_config))
+                               critiprefill_capacity=critiprefill_capacity(runner.vllm_config),
+                               max_model_len=runner.vllm_config.model_config.max_model_len)
     if table.sfi is not None:
         from vllm_ext import metrics
 

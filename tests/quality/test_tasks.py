@@ -282,3 +282,27 @@ def test_prose_training_documents():
             assert not any(mask[:first_q]) and sum(mask) > T.N_DIGITS
     with pytest.raises(ValueError):
         T.make_sample("niah_single", 512, 0.5, 0, filler="poetry")
+
+
+def test_text_wordings_and_value_lengths(tmp_path):
+    """Other wordings and value lengths: a different set (other prompts, other values), the value
+    once at its depth, an answer prefix the chat form can open the assistant's turn with; the
+    defaults draw the prompts they always drew."""
+    pytest.importorskip("transformers")
+    from vllm_ext.tools.tiny_models import build_tokenizer
+
+    tok = build_tokenizer(str(tmp_path))
+    base = T.make_text_sample("niah_single", 1500, 0.5, 2, tok)
+    assert base == T.make_text_sample("niah_single", 1500, 0.5, 2, tok, wording="ruler", value_digits=7)
+    for wording in T.TEXT_WORDINGS:
+        for digits in (5, 8):
+            s = T.make_text_sample("niah_single", 1500, 0.5, 2, tok, wording=wording, value_digits=digits)
+            (v,) = s.meta["values"]
+            assert len(v) == digits and s.prompt.count(v) == 1 and s.meta["wording"] == wording
+            assert v in s.prompt[slice(*s.target_spans[0])]
+            assert " The " in s.prompt[s.prompt.rindex("\n"):]          # chat_sample's answer prefix
+            assert s.prompt != base.prompt
+    with pytest.raises(ValueError, match="wording"):
+        T.make_text_sample("niah_single", 1500, 0.5, 2, tok, wording="nope")
+    with pytest.raises(ValueError, match="niah_single"):
+        T.make_text_sample("kv_lookup", 1500, 0.5, 2, tok, wording="code")

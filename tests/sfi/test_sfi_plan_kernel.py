@@ -54,10 +54,19 @@ MIN_LEN_CASES = [("sfi", "boundary", 0, "sentence_end", 0, "warmup", 45),
                  ("quest", "boundary", 0, "sentence_end", 0, True, 45)]
 
 
-@pytest.mark.parametrize("selector, schedule, gap, fire_at, cooldown, track, min_len",
-                         [("sfi", *c, 0) for c in SCHEDULES] + [("quest", *c, 0) for c in QUEST_SCHEDULES]
-                         + MIN_LEN_CASES)
-def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, selector, min_len):
+# sfi.copy_ngram: the copy flags of kernels.copy_match make rows slow (ignored by always_slow)
+COPY_CASES = [("sfi", "boundary", 0, "sentence_end", 0, "warmup", 0, True),
+              ("sfi", "boundary", 3, "sentence_start", 2, True, 45, True),
+              ("sfi", "periodic", 0, "sentence_end", 0, True, 0, True),
+              ("quest", "boundary", 0, "sentence_end", 0, True, 0, True),
+              ("sfi", "always_slow", 0, "sentence_end", 0, True, 0, True)]
+
+
+@pytest.mark.parametrize("selector, schedule, gap, fire_at, cooldown, track, min_len, copy",
+                         [("sfi", *c, 0, False) for c in SCHEDULES]
+                         + [("quest", *c, 0, False) for c in QUEST_SCHEDULES]
+                         + [(*c, False) for c in MIN_LEN_CASES] + COPY_CASES)
+def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, selector, min_len, copy):
     gen = torch.Generator().manual_seed(7)
     cfg = SfiConfig(enabled=True, k=16, k_min=4, n_sink=4, n_recent=8, refresh=4 if gap < 3 else 6,
                     schedule=schedule, min_boundary_gap=gap, fire_at=fire_at, sentence_cooldown=cooldown,
@@ -88,11 +97,16 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, select
             torch.randint(0, 4, (rows,), generator=gen)]
         tok = torch.where(pick < 0.4, boundary, tok)
         dec = torch.tensor([1, 1, int(step > 2), 1, 1, 1, 1, 0], dtype=torch.int32)
+        row_copy = (torch.rand(rows, generator=gen) < 0.3).to(torch.int32) if copy else None
         plan_step(cfg, row_slot=row_slot, row_last_token=tok, row_is_decode=dec, seq_lens=seq,
-                  trigger_lut=lut, buffers=b_twin, block_table=bt, **twin)
+                  trigger_lut=lut, buffers=b_twin, block_table=bt, row_copy=row_copy, **twin)
         plan_step_triton(cfg, b_kern, row_slot=row_slot.to(DEVICE), row_last_token=tok.to(DEVICE),
                          row_is_decode=dec.to(DEVICE), seq_lens=seq.to(DEVICE),
-                         trigger_lut=lut.to(DEVICE), block_table=bt.to(DEVICE), **kern)
+                         trigger_lut=lut.to(DEVICE), block_table=bt.to(DEVICE),
+                         row_copy=None if row_copy is None else row_copy.to(DEVICE), **kern)
+        if copy:
+            forced = row_copy.bool() & b_twin.row_sparse[:rows]
+            assert bool(b_twin.row_slow[:rows][forced].all()), f"step {step}: a copying row is not slow"
         if min_len:
             for r, budget in ((0, 20), (3, 28)):
                 want = bool(dec[r]) and int(seq[r]) > max(budget, min_len)
@@ -116,6 +130,7 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, select
     # the run exercised every mode the schedule has
     assert twin["stats"][0] > 0 and twin["stats"][4] > 0
     assert (twin["stats"][1] > 0) == (schedule != "always_slow")
+    assert (twin["stats"][5] > 0) == (copy and schedule != "always_slow")     # STAT_COPY
     if selector == "quest":
         # a selection row attends sparsely: it is counted fast too
         assert twin["stats"][1] >= twin["stats"][0] > 0

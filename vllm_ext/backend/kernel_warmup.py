@@ -20,7 +20,8 @@ compile key the warm-up did not.
 vLLM runs it through its JIT warm-up registry (``JitWarmupRegistry``, before CUDA-graph capture):
 the impl registers :class:`SpeedSfiWarmup` while the model is built. SPEED's upper layers run their
 attention kernel; the Quest selector its page-bound and re-ranking kernels. Not covered yet (they
-compile at first use, logged at start-up): CritiPrefill's prefill kernels.
+compile at first use, logged at start-up): CritiPrefill's prefill kernels and the copy trigger's
+(``sfi.copy_ngram``, off by default).
 """
 
 from __future__ import annotations
@@ -226,6 +227,8 @@ def not_covered(cfg: SpeedSfiConfig) -> list[str]:
     out = []
     if cfg.critiprefill.enabled:
         out.append("CritiPrefill's prefill kernels")
+    if cfg.sfi.enabled and cfg.sfi.copy_ngram:
+        out.append("the copy trigger's kernels (sfi.copy_ngram)")
     return out
 
 

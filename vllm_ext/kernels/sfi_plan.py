@@ -19,6 +19,7 @@ from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
 
 # The plan's device counters (int64 [NUM_STATS]), shared with vllm_ext.sfi.step_plan's PyTorch plan:
 STAT_SLOW, STAT_FAST, STAT_RETAINED, STAT_CONTEXT, STAT_DENSE = range(5)
+STAT_COPY = 5          # sparse rows the copy trigger (sfi.copy_ngram) made slow (whatever else fired)
 STAT_PREFILL_END = 7
 # histogram of the retained fraction (retained / context tokens) of each fast row-step: cumulative
 # counts at these upper bounds, in percent (the +Inf bucket is STAT_FAST), and the sum of the
@@ -41,13 +42,13 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["R"])      # the step's row count: one compile for any batch
     def _plan_kernel(
         ROW_SLOT, ROW_TOK, ROW_DEC, SEQ,
-        SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS, TSTATE, GAP,
+        SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS, TSTATE, GAP, ROW_COPY,
         O_SLOW, O_FAST, O_SPARSE, O_DENSE, O_SFI_SLOT, O_K, O_RSTART, O_LO, O_HI, O_SCRATCH,
         O_PAGE_SLOT,
         S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT, S_COUNT,
         R, CAP, VOCAB, N_SINK, N_RECENT, MIN_LEN, REFRESH, MIN_GAP, COOLDOWN,
         SCHEDULE: tl.constexpr, FIRE_AT: tl.constexpr, TRACK: tl.constexpr, HAS_GAP: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, QUEST: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, QUEST: tl.constexpr, HAS_COPY: tl.constexpr,
     ):
         r = tl.arange(0, BLOCK_R)
         rm = r < R
@@ -99,6 +100,10 @@ if HAS_TRITON:
                 if MIN_GAP > 0:
                     trig = trig & (nth >= MIN_GAP)
                 slow = slow | trig
+            if HAS_COPY:                                # sfi.copy_ngram (kernels.copy_match)
+                copying = (tl.load(ROW_COPY + r, mask=rm, other=0) != 0) & sparse
+                slow = slow | copying
+                tl.store(STATS + 5, tl.load(STATS + 5) + tl.sum(copying.to(tl.int64), 0))
             slow = slow & sparse
         if QUEST:
             fast = sparse                           # a selection row attends like a fast row
@@ -186,7 +191,7 @@ if HAS_TRITON:
 def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, seq_lens,
                      sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count,
                      trigger_lut, stats, block_table=None, trigger_state=None,
-                     refresh_gap=None) -> int:
+                     refresh_gap=None, row_copy=None) -> int:
     """Launch the plan into ``buffers`` (a ``SfiPlanBuffers``); returns the row count."""
     rows = row_slot.shape[0]
     track = trigger_state is not None and cfg.schedule == "boundary"
@@ -200,6 +205,7 @@ def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, s
         sfi_slot_of, sfi_on, sfi_k, steps_since_slow, has_selection, sel_count, trigger_lut, stats,
         trigger_state if track else steps_since_slow,     # (a placeholder pointer when not tracked)
         refresh_gap if refresh_gap is not None else steps_since_slow,
+        row_copy if row_copy is not None else steps_since_slow,
         b.row_slow, b.row_fast, b.row_sparse, b.row_dense, b.row_sfi_slot, b.row_k,
         b.recent_start, b.allowed_lo, b.allowed_hi, b.row_scratch, b.row_page_slot,
         b.slow_rows, b.slow_seq, b.slow_lo, b.slow_hi, b.slow_k, b.slow_sfi_slot, b.slow_count,
@@ -209,7 +215,8 @@ def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, s
         SCHEDULE=_SCHEDULE_CODE[cfg.schedule], FIRE_AT=_FIRE_AT_CODE[cfg.fire_at], TRACK=track,
         HAS_GAP=refresh_gap is not None,
         BLOCK_R=block_r,
-        BLOCK_S=max(16, next_pow2(cap)), QUEST=cfg.selector == "quest", num_warps=4)
+        BLOCK_S=max(16, next_pow2(cap)), QUEST=cfg.selector == "quest",
+        HAS_COPY=row_copy is not None and cfg.schedule != "always_slow", num_warps=4)
     if block_table is not None:
         dst = b.block_table_buffer(block_table.shape[1])
         width = block_table.shape[1]

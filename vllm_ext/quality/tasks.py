@@ -460,8 +460,27 @@ def _text_key(rng: random.Random) -> str:
     return f"{rng.choice(KEY_A)}-{rng.choice(KEY_B)}"
 
 
-def _text_value(rng: random.Random) -> str:
-    return str(rng.randint(1_000_000, 9_999_999))
+def _text_value(rng: random.Random, digits: int = 7) -> str:
+    return str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+
+
+# Wordings of the single-needle question (``make_text_sample(wording=...)``): the intro, the needle
+# and the question with its answer prefix. "ruler" is RULER's; the others say the same thing as a
+# user might, so that a setting chosen on one wording can be checked on another. Each question ends
+# in an answer prefix that starts with " The " (chat_sample opens the assistant's turn with it).
+TEXT_WORDINGS = {
+    "ruler": None,
+    "order": ("Below is a long text with one order record in it. Read it carefully; I will ask about "
+              "the record afterwards.",
+              "The order number for {key} is {value}.",
+              "\nWhat is the order number for {key}? Answer with the number. The order number for {key} is"),
+    "code": ("A note with an access code is somewhere in the following text. Remember the code.",
+             "Remember this: the access code of the {key} account is {value}.",
+             "\nWhich access code does the {key} account have? The access code of the {key} account is"),
+    "locker": ("The text below hides the place where a parcel waits. Keep it in mind.",
+               "The parcel for {key} waits in locker {value}.",
+               "\nIn which locker does the parcel for {key} wait? The parcel for {key} waits in locker"),
+}
 
 
 def _text_needle(key: str, value: str) -> str:
@@ -486,20 +505,32 @@ def _largest_fitting(build, tokenizer, length: int) -> int:
     return lo
 
 
-def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer) -> Sample:
+def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer, *,
+                     wording: str = "ruler", value_digits: int = 7) -> Sample:
     """RULER-style text prompt of at most ``length`` tokens of ``tokenizer`` (special tokens
     included), as long as whole haystack sentences allow. ``answer`` lists the expected values
     (``;``-separated for ``niah_multivalue``); score with :func:`text_score`. ``prompt_ids`` are
-    the tokenizer's ids; ``answer_ids`` is empty (real models are scored on text)."""
+    the tokenizer's ids; ``answer_ids`` is empty (real models are scored on text).
+
+    ``wording`` (:data:`TEXT_WORDINGS`; ``niah_single`` only, other than "ruler") and
+    ``value_digits`` (the values' length) give prompts of other sets; the defaults are RULER's
+    and draw the same prompts as before they existed."""
     if task not in TEXT_TASKS:
         raise ValueError(f"unknown task {task!r}; known: {TEXT_TASKS}")
-    rng = random.Random(f"text|{task}|{length}|{depth:.6f}|{seed}")
+    if wording not in TEXT_WORDINGS:
+        raise ValueError(f"unknown wording {wording!r}; known: {sorted(TEXT_WORDINGS)}")
+    if wording != "ruler" and task != "niah_single":
+        raise ValueError(f"wording {wording!r} applies to niah_single only, not {task!r}")
+    if not 1 <= value_digits <= 18:
+        raise ValueError(f"value_digits must be 1-18, got {value_digits}")
+    variant = "" if (wording, value_digits) == ("ruler", 7) else f"|{wording}|{value_digits}"
+    rng = random.Random(f"text|{task}|{length}|{depth:.6f}|{seed}{variant}")
     key = _text_key(rng)
     if task == "passage_copy":
         return _make_passage_sample(length, depth, seed, tokenizer, rng, key)
     if task == "kv_lookup":
         key = f"{key}-{rng.randint(10, 99)}"
-        value = _text_value(rng)
+        value = _text_value(rng, value_digits)
         intro = TEXT_INTRO["kv"]
         question = (f"\nWhat is the value of the key {key}? Answer with the number only. "
                     f"The value of {key} is")
@@ -510,25 +541,31 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
                 k = f"{_text_key(rng)}-{rng.randint(10, 99)}"
                 if k not in used:
                     used.add(k)
-                    return f"{k} = {_text_value(rng)};"
+                    return f"{k} = {_text_value(rng, value_digits)};"
         target = [f"{key} = {value};"]
         values = [value]
     else:
         intro = TEXT_INTRO["niah"]
         n_val = N_MULTIVALUE if task == "niah_multivalue" else 1
-        values = [_text_value(rng) for _ in range(n_val)]
-        if task == "niah_multivalue":
+        values = [_text_value(rng, value_digits) for _ in range(n_val)]
+        if wording != "ruler":
+            intro, needle_form, question_form = TEXT_WORDINGS[wording]
+            question = question_form.format(key=key)
+        elif task == "niah_multivalue":
             question = (f"\nWhat are all the special magic numbers for {key} mentioned in the provided "
                         f"text? The special magic numbers for {key} mentioned in the provided text are")
         else:
             question = (f"\nWhat is the special magic number for {key} mentioned in the provided text? "
                         f"The special magic number for {key} mentioned in the provided text is")
-        target = [_text_needle(key, v) for v in values]
+        if wording != "ruler":
+            target = [needle_form.format(key=key, value=v) for v in values]
+        else:
+            target = [_text_needle(key, v) for v in values]
         distract = []
         if task in ("niah_multikey", "niah_multivalue"):
             a, b = key.split("-")
             keys = _keys(rng, N_DISTRACTORS, hard_for=(a, b), n_hard=N_HARD)
-            distract = [_text_needle(f"{x}-{y}", _text_value(rng)) for x, y in keys]
+            distract = [_text_needle(f"{x}-{y}", _text_value(rng, value_digits)) for x, y in keys]
 
         def unit(i):
             return NOISE[i % len(NOISE)]
@@ -584,7 +621,7 @@ def make_text_sample(task: str, length: int, depth: float, seed: int, tokenizer)
     ctx_end = len(prompt) - len(question) - 1
     return Sample(task=task, length=len(ids), depth=depth, seed=seed, prompt=prompt, prompt_ids=list(ids),
                   answer=";".join(values), answer_ids=[], target_spans=spans, value_spans=[],
-                  meta={"key": key, "values": values, "requested_length": length,
+                  meta={"key": key, "values": values, "requested_length": length, "wording": wording,
                         "context_chars": (ctx_start, ctx_end)})
 
 

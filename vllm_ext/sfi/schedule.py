@@ -131,6 +131,7 @@ def decide_slow(
     trigger_state: torch.Tensor | None = None,
     advance: torch.Tensor | None = None,
     refresh_gap: torch.Tensor | None = None,
+    force_slow: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decide slow/fast for each row of this step and advance ``steps_since_slow`` (and, with
     ``trigger_state``, the sentence-boundary state) in place.
@@ -152,6 +153,8 @@ def decide_slow(
         never slow here). ``None`` = ``is_decode``.
       refresh_gap: ``[slots]`` int32, each slot's refresh budget (``<= refresh``), doubled in place
         (up to ``refresh``) at each slow step; ``None`` = ``refresh`` for every slot.
+      force_slow: ``[rows]`` bool, rows slow whatever the schedule says (``sfi.copy_ngram``'s copy
+        trigger; decode rows only, ignored by ``always_slow``).
 
     Returns ``slow [rows]`` bool (False on non-decode rows). Decode rows must have distinct slots.
     """
@@ -189,6 +192,8 @@ def decide_slow(
             if min_boundary_gap > 0:
                 trig = trig & (nth >= min_boundary_gap)
             slow = slow | trig
+        if force_slow is not None:
+            slow = slow | force_slow.bool()
         slow = slow & valid
     new = torch.where(slow, torch.zeros_like(steps), nth)
     if refresh_gap is not None and schedule != "always_slow":

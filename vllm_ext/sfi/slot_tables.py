@@ -29,7 +29,8 @@ from vllm_ext.host_staging import PinnedStaging
 from vllm_ext.method_slots import MethodSlots
 from vllm_ext.request_state import StepState
 from vllm_ext.sfi.prompt_tail import TailRow, kept_count, makes_prefill_selection, plan_prompt_tail
-from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_DENSE,
+from vllm_ext.kernels.copy_match import copy_match, record_tokens
+from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_COPY, STAT_DENSE,
                                     STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                     STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW,
                                     SfiPlanBuffers, SfiStep, plan_step as plan_sfi_step)
@@ -51,7 +52,7 @@ class QuestPrefillPages:
 COMPACT_SUFFIX = ".sfi_compact"
 
 STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
-              STAT_DENSE: "sfi.dense_rows", STAT_RETAINED: "sfi.fast_retained_tokens",
+              STAT_DENSE: "sfi.dense_rows", STAT_COPY: "sfi.copy_slow_steps", STAT_RETAINED: "sfi.fast_retained_tokens",
               STAT_CONTEXT: "sfi.fast_context_tokens",
               STAT_PREFILL_END: "sfi.prefill_end_selections",
               STAT_RETAINED_FRACTION_PPM: "sfi.fast_retained_fraction_sum_ppm",
@@ -65,7 +66,7 @@ class SfiSlotTables(MethodSlots):
     name = "sfi"
 
     def __init__(self, n_slots: int, capacity: int, max_rows: int, config: SpeedSfiConfig,
-                 trigger_lut: torch.Tensor | None, device: torch.device):
+                 trigger_lut: torch.Tensor | None, device: torch.device, *, max_model_len: int = 0):
         self.config = config
         self.cfg = config.sfi
         self.capacity = capacity
@@ -89,6 +90,20 @@ class SfiSlotTables(MethodSlots):
         # sfi.keep_prefill: per compact slot (+ a scratch entry), the tokens its prefill-end selection
         # keeps for the whole decode (0 for a slot whose prefill made no selection)
         self.n_kept = torch.zeros(capacity + 1, **i32)
+        # sfi.copy_ngram: per compact slot (+ a trash row) the request's tokens by position (-1 where
+        # not seen: a prefix-cache hit's tokens never pass through the step's input ids, so they
+        # never match), and each row's copy flag of the step (kernels.copy_match)
+        self.history: torch.Tensor | None = None
+        self.row_copy: torch.Tensor | None = None
+        self.copy_prev: torch.Tensor | None = None
+        if self.cfg.copy_ngram:
+            if max_model_len <= 0:
+                raise ConfigError("speedsfi.sfi.copy_ngram needs the model's max_model_len (the token "
+                                  "history's size)")
+            self.history = torch.full((capacity + 1, max_model_len), -1, **i32)
+            self.row_copy = torch.zeros(max_rows, **i32)
+        # sfi.copy_once: per compact slot (+ the trash row) whether its last decode step copied
+        self.copy_prev = torch.zeros(capacity + 1, **i32) if self.cfg.copy_once else None
         self.counters = DeviceCounters(NUM_STATS, device)
         self.plan_buffers = SfiPlanBuffers(max_rows, capacity, device)
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -213,6 +228,10 @@ class SfiSlotTables(MethodSlots):
             self.page_upto.index_fill_(0, fresh, 0)
         if self.cfg.keep_prefill:
             self.n_kept.index_fill_(0, fresh, 0)
+        if self.history is not None:
+            self.history.index_fill_(0, fresh, -1)
+        if self.copy_prev is not None:
+            self.copy_prev.index_fill_(0, fresh, 0)
 
     # ------------------------------------------------------------------ MethodSlots
     def slot_assigned(self, slot: int, overrides: Mapping[str, Any] | None, *, resumed: bool) -> None:
@@ -254,9 +273,12 @@ class SfiSlotTables(MethodSlots):
             q_len = qsl[1:num_rows + 1] - qsl[:num_rows]
             sfi_rows = step.row_is_decode * (q_len == 1)
         sfi_on = self._update_compact_tables(step) if self.compact_tables else self.sfi_on
+        row_copy = None
+        if self.history is not None:
+            row_copy = self.copy_rows(step, sfi_rows, sfi_on)
         plan = self.plan(row_slot=step.row_slot, row_last_token=step.row_last_token,
                          row_is_decode=sfi_rows, seq_lens=step.seq_lens, block_table=step.block_table,
-                         sfi_on=sfi_on)
+                         sfi_on=sfi_on, row_copy=row_copy)
         if step.is_real and step.host_geometry is not None and self.cfg.selector == "quest":
             # quest: the prefill chunks write their pages' max/min of K; without keep_prefill
             # there is no prefill-end selection (the first decode step selects)
@@ -277,8 +299,28 @@ class SfiSlotTables(MethodSlots):
                          "slow" if bool(plan.row_slow[row]) else "fast")}
 
     # ------------------------------------------------------------------ per step (device)
+    def copy_rows(self, step: StepState, sfi_rows: torch.Tensor, sfi_on: torch.Tensor) -> torch.Tensor:
+        """``sfi.copy_ngram``: record the step's input tokens in the history, then flag the decode
+        rows whose last tokens repeat an earlier span (:mod:`vllm_ext.kernels.copy_match`)."""
+        num_rows = step.num_rows
+        slot = step.row_slot.long()
+        hist_slot = torch.where(sfi_on[slot] & (self.sfi_slot_of[slot] >= 0),
+                                self.sfi_slot_of[slot], -1).to(torch.int32)
+        seq_lens = step.seq_lens[:num_rows]
+        if step.is_real and step.num_reqs and step.input_ids is not None:
+            if step.host_geometry is not None and not bool(step.row_is_decode_np[:step.num_reqs].all()):
+                qsl = step.host_geometry[0]
+                max_q_len = int((qsl[1:step.num_reqs + 1] - qsl[:step.num_reqs]).max())
+            else:
+                max_q_len = 1                       # decode rows: one input token each
+            record_tokens(self.history, step.input_ids, step.query_start_loc, seq_lens,
+                          hist_slot[:step.num_reqs], max_q_len)
+        return copy_match(self.history, seq_lens, hist_slot, sfi_rows, self.row_copy[:num_rows],
+                          n_sink=self.cfg.n_sink, n_recent=self.cfg.n_recent, ngram=self.cfg.copy_ngram,
+                          max_matches=self.cfg.copy_max_matches, prev=self.copy_prev)
+
     def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table,
-             sfi_on: torch.Tensor | None = None) -> SfiStep:
+             sfi_on: torch.Tensor | None = None, row_copy=None) -> SfiStep:
         step = plan_sfi_step(self.cfg, row_slot=row_slot, row_last_token=row_last_token,
                              row_is_decode=row_is_decode, seq_lens=seq_lens,
                              sfi_slot_of=self.sfi_slot_of,
@@ -286,7 +328,8 @@ class SfiSlotTables(MethodSlots):
                              steps_since_slow=self.steps_since_slow, has_selection=self.has_selection,
                              sel_count=self.sel_count, trigger_lut=self.trigger_lut, stats=self.stats,
                              buffers=self.plan_buffers, block_table=block_table,
-                             trigger_state=self.trigger_state, refresh_gap=self.refresh_gap)
+                             trigger_state=self.trigger_state, refresh_gap=self.refresh_gap,
+                             row_copy=row_copy)
         if self.cfg.selector == "quest":
             self._plan_page_updates(step, seq_lens)
         if self.cfg.keep_prefill:

@@ -39,7 +39,7 @@ from vllm_ext.sfi.schedule import allowed_range, decide_slow, mark_selected, nee
 
 # the plan's device counters: their layout is the plan kernel's (the lower room)
 from vllm_ext.kernels.sfi_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT,  # noqa: E402,F401
-                                       STAT_DENSE, STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
+                                       STAT_COPY, STAT_DENSE, STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                        STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW)
 
 
@@ -152,7 +152,8 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
               stats: torch.Tensor, buffers: SfiPlanBuffers | None = None,
               block_table: torch.Tensor | None = None,
               trigger_state: torch.Tensor | None = None,
-              refresh_gap: torch.Tensor | None = None) -> SfiStep:
+              refresh_gap: torch.Tensor | None = None,
+              row_copy: torch.Tensor | None = None) -> SfiStep:
     """Decide each row's mode, advance the per-slot schedule state in place, and (with ``buffers``)
     write the plan and the compacted slow list into the persistent buffers.
 
@@ -181,7 +182,7 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
                              steps_since_slow=steps_since_slow, has_selection=has_selection,
                              sel_count=sel_count, trigger_lut=trigger_lut, stats=stats,
                              block_table=block_table, trigger_state=trigger_state,
-                             refresh_gap=refresh_gap)
+                             refresh_gap=refresh_gap, row_copy=row_copy)
             return buffers.step_view(rows)
     slot = row_slot.long()
     t = seq_lens[:rows].to(torch.int32)
@@ -190,11 +191,14 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     decode = row_is_decode.bool()
     on = decode & sfi_on[slot] & (sfi_slot >= 0)
     sparse = on & (t > torch.clamp(k + (cfg.n_sink + cfg.n_recent), min=cfg.min_len))
+    copying = None
+    if row_copy is not None and cfg.schedule != "always_slow":
+        copying = (row_copy[:rows] != 0) & sparse
     slow = decide_slow(row_last_token, row_slot, sparse, steps_since_slow, has_selection,
                        trigger_lut, schedule=cfg.schedule, refresh=cfg.refresh,
                        min_boundary_gap=cfg.min_boundary_gap, fire_at=cfg.fire_at,
                        sentence_cooldown=cfg.sentence_cooldown, trigger_state=trigger_state,
-                       advance=on, refresh_gap=refresh_gap)
+                       advance=on, refresh_gap=refresh_gap, force_slow=copying)
     quest = cfg.selector == "quest"
     fast = sparse if quest else sparse & ~slow
     page_slot = torch.where(on, sfi_slot, -1).to(torch.int32)
@@ -210,6 +214,8 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     stats[STAT_SLOW] += slow.sum()
     stats[STAT_FAST] += fast.sum()
     stats[STAT_DENSE] += (decode & ~sparse).sum()
+    if copying is not None:
+        stats[STAT_COPY] += copying.sum()
     stats[STAT_RETAINED] += retained.sum()
     stats[STAT_CONTEXT] += torch.where(fast, t, 0).sum()
     for j, pct in enumerate(RETAINED_FRACTION_BOUNDS_PCT):
