@@ -137,3 +137,19 @@ def _recorded(llm, prompts, max_tokens, params, difference=False):
     records = table.recorder
     table.recorder = None
     return tokens, stats, records
+
+
+def leftover_after_probe(llm, table, kv_manager, free_blocks_before: int) -> dict[str, int]:
+    """What the requests of a finished run still hold: request slots, SFI and CritiPrefill slots,
+    KV blocks. The worker hears of the last finished requests with the next step's scheduler
+    output, so a probe (SFI off, too short for CritiPrefill) runs first; it holds one request slot
+    until the step after it."""
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [7, 8, 9]}],
+                 SamplingParams(max_tokens=1, extra_args={"speedsfi": {"sfi": {"enabled": False}}}),
+                 use_tqdm=False)
+    return {"request slots": len(table.slot_of) - 1,
+            "SFI slots": len(table.sfi.slot_host) if table.sfi is not None else 0,
+            "CritiPrefill slots": len(table.critiprefill.slot_of) if table.critiprefill is not None else 0,
+            "KV blocks": free_blocks_before - kv_manager.block_pool.get_num_free_blocks()}

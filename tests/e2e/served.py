@@ -60,7 +60,8 @@ class Server:
             return f.read()[-n:]
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """Stop a server started in its own session: SIGINT, then SIGTERM, then SIGKILL."""
     for sig, wait_s in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         if proc.poll() is not None:
             return
@@ -101,4 +102,4 @@ def vllm_serve(model: str, log_path: str, *, backend: str = "speedsfi", addition
             time.sleep(0.5)
         yield server
     finally:
-        _stop(proc)
+        stop_process_group(proc)

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from tests.e2e.engine import engine, model_runner
+from tests.e2e.engine import engine, leftover_after_probe, model_runner
 from vllm_ext.runner_hooks import table_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -60,14 +60,7 @@ def _run(model, sfi):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         records = table.recorder
         table.recorder = None
-        # the worker hears of the last finished requests with the next step's scheduler output; the
-        # probe (SFI off) holds one request slot until the step after it
-        llm.generate([{"prompt_token_ids": [7, 8, 9]}],
-                     SamplingParams(max_tokens=1, extra_args={"speedsfi": {"sfi": {"enabled": False}}}),
-                     use_tqdm=False)
-        leftover = {"request slots": len(table.slot_of) - 1,
-                    "SFI slots": len(table.sfi.slot_host) if table.sfi is not None else 0,
-                    "KV blocks": free0 - mgr.block_pool.get_num_free_blocks()}
+        leftover = leftover_after_probe(llm, table, mgr, free0)
         counts = metrics.snapshot()
         groups = [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups]
     print(f"SPEEDSFI {'SFI on' if sfi else 'all off'}: start-up concurrency {concurrency:.3f}, "
@@ -119,4 +112,4 @@ def test_only_requests_that_can_go_sparse_get_compact_blocks(runs):
 def test_every_request_finishes_and_nothing_leaks(runs):
     for run in runs:
         assert [len(t) for t in run["tokens"]] == [MAX_TOKENS] * NUM_REQUESTS
-        assert run["leftover"] == {"request slots": 0, "SFI slots": 0, "KV blocks": 0}
+        assert run["leftover"] == {"request slots": 0, "SFI slots": 0, "CritiPrefill slots": 0, "KV blocks": 0}

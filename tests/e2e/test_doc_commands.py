@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -18,6 +17,7 @@ import time
 import pytest
 
 from tests import doc_blocks
+from tests.e2e.served import stop_process_group
 
 REAL_MODEL = doc_blocks.ROOT / doc_blocks.REAL_MODEL
 RUNNABLE = [b for b in doc_blocks.all_blocks()
@@ -60,17 +60,6 @@ def _serve(block, port: int, log):
     command = doc_blocks.one_line(block.code).strip() + f" --port {port}"
     return subprocess.Popen(["bash", "-c", _script("exec " + command)], env=_reader_env(),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            continue
 
 
 def _one_chat(model: str) -> str:
@@ -120,4 +109,4 @@ def test_runnable_block_runs_as_written(block, real_model, tiny_models, tmp_path
         if clients and "/metrics" in client_code:
             assert "speedsfi_events_total" in r.stdout, r.stdout[-3000:]
     finally:
-        _stop(proc)
+        stop_process_group(proc)

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from tests.e2e.engine import engine, model_runner
+from tests.e2e.engine import engine, leftover_after_probe, model_runner
 from vllm_ext.runner_hooks import table_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -52,8 +52,6 @@ def _requests():
 
 
 def _run(model, **engine_kwargs):
-    from vllm import SamplingParams
-
     from vllm_ext import metrics
 
     prompts, params = _requests()
@@ -69,15 +67,7 @@ def _run(model, **engine_kwargs):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         records = table.recorder
         table.recorder = None
-        # the worker hears of the last finished requests with the next step's scheduler output; the
-        # probe (SFI off, too short for CritiPrefill) holds one request slot until the step after it
-        llm.generate([{"prompt_token_ids": [7, 8, 9]}],
-                     SamplingParams(max_tokens=1, extra_args={"speedsfi": {"sfi": {"enabled": False}}}),
-                     use_tqdm=False)
-        leftover = {"request slots": len(table.slot_of) - 1,
-                    "SFI slots": len(table.sfi.slot_host) if table.sfi is not None else 0,
-                    "CritiPrefill slots": len(table.critiprefill.slot_of) if table.critiprefill is not None else 0,
-                    "KV blocks": free0 - mgr.block_pool.get_num_free_blocks()}
+        leftover = leftover_after_probe(llm, table, mgr, free0)
         counts = metrics.snapshot()
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     # a request resumed after preemption holds a new slot assignment: another (slot, generation)

@@ -33,7 +33,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HKV, G, D, BS = 2, 2, 32, 16
 HQ = HKV * G
 CAP, MAX_ROWS, MAX_LEN = 4, 40, 512
-SHAPE = WarmupShape(max_rows=MAX_ROWS, block_table_width=MAX_LEN // BS, max_len=MAX_LEN)
+SHAPE = WarmupShape(max_rows=MAX_ROWS, block_table_width=MAX_LEN // BS)
 CFG = SfiConfig(enabled=True, k=24, k_min=4, n_sink=4, n_recent=16, w_prefill=8, dual_stream=False)
 # the shipped preset's shape (configs/sfi.yaml: kept prefill tokens, spans around selected tokens)
 PRESET_LIKE = dataclasses.replace(CFG, keep_prefill=8, select_span=3, select_span_back=1)

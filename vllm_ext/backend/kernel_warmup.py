@@ -45,7 +45,6 @@ class WarmupShape:
     """What a layer's launches depend on besides its tensors."""
     max_rows: int                  # max_num_seqs
     block_table_width: int         # the runner's block table: ceil(max_model_len / block_size)
-    max_len: int                   # max_model_len
 
 
 def _cases(cfg: SfiConfig, rows: int) -> tuple[list[str], list[int]]:
@@ -242,8 +241,7 @@ def warm_up_engine(vllm_config) -> int:
     sched = vllm_config.scheduler_config
     block_size = vllm_config.cache_config.block_size
     max_len = vllm_config.model_config.max_model_len
-    shape = WarmupShape(max_rows=sched.max_num_seqs, block_table_width=-(-max_len // block_size),
-                        max_len=max_len)
+    shape = WarmupShape(max_rows=sched.max_num_seqs, block_table_width=-(-max_len // block_size))
     dtype = vllm_config.model_config.dtype
     seen, ran = set(), 0
     for name, layer in vllm_config.compilation_config.static_forward_context.items():
@@ -261,17 +259,13 @@ def warm_up_engine(vllm_config) -> int:
             continue
         seen.add(geom)
         ran += warm_up_impl(impl, kv, shape, dtype, index)
-    missing = not_covered(resolve_config_of(vllm_config))
+    from vllm_ext.backend.startup import resolve_config
+
+    missing = not_covered(resolve_config(vllm_config))
     if missing:
         logger.info("vllm_ext: the start-up warm-up does not reach %s yet: they compile at first use",
                     ", ".join(missing))
     return ran
-
-
-def resolve_config_of(vllm_config) -> SpeedSfiConfig:
-    from vllm_ext.backend.startup import resolve_config
-
-    return resolve_config(vllm_config)
 
 
 def register_with_vllm(vllm_config) -> None:
@@ -298,7 +292,8 @@ def register_with_vllm(vllm_config) -> None:
 
                 t0 = time.perf_counter()
                 n = warm_up_engine(self.config)
-                torch.accelerator.synchronize() if hasattr(torch, "accelerator") else None
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()               # the log's time is the kernels' too
                 logger.info("vllm_ext: SPEEDSFI kernel warm-up: %d layer geometr%s in %.1f s", n,
                             "y" if n == 1 else "ies", time.perf_counter() - t0)
 
