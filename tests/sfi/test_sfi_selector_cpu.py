@@ -19,6 +19,7 @@ from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import sfi_selector as K
 from vllm_ext.kernels import sfi_selector_cpu as C
 from vllm_ext.kernels import sfi_selector_torch as S
+from vllm_ext.kernels.paged_rows import PagedRows
 
 CFG = dataclasses.replace(SfiConfig(), k=24, k_min=4)
 
@@ -119,7 +120,14 @@ def test_exclude_forms():
             table[s_] = kept[r]
     check(ev, norms, lo, hi, cfg, k_rest, k_cap=24, exclude=table, exclude_slot=slot)
     n_ex = torch.tensor([5, 0, 0, 24], dtype=torch.int32)
-    check(ev, norms, lo, hi, cfg, k_rest, k_cap=24, exclude=table, exclude_slot=slot, exclude_count=n_ex)
+    dense = check(ev, norms, lo, hi, cfg, k_rest, k_cap=24, exclude=table, exclude_slot=slot, exclude_count=n_ex)
+    # the table in KV-cache pages, read through a block table (issue 36)
+    kv = torch.randn(30, 3, 16, 8, generator=torch.Generator().manual_seed(5))
+    bt = torch.tensor([[0, 7], [0, 3], [0, 12], [0, 9], [0, 21]], dtype=torch.int32)
+    paged = PagedRows(kv, bt, 1, (4, 24), torch.int32)
+    paged.index_copy_(0, torch.arange(5), table)
+    got = check(ev, norms, lo, hi, cfg, k_rest, k_cap=24, exclude=paged, exclude_slot=slot, exclude_count=n_ex)
+    assert torch.equal(got[0], dense[0]) and torch.equal(got[1], dense[1])
 
 
 def test_dispatch_on_the_cpu_uses_it_for_pooled_evidence(monkeypatch):

@@ -9,6 +9,7 @@ from tests.kernel_choice import torch_kernels
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import sfi_selector as K
 from vllm_ext.kernels import sfi_selector_torch as S
+from vllm_ext.kernels.paged_rows import PagedRows
 
 pytestmark = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
 
@@ -156,11 +157,37 @@ def test_exclude_matches_twin(device):
         twin, n_twin = K.select(ev, norms, lo, hi, cfg, k_cnt, k_cap=KSEL, exclude=stale, exclude_slot=slot,
                                 exclude_count=n_ex)
     assert torch.equal(n_twin, n_ref3) and torch.equal(twin, ref3)
+    # the same table kept in KV-cache pages (issue 36: the kept positions are blocks of the compact
+    # group), read through the per-slot block table
+    paged = paged_copy(stale, device)
+    for fn in (K.select_triton, K.select):
+        got, n_got = fn(ev, norms, lo, hi, cfg, k_cnt, k_cap=KSEL, exclude=paged, exclude_slot=slot,
+                        exclude_count=n_ex)
+        assert torch.equal(n_got, n_ref3) and torch.equal(got, ref3), fn.__name__
+    with torch_kernels():
+        twin, n_twin = K.select(ev, norms, lo, hi, cfg, k_cnt, k_cap=KSEL, exclude=paged, exclude_slot=slot,
+                                exclude_count=n_ex)
+    assert torch.equal(n_twin, n_ref3) and torch.equal(twin, ref3)
     live = n_kept > 0
     assert live.any()
     for r in torch.nonzero(live).flatten().tolist():
         for h in range(4):
             assert not set(kept[r, h].tolist()) & set(tri[r, h, :int(n_tri[r])].tolist())
+
+
+def paged_copy(table: torch.Tensor, device) -> PagedRows:
+    """``table [slots, Hkv, E]`` int32 written into scattered pages of a token-major fp16 cache (two
+    pages per slot), as ``PagedRows``."""
+    slots = table.shape[0]
+    kv = torch.randn(60, 16, 2, 4, generator=torch.Generator().manual_seed(2)).half().transpose(1, 2)
+    kv = kv.to(device)
+    blocks = torch.randperm(59, generator=torch.Generator().manual_seed(3))[:slots * 2] + 1
+    bt = torch.zeros(slots, 3, dtype=torch.int32)
+    bt[:, 1:3] = blocks.view(slots, 2).to(torch.int32)
+    paged = PagedRows(kv, bt.to(device), 1, tuple(table.shape[1:]), torch.int32)
+    assert paged.num_pages == 2
+    paged.index_copy_(0, torch.arange(slots, device=device), table)
+    return paged
 
 
 def test_ties_lower_position_wins(device):

@@ -71,6 +71,7 @@ from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import triton_utils
 from vllm_ext.kernels import sfi_selector_torch as _ref
 from vllm_ext.kernels.sfi_selector_cpu import select_rows as select_rows_cpu
+from vllm_ext.kernels.paged_rows import PagedRows
 
 try:                                              # the CPU image may lack triton; the twin still works
     import triton
@@ -665,10 +666,15 @@ if HAS_TRITON:
     # ----------------------------------------------------------------- 3b. excluded positions
     @triton.jit(do_not_specialize=["ROWS"])  # ROWS varies per step: one compile
     def _exclude_kernel(COUNT, ROWS, score_ptr, s_sc_b, s_sc_h, ex_ptr, s_ex_b, s_ex_h, s_ex_e, E, slot_ptr,
-                        n_ex_ptr, lo_ptr, s_lo, hi_ptr, s_hi, H, L, BLOCK: tl.constexpr,
-                        HAS_COUNT: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_N: tl.constexpr):
+                        n_ex_ptr, lo_ptr, s_lo, hi_ptr, s_hi, H, L, tab_ptr, s_tab, tab_first, s_ex_c,
+                        PAGE_ELEMS, PAGE_TOKENS, PAGE_C, BLOCK: tl.constexpr,
+                        HAS_COUNT: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_N: tl.constexpr,
+                        PAGED: tl.constexpr):
         # sfi.keep_prefill: the kept positions of a (row, head) score -inf before the top-K (the twin's
-        # exclude_positions); padding (< 0) and positions outside A are ignored
+        # exclude_positions); padding (< 0) and positions outside A are ignored. PAGED: the table is
+        # kept in KV-cache pages (``vllm_ext.kernels.paged_rows``): element h * E + e of a slot's
+        # [H, E] rows lives in block tab[slot, tab_first + f // PAGE_ELEMS] of the page memory
+        # ``ex_ptr [blocks, heads, PAGE_TOKENS, PAGE_C]``
         for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * H, tl.num_programs(0)):
             pid = _i32(it)
             row = pid // H
@@ -687,7 +693,16 @@ if HAS_TRITON:
             ar = tl.arange(0, BLOCK)
             for e0 in range(0, E, BLOCK):
                 e = e0 + ar
-                pos = tl.load(ex + e * s_ex_e, mask=e < n_e, other=-1)
+                if PAGED:
+                    f = h * E + e
+                    r = f % PAGE_ELEMS
+                    blk = tl.load(tab_ptr + entry.to(tl.int64) * s_tab + tab_first + f // PAGE_ELEMS,
+                                  mask=e < n_e, other=0)
+                    addr = (ex_ptr + blk.to(tl.int64) * s_ex_b + (r // (PAGE_TOKENS * PAGE_C)) * s_ex_h
+                            + ((r // PAGE_C) % PAGE_TOKENS) * s_ex_e + (r % PAGE_C) * s_ex_c)
+                    pos = tl.load(addr, mask=e < n_e, other=-1)
+                else:
+                    pos = tl.load(ex + e * s_ex_e, mask=e < n_e, other=-1)
                 ok = (e < n_e) & (pos >= lo) & (pos < hi)
                 tl.store(sc + pos, tl.full([BLOCK], float("-inf"), tl.float32), mask=ok)
 
@@ -1092,8 +1107,13 @@ def selector_scores_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: 
     return ws.score[:rows, :, :length], ws.consts[:rows, :, 3]
 
 
-def _exclude(exclude: torch.Tensor, slot: torch.Tensor | None, n_ex: torch.Tensor | None, a: _Args) -> None:
-    """``-inf`` into ``ws.score`` at the excluded positions (between the scores and the top-K)."""
+def _exclude(exclude, slot: torch.Tensor | None, n_ex: torch.Tensor | None, a: _Args) -> None:
+    """``-inf`` into ``ws.score`` at the excluded positions (between the scores and the top-K).
+    ``exclude``: a tensor ``[rows (or slots with slot), Hkv, E]`` or a :class:`PagedRows` of ``[Hkv,
+    E]`` int32 per slot (with ``slot``)."""
+    paged = isinstance(exclude, PagedRows)
+    if paged and (slot is None or exclude.dtype != torch.int32):
+        raise ValueError("exclude as PagedRows needs exclude_slot and int32 rows")
     if exclude.dim() != 3 or exclude.shape[1] != a.heads or (slot is None and exclude.shape[0] != a.rows):
         raise ValueError(f"exclude must be [rows {a.rows} (or a table with exclude_slot), Hkv {a.heads}, E], "
                          f"got {tuple(exclude.shape)}")
@@ -1101,11 +1121,21 @@ def _exclude(exclude: torch.Tensor, slot: torch.Tensor | None, n_ex: torch.Tenso
     if n_e == 0:
         return
     sc = a.ws.score
+    if paged:
+        pages = exclude.pages
+        mem, strides = pages, pages.stride()
+        tab, s_tab, first = exclude.table, exclude.table.stride(0), exclude.first
+        _, p_tokens, p_c = exclude.page_dims
+        p_elems = exclude.page_elems
+    else:
+        mem, strides = exclude, (*exclude.stride(), 0)
+        tab, s_tab, first, p_elems, p_tokens, p_c = a.lo, 0, 0, 1, 1, 1
     _exclude_kernel[a.grid(a.heads)](
-        *a.live(), sc, sc.stride(0), sc.stride(1), exclude, *exclude.stride(), n_e,
+        *a.live(), sc, sc.stride(0), sc.stride(1), mem, *strides[:3], n_e,
         slot if slot is not None else a.lo, n_ex if n_ex is not None else a.lo, *a.bounds(), a.heads, a.length,
+        tab, s_tab, first, strides[3], p_elems, p_tokens, p_c,
         BLOCK=min(1024, max(16, _next_pow2(n_e))), HAS_COUNT=a.count is not None, HAS_SLOT=slot is not None,
-        HAS_N=n_ex is not None)
+        HAS_N=n_ex is not None, PAGED=paged)
 
 
 def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -1154,7 +1184,7 @@ def select_triton(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Ten
                   int(cfg.select_span), True, count, int(cfg.select_span_back))
     _scores(evidence, key_norms, a, prep_topk=True)
     if exclude is not None:
-        _exclude(exclude.to(device=device, dtype=torch.int32),
+        _exclude(exclude if isinstance(exclude, PagedRows) else exclude.to(device=device, dtype=torch.int32),
                  None if exclude_slot is None else _int_arg(exclude_slot, device, "exclude_slot"),
                  None if exclude_count is None else _int_arg(exclude_count, device, "exclude_count"), a)
     _topk(a)
