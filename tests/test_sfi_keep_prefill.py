@@ -38,13 +38,39 @@ def positions_of(p, row, compact, n):
     return out
 
 
-def run(p, use_twins, kept_counts=None, cfg=CFG):
+def paged_layer(cfg, p, capacity=4, seed=9):
+    """A layer whose per-request state (compact segment, kept positions, prompt-tail queries) lives
+    in KV-cache pages, as inside vLLM: a token-major page memory full of another request's leftovers
+    and a per-slot block table (``capacity + 1`` rows) of scattered blocks."""
+    layer = SfiLayerBuffers(capacity, HKV, cfg, D, torch.float32, p.device, num_heads=p.hq, paged=True)
+    gen = torch.Generator().manual_seed(seed)
+    pages = layer.state_pages(torch.empty(1, HKV, BS, 2 * D))
+    nb = (capacity + 1) * pages.total + 3
+    cache = torch.randn(nb, BS, HKV, 2 * D, generator=gen).transpose(1, 2).to(p.device)
+    table = (torch.randperm(nb - 1, generator=gen)[:(capacity + 1) * pages.total] + 1)
+    table = table.view(capacity + 1, pages.total).to(torch.int32).to(p.device)
+    layer.bind_pages(cache, table)
+    return layer
+
+
+def dense_state(layer, capacity=4):
+    """``(compact segments [C, Hkv, n_sink + k, 2D], kept positions [C, Hkv, keep])`` of a layer,
+    whatever its layout."""
+    from vllm_ext.kernels.two_segment_decode import compact_entries
+
+    n = layer.cfg.n_sink + layer.cfg.k
+    ckv = torch.stack([compact_entries(layer.compact_kv, layer.compact_table, s, n) for s in range(capacity)])
+    kept = None if layer.kept_pos is None else layer.kept_pos[torch.arange(capacity, device=ckv.device)]
+    return ckv, kept
+
+
+def run(p, use_twins, kept_counts=None, cfg=CFG, paged=False):
     """Prefill-end selections, then one decode step with every row slow. ``kept_counts``: the kept
     count each row's decode uses (default ``keep_prefill``; 0 = a slot whose prefill kept nothing,
-    its table row still holding positions)."""
+    its table row still holding positions). ``paged``: the layer's state in KV-cache pages."""
     device = p.device
     rows = len(LENS)
-    layer = SfiLayerBuffers(4, HKV, cfg, D, torch.float32, device)
+    layer = paged_layer(cfg, p) if paged else SfiLayerBuffers(4, HKV, cfg, D, torch.float32, device)
     rt = SfiRuntime(cfg, capacity=4, max_rows=rows, num_heads=p.hq, num_kv_heads=HKV, head_size=D,
                     max_len=max(LENS) + 8, device=device)
     gen = torch.Generator().manual_seed(1)
@@ -62,8 +88,8 @@ def run(p, use_twins, kept_counts=None, cfg=CFG):
     with ctx:
         _prefill_end_select(rt, cfg, layer, p.kv, p.bt, dev(slot), dev(plen), dev(ev), dev(norms), dev(lo),
                             dev(hi), dev(k))
-        after_prefill = (layer.compact_kv.clone(), layer.compact_len.clone(),
-                         None if layer.kept_pos is None else layer.kept_pos.clone())
+        ckv, kept = dense_state(layer)
+        after_prefill = (ckv.clone(), layer.compact_len.clone(), None if kept is None else kept.clone())
         # one decode step, every row slow: a dense pass writes the evidence, the selector excludes the
         # kept positions and the gather writes after them
         buffers = SfiPlanBuffers(rows, 4, device)
@@ -80,7 +106,7 @@ def run(p, use_twins, kept_counts=None, cfg=CFG):
         out = torch.zeros_like(q)
         sfi_decode(q, p.kv, p.bt, t, plan, cfg, layer, rt, 0, p.scale, out, dense_done=False)
         rt.ring.join()
-    return after_prefill, (layer.compact_kv.clone(), layer.compact_len.clone()), (ev, norms, lo, hi)
+    return after_prefill, (dense_state(layer)[0].clone(), layer.compact_len.clone()), (ev, norms, lo, hi)
 
 
 @pytest.mark.parametrize("use_twins", [False, True])
@@ -96,6 +122,22 @@ def test_a_slot_without_kept_tokens_selects_the_whole_budget(use_twins):
     got = positions_of(p, 1, ckv[s], CFG.n_sink + CFG.k)
     want = positions_of(p, 1, ref_ckv[s], CFG.n_sink + CFG.k)
     assert [sorted(h) for h in got] == [sorted(h) for h in want]
+
+
+@pytest.mark.parametrize("use_twins", [False, True])
+def test_paged_state_matches_the_dense_tables(use_twins):
+    """Issue 36: the kept positions and compact segments in KV-cache pages (read and written through
+    the per-slot block table, pages holding another request's leftovers) give exactly the dense
+    tables' selections, kept positions and compact entries."""
+    p = Problem(LENS, 2, "cpu", seed=4)
+    for counts in (None, [CFG.keep_prefill, 0, CFG.keep_prefill]):
+        (ckv0, clen0, kept0), (ckv1, clen1), _ = run(p, use_twins, kept_counts=counts)
+        (pckv0, pclen0, pkept0), (pckv1, pclen1), _ = run(p, use_twins, kept_counts=counts, paged=True)
+        assert torch.equal(clen0, pclen0) and torch.equal(clen1, pclen1)
+        for s in SLOTS:
+            assert torch.equal(kept0[s], pkept0[s])
+            n = int(clen1[s])
+            assert torch.equal(ckv0[s, :, :n], pckv0[s, :, :n]) and torch.equal(ckv1[s, :, :n], pckv1[s, :, :n])
 
 
 def test_config_bounds():

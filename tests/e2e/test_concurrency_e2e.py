@@ -97,7 +97,7 @@ def test_sfi_runs_as_many_requests_at_once_as_dense_less_its_blocks(runs):
 
 
 def test_only_requests_that_can_go_sparse_get_compact_blocks(runs):
-    from vllm_ext.sfi.kv_spec import first_compact_len
+    from vllm_ext.sfi.state_pages import first_state_len as first_compact_len
     from vllm_ext.config import SfiConfig
 
     _, sfi = runs

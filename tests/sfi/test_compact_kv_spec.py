@@ -40,10 +40,13 @@ def test_spec_shares_the_layer_page_format_and_is_registered():
     assert not isinstance(spec, FullAttentionSpec)          # its own group, never merged with the KV
     assert spec.page_size_bytes == full.page_size_bytes     # one pool: vLLM's hybrid groups need it
     assert not spec.prefix_cacheable and not spec.uses_slot_mapping
-    assert spec.compact_blocks == 4                         # ceil((4 + 60) / 16)
-    assert spec.max_num_blocks_per_req(None, 1 << 20) == 4
-    assert spec.max_memory_usage_bytes(None) == 4 * spec.page_size_bytes
-    assert spec.first_len == 4 + 32 + 8 + 1
+    # ceil((4 + 60) / 16) = 4 of the compact segment, 1 of the prompt-tail queries (16 x 2 x 32 fp32
+    # in a page of 2 x 16 x 64 fp32)
+    assert spec.compact_blocks == 5
+    assert spec.max_num_blocks_per_req(None, 1 << 20) == 5
+    assert spec.max_memory_usage_bytes(None) == 5 * spec.page_size_bytes
+    # a prompt writes its tail queries from the chunk reaching position P - w_prefill
+    assert spec.first_len == 4 + 32 + 8 + 1 - (16 - 1)
     for name in ("get_num_blocks_to_allocate", "allocate_new_blocks", "remove_skipped_blocks",
                  "pop_blocks_for_free", "cache_blocks", "add_local_computed_blocks",
                  "allocate_external_computed_blocks"):
@@ -67,9 +70,9 @@ def test_manager_gives_the_blocks_once_the_request_can_go_sparse_and_frees_them(
     assert mgr.get_num_blocks_to_allocate("short", first - 1, [], 0, 0, first - 1) == 0
     assert mgr.allocate_new_blocks("short", first - 1, first - 1) == []
     # crossing the threshold: the fixed count, once
-    assert mgr.get_num_blocks_to_allocate("long", first, [], 0, 0, first) == 4
+    assert mgr.get_num_blocks_to_allocate("long", first, [], 0, 0, first) == 5
     got = mgr.allocate_new_blocks("long", first, first)
-    assert len(got) == 4 and pool.get_num_free_blocks() == free - 4
+    assert len(got) == 5 and pool.get_num_free_blocks() == free - 5
     assert mgr.get_num_blocks_to_allocate("long", 5000, [], 0, 0, 5000) == 0
     assert mgr.allocate_new_blocks("long", 5000, 5000) == []
     # never a prefix hit, never cached
@@ -78,6 +81,30 @@ def test_manager_gives_the_blocks_once_the_request_can_go_sparse_and_frees_them(
     # finish, abort and preemption all free through vLLM's path
     mgr.free("long")
     assert pool.get_num_free_blocks() == free and "long" not in mgr.req_to_blocks
+
+
+def test_state_pages_of_the_preset():
+    """The rows of the compact group for the shipped preset (k 1024, keep_prefill 512, w_prefill 16)
+    on two real geometries: the figures docs/per_request_memory.md quotes."""
+    import dataclasses
+
+    import torch
+
+    from vllm_ext.config import SfiConfig
+    from vllm_ext.sfi.state_pages import first_state_len, sfi_state_pages
+
+    preset = dataclasses.replace(SfiConfig(), enabled=True, k=1024, n_sink=4, n_recent=128,
+                                 keep_prefill=512)
+    bf16 = dict(cache_dtype=torch.bfloat16, act_dtype=torch.bfloat16, block_size=16)
+    smol = sfi_state_pages(preset, num_kv_heads=3, head_size=64, num_heads=9, **bf16)   # SmolLM2-135M
+    qwen = sfi_state_pages(preset, num_kv_heads=8, head_size=128, num_heads=32, **bf16)  # Qwen3-4B
+    assert (smol.segment, smol.kept, smol.tail) == (65, 1, 2)
+    assert (qwen.segment, qwen.kept, qwen.tail) == (65, 1, 2)
+    assert (qwen.kept_first, qwen.tail_first, qwen.total) == (65, 66, 68)
+    assert first_state_len(preset) == 4 + 128 + 32 + 1 - 15
+    quest = dataclasses.replace(preset, selector="quest", keep_prefill=0)
+    assert sfi_state_pages(quest, num_kv_heads=8, head_size=128, num_heads=32, **bf16).total == 65
+    assert first_state_len(quest) == 4 + 128 + 32 + 1
 
 
 def test_the_runner_facts_the_hooks_read():

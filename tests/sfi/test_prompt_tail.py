@@ -106,8 +106,19 @@ class Prompt:
         self.bt = torch.randperm(nb, generator=gen).to(torch.int32)
 
 
-def make_layer(capacity=3, max_len=256):
-    layer = SfiLayerBuffers(capacity, HKV, CFG, D, torch.float32, torch.device("cpu"), num_heads=HQ)
+def make_layer(capacity=3, max_len=256, paged=False):
+    """``paged``: the compact segments and prompt-tail queries in KV-cache pages full of leftovers,
+    through a per-slot block table of scattered blocks (as inside vLLM: issue 36)."""
+    layer = SfiLayerBuffers(capacity, HKV, CFG, D, torch.float32, torch.device("cpu"), num_heads=HQ,
+                            paged=paged)
+    if paged:
+        gen = torch.Generator().manual_seed(17)
+        pages = layer.state_pages(torch.empty(1, HKV, BS, 2 * D))
+        assert pages.tail > 0
+        nb = (capacity + 1) * pages.total + 1
+        cache = torch.randn(nb, BS, HKV, 2 * D, generator=gen).transpose(1, 2)
+        table = torch.randperm(nb, generator=gen)[:(capacity + 1) * pages.total].to(torch.int32)
+        layer.bind_pages(cache, table.view(capacity + 1, pages.total))
     rt = SfiRuntime(CFG, capacity=capacity, max_rows=4, num_heads=HQ, num_kv_heads=HKV, head_size=D,
                     max_len=max_len, device=torch.device("cpu"))
     return layer, rt
@@ -143,6 +154,13 @@ def run_prefill(prompts: list[Prompt], steps: list[list[tuple[int, int, int]]], 
     return kv, tables, evidence
 
 
+def segment(layer, slot: int) -> torch.Tensor:
+    """Slot ``slot``'s compact segment ``[Hkv, n_sink + k, 2D]``, whatever the layout."""
+    from vllm_ext.kernels.two_segment_decode import compact_entries
+
+    return compact_entries(layer.compact_kv, layer.compact_table, slot, CFG.n_sink + CFG.k)
+
+
 def solo_steps(p: int, name: str, index: int = 0):
     return [[(index, done, q)] for done, q in chunks_of(p, sizes_for(p, name))]
 
@@ -157,22 +175,24 @@ def reference_evidence(pr: Prompt, kv, table):
     return ev[0]
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("name", [n for n in CHUNKINGS if n != "one chunk"])
-def test_selection_is_the_same_for_every_chunking(name):
+def test_selection_is_the_same_for_every_chunking(name, paged):
     pr = Prompt(150, seed=1)
     layer, rt = make_layer()
     kv, tables, ev_one = run_prefill([pr], solo_steps(pr.p, "one chunk"), layer, rt)
-    ref_kv = layer.compact_kv[0].clone()
+    ref_kv = segment(layer, 0).clone()
     ref_len = layer.compact_len[0].clone()
     assert torch.equal(ev_one[0][:, : pr.p], reference_evidence(pr, kv, tables[0])[:, : pr.p])
     assert int(ref_len) == CFG.n_sink + CFG.k
 
-    layer, rt = make_layer()
-    layer.prompt_tail.queries.normal_()           # whatever an earlier request left there
+    layer, rt = make_layer(paged=paged)
+    if not paged:
+        layer.prompt_tail.queries.normal_()       # whatever an earlier request left there
     _, _, ev = run_prefill([pr], solo_steps(pr.p, name), layer, rt)
     assert torch.equal(ev[0][:, : pr.p], ev_one[0][:, : pr.p])
     assert torch.equal(layer.compact_len[0], ref_len)
-    assert torch.equal(layer.compact_kv[0], ref_kv)
+    assert torch.equal(segment(layer, 0), ref_kv)
 
 
 SHARED_STEPS = {
@@ -183,20 +203,21 @@ SHARED_STEPS = {
 }
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("name", list(SHARED_STEPS))
-def test_requests_sharing_steps_keep_their_own_windows(name):
+def test_requests_sharing_steps_keep_their_own_windows(name, paged):
     """Two prompts prefilled in the same steps select what each selects alone."""
     a, b = Prompt(150, seed=2), Prompt(101, seed=3)
     alone = []
     for i, pr in enumerate((a, b)):
         layer, rt = make_layer()
         run_prefill([a, b], solo_steps(pr.p, "one chunk", index=i), layer, rt)
-        alone.append(layer.compact_kv[i].clone())
+        alone.append(segment(layer, i).clone())
     steps = SHARED_STEPS[name]
-    layer, rt = make_layer()
+    layer, rt = make_layer(paged=paged)
     run_prefill([a, b], steps, layer, rt)
-    assert torch.equal(layer.compact_kv[0], alone[0])
-    assert torch.equal(layer.compact_kv[1], alone[1])
+    assert torch.equal(segment(layer, 0), alone[0])
+    assert torch.equal(segment(layer, 1), alone[1])
     assert not torch.equal(alone[0], alone[1])
 
 

@@ -126,25 +126,20 @@ class SpeedSfiImpl(AttentionImpl):
                                                max_len=self._max_len, paged=True) / 2**20
             if self._sfi_layer.page_reps is not None:
                 metrics.log_once("sfi_buffers", "vllm_ext: SFI (selector quest) per layer %.1f MiB "
-                                 "besides the compact segments (%d request slots; Hkv %d x (n_sink + k) "
-                                 "%d entries per request in vLLM's KV-cache blocks): page max/min of K "
-                                 "(C + 1) x 2 x ceil(max_model_len "
-                                 "%d / page_size %d) x Hkv x D (%.2f MiB)%s", layer_mib,
-                                 self._sfi_capacity, self.num_kv_heads,
-                                 self.config.sfi.n_sink + self.config.sfi.k, self._max_len,
-                                 self.config.sfi.page_size, self._sfi_layer.page_reps.nbytes / 2**20,
-                                 "" if self._sfi_layer.prompt_tail is None else
-                                 " + prompt-tail queries (keep_prefill) %.2f MiB"
-                                 % (self._sfi_layer.prompt_tail.queries.nbytes / 2**20))
+                                 "(%d request slots): page max/min of K (C + 1) x 2 x ceil(max_model_len "
+                                 "%d / page_size %d) x Hkv x D; the compact segments%s are blocks of "
+                                 "vLLM's KV cache (docs/per_request_memory.md)", layer_mib,
+                                 self._sfi_capacity, self._max_len, self.config.sfi.page_size,
+                                 " and kept positions" if self.config.sfi.keep_prefill else "")
             else:
-                metrics.log_once("sfi_buffers", "vllm_ext: SFI per layer %.1f MiB besides the compact "
-                                 "segments (C %d request slots; Hkv %d x (n_sink + k) %d entries per "
-                                 "request in vLLM's KV-cache blocks): "
-                                 "prompt-tail queries C x w_prefill %d x Hq %d x D %d (%.2f MiB)",
-                                 layer_mib, self._sfi_capacity, self.num_kv_heads,
-                                 self.config.sfi.n_sink + self.config.sfi.k,
+                metrics.log_once("sfi_buffers", "vllm_ext: SFI per layer %.2f MiB of slot tables; its "
+                                 "per-request state (compact segment, Hkv %d x (n_sink + k) %d entries; "
+                                 "prompt-tail queries w_prefill %d x Hq %d x D %d%s) is in blocks of "
+                                 "vLLM's KV cache (docs/per_request_memory.md)",
+                                 layer_mib, self.num_kv_heads, self.config.sfi.n_sink + self.config.sfi.k,
                                  self.config.sfi.w_prefill, self.num_heads, self.head_size,
-                                 self._sfi_layer.prompt_tail.queries.nbytes / 2**20)
+                                 "; kept positions Hkv x %d int32" % self.config.sfi.keep_prefill
+                                 if self.config.sfi.keep_prefill else "")
             self._sfi_rt = shared_runtime(self.config.sfi, capacity=self._sfi_capacity,
                                           max_rows=self._max_rows, num_heads=self.num_heads,
                                           num_kv_heads=self.num_kv_heads, head_size=self.head_size,
@@ -210,10 +205,11 @@ class SpeedSfiImpl(AttentionImpl):
         md = attn_metadata
         sfi = md.step.sfi if self._sfi_layer is not None else None
         if sfi is not None and self._compact is not None:
-            # the compact segments: this layer's pages of SFI's KV-cache group, through the group's
-            # per-slot block table (the runner hooks bound it: vllm_ext.sfi.slot_tables)
-            self._sfi_layer.compact_kv = self._compact.kv_cache
-            self._sfi_layer.compact_table = md.step.table.sfi.compact_table_of_layer[layer.layer_name]
+            # the compact segments, kept positions and prompt-tail queries: this layer's pages of
+            # SFI's KV-cache group, through the group's per-slot block table (the runner hooks bound
+            # it: vllm_ext.sfi.slot_tables)
+            self._sfi_layer.bind_pages(self._compact.kv_cache,
+                                       md.step.table.sfi.compact_table_of_layer[layer.layer_name])
         if self._layer_index < 0:
             from vllm.model_executor.models.utils import extract_layer_index
 

@@ -87,10 +87,12 @@ class SfiCompactCache(torch.nn.Module, AttentionLayerBase):
 
         from vllm_ext.sfi.kv_spec import compact_spec_for
 
-        spec = self._attn[0].get_kv_cache_spec(vllm_config)
+        attn = self._attn[0]
+        spec = attn.get_kv_cache_spec(vllm_config)
         if not isinstance(spec, AttentionSpec):
             return None
-        return compact_spec_for(spec, self.sfi_config)
+        return compact_spec_for(spec, self.sfi_config, num_heads=attn.num_heads,
+                                act_dtype=vllm_config.model_config.dtype)
 
     def get_attn_backend(self):
         return SfiCompactBackend

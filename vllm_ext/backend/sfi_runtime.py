@@ -5,8 +5,10 @@ drive it without vLLM.
 Sizes follow the work, never ``max_num_seqs``:
 - per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = SFI's request
   capacity: ``--max-num-seqs``, or ``sfi.max_requests`` when set) outside vLLM; inside vLLM they are
-  KV-cache blocks of SFI's own group (``vllm_ext.sfi.kv_spec``) and nothing here; the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
-  spans prefill chunks); with ``sfi.keep_prefill`` P the kept positions ``C x Hkv x P`` int32;
+  KV-cache blocks of SFI's own group (``vllm_ext.sfi.kv_spec``) and nothing here; so are, inside
+  vLLM, the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
+  spans prefill chunks) and with ``sfi.keep_prefill`` P the kept positions ``C x Hkv x P`` int32
+  (``vllm_ext.sfi.state_pages``);
 - shared by the layers of a device (one :class:`SfiRuntime`):
   - the maintenance ring, ``N`` slots of evidence + key norms, ``2 x N x S x Hkv x L`` fp32
     (``S = C``: a step has at most one slow row per compact slot; ``L = max_model_len``);
@@ -41,9 +43,11 @@ class SfiLayerBuffers:
     scratch slot that rows without a compact slot write to), kept up to date by the prefill chunks
     and by every decode step (the page of the newest token).
 
-    ``paged``: the compact segments live in vLLM's KV-cache blocks (``vllm_ext.sfi.kv_spec``): no
-    ``compact_kv`` is allocated here; the impl points ``compact_kv`` (the compact layer's pages) and
-    ``compact_table`` (the per-slot block table) at them before each forward."""
+    ``paged``: the compact segments, the kept positions and the prompt-tail queries live in vLLM's
+    KV-cache blocks (``vllm_ext.sfi.kv_spec``, ``vllm_ext.sfi.state_pages``): none of them is
+    allocated here; before each forward the impl hands :meth:`bind_pages` the compact layer's pages
+    and the per-slot block table, and ``compact_kv`` / ``compact_table`` / ``kept_pos`` /
+    ``prompt_tail.queries`` read through them."""
 
     def __init__(self, capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
                  dtype: torch.dtype, device: torch.device, num_heads: int | None = None,
@@ -53,6 +57,8 @@ class SfiLayerBuffers:
         quest = cfg.selector == "quest"
         if quest and max_len is None:
             raise ValueError("SfiLayerBuffers: selector 'quest' needs max_len (the page tables)")
+        self.cfg, self.dtype, self.paged = cfg, dtype, paged
+        self.num_kv_heads, self.num_heads, self.head_size = num_kv_heads, num_heads, head_size
         self.compact_kv = None if paged else torch.zeros(capacity, num_kv_heads, cfg.n_sink + cfg.k,
                                                          2 * head_size, dtype=dtype, device=device)
         self.compact_table: torch.Tensor | None = None
@@ -60,10 +66,12 @@ class SfiLayerBuffers:
         # sfi.keep_prefill: the positions each slot's prefill-end selection keeps (compact entries
         # [n_sink, n_sink + n_kept)), which decode-time selections exclude
         self.kept_pos = (torch.full((capacity, num_kv_heads, cfg.keep_prefill), -1, dtype=torch.int32,
-                                    device=device) if cfg.keep_prefill else None)
-        self.prompt_tail = (None if num_heads is None or not cfg.prefill_end_selection else
-                            PromptTailQueries(capacity, cfg.w_prefill, num_heads, head_size, dtype,
-                                              device))
+                                    device=device) if cfg.keep_prefill and not paged else None)
+        self.prompt_tail = None
+        if num_heads is not None and cfg.prefill_end_selection:
+            self.prompt_tail = PromptTailQueries(None if paged else PromptTailQueries.allocate(
+                capacity, cfg.w_prefill, num_heads, head_size, dtype, device))
+        self._bound: tuple | None = None
         self.page_reps = None
         if quest:
             from vllm_ext.kernels.quest_pages import page_count
@@ -71,23 +79,58 @@ class SfiLayerBuffers:
             self.page_reps = torch.zeros(capacity + 1, 2, page_count(max_len, cfg.page_size),
                                          num_kv_heads, head_size, dtype=dtype, device=device)
 
+    def state_pages(self, cache: torch.Tensor):
+        """The row layout of this layer's compact group over the page memory ``cache``
+        (``vllm_ext.sfi.state_pages.SfiStatePages``)."""
+        from vllm_ext.sfi.state_pages import sfi_state_pages
+
+        return sfi_state_pages(self.cfg, block_size=int(cache.shape[2]), num_kv_heads=self.num_kv_heads,
+                               head_size=self.head_size,
+                               num_heads=self.num_heads if self.num_heads is not None else self.num_kv_heads,
+                               cache_dtype=cache.dtype, act_dtype=self.dtype)
+
+    def bind_pages(self, cache: torch.Tensor, table: torch.Tensor) -> None:
+        """``paged``: read this layer's per-request state from ``cache`` (the compact layer's pages,
+        ``[num_blocks, Hkv, block_size, 2D]``) through ``table [slots + 1, blocks per request]`` (the
+        per-compact-slot block table; its columns follow ``vllm_ext.sfi.state_pages``). Views only,
+        built again only when the cache or the table is another tensor."""
+        if self._bound is not None and self._bound[0] is cache and self._bound[1] is table:
+            return
+        from vllm_ext.kernels.paged_rows import PagedRows
+
+        pages = self.state_pages(cache)
+        if table.shape[1] != pages.total:
+            raise RuntimeError(f"SPEEDSFI: SFI's compact group gives {table.shape[1]} blocks per request, "
+                               f"this layer's state takes {pages.total} ({pages})")
+        cfg = self.cfg
+        self.compact_kv = cache
+        self.compact_table = table[:, :pages.segment]
+        if cfg.keep_prefill:
+            self.kept_pos = PagedRows(cache, table, pages.kept_first, (self.num_kv_heads, cfg.keep_prefill),
+                                      torch.int32, fill=-1)
+        if self.prompt_tail is not None:
+            self.prompt_tail.queries = PagedRows(cache, table, pages.tail_first,
+                                                 (cfg.w_prefill, self.num_heads, self.head_size), self.dtype)
+        self._bound = (cache, table)
+
     @staticmethod
     def nbytes(capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
                dtype: torch.dtype, num_heads: int | None = None, max_len: int | None = None,
                paged: bool = False) -> int:
+        """Bytes allocated here (``paged``: the per-request state is in vLLM's KV cache, not here)."""
         from vllm_ext.sfi.prompt_tail import PromptTailQueries
 
         elem = torch.empty((), dtype=dtype).element_size()
         quest = cfg.selector == "quest"
-        tail = (0 if num_heads is None or not cfg.prefill_end_selection else
+        tail = (0 if num_heads is None or not cfg.prefill_end_selection or paged else
                 PromptTailQueries.nbytes(capacity, cfg.w_prefill, num_heads, head_size, dtype))
         pages = 0
         if quest and max_len is not None:
             pages = ((capacity + 1) * 2 * (-(-max_len // cfg.page_size)) * num_kv_heads * head_size
                      * elem)
         compact = 0 if paged else capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem
-        return (compact + capacity * 4
-                + capacity * num_kv_heads * cfg.keep_prefill * 4 + tail + pages)
+        kept = 0 if paged else capacity * num_kv_heads * cfg.keep_prefill * 4
+        return compact + capacity * 4 + kept + tail + pages
 
 
 MIN_KERNEL_BLOCK = 16     # the smallest kernel block size SPEEDSFI accepts (backend: MultipleOf(16))

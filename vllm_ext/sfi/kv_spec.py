@@ -5,8 +5,9 @@ Every SPEEDSFI attention layer that can decode sparsely has a companion cache la
 (``vllm_ext.backend.sfi_compact.SfiCompactCache``) reporting :class:`SfiCompactSpec`: the layer's own
 page format (block size, KV heads, head size, dtype, so vLLM groups it beside the attention layers
 and both draw block ids from the one shared pool), with a fixed ``compact_blocks`` blocks per
-request. :class:`SfiCompactManager` gives a request those blocks in the step its length first
-reaches ``first_len`` (the shortest context SFI writes a compact segment for), never earlier, and
+request: the compact segment and SFI's other fixed-size per-request state (the kept prefill
+positions, the prompt-tail queries: ``vllm_ext.sfi.state_pages``). :class:`SfiCompactManager` gives a request those blocks in the step its length first
+reaches ``first_len`` (the shortest context SFI writes any of that state for), never earlier, and
 vLLM frees them with the request's other blocks on finish, abort and preemption. The blocks are
 never prefix-cached or shared (``prefix_cacheable`` is False: vLLM's hybrid coordinator leaves the
 group out of hit lookup, and the manager caches nothing).
@@ -22,24 +23,14 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ext import metrics
 from vllm_ext.config import SfiConfig
-
-
-def compact_blocks(cfg: SfiConfig, block_size: int) -> int:
-    """Blocks of ``block_size`` entries that hold one request's ``n_sink + k`` compact entries."""
-    return cdiv(cfg.n_sink + cfg.k, block_size)
-
-
-def first_compact_len(cfg: SfiConfig) -> int:
-    """The shortest context for which SFI writes a compact segment: a sparse decode row needs
-    ``t > max(min_len, n_sink + n_recent + k)`` and a prefill-end selection ``P > n_sink + n_recent +
-    k``, with ``k >= k_min`` for any request (its own override included)."""
-    return cfg.n_sink + cfg.n_recent + cfg.k_min + 1
+from vllm_ext.sfi.state_pages import first_state_len, sfi_state_pages
 
 
 @dataclass(frozen=True, kw_only=True)
 class SfiCompactSpec(AttentionSpec):
-    """One SPEEDSFI layer's compact segments: ``compact_blocks`` pages of the layer's format per
-    request, from the step its length reaches ``first_len``."""
+    """One SPEEDSFI layer's per-request SFI state: ``compact_blocks`` pages of the layer's format per
+    request (the compact segment, then the kept positions and the prompt-tail queries:
+    ``vllm_ext.sfi.state_pages``), from the step its length reaches ``first_len``."""
 
     compact_blocks: int = 1
     first_len: int = 1
@@ -136,11 +127,17 @@ def register_sfi_kv_spec() -> None:
                                  uniform_type_base_spec=SfiCompactSpec)
 
 
-def compact_spec_for(spec: AttentionSpec, cfg: SfiConfig) -> SfiCompactSpec:
-    """The compact spec beside an attention layer's ``spec`` (same page format)."""
+def compact_spec_for(spec: AttentionSpec, cfg: SfiConfig, *, num_heads: int | None = None,
+                     act_dtype=None) -> SfiCompactSpec:
+    """The compact spec beside an attention layer's ``spec`` (same page format), with as many blocks
+    per request as the layer's SFI state takes (``num_heads``, ``act_dtype``: the layer's query heads
+    and activation dtype, for the prompt-tail queries; default the KV heads and the cache dtype)."""
+    pages = sfi_state_pages(cfg, block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                            head_size=spec.head_size,
+                            num_heads=spec.num_kv_heads if num_heads is None else num_heads,
+                            cache_dtype=spec.dtype, act_dtype=spec.dtype if act_dtype is None else act_dtype)
     return SfiCompactSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                           head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
                           kv_quant_mode=spec.kv_quant_mode, page_size_padded=spec.page_size_padded,
                           dcp_sharded=spec.dcp_sharded, max_tp_shards=spec.max_tp_shards,
-                          compact_blocks=compact_blocks(cfg, spec.block_size),
-                          first_len=first_compact_len(cfg))
+                          compact_blocks=pages.total, first_len=first_state_len(cfg))

@@ -28,7 +28,8 @@ from vllm_ext.device_counters import DeviceCounters
 from vllm_ext.host_staging import PinnedStaging
 from vllm_ext.method_slots import MethodSlots
 from vllm_ext.request_state import StepState
-from vllm_ext.sfi.prompt_tail import TailRow, kept_count, makes_prefill_selection, plan_prompt_tail
+from vllm_ext.sfi.prompt_tail import (TailRow, kept_count, makes_prefill_selection, plan_prompt_tail,
+                                      tail_window)
 from vllm_ext.kernels.copy_match import copy_match, record_tokens
 from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_COPY, STAT_DENSE,
                                     STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
@@ -110,6 +111,8 @@ class SfiSlotTables(MethodSlots):
         self.slot_host: dict[int, int] = {}          # request slot -> compact slot
         self.k_host: dict[int, int] = {}
         self.first_computed: dict[int, int] = {}     # request slot -> first position it computed
+        # request slots that computed prompt-tail positions while not holding their blocks
+        self.tail_lost: set[int] = set()
         # the fresh state of newly assigned slots, staged on the host until the next build
         self._pending_resets: dict[int, tuple[int, int, bool]] = {}   # slot -> (compact slot, k, on)
         self._reset_sfi_slot = PinnedStaging(n_slots, torch.int32, device)
@@ -174,6 +177,7 @@ class SfiSlotTables(MethodSlots):
     def assign(self, slot: int, overrides: Mapping[str, Any] | None) -> tuple[int, bool, int]:
         """Compact slot, on/off and ``k`` for a request taking request slot ``slot``."""
         self.first_computed.pop(slot, None)
+        self.tail_lost.discard(slot)
         cfg = self.config
         if overrides:
             try:
@@ -207,6 +211,7 @@ class SfiSlotTables(MethodSlots):
         sfi_slot = self.slot_host.pop(slot, None)
         self.k_host.pop(slot, None)
         self.first_computed.pop(slot, None)
+        self.tail_lost.discard(slot)
         if sfi_slot is not None:
             self._free.append(sfi_slot)
             metrics.bump("sfi.slots_released")
@@ -380,16 +385,26 @@ class SfiSlotTables(MethodSlots):
             p, k = int(prompt_len[slot]), self.k_host[slot]
             if not makes_prefill_selection(cfg, p, k):
                 continue
-            ends = int(computed[row]) + int(qsl[row + 1] - qsl[row]) >= p
-            if ends and row_has_blocks is not None and not row_has_blocks[row]:
-                metrics.fallback("sfi_no_compact_blocks", "a request's prefill ended without its SFI "
-                                 "compact blocks (vLLM's scheduler and SPEEDSFI's rule disagree); its "
-                                 "first decode step makes the selection")
-                continue
-            done = int(computed[row])
+            done, q_len = int(computed[row]), int(qsl[row + 1] - qsl[row])
+            ends = done + q_len >= p
             first = self.first_computed.setdefault(slot, done)
+            if row_has_blocks is not None and not row_has_blocks[row]:
+                # its tail queries live in its compact-group blocks (vllm_ext.sfi.state_pages): a
+                # chunk without them writes none, and the request makes no prefill-end selection
+                if done + q_len > tail_window(cfg, p)[0]:
+                    self.tail_lost.add(slot)
+                if ends:
+                    metrics.fallback("sfi_no_compact_blocks", "a request's prefill ended without its "
+                                     "SFI compact blocks (vLLM's scheduler and SPEEDSFI's rule "
+                                     "disagree); its first decode step makes the selection")
+                continue
+            if ends and slot in self.tail_lost:
+                metrics.fallback("sfi_prompt_tail_lost", "a request computed prompt-tail positions "
+                                 "before it held its SFI blocks (vLLM's scheduler and SPEEDSFI's rule "
+                                 "disagree); its first decode step makes the selection")
+                continue
             rows.append(TailRow(row=row, token_start=int(qsl[row]), computed=done,
-                                q_len=int(qsl[row + 1] - qsl[row]), prompt_len=p, k=k,
+                                q_len=q_len, prompt_len=p, k=k,
                                 sfi_slot=self.slot_host[slot], first_computed=first))
         plan, incomplete = plan_prompt_tail(cfg, rows, self.device)
         if incomplete:
