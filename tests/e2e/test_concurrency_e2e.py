@@ -1,13 +1,13 @@
 """As many requests at once as dense (issue 36): SFI's compact segments are blocks of vLLM's KV cache
 (``vllm_ext.sfi.kv_spec``), so under a load the KV cache limits, SPEEDSFI with SFI on runs about as
-many requests at once as with every method off, less exactly its compact blocks; no pool of ours
+many requests at once as with every method off, less exactly its compact-group blocks (compact segment + prompt-tail queries); no pool of ours
 caps it (the old default capped SFI at 32 requests). Real vLLM, CPU build, a tiny Qwen3, a small KV
 cache and 80 concurrent requests of mixed lengths, short ones included.
 
 - vLLM's start-up concurrency counts the compact blocks: ``blocks(L) / (blocks(L) + n_c)`` of dense's;
 - the most requests one step runs with SFI is at least dense's x ``ctx / (ctx + n_c * block_size)``
   (``ctx``: the requests' mean length), and above the old cap of 32;
-- only requests whose length reaches ``first_compact_len`` get compact blocks (short ones never);
+- only requests whose length reaches ``first_compact_len`` (earlier for a prompt long enough to select: ``vllm_ext.sfi.state_pages.first_state_len``) get compact blocks (short ones never);
 - every request finishes with all its tokens, and request slots, compact slots and KV blocks all
   come back.
 """
@@ -75,19 +75,33 @@ def runs(tiny_models):
     return _run(tiny_models["qwen3"], None), _run(tiny_models["qwen3"], SFI)
 
 
+def state_blocks() -> int:
+    """Blocks of the compact group per request for the tiny Qwen3 (4 query / 2 KV heads, head 32,
+    fp32): the compact segment and the prompt-tail queries (``vllm_ext.sfi.state_pages``)."""
+    import torch
+
+    from vllm_ext.config import SfiConfig
+    from vllm_ext.sfi.state_pages import sfi_state_pages
+
+    pages = sfi_state_pages(SfiConfig(**SFI), block_size=BLOCK, num_kv_heads=2, head_size=32, num_heads=4,
+                            cache_dtype=torch.float32, act_dtype=torch.float32)
+    assert (pages.segment, pages.kept, pages.tail) == (1, 0, 1)
+    return pages.total
+
+
 def test_startup_concurrency_counts_the_compact_blocks(runs):
     dense, sfi = runs
     assert dense["groups"] == ["FullAttentionSpec"]
     assert sfi["groups"] == ["FullAttentionSpec", "SfiCompactSpec"]
     per_request = -(-1024 // BLOCK)                       # a max_model_len request, in blocks
-    n_c = -(-(SFI["n_sink"] + SFI["k"]) // BLOCK)
+    n_c = state_blocks()
     assert sfi["concurrency"] == pytest.approx(dense["concurrency"] * per_request / (per_request + n_c))
 
 
 def test_sfi_runs_as_many_requests_at_once_as_dense_less_its_blocks(runs):
     dense, sfi = runs
     ctx = sum(len(p) + MAX_TOKENS for p in dense["prompts"]) / len(dense["prompts"])
-    n_c = -(-(SFI["n_sink"] + SFI["k"]) // BLOCK)
+    n_c = state_blocks()
     assert dense["peak"] > 32, "the KV cache, not max_num_seqs, must limit dense here"
     assert dense["peak"] < NUM_REQUESTS
     assert sfi["peak"] >= dense["peak"] * ctx / (ctx + n_c * BLOCK), (sfi["peak"], dense["peak"])
@@ -97,12 +111,13 @@ def test_sfi_runs_as_many_requests_at_once_as_dense_less_its_blocks(runs):
 
 
 def test_only_requests_that_can_go_sparse_get_compact_blocks(runs):
-    from vllm_ext.sfi.state_pages import first_state_len as first_compact_len
     from vllm_ext.config import SfiConfig
+    from vllm_ext.sfi.state_pages import first_compact_len, first_state_len, tail_window
 
     _, sfi = runs
-    first = first_compact_len(SfiConfig(**SFI))
-    long = sum(len(p) + MAX_TOKENS >= first for p in sfi["prompts"])
+    cfg = SfiConfig(**SFI)
+    first, tail = first_compact_len(cfg), tail_window(cfg)
+    long = sum(len(p) + MAX_TOKENS >= first_state_len(first, tail, len(p)) for p in sfi["prompts"])
     short = len(sfi["prompts"]) - long
     assert short >= NUM_REQUESTS // 4
     resumes = sfi["counts"].get("fallback.sfi_preempted", 0)

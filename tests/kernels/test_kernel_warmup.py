@@ -55,8 +55,10 @@ NUM_BLOCKS = 80
 FAST_STEP_BUDGET = 13
 
 
-def _layer(cfg=CFG):
-    layer = SfiLayerBuffers(CAP, HKV, cfg, D, torch.float32, DEV, num_heads=HQ, max_len=MAX_LEN)
+def _layer(cfg=CFG, paged=False):
+    """``paged``: as inside vLLM, the per-request state in the compact group's pages (bound by the
+    caller: the warm-up binds its own table, a real step the runner's)."""
+    layer = SfiLayerBuffers(CAP, HKV, cfg, D, torch.float32, DEV, num_heads=HQ, max_len=MAX_LEN, paged=paged)
     rt = SfiRuntime(cfg, capacity=CAP, max_rows=MAX_ROWS, num_heads=HQ, num_kv_heads=HKV, head_size=D,
                     max_len=MAX_LEN, device=DEV)
     return layer, rt
@@ -72,22 +74,33 @@ def _block_table(gen):
     return bt.to(DEV)
 
 
-def _warmup_keys(kv, cfg=CFG):
-    layer, rt = _layer(cfg)
+def _warmup_keys(kv, cfg=CFG, compact=None):
+    layer, rt = _layer(cfg, paged=compact is not None)
     with launch_log.record() as log:
         warm_up_sfi_layer(cfg=cfg, layer_buffers=layer, runtime=rt, kv_cache=kv, num_heads=HQ,
-                          head_size=D, scale=SCALE, dtype=torch.float32, shape=SHAPE)
+                          head_size=D, scale=SCALE, dtype=torch.float32, shape=SHAPE, compact_cache=compact)
     assert not bool(layer.compact_len.any()), "the warm-up leaves no per-request state behind"
+    if compact is not None:
+        assert layer.compact_table is None and layer.kept_pos is None, "the forward binds the real table"
     return launch_log.keys(log)
 
 
-def _real_steps(kv, bt, gen, CFG=CFG):
+def _bind_runner_table(layer, compact, gen):
+    """The per-slot table the runner hooks fill (``[CAP + 1, blocks per request]``, scattered blocks)."""
+    width = layer.state_pages(compact).total
+    ids = torch.randint(1, compact.shape[0], ((CAP + 1) * width,), generator=gen, dtype=torch.int32)
+    layer.bind_pages(compact, ids.view(CAP + 1, width).to(DEV))
+
+
+def _real_steps(kv, bt, gen, CFG=CFG, compact=None):
     """A grid of steps as the engine makes them: decode batches of many sizes with random modes
     and lengths, as pure-decode steps and as a mixed step's decode rows, and prefill ends of one
     to three requests with prompt lengths of either class (Quest: the prefill chunks' page bounds
     of one to three rows)."""
     rng = random.Random(5)
-    layer, rt = _layer(CFG)
+    layer, rt = _layer(CFG, paged=compact is not None)
+    if compact is not None:
+        _bind_runner_table(layer, compact, gen)
     buffers = SfiPlanBuffers(MAX_ROWS, CAP, DEV)
     long_len = CFG.n_sink + CFG.n_recent + CFG.k + 1
     with launch_log.record() as log:
@@ -130,12 +143,16 @@ def _real_steps(kv, bt, gen, CFG=CFG):
     return log
 
 
-@pytest.mark.parametrize("cfg", [CFG, PRESET_LIKE, QUEST], ids=["sfi", "preset_like", "quest_rerank"])
-def test_warmup_reaches_every_compile_key_of_real_sfi_steps(cfg):
+@pytest.mark.parametrize("cfg, paged", [(CFG, False), (CFG, True), (PRESET_LIKE, True), (QUEST, True)],
+                         ids=["sfi_contiguous", "sfi", "preset_like", "quest_rerank"])
+def test_warmup_reaches_every_compile_key_of_real_sfi_steps(cfg, paged):
+    """``paged``: the layer as inside vLLM (compact segment, kept positions and prompt-tail queries
+    in the compact group's pages); contiguous: the layout the GPU benchmarks drive."""
     gen = torch.Generator().manual_seed(0)
     kv, bt = _kv(gen), _block_table(gen)
-    warm = _warmup_keys(kv, cfg)
-    real = launch_log.keys(_real_steps(kv, bt, gen, cfg))
+    compact = _kv(gen) if paged else None
+    warm = _warmup_keys(kv, cfg, compact)
+    real = launch_log.keys(_real_steps(kv, bt, gen, cfg, compact))
     assert real, "the grid launched none of our kernels"
     assert real <= warm, "compiled after start-up:\n" + launch_log.describe_missing(real, warm)
 

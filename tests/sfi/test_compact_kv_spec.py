@@ -45,8 +45,7 @@ def test_spec_shares_the_layer_page_format_and_is_registered():
     assert spec.compact_blocks == 5
     assert spec.max_num_blocks_per_req(None, 1 << 20) == 5
     assert spec.max_memory_usage_bytes(None) == 5 * spec.page_size_bytes
-    # a prompt writes its tail queries from the chunk reaching position P - w_prefill
-    assert spec.first_len == 4 + 32 + 8 + 1 - (16 - 1)
+    assert spec.first_len == 4 + 32 + 8 + 1 and spec.tail_window == 16
     for name in ("get_num_blocks_to_allocate", "allocate_new_blocks", "remove_skipped_blocks",
                  "pop_blocks_for_free", "cache_blocks", "add_local_computed_blocks",
                  "allocate_external_computed_blocks"):
@@ -66,21 +65,33 @@ def test_manager_gives_the_blocks_once_the_request_can_go_sparse_and_frees_them(
                             scheduler_block_size=16)
     free = pool.get_num_free_blocks()
     first = spec.first_len
-    # a short request (a chat question) never gets them
-    assert mgr.get_num_blocks_to_allocate("short", first - 1, [], 0, 0, first - 1) == 0
+    # a short request (a chat question) never gets them (its prefill end: the prompt, 10 tokens)
+    assert mgr.get_num_blocks_to_allocate("short", first - 1, [], 0, 0, first - 1, prefill_end=10) == 0
     assert mgr.allocate_new_blocks("short", first - 1, first - 1) == []
     # crossing the threshold: the fixed count, once
-    assert mgr.get_num_blocks_to_allocate("long", first, [], 0, 0, first) == 5
+    assert mgr.get_num_blocks_to_allocate("long", first, [], 0, 0, first, prefill_end=10) == 5
     got = mgr.allocate_new_blocks("long", first, first)
     assert len(got) == 5 and pool.get_num_free_blocks() == free - 5
-    assert mgr.get_num_blocks_to_allocate("long", 5000, [], 0, 0, 5000) == 0
+    assert mgr.get_num_blocks_to_allocate("long", 5000, [], 0, 0, 5000, prefill_end=10) == 0
     assert mgr.allocate_new_blocks("long", 5000, 5000) == []
+    # a prompt long enough to select gets them with the chunk that reaches its tail queries
+    # (positions [P - 16, P)), before the threshold: P = first + 3 -> from length P - 15
+    p = first + 3
+    assert mgr.get_num_blocks_to_allocate("prompt", p - 16, [], 0, 0, p - 16, prefill_end=p) == 0
+    assert mgr.get_num_blocks_to_allocate("prompt", p - 15, [], 0, 0, p - 15, prefill_end=p) == 5
+    assert len(mgr.allocate_new_blocks("prompt", p - 15, p - 15)) == 5
+    # a long prompt: from the threshold (its tail comes later)
+    assert mgr.get_num_blocks_to_allocate("longp", first, [], 0, 0, first, prefill_end=4000) == 5
+    mgr.free("prompt")
+    mgr.free("longp")
+    assert set(mgr._prefill_end) == {"short", "long"}
     # never a prefix hit, never cached
     blocks, hit = SfiCompactManager.find_longest_cache_hit([], 1000, [1], pool, spec, False, 16)
     assert blocks == ([],) and hit == 0
     # finish, abort and preemption all free through vLLM's path
     mgr.free("long")
     assert pool.get_num_free_blocks() == free and "long" not in mgr.req_to_blocks
+    assert "long" not in mgr._prefill_end
 
 
 def test_state_pages_of_the_preset():
@@ -91,7 +102,7 @@ def test_state_pages_of_the_preset():
     import torch
 
     from vllm_ext.config import SfiConfig
-    from vllm_ext.sfi.state_pages import first_state_len, sfi_state_pages
+    from vllm_ext.sfi.state_pages import first_compact_len, first_state_len, sfi_state_pages, tail_window
 
     preset = dataclasses.replace(SfiConfig(), enabled=True, k=1024, n_sink=4, n_recent=128,
                                  keep_prefill=512)
@@ -101,10 +112,14 @@ def test_state_pages_of_the_preset():
     assert (smol.segment, smol.kept, smol.tail) == (65, 1, 2)
     assert (qwen.segment, qwen.kept, qwen.tail) == (65, 1, 2)
     assert (qwen.kept_first, qwen.tail_first, qwen.total) == (65, 66, 68)
-    assert first_state_len(preset) == 4 + 128 + 32 + 1 - 15
+    first = first_compact_len(preset)
+    assert first == 4 + 128 + 32 + 1 and tail_window(preset) == 16
+    assert first_state_len(first, 16, 100) == first                 # a chat: from its decode
+    assert first_state_len(first, 16, first + 2) == first - 13      # its tail's first chunk
+    assert first_state_len(first, 16, 8000) == first
     quest = dataclasses.replace(preset, selector="quest", keep_prefill=0)
     assert sfi_state_pages(quest, num_kv_heads=8, head_size=128, num_heads=32, **bf16).total == 65
-    assert first_state_len(quest) == 4 + 128 + 32 + 1
+    assert tail_window(quest) == 0
 
 
 def test_the_runner_facts_the_hooks_read():

@@ -88,17 +88,35 @@ def _block_table(shape: WarmupShape, rows: int, num_blocks: int, device) -> torc
     return bt
 
 
+def _bind_synthetic_pages(layer_buffers, compact_cache: torch.Tensor, capacity: int) -> None:
+    """A paged layer (inside vLLM) reads its per-request state through the compact group's per-slot
+    block table: bind it to the compact layer's pages through a table as wide as the real one
+    (``capacity + 1`` rows, blocks 1..). The warm-up writes those pages; before the first request
+    they hold nothing (every request writes its own state before it reads it)."""
+    width = layer_buffers.state_pages(compact_cache).total
+    nb = compact_cache.shape[0]
+    ids = 1 + torch.arange((capacity + 1) * width, dtype=torch.int32, device=compact_cache.device) \
+        % max(nb - 1, 1)
+    layer_buffers.bind_pages(compact_cache, ids.view(capacity + 1, width))
+
+
 def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch.Tensor,
                       num_heads: int, head_size: int, scale: float, dtype: torch.dtype,
-                      shape: WarmupShape, layer_index: int = 0) -> None:
+                      shape: WarmupShape, layer_index: int = 0,
+                      compact_cache: torch.Tensor | None = None) -> None:
     """SFI's decode and prefill-end launches of one layer over synthetic steps (see the module
-    docstring). ``layer_buffers``/``runtime``: the layer's ``SfiLayerBuffers`` and ``SfiRuntime``."""
+    docstring). ``layer_buffers``/``runtime``: the layer's ``SfiLayerBuffers`` and ``SfiRuntime``;
+    ``compact_cache``: a paged layer's compact pages (the compact cache layer's ``kv_cache``)."""
     from vllm_ext.backend.sfi_path import sfi_decode, sfi_prefill_end
     from vllm_ext.sfi.prompt_tail import TailRow, plan_prompt_tail
     from vllm_ext.sfi.step_plan import SfiPlanBuffers
 
     device = kv_cache.device
     capacity = runtime.capacity
+    if layer_buffers.paged:
+        if compact_cache is None:
+            raise ValueError("warm_up_sfi_layer: a paged layer needs its compact pages")
+        _bind_synthetic_pages(layer_buffers, compact_cache, capacity)
     block_size = kv_cache.shape[2]                  # our kernels' view: [blocks, Hkv, page, 2D]
     num_blocks = kv_cache.shape[0]
     bt = _block_table(shape, max(DECODE_BATCHES), num_blocks, device)
@@ -187,9 +205,14 @@ def warm_up_speed_layer(*, kv_cache: torch.Tensor, num_heads: int, head_size: in
 
 def _clear(layer_buffers) -> None:
     layer_buffers.compact_len.zero_()
-    layer_buffers.compact_kv.zero_()
     if layer_buffers.page_reps is not None:
         layer_buffers.page_reps.zero_()
+    if layer_buffers.paged:
+        # the pages are vLLM's (nothing to clear: every request writes its state before reading it);
+        # the forward binds the real table
+        layer_buffers.unbind_pages()
+        return
+    layer_buffers.compact_kv.zero_()
     if layer_buffers.kept_pos is not None:
         layer_buffers.kept_pos.fill_(-1)
     if layer_buffers.prompt_tail is not None:
@@ -209,10 +232,12 @@ def warm_up_impl(impl, kv_cache: torch.Tensor, shape: WarmupShape, dtype: torch.
                             self_only=cfg.speed.variant == "self_only")
         return True
     if impl._sfi_layer is not None:
+        compact = getattr(impl, "_compact", None)
         warm_up_sfi_layer(cfg=cfg.sfi, layer_buffers=impl._sfi_layer, runtime=impl._sfi_rt,
                           kv_cache=kv_cache, num_heads=impl.num_heads, head_size=impl.head_size,
                           scale=impl.scale, dtype=dtype, shape=shape,
-                          layer_index=max(layer_index, 0))
+                          layer_index=max(layer_index, 0),
+                          compact_cache=None if compact is None else compact.kv_cache)
         return True
     if impl._ours_decode and impl._dense_ws is not None:
         warm_up_paged_decode(kv_cache=kv_cache, workspace=impl._dense_ws, num_heads=impl.num_heads,

@@ -113,6 +113,13 @@ class SfiLayerBuffers:
                                                  (cfg.w_prefill, self.num_heads, self.head_size), self.dtype)
         self._bound = (cache, table)
 
+    def unbind_pages(self) -> None:
+        """``paged``: forget the bound pages (the next forward binds the real ones)."""
+        self.compact_kv = self.compact_table = self.kept_pos = None
+        if self.prompt_tail is not None:
+            self.prompt_tail.queries = None
+        self._bound = None
+
     @staticmethod
     def nbytes(capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
                dtype: torch.dtype, num_heads: int | None = None, max_len: int | None = None,

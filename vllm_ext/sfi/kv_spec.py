@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ext import metrics
 from vllm_ext.config import SfiConfig
-from vllm_ext.sfi.state_pages import first_state_len, sfi_state_pages
+from vllm_ext.sfi.state_pages import first_compact_len, first_state_len, sfi_state_pages, tail_window
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +34,9 @@ class SfiCompactSpec(AttentionSpec):
 
     compact_blocks: int = 1
     first_len: int = 1
+    # prompt positions whose queries the blocks hold (0: none): a prompt long enough to select gets
+    # the blocks from the chunk that reaches its tail (``vllm_ext.sfi.state_pages.first_state_len``)
+    tail_window: int = 0
 
     # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds
     speedsfi_method = "sfi"
@@ -67,11 +70,20 @@ class SfiCompactSpec(AttentionSpec):
 
 
 class SfiCompactManager(SingleTypeKVCacheManager):
-    """``compact_blocks`` blocks per request once its length reaches ``first_len``; none before."""
+    """``compact_blocks`` blocks per request once its length reaches its first state length
+    (``first_len``, earlier for a prompt that writes tail queries); none before."""
 
-    def _wants(self, request_id: str, num_tokens: int) -> int:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # each request's prefill end as the last block count saw it (vLLM's allocate_slots counts,
+        # then allocates, with the same arguments; allocate_new_blocks is not told the prefill end)
+        self._prefill_end: dict[str, int] = {}
+
+    def _wants(self, request_id: str, num_tokens: int, prefill_end: int) -> int:
         spec = self.kv_cache_spec
-        if self.req_to_blocks.get(request_id) or num_tokens < spec.first_len:
+        if self.req_to_blocks.get(request_id):
+            return 0
+        if num_tokens < first_state_len(spec.first_len, spec.tail_window, prefill_end):
             return 0
         return spec.compact_blocks
 
@@ -79,10 +91,11 @@ class SfiCompactManager(SingleTypeKVCacheManager):
                                    total_computed_tokens: int, num_local_computed_tokens: int,
                                    num_tokens_main_model: int, apply_admission_cap: bool = False,
                                    prefill_end: int = 0) -> int:
-        return self._wants(request_id, num_tokens)
+        self._prefill_end[request_id] = prefill_end
+        return self._wants(request_id, num_tokens, prefill_end)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
-        n = self._wants(request_id, num_tokens)
+        n = self._wants(request_id, num_tokens, self._prefill_end.get(request_id, 0))
         if not n:
             return []
         new = self.block_pool.get_new_blocks(n)
@@ -91,6 +104,10 @@ class SfiCompactManager(SingleTypeKVCacheManager):
         if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in new)
         return new
+
+    def pop_blocks_for_free(self, request_id: str):
+        self._prefill_end.pop(request_id, None)    # free() and the deferred free both come here
+        return super().pop_blocks_for_free(request_id)
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int,
@@ -140,4 +157,5 @@ def compact_spec_for(spec: AttentionSpec, cfg: SfiConfig, *, num_heads: int | No
                           head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
                           kv_quant_mode=spec.kv_quant_mode, page_size_padded=spec.page_size_padded,
                           dcp_sharded=spec.dcp_sharded, max_tp_shards=spec.max_tp_shards,
-                          compact_blocks=pages.total, first_len=first_state_len(cfg))
+                          compact_blocks=pages.total, first_len=first_compact_len(cfg),
+                          tail_window=tail_window(cfg))

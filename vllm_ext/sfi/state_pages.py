@@ -12,7 +12,9 @@ A request's row of the compact group's block table is, in order:
 Each fixed-size state takes ``ceil(bytes / page_bytes)`` blocks, ``page_bytes = Hkv x block_size x
 2D x`` the cache's element size. All of them live as long as the request's compact segment: vLLM
 gives the row in the step the request's length reaches :func:`first_state_len` and frees it on
-finish, abort and preemption. Torch only (no vLLM).
+finish, abort and preemption. (The tail queries are read only at the prefill end; they stay for the
+request's life because vLLM frees a request's blocks only all at once or as a window's leading
+blocks, and at 2 of the preset's 68 blocks they are not worth a group of their own.) Torch only (no vLLM).
 """
 
 from __future__ import annotations
@@ -56,14 +58,25 @@ def sfi_state_pages(cfg: SfiConfig, *, block_size: int, num_kv_heads: int, head_
     return SfiStatePages(segment=-(-(cfg.n_sink + cfg.k) // block_size), kept=kept, tail=tail)
 
 
-def first_state_len(cfg: SfiConfig) -> int:
-    """The shortest context at which a request gets its compact-group blocks: the shortest for which
-    SFI writes a compact segment (a sparse decode row needs ``t > max(min_len, n_sink + n_recent +
-    k)``, a prefill-end selection ``P > n_sink + n_recent + k``, with ``k >= k_min`` for any request),
-    ``n_sink + n_recent + k_min + 1``, lowered by ``w_prefill - 1`` when the prefill end selects: a
-    prompt of ``P`` tokens writes its tail queries (positions ``[P - w_prefill, P)``) from the chunk
-    that computes position ``P - w_prefill``, i.e. from a length of ``P - w_prefill + 1``."""
-    first = cfg.n_sink + cfg.n_recent + cfg.k_min + 1
-    if cfg.prefill_end_selection:
-        first -= cfg.w_prefill - 1
-    return max(first, 1)
+def first_compact_len(cfg: SfiConfig) -> int:
+    """The shortest context for which SFI writes a compact segment: a sparse decode row needs
+    ``t > max(min_len, n_sink + n_recent + k)`` and a prefill-end selection ``P > n_sink + n_recent +
+    k``, with ``k >= k_min`` for any request (its own override included)."""
+    return cfg.n_sink + cfg.n_recent + cfg.k_min + 1
+
+
+def tail_window(cfg: SfiConfig) -> int:
+    """Prompt positions whose queries a request keeps in its blocks (0: no prefill-end selection)."""
+    return cfg.w_prefill if cfg.prefill_end_selection else 0
+
+
+def first_state_len(first_len: int, tail: int, prompt_len: int) -> int:
+    """The length (tokens held after the step) from which a request with a ``prompt_len``-token
+    prompt holds its compact-group blocks: ``first_len`` (:func:`first_compact_len`), or earlier for
+    a prompt long enough to make a prefill-end selection (``P >= first_len``), whose chunk computing
+    position ``P - tail`` (``tail``: :func:`tail_window`) already writes its tail queries there, i.e.
+    from a length of ``P - tail + 1``. A prompt too short to select never writes tail queries: a
+    short chat holds no blocks until its decode reaches ``first_len``."""
+    if tail and prompt_len >= first_len:
+        return max(1, min(first_len, prompt_len - tail + 1))
+    return first_len
