@@ -250,3 +250,43 @@ def test_prefix_hit_limit_and_cut():
     cut = limit_prefix_hit(sched, SimpleNamespace(num_prompt_tokens=645), policy, hit)
     assert cut[0].blocks == (list(range(19)), []) and cut[1] == 608
     assert "fallback.prefix_hit_uncut" not in metrics.snapshot()
+
+
+def test_a_chunk_without_its_blocks_writes_no_tail_and_its_end_makes_no_selection():
+    """Inside vLLM the tail queries live in the request's compact-group blocks: a prefill chunk whose
+    request does not hold them (vLLM's scheduler and SPEEDSFI's rule disagreeing) must write none
+    (its table row is stale), and a prefill end whose window lost queries so makes no selection
+    (counted); a request holding its blocks throughout is planned as before."""
+    import numpy as np
+
+    from vllm_ext import metrics
+    from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.sfi.slot_tables import SfiSlotTables
+
+    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 16, "k_min": 4, "n_sink": 4,
+                                            "n_recent": 16, "w_prefill": 16}})
+    tables = SfiSlotTables(4, 4, 4, cfg, None, torch.device("cpu"))
+    for slot in (0, 1):
+        tables.assign(slot, None)
+    p = 100
+    prompt_len = np.array([p, p, 0, 0])
+    kw = dict(row_slots=np.array([0, 1]), row_is_decode=np.array([0, 0]), prompt_len=prompt_len,
+              row_slot_device=torch.tensor([0, 1], dtype=torch.int32))
+    metrics.reset()
+    # step 1: both compute [0, 90) (tail positions 84..89); request 0 lacks its blocks
+    plan = tables.plan_prefill_end(num_reqs=2, host_geometry=(np.array([0, 90, 180]), np.array([0, 0])),
+                                   row_has_blocks=np.array([False, True]), **kw)
+    assert plan.num_ends == 0 and plan.num_writes == 6
+    assert plan.write_slot.tolist() == [tables.slot_host[1]] * 6
+    # step 2: both end, holding their blocks now: only request 1 selects
+    plan = tables.plan_prefill_end(num_reqs=2, host_geometry=(np.array([0, 10, 20]), np.array([90, 90])),
+                                   row_has_blocks=np.array([True, True]), **kw)
+    assert plan.num_ends == 1 and plan.sfi_slot.tolist() == [tables.slot_host[1]]
+    assert metrics.snapshot().get("fallback.sfi_prompt_tail_lost") == 1
+    # the slot's next request starts clean
+    tables.release(0)
+    tables.assign(0, None)
+    plan = tables.plan_prefill_end(num_reqs=1, host_geometry=(np.array([0, 100]), np.array([0])),
+                                   row_has_blocks=np.array([True]), **{**kw, "row_slots": np.array([0]),
+                                                                         "row_is_decode": np.array([0])})
+    assert plan.num_ends == 1
