@@ -136,18 +136,22 @@ def make_sfi_rows(*, seq_lens: list[int], active: list[bool], g: int, hkv: int, 
 
 
 def page_compact(compact_kv: torch.Tensor, block_size: int, seed: int = 0,
-                 garbage: float = 50.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 garbage: float = 50.0, state_columns: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """The contiguous compact segments ``[S, Hkv, C, 2D]`` in the paged layout SFI's KV-cache group
     gives them (``kernels.two_segment_decode``, module doc): ``(pages [B, Hkv, block_size, 2D],
     table [S, ceil(C / block_size)] int32)``, the slots' blocks scattered over the pool in random
-    order, block 0 (vLLM's null block) and spare blocks left with garbage."""
+    order, block 0 (vLLM's null block) and spare blocks left with garbage. As inside vLLM, the table
+    is the leading columns of a wider per-slot row whose other ``state_columns`` blocks hold SFI's
+    other per-request state (``vllm_ext.sfi.state_pages``: kept positions, prompt-tail queries),
+    here garbage: a view whose row stride is not its width."""
     gen = torch.Generator().manual_seed(seed)
     s, hkv, cap, c2 = compact_kv.shape
     n_c = -(-cap // block_size)
-    num_blocks = s * n_c + 3
+    width = n_c + state_columns
+    num_blocks = s * width + 3
     pages = torch.full((num_blocks, hkv, block_size, c2), garbage).to(compact_kv.dtype).to(compact_kv.device)
-    ids = (torch.randperm(num_blocks - 1, generator=gen)[:s * n_c] + 1).to(torch.int32)
-    table = ids.view(s, n_c).to(compact_kv.device)
+    ids = (torch.randperm(num_blocks - 1, generator=gen)[:s * width] + 1).to(torch.int32)
+    table = ids.view(s, width).to(compact_kv.device)[:, :n_c]
     padded = torch.full((s, hkv, n_c * block_size, c2), garbage).to(compact_kv.dtype).to(compact_kv.device)
     padded[:, :, :cap] = compact_kv
     pages[table.long()] = padded.view(s, hkv, n_c, block_size, c2).transpose(1, 2)
