@@ -140,6 +140,19 @@ def test_paged_state_matches_the_dense_tables(use_twins):
             assert torch.equal(ckv0[s, :, :n], pckv0[s, :, :n]) and torch.equal(ckv1[s, :, :n], pckv1[s, :, :n])
 
 
+def test_bind_pages_checks_the_row_width_and_reuses_its_views():
+    p = Problem(LENS, 2, "cpu", seed=4)
+    layer = paged_layer(CFG, p)
+    pages = layer.state_pages(layer.compact_kv)
+    assert (pages.segment, pages.kept, pages.tail) == (2, 1, 1)   # n_sink + k = 28 entries in blocks of 16
+    kept, table = layer.kept_pos, layer.compact_table
+    layer.bind_pages(layer.compact_kv, layer._bound[1])
+    assert layer.kept_pos is kept and layer.compact_table is table
+    wide = torch.zeros(5, pages.total + 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="blocks per request"):
+        layer.bind_pages(layer.compact_kv, wide)
+
+
 def test_config_bounds():
     SfiConfig(enabled=True, k=64, k_min=32, keep_prefill=32).validate()
     with pytest.raises(ConfigError, match="keep_prefill"):

@@ -13,7 +13,9 @@ rows (the three integer classes) with dense, slow and fast rows, as a pure-decod
 decode rows of a mixed step, and prefill ends of one and of two prompts whose lengths fall in both
 classes. It reads
 the layer's real KV cache (never writes it) and its real persistent buffers, so strides and
-alignments are the engine's; the per-request buffers it scribbles on are cleared afterwards.
+alignments are the engine's; the per-request buffers it scribbles on are cleared afterwards. A
+paged layer (inside vLLM: its compact segment, kept positions and prompt-tail queries in the compact
+group's pages) is bound to its compact pages through a table as wide as the runner's, then unbound.
 ``tests/test_kernel_warmup.py`` checks under the interpreter that a grid of real steps launches no
 compile key the warm-up did not.
 
