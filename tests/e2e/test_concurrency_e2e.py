@@ -122,6 +122,14 @@ def test_only_requests_that_can_go_sparse_get_compact_blocks(runs):
     assert short >= NUM_REQUESTS // 4
     resumes = sfi["counts"].get("fallback.sfi_preempted", 0)
     assert long <= sfi["counts"]["sfi.compact_allocations"] <= long + resumes
+    # every prompt that selects at its prefill end held its blocks from its first tail query on
+    # (chunks of 4096 tokens: whole prompts here; test_serving_traffic splits them)
+    # (a request resumed after preemption recomputes its prompt and selects again)
+    selecting = sum(len(p) > cfg.n_sink + cfg.n_recent + cfg.k for p in sfi["prompts"])
+    assert selecting <= sfi["counts"]["sfi.prefill_end_selections"] <= selecting + resumes, \
+        (sfi["counts"]["sfi.prefill_end_selections"], selecting, resumes)
+    assert not sfi["counts"].get("fallback.sfi_prompt_tail_lost")
+    assert not sfi["counts"].get("fallback.sfi_no_compact_blocks")
 
 
 def test_every_request_finishes_and_nothing_leaks(runs):
