@@ -188,3 +188,20 @@ def test_the_plan_counts_each_chunk_and_pads_the_last():
     assert step.slow_chunk_count[:, 0].tolist() == [2, 2, 1]
     assert step.slow_rows.tolist() == [0, 2, 3, 5, 6, -1]      # entry 5 pads the last chunk
     assert step.slow_chunk_count.stride(0) * 4 == 16            # every chunk's count 16-byte aligned
+
+
+def test_the_ring_gives_each_chunk_the_next_slot_and_join_starts_over():
+    """The unit of the ring is a chunk: the k-th chunk of a step (over all its layers) takes slot
+    k mod N, so with dual streams the main stream waits for the side stream's previous chunk in that
+    slot (on CUDA: tests/test_sfi_path.py's captured replays); join starts the step's count again."""
+    from vllm_ext.backend.sfi_runtime import MaintenanceRing, SfiScratch
+
+    ring = MaintenanceRing([SfiScratch.allocate(2, HKV, 32, DEV) for _ in range(3)], DEV, dual_stream=True)
+    assert not ring.dual                                    # the CPU runs maintenance inline
+    order = [ring.entry()[0] for _ in range(5)]
+    assert order == [0, 1, 2, 0, 1]
+    ring.join()
+    assert ring.entry()[0] == 0
+    ran = []
+    ring.submit(0, lambda: ran.append(1))
+    assert ran == [1]

@@ -137,14 +137,16 @@ def test_orchestration_kernels_equal_twins(device, g, grid):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dual, keep", [(True, 0), (False, 0), (True, 8)])
-def test_captured_step_replays_with_rows_flipping_modes(dual, keep):
+@pytest.mark.parametrize("dual, keep, chunk", [(True, 0, 16), (False, 0, 16), (True, 8, 16), (True, 0, 2),
+                                               (True, 8, 1)])
+def test_captured_step_replays_with_rows_flipping_modes(dual, keep, chunk):
     """One capture, replays whose plans differ (slow <-> fast <-> dense, padded rows): each replay
     equals the eager twin path run on the same sequence of plans. ``keep``: ``sfi.keep_prefill``
-    with 8 kept positions per slot (excluded by the selector, gathered after by the offset)."""
-    import dataclasses
-
-    cfg = dataclasses.replace(CFG, dual_stream=dual, keep_prefill=keep, select_span_back=2 if keep else 0)
+    with 8 kept positions per slot (excluded by the selector, gathered after by the offset).
+    ``chunk``: ``sfi.maintenance_rows`` (below the 5 rows: the slow list in 3 or 5 chunks, each in
+    its own ring slot on the side stream)."""
+    cfg = dataclasses.replace(CFG, dual_stream=dual, keep_prefill=keep, select_span_back=2 if keep else 0,
+                              maintenance_rows=chunk)
     p = Problem(LENS, 4, "cuda", seed=5)
     sequence = [GRIDS[0][0], GRIDS[0][1], GRIDS[1][1], [SLOW, DENSE, FAST, PAD, SLOW],
                 [FAST, DENSE, SLOW, PAD, FAST]]
@@ -157,7 +159,7 @@ def test_captured_step_replays_with_rows_flipping_modes(dual, keep):
         if keep:
             layer.kept_pos.copy_(torch.arange(CFG.n_sink, CFG.n_sink + keep, dtype=torch.int32,
                                               device="cuda").expand_as(layer.kept_pos))
-        return layer, rt, SfiPlanBuffers(5, 5, torch.device("cuda"))
+        return layer, rt, SfiPlanBuffers(5, 5, torch.device("cuda"), chunk_rows=rt.maintenance_rows)
 
     def plan_with_keep(buf, modes):
         plan, t = plan_for(buf, modes, LENS, SLOTS, p.bt, p.device)
