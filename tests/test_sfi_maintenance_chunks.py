@@ -205,3 +205,18 @@ def test_the_ring_gives_each_chunk_the_next_slot_and_join_starts_over():
     ran = []
     ring.submit(0, lambda: ran.append(1))
     assert ran == [1]
+
+
+def test_the_warm_up_batch_reaches_four_chunks_when_a_step_can():
+    """kernel_warmup.chunked_batch: chunk c's entry pointers sit c x B int32 past the list's start,
+    so their 16-byte alignments repeat every four chunks; the warm-up's extra batch reaches chunks
+    0..3 (or every chunk a step can have), and is skipped when a step never has two."""
+    from vllm_ext.backend.kernel_warmup import chunked_batch
+
+    assert chunked_batch(256, 256, 16) == 49                 # 4 chunks of the default B
+    assert chunked_batch(40, 4, 1) == 4                       # all 4 chunks S allows
+    assert chunked_batch(30, 256, 16) == 30                   # the 2 chunks 30 rows can have
+    assert chunked_batch(16, 256, 16) is None and chunked_batch(256, 8, 16) is None
+    for rows, cap, b in ((256, 256, 16), (40, 4, 1), (256, 256, 7)):
+        n = chunked_batch(rows, cap, b)
+        assert -(-min(n, cap) // b) == min(4, -(-min(rows, cap) // b))
