@@ -224,14 +224,14 @@ def test_prefill_end_side_stream_work_reads_the_ring_slots_persistent_tables():
     submit = rt.ring.submit
 
     def spy(i, fn):
-        seen.append(fn.__closure__)
+        seen.append([c.cell_contents for c in fn.__closure__ or ()] + list(fn.__defaults__ or ()))
         submit(i, fn)
 
     rt.ring.submit = spy
     query = torch.randn(int(qsl[-1]), HQ, D, generator=gen)
     sfi_prefill_end(query, kv, bt, plan, cfg, layer, rt, 0, D ** -0.5)
     assert len(seen) == 1
-    captured = [c.cell_contents for c in seen[0]]
+    captured = seen[0]
     tables = [t for t in captured if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 2]
     (table,) = tables
     buf = rt.ring.entries[0].tables

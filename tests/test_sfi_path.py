@@ -7,6 +7,7 @@ Also: the plan's compacted slow list, and the runtime's memory sized by ``sfi.ma
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -136,14 +137,16 @@ def test_orchestration_kernels_equal_twins(device, g, grid):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dual, keep", [(True, 0), (False, 0), (True, 8)])
-def test_captured_step_replays_with_rows_flipping_modes(dual, keep):
+@pytest.mark.parametrize("dual, keep, chunk", [(True, 0, 16), (False, 0, 16), (True, 8, 16), (True, 0, 2),
+                                               (True, 8, 1)])
+def test_captured_step_replays_with_rows_flipping_modes(dual, keep, chunk):
     """One capture, replays whose plans differ (slow <-> fast <-> dense, padded rows): each replay
     equals the eager twin path run on the same sequence of plans. ``keep``: ``sfi.keep_prefill``
-    with 8 kept positions per slot (excluded by the selector, gathered after by the offset)."""
-    import dataclasses
-
-    cfg = dataclasses.replace(CFG, dual_stream=dual, keep_prefill=keep, select_span_back=2 if keep else 0)
+    with 8 kept positions per slot (excluded by the selector, gathered after by the offset).
+    ``chunk``: ``sfi.maintenance_rows`` (below the 5 rows: the slow list in 3 or 5 chunks, each in
+    its own ring slot on the side stream)."""
+    cfg = dataclasses.replace(CFG, dual_stream=dual, keep_prefill=keep, select_span_back=2 if keep else 0,
+                              maintenance_rows=chunk)
     p = Problem(LENS, 4, "cuda", seed=5)
     sequence = [GRIDS[0][0], GRIDS[0][1], GRIDS[1][1], [SLOW, DENSE, FAST, PAD, SLOW],
                 [FAST, DENSE, SLOW, PAD, FAST]]
@@ -156,7 +159,7 @@ def test_captured_step_replays_with_rows_flipping_modes(dual, keep):
         if keep:
             layer.kept_pos.copy_(torch.arange(CFG.n_sink, CFG.n_sink + keep, dtype=torch.int32,
                                               device="cuda").expand_as(layer.kept_pos))
-        return layer, rt, SfiPlanBuffers(5, 5, torch.device("cuda"))
+        return layer, rt, SfiPlanBuffers(5, 5, torch.device("cuda"), chunk_rows=rt.maintenance_rows)
 
     def plan_with_keep(buf, modes):
         plan, t = plan_for(buf, modes, LENS, SLOTS, p.bt, p.device)
@@ -227,21 +230,29 @@ def test_plan_compacts_slow_rows_in_row_order():
     assert plan.row_dense.tolist() == [m not in (FAST, SLOW) for m in modes]
 
 
-def test_runtime_memory_follows_sfi_capacity_not_max_num_seqs():
-    """``--max-num-seqs 256`` with ``max_requests 8`` allocates SFI scratch for 8 requests: only the
-    split-K scratch depends on the row count, and it is bounded by the GPU, not the batch."""
+def test_runtime_memory_follows_the_maintenance_chunk_not_the_request_capacity():
+    """The slow-step scratch (ring, evidence scores, selector) holds ``B = sfi.maintenance_rows`` slow
+    rows, whatever SFI's request capacity ``S`` (``--max-num-seqs``): 8, 64 and 256 requests
+    allocate the same bytes but the split-K scratch (rows, bounded by the split heuristic); ``B``
+    scales it; a capacity below ``B`` caps it."""
     dev = torch.device("cpu")
-    cfg = SfiConfig(enabled=True, k=64, n_recent=32)
+    cfg = SfiConfig(enabled=True, k=64, n_recent=32, maintenance_rows=8)
     shape = dict(num_heads=8, num_kv_heads=2, head_size=32, max_len=4096, device=dev)
     small = SfiRuntime(cfg, capacity=8, max_rows=8, **shape)
-    big = SfiRuntime(cfg, capacity=8, max_rows=256, **shape)
+    big = SfiRuntime(cfg, capacity=256, max_rows=256, **shape)
+    assert big.maintenance_rows == 8 and big.chunks(256) == 32 and big.chunks(5) == 1
     ring = sum(e.log_evidence.numel() * 4 + e.key_norms.numel() * 4 for e in big.ring.entries)
     n_slots = cfg.side_stream_slots if big.ring.dual else 1
-    assert ring == n_slots * 2 * 8 * 2 * 4096 * 4                  # N x 2 x S x Hkv x L x 4 B
-    assert big.dense_workspace.scores.shape == (8, 8, 4096)        # S x Hq x L
-    # rows only size the split-K scratch: R * splits(R) is bounded by the split heuristic
+    assert ring == n_slots * 2 * 8 * 2 * 4096 * 4                  # N x 2 x B x Hkv x L x 4 B
+    assert big.dense_workspace.scores.shape == (8, 8, 4096)        # B x Hq x L
+    assert big.selector_workspace.rows == 8
+    # rows (and the capacity) only size the split-K scratch: R * splits(R) is bounded by the split
+    # heuristic
     grow = big.nbytes - small.nbytes
     assert 0 <= grow <= 256 * 8 * 33 * 4 * 2, grow
-    twice = SfiRuntime(cfg, capacity=16, max_rows=256, **shape)
-    assert twice.nbytes - big.nbytes >= ring                        # capacity does scale it
-    assert "independent of max_num_seqs" in big.describe()
+    assert SfiRuntime(cfg, capacity=64, max_rows=256, **shape).nbytes == big.nbytes
+    twice = SfiRuntime(dataclasses.replace(cfg, maintenance_rows=16), capacity=256, max_rows=256, **shape)
+    assert twice.nbytes - big.nbytes >= ring                        # B does scale it
+    capped = SfiRuntime(cfg, capacity=4, max_rows=256, **shape)
+    assert capped.maintenance_rows == 4 and capped.dense_workspace.scores.shape[0] == 4
+    assert "B 8" in big.describe() and "maintenance_rows" in big.describe()

@@ -165,6 +165,10 @@ class SfiConfig:
     max_requests: int | None = None
     dual_stream: bool = True           # selector + gather on a side stream (CUDA); False = serial
     side_stream_slots: int = 4         # evidence scratch ring shared by the side stream and the layers
+    # slow rows one maintenance pass (evidence, selector, gather) covers: the slow-step scratch is
+    # sized by it, not by the request capacity, and a step runs its slow list in chunks of this many
+    # rows, all inside the step (docs/sfi.md, "Slow-row maintenance in chunks")
+    maintenance_rows: int = 16
 
     @property
     def prefill_end_selection(self) -> bool:
@@ -173,7 +177,7 @@ class SfiConfig:
         return self.selector != "quest" or self.keep_prefill > 0
 
     def validate(self) -> None:
-        for name in ("k", "refresh", "w_prefill", "side_stream_slots"):
+        for name in ("k", "refresh", "w_prefill", "side_stream_slots", "maintenance_rows"):
             _positive(f"sfi.{name}", getattr(self, name))
         for name in ("k_min", "n_sink", "n_recent", "min_len", "min_boundary_gap", "sentence_cooldown", "nms_radius",
                      "select_span", "select_span_back", "keep_prefill", "mu", "lam_x", "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):

@@ -82,7 +82,10 @@ COMBO_SFI = {"enabled": True, "k": 64, "n_recent": 64}
 COMBO_CP = {"enabled": True, "segment_size": 128, "block_size": 16, "budget": 256, "min_len": 256}
 COMBO_SPEED = {"enabled": True, "l_cut": 3}
 COMBOS = {"critiprefill": {"critiprefill": COMBO_CP}, "speed": {"speed": COMBO_SPEED},
-          "critiprefill+speed": {"critiprefill": COMBO_CP, "speed": COMBO_SPEED}}
+          "critiprefill+speed": {"critiprefill": COMBO_CP, "speed": COMBO_SPEED},
+          # SFI alone with its slow rows maintained in chunks of 2 (sfi.maintenance_rows), a slow
+          # step every other step: up to 8 SFI rows slow in one step, so up to four chunks
+          "sfi_in_chunks_of_2": {"sfi": {"maintenance_rows": 2, "schedule": "periodic", "refresh": 2}}}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +113,8 @@ def test_every_method_combination_answers_as_alone(four_layer_qwen3, combo):
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                              extra_args=None if i % 2 else {"speedsfi": {"sfi": {"enabled": False}}})
               for i in range(len(prompts))]
-    section = dict(COMBOS[combo], sfi=COMBO_SFI)
+    section = dict(COMBOS[combo])
+    section["sfi"] = dict(COMBO_SFI, **section.get("sfi", {}))
     metrics.reset()
 
     def run(order):

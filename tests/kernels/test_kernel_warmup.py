@@ -38,6 +38,11 @@ CFG = SfiConfig(enabled=True, k=24, k_min=4, n_sink=4, n_recent=16, w_prefill=8,
 # the shipped preset's shape (configs/sfi.yaml: kept prefill tokens, spans around selected tokens)
 PRESET_LIKE = dataclasses.replace(CFG, keep_prefill=8, select_span=3, select_span_back=1)
 QUEST = dataclasses.replace(CFG, selector="quest", page_size=16, quest_rerank=2)
+# maintenance chunks smaller than the capacity (sfi.maintenance_rows): B 1 gives the slow list's four
+# chunks (every entry-pointer alignment), B 3 a chunk 1 at an odd offset; with kept prefill tokens
+CHUNKED = dataclasses.replace(PRESET_LIKE, maintenance_rows=1)
+CHUNKED_3 = dataclasses.replace(CFG, maintenance_rows=3)
+QUEST_CHUNKED = dataclasses.replace(QUEST, maintenance_rows=3)
 SCALE = D ** -0.5
 NUM_BLOCKS = 80
 
@@ -53,6 +58,15 @@ NUM_BLOCKS = 80
 # count). Removing them from the fast step needs the host to know which steps have slow rows, or
 # conditional graph nodes: the closing note of issue 35 says why neither is done yet.
 FAST_STEP_BUDGET = 13
+# The slow list runs in ceil(min(R, S) / B) chunks of B = sfi.maintenance_rows entries (S: SFI's
+# request capacity); each chunk past the first repeats the last two phases (3 + 8 launches). With
+# R <= B the budget above holds; docs/sfi.md gives the count at R 256 and the default B.
+PER_CHUNK_LAUNCHES = 11
+
+
+def fast_step_launches(rows: int, capacity: int, chunk: int) -> int:
+    chunks = -(-min(rows, capacity) // chunk)
+    return FAST_STEP_BUDGET + (chunks - 1) * PER_CHUNK_LAUNCHES
 
 
 def _layer(cfg=CFG, paged=False):
@@ -101,7 +115,7 @@ def _real_steps(kv, bt, gen, CFG=CFG, compact=None):
     layer, rt = _layer(CFG, paged=compact is not None)
     if compact is not None:
         _bind_runner_table(layer, compact, gen)
-    buffers = SfiPlanBuffers(MAX_ROWS, CAP, DEV)
+    buffers = SfiPlanBuffers(MAX_ROWS, CAP, DEV, chunk_rows=rt.maintenance_rows)
     long_len = CFG.n_sink + CFG.n_recent + CFG.k + 1
     with launch_log.record() as log:
         for rows in (1, 2, 3, 5, 16, 17, 32, 40):
@@ -143,8 +157,10 @@ def _real_steps(kv, bt, gen, CFG=CFG, compact=None):
     return log
 
 
-@pytest.mark.parametrize("cfg, paged", [(CFG, False), (CFG, True), (PRESET_LIKE, True), (QUEST, True)],
-                         ids=["sfi_contiguous", "sfi", "preset_like", "quest_rerank"])
+@pytest.mark.parametrize("cfg, paged", [(CFG, False), (CFG, True), (PRESET_LIKE, True), (QUEST, True),
+                                        (CHUNKED, True), (CHUNKED_3, True), (QUEST_CHUNKED, True)],
+                         ids=["sfi_contiguous", "sfi", "preset_like", "quest_rerank", "chunks_of_1",
+                              "chunks_of_3", "quest_chunks_of_3"])
 def test_warmup_reaches_every_compile_key_of_real_sfi_steps(cfg, paged):
     """``paged``: the layer as inside vLLM (compact segment, kept positions and prompt-tail queries
     in the compact group's pages); contiguous: the layout the GPU benchmarks drive."""
@@ -198,15 +214,15 @@ def test_a_path_the_warm_up_misses_is_caught():
                                              "prefill_evidence._prefill_evidence_kernel"}
 
 
-def _decode_launches(modes, gen, kv, bt):
-    layer, rt = _layer()
-    buffers = SfiPlanBuffers(MAX_ROWS, CAP, DEV)
-    long_len = CFG.n_sink + CFG.n_recent + CFG.k + 50
+def _decode_launches(modes, gen, kv, bt, cfg=CFG):
+    layer, rt = _layer(cfg)
+    buffers = SfiPlanBuffers(MAX_ROWS, CAP, DEV, chunk_rows=rt.maintenance_rows)
+    long_len = cfg.n_sink + cfg.n_recent + cfg.k + 50
     lens = [long_len + 7 * i for i in range(len(modes))]
-    step = synthetic_decode_plan(buffers, CFG, modes, lens, bt[:len(modes)])
+    step = synthetic_decode_plan(buffers, cfg, modes, lens, bt[:len(modes)])
     q = torch.randn(len(modes), HQ, D, generator=gen).to(DEV)
     with launch_log.record() as log:
-        sfi_decode(q, kv, bt[:len(modes)], torch.tensor(lens, dtype=torch.int32, device=DEV), step, CFG,
+        sfi_decode(q, kv, bt[:len(modes)], torch.tensor(lens, dtype=torch.int32, device=DEV), step, cfg,
                    layer, rt, 0, SCALE, torch.empty_like(q), dense_done=False, fixed_launches=True)
         rt.ring.join()
     return [launch.kernel for launch in log]
@@ -221,6 +237,27 @@ def test_a_fast_only_step_launches_within_its_budget_and_the_same_kernels_as_any
     assert len(fast_only) <= FAST_STEP_BUDGET, f"{len(fast_only)} launches per layer: {dict(counts)}"
     # a CUDA graph captured on one step replays on any other: the launches never depend on the modes
     assert fast_only == mixed
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_step_with_more_rows_than_a_chunk_launches_the_chunk_rule(chunk):
+    """R > B: the slow list runs in ceil(min(R, S) / B) chunks, each past the first adding the slow
+    pass and maintenance again (PER_CHUNK_LAUNCHES); the count depends on R alone (fast-only and
+    mixed steps launch the same kernels), never on how many rows are slow."""
+    cfg = dataclasses.replace(CFG, maintenance_rows=chunk)
+    gen = torch.Generator().manual_seed(6)
+    kv, bt = _kv(gen), _block_table(gen)
+    for rows in (1, 2, 3, 4, 7):
+        fast_only = _decode_launches(["fast"] * rows, gen, kv, bt, cfg)
+        mixed = _decode_launches([["slow", "fast", "dense"][i % 3] for i in range(rows)], gen, kv, bt, cfg)
+        one_chunk = _decode_launches(["fast"] * rows, gen, kv, bt)          # B = S: one chunk
+        chunks = -(-min(rows, CAP) // chunk)
+        assert len(fast_only) == len(one_chunk) + (chunks - 1) * PER_CHUNK_LAUNCHES, (rows, fast_only)
+        if rows >= 4:           # (below, this geometry's dense pass splits a few rows: its merge is +1)
+            assert len(fast_only) <= fast_step_launches(rows, CAP, chunk), (rows, len(fast_only))
+        assert fast_only == mixed, rows
+    # the fast step at R <= B is the budget
+    assert fast_step_launches(chunk, CAP, chunk) == FAST_STEP_BUDGET
 
 
 def test_warmup_reaches_speed_upper_layer_keys():

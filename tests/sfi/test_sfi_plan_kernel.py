@@ -83,8 +83,10 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, select
         lut = lut & 1 != 0                 # today's bool LUT still works where no state is kept
     twin = {k: v.clone() for k, v in state.items()}
     kern = {k: v.clone().to(DEVICE) for k, v in twin.items()}
-    b_twin = SfiPlanBuffers(rows, cap, torch.device("cpu"))
-    b_kern = SfiPlanBuffers(rows, cap, DEVICE)
+    # maintenance chunks of 4 entries: two chunks, the entries padded to 8
+    b_twin = SfiPlanBuffers(rows, cap, torch.device("cpu"), chunk_rows=4)
+    b_kern = SfiPlanBuffers(rows, cap, DEVICE, chunk_rows=4)
+    ent = b_twin.entries
     # rows: slots in a fixed order, the last row padding (scratch slot 8), row 2 a prefill row
     row_slot = torch.tensor([4, 0, 1, 3, 5, 6, 2, 8], dtype=torch.int32)
     bt = torch.arange(rows * 5, dtype=torch.int32).reshape(rows, 5)
@@ -118,9 +120,12 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, select
         sf = torch.equal(b_twin.row_sfi_slot[:rows], b_kern.row_sfi_slot[:rows].cpu())
         assert sf, f"step {step}: row_sfi_slot"
         for name in ("slow_rows", "slow_seq", "slow_lo", "slow_hi", "slow_k", "slow_sfi_slot",
-                     "slow_count"):
-            assert torch.equal(getattr(b_twin, name)[:cap], getattr(b_kern, name)[:cap].cpu()), \
+                     "slow_count", "slow_chunk_count"):
+            assert torch.equal(getattr(b_twin, name)[:ent], getattr(b_kern, name)[:ent].cpu()), \
                 f"step {step}: {name}"
+        count = int(b_twin.slow_count)
+        assert b_twin.slow_chunk_count[:, 0].tolist() == [min(max(count - c * 4, 0), 4) for c in range(2)]
+        assert bool((b_twin.slow_rows[cap:ent] == -1).all()), "padding entries stay unused"
         live = b_twin.slow_rows[:cap] >= 0
         assert torch.equal(b_twin.slow_block_table[:cap][live], b_kern.slow_block_table[:cap][live].cpu())
         for name in ("steps_since_slow", "has_selection", "sel_count", "stats", "trigger_state", "refresh_gap"):

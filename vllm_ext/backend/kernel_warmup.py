@@ -10,7 +10,9 @@ during the first requests (~16 s; vLLM's JIT monitor warned).
 :func:`warm_up_layer` runs this layer's launchers (the same functions the forward calls) over
 synthetic steps chosen to reach every compile key a real step can: batches of 1, 2 and 16 decode
 rows (the three integer classes) with dense, slow and fast rows, as a pure-decode step and as the
-decode rows of a mixed step, and prefill ends of one and of two prompts whose lengths fall in both
+decode rows of a mixed step, one batch whose slow list spans four maintenance chunks (chunk ``c``'s
+entries start ``c x B`` int32 past the list's start: the pointer alignments repeat every four chunks,
+:func:`chunked_batch`), and prefill ends of one and of two prompts whose lengths fall in both
 classes. It reads
 the layer's real KV cache (never writes it) and its real persistent buffers, so strides and
 alignments are the engine's; the per-request buffers it scribbles on are cleared afterwards. A
@@ -47,6 +49,17 @@ class WarmupShape:
     """What a layer's launches depend on besides its tensors."""
     max_rows: int                  # max_num_seqs
     block_table_width: int         # the runner's block table: ceil(max_model_len / block_size)
+
+
+def chunked_batch(max_rows: int, capacity: int, chunk: int) -> int | None:
+    """Rows of the warm-up batch that reaches the slow list's chunks 0..3 (or all it has), or None
+    when a step never has more than one chunk. Every chunk launches the same shapes; what differs is
+    each entry pointer's 16-byte alignment (``c x B x 4`` bytes, and ``x`` the block table's width),
+    which repeats with a period of four chunks."""
+    reach = min(max_rows, capacity)
+    if reach <= chunk:
+        return None
+    return min(reach, 3 * chunk + 1)
 
 
 def _cases(cfg: SfiConfig, rows: int) -> tuple[list[str], list[int]]:
@@ -121,10 +134,11 @@ def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch
         _bind_synthetic_pages(layer_buffers, compact_cache, capacity)
     block_size = kv_cache.shape[2]                  # our kernels' view: [blocks, Hkv, page, 2D]
     num_blocks = kv_cache.shape[0]
-    bt = _block_table(shape, max(DECODE_BATCHES), num_blocks, device)
-    buffers = SfiPlanBuffers(shape.max_rows, capacity, device)
+    buffers = SfiPlanBuffers(shape.max_rows, capacity, device, chunk_rows=runtime.maintenance_rows)
     seq_cap = shape.block_table_width * block_size
-    for rows in DECODE_BATCHES:
+    chunked = chunked_batch(shape.max_rows, capacity, runtime.maintenance_rows)
+    bt = _block_table(shape, max(DECODE_BATCHES + (chunked or 0,)), num_blocks, device)
+    for rows in DECODE_BATCHES + ((chunked,) if chunked else ()):
         if rows > shape.max_rows:
             continue
         modes, lens = _cases(cfg, rows)

@@ -5,15 +5,22 @@ rows read it, dense rows attend densely (ALGORITHMS.md §1). Torch-level orchest
 Cost follows the work:
 - dense rows: one dense paged pass (split for the batch);
 - fast rows: one two-segment pass (compact segment + recent window);
-- slow rows: one dense pass over the compacted slow list (``S`` entries, the SFI capacity, split as
-  for a single row so that one long slow row still fills the GPU) that also writes each row's
-  evidence and ``||k||`` into its slot (one read of K); then maintenance (selector + gather) over the
-  same list, each entry over its own allowed set. Unused entries exit at once.
+- slow rows: the compacted slow list in chunks of ``B`` entries (``sfi.maintenance_rows``: the rows
+  the runtime's scratch holds); per chunk, one dense pass (split as for a single row so that one
+  long slow row still fills the GPU) that also writes each row's evidence and ``||k||`` into the
+  chunk's ring slot (one read of K), then maintenance (selector + gather) over the same entries, each
+  over its own allowed set. Every chunk runs inside the step (a request's schedule never depends on
+  other traffic). Unused entries exit at once.
 
 On CUDA every phase is launched every step and its kernels skip masked rows on the device, so the
 sequence of launches is the same whatever the rows decide: a uniform decode step is captured in a
-CUDA graph once and replayed with any mix of dense / slow / fast rows. On the CPU a host check is
-free and skips whole phases.
+CUDA graph once and replayed with any mix of dense / slow / fast rows. The slow pass launches
+``ceil(min(R, S) / B)`` chunks, a host value from the step's row count ``R`` (fixed for a captured
+graph); chunks past the live count exit on the device. On the CPU a host check is free and skips
+whole phases and empty chunks.
+
+Each entry's evidence, selection and gather are computed by itself (per-entry programs, the
+single-row split count), so the results do not depend on ``B`` or on which chunk an entry falls in.
 """
 
 from __future__ import annotations
@@ -32,6 +39,28 @@ from vllm_ext.kernels.quest_rerank import quest_candidate_evidence
 from vllm_ext.kernels.sfi_selector import select
 from vllm_ext.kernels.two_segment_decode import two_segment_decode
 from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
+
+
+def _chunks(step: SfiStep, rt: SfiRuntime, rows: int, on_cpu: bool) -> int:
+    """The chunks of the slow list this step runs: ``ceil(min(R, S) / B)`` on CUDA (fixed by the row
+    count, so a captured graph replays any step); on the CPU only the non-empty ones."""
+    b = rt.maintenance_rows
+    if step.chunk_rows != b:
+        raise RuntimeError(f"SPEEDSFI: the step plan's maintenance chunk ({step.chunk_rows} slow rows) "
+                           f"differs from the runtime's ({b}): both come from sfi.maintenance_rows")
+    if on_cpu:
+        return -(-int(step.slow_count.reshape(-1)[0]) // b)
+    return min(rt.chunks(rows), step.slow_chunk_count.shape[0])
+
+
+def _chunk_of(step: SfiStep, c: int, b: int):
+    """Chunk ``c``'s entries ``[c*B, (c+1)*B)`` (views of the plan) and its live count."""
+    e = slice(c * b, (c + 1) * b)
+    return e, step.slow_chunk_count[c, :1]
+
+
+def _at(t: torch.Tensor | None, e: slice) -> torch.Tensor | None:
+    return None if t is None else t[e]
 
 
 def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
@@ -119,19 +148,23 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                            compact_table=layer.compact_table)
     if on_cpu and not bool(step.row_slow[:rows].any()):
         return out
-    # slow rows: one dense pass over the compacted list, writing their output (unless the dense
-    # path did), evidence and ||k||
-    entry, scratch = rt.ring.entry(layer_index)
-    dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, step.allowed_lo[:rows],
-                               step.allowed_hi[:rows], scale, None if slow_done else out,
-                               scratch.log_evidence,
-                               alpha=cfg.alpha, workspace=rt.dense_workspace,
-                               evidence_rows=step.slow_rows, key_norms=scratch.key_norms,
-                               evidence_count=step.slow_count)
-    rt.ring.submit(entry, lambda: _maintain(
-        rt, cfg, layer, kv_cache, step.slow_block_table, step.slow_sfi_slot, step.slow_seq,
-        scratch.log_evidence, scratch.key_norms, step.slow_lo, step.slow_hi, step.slow_k,
-        step.slow_count, kept=step.slow_kept if cfg.keep_prefill else None))
+    # slow rows, chunk by chunk: a dense pass over the chunk's entries, writing their output (unless
+    # the dense path did), evidence and ||k|| into the chunk's ring slot; then its maintenance
+    b = rt.maintenance_rows
+    for c in range(_chunks(step, rt, rows, on_cpu)):
+        e, count = _chunk_of(step, c, b)
+        entry, scratch = rt.ring.entry()
+        dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, step.allowed_lo[:rows],
+                                   step.allowed_hi[:rows], scale, None if slow_done else out,
+                                   scratch.log_evidence,
+                                   alpha=cfg.alpha, workspace=rt.dense_workspace,
+                                   evidence_rows=step.slow_rows[e], key_norms=scratch.key_norms,
+                                   evidence_count=count)
+        rt.ring.submit(entry, lambda e=e, count=count, scratch=scratch: _maintain(
+            rt, cfg, layer, kv_cache, _at(step.slow_block_table, e), step.slow_sfi_slot[e],
+            step.slow_seq[e], scratch.log_evidence, scratch.key_norms, step.slow_lo[e],
+            step.slow_hi[e], step.slow_k[e], count,
+            kept=step.slow_kept[e] if cfg.keep_prefill else None))
     return out
 
 
@@ -142,34 +175,51 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     ``[P - w_prefill, P)`` that this step computes (whatever chunk they fall in), then make the
     first selection of the requests whose prefill ends in this step from their stored window
     (:mod:`vllm_ext.sfi.prompt_tail`). The K/V of this step must already be in the cache. Runs eagerly
-    (prefill is never captured); at most ``S`` requests end (each holds a compact slot)."""
+    (prefill is never captured; the host knows the count); at most ``S`` requests end (each holds a
+    compact slot), in chunks of ``B`` (the scratch's rows) as the decode slow rows."""
     tail = layer.prompt_tail
     tail.write(query, plan)
     n = plan.num_ends
     if n == 0:
         return
     queries = tail.gather(plan)                                            # [n, W, Hq, D]
-    entry, scratch = rt.ring.entry(layer_index)
-    # The side stream reads these rows after this function returns: they go into the ring slot's
-    # persistent buffer (free once the slot's previous user is done: ``entry`` waited for it), never a
-    # temporary the main stream could free and reuse before the side stream has read it. The plan's
-    # own tensors live in the step's metadata, released after the step's join.
-    tables, persistent = scratch.block_tables(block_table, plan.rows, n)
-    if not persistent:
-        rt.ring.keep(tables)
-    evidence, norms = scratch.log_evidence[:n], scratch.key_norms[:n]
-    # one request at a time: the shapes (and so the reduction orders) of a request's evidence never
-    # depend on how many other prefills end in the same step; the work covers its prompt only (it
-    # covered max_model_len on the GPU until 2026-11-26: at 131K an 8K prompt's end cost ~1 s, in
-    # the PyTorch twin's ~5,000 small ops per layer; the GPU now runs two Triton launches)
-    for i in range(n):
-        e = slice(i, i + 1)
-        prefill_evidence(queries[e], kv_cache, tables[e], plan.seq_lens[e], plan.allowed_lo[e],
-                         plan.allowed_hi[e], scale, evidence[e], plan.positions[e],
-                         alpha=cfg.alpha, key_norms=norms[e], span=plan.prompt_lens[i])
-    rt.ring.submit(entry, lambda: _prefill_end_select(
-        rt, cfg, layer, kv_cache, tables, plan.sfi_slot, plan.seq_lens, evidence, norms,
-        plan.allowed_lo, plan.allowed_hi, plan.k))
+    b = rt.maintenance_rows
+    for c0 in range(0, n, b):
+        c1 = min(c0 + b, n)
+        entry, scratch = rt.ring.entry()
+        # The side stream reads these rows after this function returns: they go into the ring slot's
+        # persistent buffer (free once the slot's previous chunk is done: ``entry`` waited for it),
+        # never a temporary the main stream could free and reuse before the side stream has read it.
+        # The plan's own tensors live in the step's metadata, released after the step's join.
+        tables, persistent = scratch.block_tables(block_table, plan.rows[c0:c1], c1 - c0)
+        if not persistent:
+            rt.ring.keep(tables)
+        evidence, norms = scratch.log_evidence[:c1 - c0], scratch.key_norms[:c1 - c0]
+        # one request at a time: the shapes (and so the reduction orders) of a request's evidence
+        # never depend on how many other prefills end in the same step; the work covers its prompt
+        # only (it covered max_model_len on the GPU until 2026-11-26: at 131K an 8K prompt's end cost
+        # ~1 s, in the PyTorch twin's ~5,000 small ops per layer; the GPU now runs two Triton launches)
+        for i in range(c0, c1):
+            p, e = slice(i, i + 1), slice(i - c0, i - c0 + 1)
+            prefill_evidence(queries[p], kv_cache, tables[e], plan.seq_lens[p], plan.allowed_lo[p],
+                             plan.allowed_hi[p], scale, evidence[e], plan.positions[p],
+                             alpha=cfg.alpha, key_norms=norms[e], span=plan.prompt_lens[i])
+        slot, seq, lo, hi, k = (_chunk_rows(t, c0, c1, rt) for t in
+                                (plan.sfi_slot, plan.seq_lens, plan.allowed_lo, plan.allowed_hi, plan.k))
+        rt.ring.submit(entry, lambda tables=tables, slot=slot, seq=seq, evidence=evidence, norms=norms,
+                       lo=lo, hi=hi, k=k: _prefill_end_select(
+                           rt, cfg, layer, kv_cache, tables, slot, seq, evidence, norms, lo, hi, k))
+
+
+def _chunk_rows(t: torch.Tensor, c0: int, c1: int, rt: SfiRuntime) -> torch.Tensor:
+    """Rows ``[c0, c1)`` of a prefill-end plan tensor for the selector. A later chunk's rows are
+    copied to a fresh (16-byte aligned) tensor: a view at an odd offset would be another Triton
+    compile key than the warm-up's; the side stream reading the copy holds it (``keep``)."""
+    if c0 == 0:
+        return t[:c1]
+    out = t[c0:c1].clone()
+    rt.ring.keep(out)
+    return out
 
 
 # ------------------------------------------------------------------------------ selector "quest"
@@ -195,24 +245,25 @@ def quest_prefill_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, plan,
                                  cfg.page_size, plan.max_pages, layer.page_reps, plan.sfi_slot)
 
 
-def _quest_rerank(query, kv_cache, step: SfiStep, cfg: SfiConfig, layer: SfiLayerBuffers,
-                  rt: SfiRuntime, scale: float, scratch) -> None:
-    """``sfi.quest_rerank``: the tokens of each selection row's best pages by bound, ``quest_rerank``
-    times its budget (the kept tokens left out), become candidates, and the row's evidence becomes
-    their exact share of the GQA group's attention (``-inf`` elsewhere), so the selection that
-    follows keeps the candidates that hold the most of it."""
-    n = step.slow_k.shape[0]
-    cand_k = rt.candidate_k[:n]
-    torch.mul(step.slow_k, cfg.quest_rerank, out=cand_k)
-    kept = step.slow_kept if cfg.keep_prefill else None
-    cand, n_cand = select(scratch.log_evidence, scratch.key_norms, step.slow_lo, step.slow_hi,
+def _quest_rerank(query, kv_cache, step: SfiStep, e: slice, count, cfg: SfiConfig,
+                  layer: SfiLayerBuffers, rt: SfiRuntime, scale: float, scratch) -> None:
+    """``sfi.quest_rerank`` for the slow entries ``e`` (one chunk, live count ``count``): the tokens of
+    each selection row's best pages by bound, ``quest_rerank`` times its budget (the kept tokens left
+    out), become candidates, and the row's evidence becomes their exact share of the GQA group's
+    attention (``-inf`` elsewhere), so the selection that follows keeps the candidates that hold the
+    most of it."""
+    slow_k = step.slow_k[e]
+    cand_k = rt.candidate_k[:slow_k.shape[0]]
+    torch.mul(slow_k, cfg.quest_rerank, out=cand_k)
+    kept = step.slow_kept[e] if cfg.keep_prefill else None
+    cand, n_cand = select(scratch.log_evidence, scratch.key_norms, step.slow_lo[e], step.slow_hi[e],
                           rt.rest_select_cfg, cand_k, k_cap=cfg.quest_rerank * cfg.k,
-                          workspace=rt.candidate_workspace, count=step.slow_count,
+                          workspace=rt.candidate_workspace, count=count,
                           exclude=layer.kept_pos if kept is not None else None,
-                          exclude_slot=step.slow_sfi_slot if kept is not None else None,
+                          exclude_slot=step.slow_sfi_slot[e] if kept is not None else None,
                           exclude_count=kept)
-    quest_candidate_evidence(query, kv_cache, step.slow_block_table, step.slow_rows, cand, n_cand,
-                             step.slow_hi, scale, scratch.log_evidence, count=step.slow_count,
+    quest_candidate_evidence(query, kv_cache, _at(step.slow_block_table, e), step.slow_rows[e], cand, n_cand,
+                             step.slow_hi[e], scale, scratch.log_evidence, count=count,
                              workspace=rt.candidate_scores)
 
 
@@ -244,16 +295,19 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
         paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=dense,
                      workspace=rt.dense_workspace)
     if not on_cpu or bool(step.row_slow[:rows].any()):
-        _, scratch = rt.ring.entry(layer_index)
-        quest_page_evidence(query, layer.page_reps, scale, step.slow_rows, step.slow_sfi_slot,
-                            step.slow_lo, step.slow_hi, cfg.page_size, scratch.log_evidence,
-                            count=step.slow_count)
-        if cfg.quest_rerank:
-            _quest_rerank(query, kv_cache, step, cfg, layer, rt, scale, scratch)
-        _maintain(rt, cfg, layer, kv_cache, step.slow_block_table, step.slow_sfi_slot,
-                  step.slow_seq, scratch.log_evidence, scratch.key_norms, step.slow_lo,
-                  step.slow_hi, step.slow_k, step.slow_count,
-                  kept=step.slow_kept if cfg.keep_prefill else None)
+        b = rt.maintenance_rows
+        for c in range(_chunks(step, rt, rows, on_cpu)):
+            e, count = _chunk_of(step, c, b)
+            _, scratch = rt.ring.entry()
+            quest_page_evidence(query, layer.page_reps, scale, step.slow_rows[e], step.slow_sfi_slot[e],
+                                step.slow_lo[e], step.slow_hi[e], cfg.page_size, scratch.log_evidence,
+                                count=count)
+            if cfg.quest_rerank:
+                _quest_rerank(query, kv_cache, step, e, count, cfg, layer, rt, scale, scratch)
+            _maintain(rt, cfg, layer, kv_cache, _at(step.slow_block_table, e), step.slow_sfi_slot[e],
+                      step.slow_seq[e], scratch.log_evidence, scratch.key_norms, step.slow_lo[e],
+                      step.slow_hi[e], step.slow_k[e], count,
+                      kept=step.slow_kept[e] if cfg.keep_prefill else None)
     if not on_cpu or bool(fast.any()):
         two_segment_decode(query, kv_cache, block_table, seq_lens, step.recent_start[:rows],
                            layer.compact_kv, layer.compact_len, step.row_sfi_slot[:rows], scale, out,

@@ -9,13 +9,15 @@ Sizes follow the work, never ``max_num_seqs``:
   vLLM, the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
   spans prefill chunks) and with ``sfi.keep_prefill`` P the kept positions ``C x Hkv x P`` int32
   (``vllm_ext.sfi.state_pages``);
-- shared by the layers of a device (one :class:`SfiRuntime`):
-  - the maintenance ring, ``N`` slots of evidence + key norms, ``2 x N x S x Hkv x L`` fp32
-    (``S = C``: a step has at most one slow row per compact slot; ``L = max_model_len``);
-  - the evidence pass's raw scores ``S x Hq x L`` fp32;
-  - the selector's workspace (``S`` rows);
-  - split-K scratch of the dense and fast kernels, ``max(S * splits(1), max_R R * splits(R)) x Hq x
-    (D + 1)`` fp32 (the split count falls as rows grow, so this is bounded by the GPU's size and S,
+- shared by the layers of a device (one :class:`SfiRuntime`), sized by the maintenance chunk ``B``
+  (``sfi.maintenance_rows``, at most ``C``), not by the request capacity: a step runs its slow rows
+  in chunks of ``B`` (``vllm_ext.backend.sfi_path``):
+  - the maintenance ring, ``N`` slots of evidence + key norms, ``2 x N x B x Hkv x L`` fp32
+    (``L = max_model_len``), and the prefill-end block-table rows ``N x B x ceil(L / 16)`` int32;
+  - the evidence pass's raw scores ``B x Hq x L`` fp32;
+  - the selector's workspace (``B`` rows);
+  - split-K scratch of the dense and fast kernels, ``max(B * splits(1), max_R R * splits(R)) x Hq x
+    (D + 1)`` fp32 (the split count falls as rows grow, so this is bounded by the GPU's size and B,
     not the batch).
 :func:`describe_sizes` gives the formula and the bytes; the backend logs it at start-up.
 """
@@ -145,8 +147,8 @@ MIN_KERNEL_BLOCK = 16     # the smallest kernel block size SPEEDSFI accepts (bac
 
 @dataclass
 class SfiScratch:
-    """One ring slot: the slow rows' pooled log-evidence and key norms ``[S, Hkv, L]`` fp32, and the
-    block-table rows of the requests whose prefill ends (``tables``, int32, room for ``S`` rows of
+    """One ring slot: one chunk's pooled log-evidence and key norms ``[B, Hkv, L]`` fp32, and the
+    block-table rows of the requests whose prefill ends (``tables``, int32, room for ``B`` rows of
     ``ceil(L / 16)`` blocks: any kernel block size SPEEDSFI accepts). Everything side-stream work
     reads lives here, so the main stream never frees or reuses memory the side stream still reads
     (a temporary would need ``record_stream``)."""
@@ -180,27 +182,34 @@ class MaintenanceRing:
     """The evidence scratch in a ring of ``len(entries)`` slots, and the side stream that runs
     selector + gather (ALGORITHMS.md §1, "dual-stream maintenance").
 
-    Layer ``l`` uses slot ``l % N``. Before the main stream writes a slot's evidence it waits for the
-    side stream to be done with the slot's previous user in this step; the side stream waits for the
-    evidence. ``join()`` (once per step, after the last layer) makes the main stream wait for all
-    maintenance, because the next step overwrites the plan that maintenance reads and the next fast
-    rows read the compact segments it writes. Every wait is on an event recorded in the same step, so
-    a step captured in a CUDA graph records the fork and the join inside the graph. Serial mode
-    (CPU, or ``sfi.dual_stream = false``) runs maintenance inline. No allocation here.
+    The unit is a maintenance chunk (``B`` slow rows of one layer): the ``u``-th chunk of a step, over
+    all its layers, uses slot ``u % N`` (:meth:`entry`; ``join`` starts the count again). Before the
+    main stream writes a slot's evidence it waits for the side stream to be done with the slot's
+    previous chunk in this step; the side stream waits for the evidence. So a slot is never written
+    by the main stream while the side stream still reads it, whatever the number of chunks per layer.
+    ``join()`` (once per step, after the last layer) makes the main stream wait for all maintenance,
+    because the next step overwrites the plan that maintenance reads and the next fast rows read the
+    compact segments it writes. Every wait is on an event recorded in the same step, so a step
+    captured in a CUDA graph records the fork and the join inside the graph (the slot sequence is
+    fixed by the step's chunk count, a host value). Serial mode (CPU, or ``sfi.dual_stream = false``)
+    runs maintenance inline. No allocation here.
     """
 
     def __init__(self, entries: list[SfiScratch], device: torch.device, dual_stream: bool):
         self.entries = entries
         self.dual = bool(dual_stream and device.type == "cuda")
         self._pending = False
+        self._uses = 0                     # chunks given a slot since the last join
         if self.dual:
             self.stream = torch.cuda.Stream(device=device)
             self._ready = [torch.cuda.Event() for _ in entries]
             self._done = [torch.cuda.Event() for _ in entries]
             self._recorded = [False] * len(entries)
 
-    def entry(self, layer_index: int) -> tuple[int, SfiScratch]:
-        i = layer_index % len(self.entries)
+    def entry(self) -> tuple[int, SfiScratch]:
+        """The next chunk's slot, once the side stream is done with its previous chunk."""
+        i = self._uses % len(self.entries)
+        self._uses += 1
         if self.dual and self._recorded[i]:
             torch.cuda.current_stream().wait_event(self._done[i])
         return i, self.entries[i]
@@ -225,6 +234,7 @@ class MaintenanceRing:
             tensor.record_stream(self.stream)
 
     def join(self) -> None:
+        self._uses = 0
         if self.dual and self._pending:
             torch.cuda.current_stream().wait_stream(self.stream)
             self._pending = False
@@ -255,8 +265,12 @@ class SfiRuntime:
                                                          two_segment_num_splits,
                                                          two_segment_workspace)
 
+        from vllm_ext.sfi.step_plan import maintenance_chunk
+
         self.cfg = cfg
         self.capacity = capacity
+        # B: the slow rows one maintenance chunk covers; every slow-step buffer below is sized by it
+        self.maintenance_rows = b = maintenance_chunk(cfg, capacity)
         self.shape = (max_rows, num_heads, num_kv_heads, head_size, max_len)
         dual = cfg.dual_stream and device.type == "cuda"
         n = cfg.side_stream_slots if dual else 1
@@ -275,7 +289,7 @@ class SfiRuntime:
         # the rest at decode time)
         self.kept_select_cfg = dataclasses.replace(cfg, k_min=0)
         self.rest_select_cfg = dataclasses.replace(self.select_cfg, k_min=0)
-        self.ring = MaintenanceRing([SfiScratch.allocate(capacity, num_kv_heads, max_len, device)
+        self.ring = MaintenanceRing([SfiScratch.allocate(b, num_kv_heads, max_len, device)
                                      for _ in range(n)], device, dual)
         if self.quest:
             for e in self.ring.entries:
@@ -285,28 +299,27 @@ class SfiRuntime:
                                                                         device))
         fast_rs = max_row_splits(max_rows, lambda r: two_segment_num_splits(r, num_kv_heads,
                                                                              est_fast, device))
-        # the slow pass runs over the S compacted entries with the single-row split count
+        # the slow pass runs over a chunk of B compacted entries with the single-row split count
         max_splits = max(dense_num_splits(1, num_kv_heads, max_len, device), 1)
         self.dense_workspace = dense_decode_workspace(1, num_heads, head_size, max_splits, device,
-                                                      max_len=max_len, evidence_rows=capacity,
-                                                      row_splits=max(dense_rs,
-                                                                     capacity * max_splits))
+                                                      max_len=max_len, evidence_rows=b,
+                                                      row_splits=max(dense_rs, b * max_splits))
         self.split_workspace = two_segment_workspace(1, num_heads, head_size, 1, device,
                                                      row_splits=fast_rs)
         width = max(cfg.k, cfg.k_min)
-        self.selector_workspace = selector_workspace(capacity, num_kv_heads, max_len, width, device,
+        self.selector_workspace = selector_workspace(b, num_kv_heads, max_len, width, device,
                                                      self.select_cfg)
         # sfi.quest_rerank: the candidates' own top-K (quest_rerank x the budget) and their budgets
         self.candidate_workspace = None
         self.candidate_k = None
         self.candidate_scores = None
         if self.quest and cfg.quest_rerank:
-            self.candidate_workspace = selector_workspace(capacity, num_kv_heads, max_len,
+            self.candidate_workspace = selector_workspace(b, num_kv_heads, max_len,
                                                           cfg.quest_rerank * cfg.k, device,
                                                           self.rest_select_cfg)
-            self.candidate_k = torch.zeros(capacity, dtype=torch.int32, device=device)
+            self.candidate_k = torch.zeros(b, dtype=torch.int32, device=device)
             if use_triton(device):             # the Triton path's logits and partial sums
-                self.candidate_scores = quest_rerank_workspace(capacity, num_heads, num_kv_heads, head_size,
+                self.candidate_scores = quest_rerank_workspace(b, num_heads, num_kv_heads, head_size,
                                                                cfg.quest_rerank * cfg.k, device)
 
     @property
@@ -323,19 +336,26 @@ class SfiRuntime:
         return (_nbytes(self.candidate_workspace) + _nbytes(self.candidate_k)
                 + (self.candidate_scores.nbytes if self.candidate_scores is not None else 0))
 
+    def chunks(self, rows: int) -> int:
+        """Maintenance chunks a decode step of ``rows`` rows launches: ``ceil(min(rows, S) / B)``
+        (a step has at most one slow row per row and per compact slot)."""
+        return -(-min(int(rows), self.capacity) // self.maintenance_rows)
+
     def describe(self) -> str:
         max_rows, hq, hkv, d, max_len = self.shape
+        b = self.maintenance_rows
         ring = sum(_nbytes(e.log_evidence) + _nbytes(e.key_norms) for e in self.ring.entries)
         return (f"SFI runtime {self.nbytes / 2**20:.1f} MiB = ring {len(self.ring.entries)} x 2 x "
-                f"S {self.capacity} x Hkv {hkv} x L {max_len} x 4 B ({ring / 2**20:.1f} MiB) + evidence "
-                f"scores S x Hq {hq} x L x 4 B + split scratch "
+                f"B {b} x Hkv {hkv} x L {max_len} x 4 B ({ring / 2**20:.1f} MiB) + evidence "
+                f"scores B x Hq {hq} x L x 4 B + split scratch "
                 f"({_nbytes(self.dense_workspace) / 2**20:.1f} MiB dense, "
                 f"{_nbytes(self.split_workspace) / 2**20:.1f} MiB fast) + selector "
                 f"{_nbytes(self.selector_workspace) / 2**20:.1f} MiB"
                 + (f" + quest_rerank candidates {self._candidate_nbytes / 2**20:.1f} MiB"
                    if self.candidate_workspace is not None else "")
-                + f"; S = sfi.max_requests when set (then independent of max_num_seqs), else "
-                f"max_num_seqs ({max_rows})")
+                + f"; B = sfi.maintenance_rows ({self.cfg.maintenance_rows}) capped at S {self.capacity} "
+                f"(the SFI request capacity): a step's slow rows run in up to "
+                f"ceil(min(R, S) / B) = {self.chunks(max_rows)} chunks")
 
 
 _dense_workspaces: dict[tuple, object] = {}
@@ -385,10 +405,9 @@ def shared_runtime(cfg: SfiConfig, *, capacity: int, max_rows: int, num_heads: i
         logger.info("vllm_ext: %s; maintenance %s", rt.describe(),
                     "on a side stream" if rt.ring.dual else "serial")
         if rt.nbytes > LARGE_RUNTIME_BYTES:
-            # the scratch follows SFI's request capacity (every request of --max-num-seqs since the
-            # compact segments moved into vLLM's KV cache: docs/per_request_memory.md)
-            logger.warning("vllm_ext: SFI's slow-step scratch takes %.1f GiB for %d requests at once, "
-                           "out of the KV cache's memory; set speedsfi.sfi.max_requests (an upper "
-                           "bound on requests decoding with SFI at once) or a smaller --max-num-seqs "
-                           "to shrink it", rt.nbytes / 2**30, capacity)
+            # the scratch follows the maintenance chunk B and max_model_len, not the request count
+            logger.warning("vllm_ext: SFI's slow-step scratch takes %.1f GiB (%d slow rows per "
+                           "maintenance chunk at max_model_len %d), out of the KV cache's memory; a "
+                           "smaller speedsfi.sfi.maintenance_rows shrinks it (more, smaller chunks per "
+                           "step: docs/sfi.md)", rt.nbytes / 2**30, rt.maintenance_rows, max_len)
     return rt

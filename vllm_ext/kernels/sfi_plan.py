@@ -45,10 +45,11 @@ if HAS_TRITON:
         SFI_SLOT_OF, SFI_ON, SFI_K, STEPS, HAS_SEL, SEL_COUNT, LUT, STATS, TSTATE, GAP, ROW_COPY,
         O_SLOW, O_FAST, O_SPARSE, O_DENSE, O_SFI_SLOT, O_K, O_RSTART, O_LO, O_HI, O_SCRATCH,
         O_PAGE_SLOT,
-        S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT, S_COUNT,
-        R, CAP, VOCAB, N_SINK, N_RECENT, MIN_LEN, REFRESH, MIN_GAP, COOLDOWN,
+        S_ROWS, S_SEQ, S_LO, S_HI, S_K, S_SFI_SLOT, S_COUNT, S_CHUNK_COUNT,
+        R, CAP, CHUNK, NUM_CHUNKS, VOCAB, N_SINK, N_RECENT, MIN_LEN, REFRESH, MIN_GAP, COOLDOWN,
         SCHEDULE: tl.constexpr, FIRE_AT: tl.constexpr, TRACK: tl.constexpr, HAS_GAP: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, QUEST: tl.constexpr, HAS_COPY: tl.constexpr,
+        BLOCK_CH: tl.constexpr,
     ):
         r = tl.arange(0, BLOCK_R)
         rm = r < R
@@ -166,6 +167,10 @@ if HAS_TRITON:
         tl.store(S_K + entry, k, mask=keep)
         tl.store(S_SFI_SLOT + entry, sfi_slot, mask=keep)
         tl.store(S_COUNT, tl.minimum(count, CAP))
+        # live entries of each maintenance chunk (one 16-byte row per chunk)
+        ch = tl.arange(0, BLOCK_CH)
+        live = tl.minimum(count, CAP) - ch * CHUNK
+        tl.store(S_CHUNK_COUNT + ch * 4, tl.minimum(tl.maximum(live, 0), CHUNK), mask=ch < NUM_CHUNKS)
         e = tl.arange(0, BLOCK_S)
         unused = (e >= count) & (e < CAP)              # disjoint from the entries written above
         zero = tl.zeros([BLOCK_S], dtype=tl.int32)
@@ -209,14 +214,15 @@ def plan_step_triton(cfg, buffers, *, row_slot, row_last_token, row_is_decode, s
         b.row_slow, b.row_fast, b.row_sparse, b.row_dense, b.row_sfi_slot, b.row_k,
         b.recent_start, b.allowed_lo, b.allowed_hi, b.row_scratch, b.row_page_slot,
         b.slow_rows, b.slow_seq, b.slow_lo, b.slow_hi, b.slow_k, b.slow_sfi_slot, b.slow_count,
-        rows, cap, trigger_lut.shape[0], int(cfg.n_sink), int(cfg.n_recent), int(cfg.min_len),
+        b.slow_chunk_count, rows, cap, b.chunk_rows, b.num_chunks, trigger_lut.shape[0], int(cfg.n_sink), int(cfg.n_recent), int(cfg.min_len),
         int(cfg.refresh),
         int(cfg.min_boundary_gap), int(cfg.sentence_cooldown),
         SCHEDULE=_SCHEDULE_CODE[cfg.schedule], FIRE_AT=_FIRE_AT_CODE[cfg.fire_at], TRACK=track,
         HAS_GAP=refresh_gap is not None,
         BLOCK_R=block_r,
         BLOCK_S=max(16, next_pow2(cap)), QUEST=cfg.selector == "quest",
-        HAS_COPY=row_copy is not None and cfg.schedule != "always_slow", num_warps=4)
+        HAS_COPY=row_copy is not None and cfg.schedule != "always_slow",
+        BLOCK_CH=max(16, next_pow2(b.num_chunks)), num_warps=4)
     if block_table is not None:
         dst = b.block_table_buffer(block_table.shape[1])
         width = block_table.shape[1]

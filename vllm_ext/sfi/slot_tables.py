@@ -34,7 +34,8 @@ from vllm_ext.kernels.copy_match import copy_match, record_tokens
 from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_COPY, STAT_DENSE,
                                     STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                     STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW,
-                                    SfiPlanBuffers, SfiStep, plan_step as plan_sfi_step)
+                                    SfiPlanBuffers, SfiStep, maintenance_chunk,
+                                    plan_step as plan_sfi_step)
 
 # what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
 # (kernel constants, buffer sizes, the schedule) and is refused loudly
@@ -106,7 +107,8 @@ class SfiSlotTables(MethodSlots):
         # sfi.copy_once: per compact slot (+ the trash row) whether its last decode step copied
         self.copy_prev = torch.zeros(capacity + 1, **i32) if self.cfg.copy_once else None
         self.counters = DeviceCounters(NUM_STATS, device)
-        self.plan_buffers = SfiPlanBuffers(max_rows, capacity, device)
+        self.plan_buffers = SfiPlanBuffers(max_rows, capacity, device,
+                                           chunk_rows=maintenance_chunk(self.cfg, capacity))
         self._free: list[int] = list(range(capacity - 1, -1, -1))
         self.slot_host: dict[int, int] = {}          # request slot -> compact slot
         self.k_host: dict[int, int] = {}

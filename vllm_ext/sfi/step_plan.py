@@ -21,10 +21,14 @@ sink + selected + recent (selection rows with the selection made in the step), a
 exactly-dense rows included), -1 elsewhere: quest mode keeps those requests' page max/min of K.
 
 Slow rows are compacted, in row order, into ``slow_rows[:S]`` (``S`` = the SFI request capacity, so
-the list never overflows: every sparse row holds its own compact slot); entry ``e`` is the evidence
-scratch slot of row ``slow_rows[e]`` and ``row_scratch[row] = e``. Unused entries have
+the list never overflows: every sparse row holds its own compact slot); ``row_scratch[row] = e`` is
+row ``slow_rows[e]``'s entry. Maintenance runs over the list in chunks of ``B`` entries
+(``sfi.maintenance_rows``, the rows its scratch holds): chunk ``c`` is entries ``[c*B, (c+1)*B)``, its
+live-entry count ``slow_chunk_count[c, 0]`` (``clamp(count - c*B, 0, B)``; one 16-byte row per chunk,
+so every chunk's count pointer has the same alignment, i.e. the same Triton compile key). The entry
+buffers are padded to whole chunks, so every chunk launches the same shapes. Unused entries have
 ``slow_rows = -1``, ``slow_sfi_slot = -1`` and an empty allowed set, so maintenance kernels launched
-over all ``S`` entries exit at once for them: cost follows the slow rows, not the batch.
+over a chunk exit at once for them: cost follows the slow rows, not the batch.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ from vllm_ext.sfi.schedule import allowed_range, decide_slow, mark_selected, nee
 from vllm_ext.kernels.sfi_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT,  # noqa: E402,F401
                                        STAT_COPY, STAT_DENSE, STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                        STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW)
+
+
+def maintenance_chunk(cfg: SfiConfig, capacity: int) -> int:
+    """``B``: the slow entries one maintenance chunk covers (``sfi.maintenance_rows``, at most the
+    request capacity ``S``); the plan and the runtime's scratch both use it."""
+    return max(1, min(int(cfg.maintenance_rows), int(capacity)))
 
 
 @dataclass
@@ -66,6 +76,9 @@ class SfiStep:
     slow_block_table: torch.Tensor | None = None  # int32 [S, max_blocks]: its block-table row
     slow_count: torch.Tensor | None = None    # int32 [1]: live entries (they are slow_rows[:count])
     slow_kept: torch.Tensor | None = None     # int32 [S]: sfi.keep_prefill: its kept tokens (0 unused)
+    # int32 [chunks, 4]: live entries of each chunk of chunk_rows entries (column 0; the rest padding)
+    slow_chunk_count: torch.Tensor | None = None
+    chunk_rows: int = 0                       # B: entries per maintenance chunk (0: one chunk of S)
     prefill_end: "SfiPrefillEnd | None" = None
     row_page_slot: torch.Tensor | None = None  # int32 [rows]: compact slot of an SFI decode row, else -1
     row_page_first: torch.Tensor | None = None  # int32 [rows]: quest: first page the row (re)writes
@@ -80,10 +93,16 @@ class SfiStep:
 
 class SfiPlanBuffers:
     """The plan's persistent device buffers, allocated once (``max_rows`` rows, ``capacity`` slow
-    entries; the slow block table is sized at the first plan, from the runner's fixed width)."""
+    entries in chunks of ``chunk_rows``, default one chunk: :func:`maintenance_chunk`; the slow block
+    table is sized at the first plan, from the runner's fixed width)."""
 
-    def __init__(self, max_rows: int, capacity: int, device: torch.device):
+    def __init__(self, max_rows: int, capacity: int, device: torch.device,
+                 chunk_rows: int | None = None):
         self.max_rows, self.capacity, self.device = max_rows, capacity, device
+        self.chunk_rows = max(1, min(chunk_rows or capacity, capacity))
+        self.num_chunks = -(-capacity // self.chunk_rows)
+        # entries padded to whole chunks (never live: they keep their initial values)
+        self.entries = self.num_chunks * self.chunk_rows
         i32 = dict(dtype=torch.int32, device=device)
         b = dict(dtype=torch.bool, device=device)
         n = max_rows
@@ -101,7 +120,7 @@ class SfiPlanBuffers:
         self.row_page_first = torch.zeros(n, **i32)
         self.row_index = torch.arange(n, **i32)
         # compacted slow entries; index ``capacity`` is a trash entry for scatters of other rows
-        s = capacity + 1
+        s = self.entries + 1
         self.slow_rows = torch.full((s,), -1, **i32)
         self.slow_seq = torch.zeros(s, **i32)
         self.slow_lo = torch.zeros(s, **i32)
@@ -110,11 +129,13 @@ class SfiPlanBuffers:
         self.slow_sfi_slot = torch.full((s,), -1, **i32)
         self.slow_count = torch.zeros(1, **i32)
         self.slow_kept = torch.zeros(s, **i32)
+        self.slow_chunk_count = torch.zeros(self.num_chunks, 4, **i32)
+        self.chunk_offsets = torch.arange(0, self.entries, self.chunk_rows, **i32)
         self.slow_block_table: torch.Tensor | None = None
 
     def block_table_buffer(self, width: int) -> torch.Tensor:
         if self.slow_block_table is None:
-            self.slow_block_table = torch.zeros(self.capacity + 1, width, dtype=torch.int32,
+            self.slow_block_table = torch.zeros(self.entries + 1, width, dtype=torch.int32,
                                                 device=self.device)
         elif self.slow_block_table.shape[1] != width:
             # the runner's block table width is fixed for its lifetime; a change would leave
@@ -124,7 +145,7 @@ class SfiPlanBuffers:
         return self.slow_block_table
 
     def step_view(self, rows: int) -> SfiStep:
-        cap = self.capacity
+        cap = self.entries
         bt = self.slow_block_table
         return SfiStep(row_slow=self.row_slow[:rows], row_fast=self.row_fast[:rows],
                        row_sparse=self.row_sparse[:rows], row_sfi_slot=self.row_sfi_slot[:rows],
@@ -136,6 +157,7 @@ class SfiPlanBuffers:
                        slow_k=self.slow_k[:cap], slow_sfi_slot=self.slow_sfi_slot[:cap],
                        slow_block_table=None if bt is None else bt[:cap],
                        slow_count=self.slow_count, slow_kept=self.slow_kept[:cap],
+                       slow_chunk_count=self.slow_chunk_count, chunk_rows=self.chunk_rows,
                        row_page_slot=self.row_page_slot[:rows],
                        row_page_first=self.row_page_first[:rows])
 
@@ -255,6 +277,8 @@ def write_plan(buf: SfiPlanBuffers, rows: int, *, slow, fast, sparse, row_sfi_sl
     entry = torch.where(slow & (entry < cap), entry, cap)
     buf.row_scratch[:rows].copy_(torch.where(entry < cap, entry, -1))
     buf.slow_count.copy_(torch.clamp(slow.sum(), max=cap).reshape(1))
+    torch.clamp(buf.slow_count - buf.chunk_offsets, 0, buf.chunk_rows,
+                out=buf.slow_chunk_count[:, 0])
     buf.slow_rows.fill_(-1)
     if rows:
         buf.slow_rows.index_copy_(0, entry.long(), buf.row_index[:rows])
