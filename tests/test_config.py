@@ -18,7 +18,7 @@ def test_defaults_match_algorithms_md():
     assert s.pos_beta == pytest.approx(-math.log(0.6) / 0.9) and s.pos_beta == pytest.approx(0.5676, abs=1e-4)
     assert (s.lambda_max, s.nms_radius, s.mu, s.cross_head_temperature, s.lam_x) == (0.02, 16, 0.5, 2.0, 0.35)
     assert set(s.trigger_chars) == {".", "?", "!", ";", "\n", "。", "？", "！"}
-    assert s.maintenance_rows == 16            # docs/sfi.md, "Slow-row maintenance in chunks"
+    assert s.maintenance_rows is None          # resolved at start-up (docs/sfi.md, "Slow-row maintenance in chunks")
     c = cfg.critiprefill
     assert (c.segment_size, c.block_size, c.budget, c.alpha, c.min_len) == (512, 32, 1024, 0.25, 4096)
     assert cfg.speed.resolved_l_cut(32) == 24 and cfg.speed.anchor == "bos"

@@ -56,6 +56,28 @@ MAX_COPY_NGRAM = 8                    # copy_ngram: tail tokens compared (unroll
 MAX_SENTENCE_COOLDOWN = 1 << 20       # the per-slot trigger state packs it with one flag in an int32
 
 
+# sfi.maintenance_rows unset: the slow-step scratch may take this much (docs/sfi.md, "Slow-row
+# maintenance in chunks"), and never fewer rows than the floor
+MAINTENANCE_BUDGET_BYTES = 1 << 30
+MIN_MAINTENANCE_ROWS = 16
+
+
+def maintenance_row_bytes(*, num_heads: int, num_kv_heads: int, max_len: int, ring_slots: int) -> int:
+    """The slow-step scratch of one maintenance row, fp32 over ``max_len`` positions: the ring's
+    ``ring_slots`` evidence and key-norm rows per KV head, the evidence scores per query head and the
+    selector's score row per KV head (its smaller tables left out)."""
+    return 4 * max_len * ((2 * ring_slots + 1) * num_kv_heads + num_heads)
+
+
+def auto_maintenance_rows(*, num_heads: int, num_kv_heads: int, max_len: int, ring_slots: int) -> int:
+    """``sfi.maintenance_rows`` when unset: the rows :data:`MAINTENANCE_BUDGET_BYTES` of scratch hold,
+    at least :data:`MIN_MAINTENANCE_ROWS` (a short ``max_model_len`` gets one chunk for large batches;
+    a long one keeps its scratch near the budget)."""
+    row = maintenance_row_bytes(num_heads=num_heads, num_kv_heads=num_kv_heads, max_len=max_len,
+                                ring_slots=ring_slots)
+    return max(MIN_MAINTENANCE_ROWS, MAINTENANCE_BUDGET_BYTES // max(row, 1))
+
+
 @dataclass(frozen=True)
 class SfiConfig:
     """SFI, slow-fast inference (ALGORITHMS.md §1)."""
@@ -167,8 +189,10 @@ class SfiConfig:
     side_stream_slots: int = 4         # evidence scratch ring shared by the side stream and the layers
     # slow rows one maintenance pass (evidence, selector, gather) covers: the slow-step scratch is
     # sized by it, not by the request capacity, and a step runs its slow list in chunks of this many
-    # rows, all inside the step (docs/sfi.md, "Slow-row maintenance in chunks")
-    maintenance_rows: int = 16
+    # rows, all inside the step (docs/sfi.md, "Slow-row maintenance in chunks"); None: as many as
+    # MAINTENANCE_BUDGET_BYTES of scratch hold at max_model_len, at least MIN_MAINTENANCE_ROWS
+    # (resolved at start-up: auto_maintenance_rows)
+    maintenance_rows: int | None = None
 
     @property
     def prefill_end_selection(self) -> bool:
@@ -177,8 +201,10 @@ class SfiConfig:
         return self.selector != "quest" or self.keep_prefill > 0
 
     def validate(self) -> None:
-        for name in ("k", "refresh", "w_prefill", "side_stream_slots", "maintenance_rows"):
+        for name in ("k", "refresh", "w_prefill", "side_stream_slots"):
             _positive(f"sfi.{name}", getattr(self, name))
+        if self.maintenance_rows is not None:
+            _positive("sfi.maintenance_rows", self.maintenance_rows)
         for name in ("k_min", "n_sink", "n_recent", "min_len", "min_boundary_gap", "sentence_cooldown", "nms_radius",
                      "select_span", "select_span_back", "keep_prefill", "mu", "lam_x", "gamma_k", "w_k", "w_pos", "pos_eta", "pos_beta"):
             _non_negative(f"sfi.{name}", getattr(self, name))

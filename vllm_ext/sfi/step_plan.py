@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.config import MIN_MAINTENANCE_ROWS, SfiConfig
 from vllm_ext.sfi.prompt_tail import SfiPrefillEnd  # noqa: F401  (the plan's prefill-end part)
 from vllm_ext.sfi.schedule import allowed_range, decide_slow, mark_selected, needs_trigger_state
 
@@ -50,7 +50,8 @@ from vllm_ext.kernels.sfi_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, 
 def maintenance_chunk(cfg: SfiConfig, capacity: int) -> int:
     """``B``: the slow entries one maintenance chunk covers (``sfi.maintenance_rows``, at most the
     request capacity ``S``); the plan and the runtime's scratch both use it."""
-    return max(1, min(int(cfg.maintenance_rows), int(capacity)))
+    rows = cfg.maintenance_rows if cfg.maintenance_rows is not None else MIN_MAINTENANCE_ROWS
+    return max(1, min(int(rows), int(capacity)))
 
 
 @dataclass
