@@ -1,8 +1,9 @@
 """CritiPrefill's per-request state in vLLM's block manager: its KV-cache spec and manager (vLLM glue;
 ``docs/per_request_memory.md``).
 
-Every sparse SPEEDSFI layer (not in ``critiprefill.dense_layers``, not a SPEED upper layer) has a
-companion cache layer (``vllm_ext.backend.critiprefill_state.CritiPrefillStateCache``) reporting
+Every SPEEDSFI layer below SPEED's cut (its dense layers included: one group pattern with the
+attention layers, see ``vllm_ext.backend.impl``; their pages are never read) has a companion cache
+layer (``vllm_ext.backend.critiprefill_state.CritiPrefillStateCache``) reporting
 :class:`CritiPrefillStateSpec`: the attention layer's page format, so vLLM groups it beside the
 attention layers and both draw block ids from the one shared pool. The state's layout in those pages
 is ``vllm_ext.critiprefill.state_layout``.

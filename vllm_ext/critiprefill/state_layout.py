@@ -17,6 +17,9 @@ end, grown chunk by chunk. Pure arithmetic (no torch, no vLLM).
 
 from __future__ import annotations
 
+# the state cache layer of attention layer ``name`` is ``name + STATE_SUFFIX`` in vLLM's forward context
+STATE_SUFFIX = ".critiprefill_state"
+
 
 def state_entries(num_tokens: int, carry_entries: int, cp_block_size: int) -> int:
     """Entries per KV head that hold the state of ``num_tokens`` computed tokens (0 for none)."""
