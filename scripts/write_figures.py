@@ -311,6 +311,20 @@ def concurrency_cpu() -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+def concurrency_critiprefill_cpu() -> str:
+    """CritiPrefill prompts in a sparse prefill at once under a small KV cache (issue 36)."""
+    name = "concurrency_critiprefill_cpu.json"
+    d = _load(name)
+    lines = ["| | start-up \"Maximum concurrency\" | most prompts prefilling sparsely in one step |",
+             "|---|---|---|"]
+    for r in d["runs"]:
+        lines.append(f"| SPEEDSFI, {r['config']} | {r['startup_concurrency']:.3f}x | "
+                     f"{r['peak_sparse_prefills_in_a_step']} |")
+    note = (f"{d['machine']}; {d['workload']}; {d['date']}; commit {d['commit'][:7]}; `{d['command']}`; "
+            f"{_source(name)}.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 _QUALITY_HEAD = re.compile(r"^\| config \|.*$", re.M)
 
 
@@ -480,6 +494,7 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
 FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
+           "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill}

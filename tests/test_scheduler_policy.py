@@ -26,9 +26,9 @@ class Req:
         self.sampling_params = SimpleNamespace(extra_args={"speedsfi": overrides} if overrides else None)
 
 
-def _policy(sfi_cap=0, cp_cap=0, sfi=None):
+def _policy(sfi_cap=0, cp_cap=0, sfi=None, cp_on=None):
     cfg = SpeedSfiConfig.from_dict({"sfi": sfi or {"enabled": bool(sfi_cap), "k": 64},
-                                    "critiprefill": dict(CP, enabled=bool(cp_cap))})
+                                    "critiprefill": dict(CP, enabled=bool(cp_cap) if cp_on is None else cp_on)})
     return SchedulerPolicy(cfg, sfi_capacity=sfi_cap, critiprefill_capacity=cp_cap)
 
 
@@ -54,6 +54,20 @@ def test_sfi_admission_follows_per_request_overrides_into_an_sfi_off_engine():
 def test_invalid_override_counts_as_the_engine_setting():
     p = _policy(sfi_cap=1)
     assert p.wants_sfi(Req(10, {"sfi": {"k": -3}}))
+
+
+def test_critiprefill_without_max_requests_holds_nothing_back_but_still_aligns_chunks():
+    """The default: each prompt's state is KV-cache pages (vLLM admits by its block accounting),
+    so no sparse prefill waits for another; the chunk rules stay (answers never depend on chunking)."""
+    metrics.reset()
+    p = _policy(cp_on=True)
+    assert p.active and not p.cp_capacity
+    running = [Req(1000) for _ in range(8)]
+    for r in running:
+        assert p.limit_chunk(r, 0, 128, admitted=False, running=running) == 128
+        r.num_computed_tokens = 128
+    assert p.limit_chunk(running[0], 128, 100, admitted=True, running=running) == 64   # segment end
+    assert metrics.snapshot().get("sched.critiprefill_admission_waits", 0) == 0
 
 
 def test_critiprefill_admission_holds_one_sparse_prefill_per_slot():

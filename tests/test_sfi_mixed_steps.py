@@ -95,7 +95,7 @@ def _setup(sfi_on: bool, *, cut: bool = True):
     cfg = SpeedSfiConfig(sfi=CFG if sfi_on else SfiConfig(), dense_decode="auto" if sfi_on else "paged_decode")
     impl = object.__new__(SpeedSfiImpl)
     impl.config, impl.scale, impl._layer_index = cfg, scale, 0
-    impl._dense, impl._cp_layer, impl._dense_ws = FakeDelegate(scale), None, None
+    impl._dense, impl._cp_state, impl._dense_ws = FakeDelegate(scale), None, None
     impl._ours_decode = cfg.resolved_dense_decode == "paged_decode"
     impl._rows = row_counters.RowCounters(torch.device("cpu"))
     impl._sfi_layer = impl._sfi_rt = None

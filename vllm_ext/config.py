@@ -299,9 +299,10 @@ class CritiPrefillConfig:
     score: Literal["paper", "code"] = "paper"
     min_len: int = 4096                # shorter prompts prefill densely
     dense_layers: tuple[int, ...] = (0,)
-    # system: prompts in the middle of a sparse prefill at once (each holds its key-block
-    # representatives per layer); None = min(max_num_seqs, 4). Beyond it a prompt prefills densely
-    # (counted: fallback.critiprefill_capacity).
+    # system: an optional upper bound on the prompts in a sparse prefill at once (the others wait in
+    # vLLM's queue: sched.critiprefill_admission_waits). None (default): no bound of ours; each
+    # prompt's state is KV-cache pages that vLLM's block manager allocates
+    # (vllm_ext.critiprefill.kv_spec, docs/per_request_memory.md).
     max_requests: int | None = None
 
     def validate(self) -> None:

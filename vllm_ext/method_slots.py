@@ -10,7 +10,8 @@ request slot. The table calls every registered method table, in registration ord
   ``snapshot_fields`` (extra host fields of a row's snapshot);
 - once per KV cache vLLM builds: ``bind_kv_groups`` (the KV-cache groups whose spec names this method
   in ``speedsfi_method``: a method's per-request memory that vLLM's block manager pages, e.g. SFI's
-  compact segments; their block-table rows reach ``plan_step`` as ``step.group_tables``).
+  compact segments, CritiPrefill's state; their block-table rows and each row's block count reach
+  ``plan_step`` as ``step.group_tables``).
 
 Everything here runs inside the plan half of the plan/run split (see ``vllm_ext.request_state``).
 Torch only (no vLLM).
@@ -43,8 +44,8 @@ class MethodSlots:
         return None
 
     def bind_kv_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
-        """This method's KV-cache groups: group id -> (blocks a request holds there, the group's
-        layer names)."""
+        """This method's KV-cache groups: group id -> (blocks a request holds there (the most, for a
+        growing allocation), the group's layer names[, the group's KV-cache spec])."""
 
     def snapshot_fields(self, plan: Any, row: int, slot: int) -> dict[str, Any]:
         """Host fields this method adds to row ``row``'s snapshot (synchronises: tests only)."""

@@ -60,9 +60,10 @@ class StepState:
     host_geometry: tuple[np.ndarray, np.ndarray] | None = None   # see RequestStateTable.stage
     block_table: torch.Tensor | None = None
     # other KV-cache groups' block tables of the real rows, by group id: (device table [num_reqs,
-    # width], host flags [num_reqs]: the row holds all the blocks its group gives a request); a
-    # method that keeps per-request memory in a group of its own reads its rows here
-    group_tables: Mapping[int, tuple[torch.Tensor, np.ndarray]] | None = None
+    # width], host flags [num_reqs]: the row holds all the blocks its group gives a request, and
+    # (runner hooks) host counts [num_reqs]: the blocks it holds); a method that keeps per-request
+    # memory in a group of its own reads its rows here
+    group_tables: Mapping[int, tuple] | None = None
     plans: dict[str, Any] = field(default_factory=dict)   # method name -> its plan of the step (or None)
 
 
@@ -121,7 +122,7 @@ class RequestStateTable:
 
     def bind_kv_groups(self, groups: Mapping[str, Mapping[int, tuple[int, list[str]]]]) -> None:
         """Hand each registered method its KV-cache groups (``groups``: method name -> group id ->
-        (blocks per request, layer names)); called once per KV cache vLLM builds."""
+        (blocks per request, layer names[, the group's spec])); called once per KV cache vLLM builds."""
         for method in self.methods:
             method.bind_kv_groups(groups.get(method.name, {}))
 

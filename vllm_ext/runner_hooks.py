@@ -30,22 +30,23 @@ _PATCHED_ATTR = "_speedsfi_patched"
 _GROUPS_ATTR = "_speedsfi_method_groups"
 
 
-def method_kv_groups(kv_cache_config) -> dict[str, dict[int, tuple[int, list[str]]]]:
+def method_kv_groups(kv_cache_config) -> dict[str, dict[int, tuple[int, list[str], object]]]:
     """The KV-cache groups that hold a method's per-request memory (their spec names the method in
-    ``speedsfi_method``: ``vllm_ext.method_slots``): method -> group id -> (blocks per request,
-    layer names)."""
-    out: dict[str, dict[int, tuple[int, list[str]]]] = {}
+    ``speedsfi_method``: ``vllm_ext.method_slots``): method -> group id -> (blocks per request (the
+    most, for a growing allocation), layer names, the group's spec)."""
+    out: dict[str, dict[int, tuple[int, list[str], object]]] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         method = getattr(spec, "speedsfi_method", None)
         if method:
-            out.setdefault(method, {})[gid] = (int(spec.blocks_per_request), list(group.layer_names))
+            out.setdefault(method, {})[gid] = (int(spec.blocks_per_request), list(group.layer_names), spec)
     return out
 
 
 def _staged_group_tables(runner, num_reqs: int) -> dict | None:
-    """The real rows' block-table rows of the methods' groups and whether each row holds all the
-    blocks its group gives a request (the runner's count: rows' stale entries are never trusted)."""
+    """The real rows' block-table rows of the methods' groups, whether each row holds all the
+    blocks its group gives a request, and how many it holds (the runner's count: rows' stale
+    entries are never trusted)."""
     groups = runner.__dict__.get(_GROUPS_ATTR)
     if not groups:
         return None
@@ -53,7 +54,8 @@ def _staged_group_tables(runner, num_reqs: int) -> dict | None:
     out = {}
     for gid, n in groups.items():
         bt = tables[gid]
-        out[gid] = (bt.get_device_tensor(num_reqs), bt.num_blocks_per_row[:num_reqs] >= n)
+        held = bt.num_blocks_per_row[:num_reqs]
+        out[gid] = (bt.get_device_tensor(num_reqs), held >= n, held)
     return out
 
 
@@ -89,12 +91,11 @@ def _make_table(runner) -> EngineRequestTable:
                                            len(ids), model_config.get_vocab_size(),
                                            "".join(cfg.sfi.trigger_chars), len(spaces),
                                            cfg.sfi.fire_at.replace("_", " "))
-    from vllm_ext.backend.metadata import critiprefill_capacity, sfi_capacity
+    from vllm_ext.backend.metadata import sfi_capacity
     from vllm_ext.backend.request_table import EngineRequestTable
 
     table = EngineRequestTable(runner.max_num_reqs, runner.device, config=cfg,
                                sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut,
-                               critiprefill_capacity=critiprefill_capacity(runner.vllm_config),
                                max_model_len=runner.vllm_config.model_config.max_model_len)
     if table.sfi is not None:
         from vllm_ext import metrics
@@ -122,7 +123,7 @@ def _bind_builders(runner, table: EngineRequestTable) -> None:
     if kv_cache_config is not None and hasattr(table, "bind_kv_groups"):
         groups = method_kv_groups(kv_cache_config)
         runner.__dict__[_GROUPS_ATTR] = {gid: n for by_gid in groups.values()
-                                         for gid, (n, _) in by_gid.items()}
+                                         for gid, (n, *_) in by_gid.items()}
         table.bind_kv_groups(groups)
 
     found = 0

@@ -1,28 +1,28 @@
 """What SPEEDSFI asks of vLLM's scheduler so that an answer depends on its request alone (DESIGN.md:
 never on batch composition, chunk boundaries or other traffic).
 
-The worker holds per-request state in fixed pools: ``C_cp`` CritiPrefill slots
-(``critiprefill.max_requests``) and, only when ``sfi.max_requests`` is set below ``--max-num-seqs``,
-``C_sfi`` SFI slots (by default SFI's compact segments are vLLM's KV-cache blocks and the scheduler's
-own block accounting admits requests: ``vllm_ext.sfi.kv_spec``). A request that
-found its pool full used to be served densely (counted as a fallback): its answer then depended on
-what else the server was doing. Here the scheduler, which sees every request, keeps each pool from
-overflowing instead, and the request waits in vLLM's queue (the same way a request waits for KV
-blocks), then runs with its method like any other:
+By default every method's per-request memory is vLLM's KV-cache blocks (SFI's compact segments:
+``vllm_ext.sfi.kv_spec``; CritiPrefill's state: ``vllm_ext.critiprefill.kv_spec``) and the
+scheduler's own block accounting admits requests. Only when ``sfi.max_requests`` /
+``critiprefill.max_requests`` is set below ``--max-num-seqs`` does the worker bound the requests
+using a method (``C_sfi`` / ``C_cp``, optional upper bounds). A request over such a bound used to be
+served densely (counted as a fallback): its answer then depended on what else the server was doing.
+Here the scheduler, which sees every request, keeps each bound instead, and the request waits in
+vLLM's queue (the same way a request waits for KV blocks), then runs with its method like any other:
 
 1. **SFI admission**: a request that decodes with SFI (the engine's setting and its own override)
    is admitted only while fewer than ``C_sfi`` such requests run (the worker holds a slot from a
    request's first step until it leaves the batch).
-2. **CritiPrefill admission**: the first chunk of a prompt with a sparse range is scheduled only
-   while fewer than ``C_cp`` such prompts are prefilling (the worker holds the slot from that chunk
-   until the prefill ends, and runs every chunk of the prompt through CritiPrefill's kernel).
+2. **CritiPrefill admission** (only with ``critiprefill.max_requests`` set): the first chunk of a
+   prompt with a sparse range is scheduled only while fewer than ``C_cp`` such prompts are
+   prefilling.
 3. **CritiPrefill chunk ends** fall on segment boundaries inside the sparse range, prefix-cache hits
    are cut to one, and no chunk of such a prompt has one token (``vllm_ext.critiprefill.chunking``),
    so every sparse segment is computed in one chunk, and every position by the same kernel,
    whatever the token budget left for the request.
 4. **SFI prefix hits** stop before the prompt tail (``vllm_ext.sfi.prompt_tail.prefix_hit_limit``).
 
-A request held back waits at most until a pool slot frees or a step has budget for a whole segment;
+A request held back waits at most until a request under a bound leaves or a step has budget for a whole segment;
 each wait is counted (``sched.sfi_admission_waits``, ``sched.critiprefill_admission_waits``,
 ``sched.critiprefill_chunk_cuts``). Start-up refuses a token budget smaller than one CritiPrefill
 segment (the prefill could never move: ``vllm_ext.backend.startup``).
@@ -49,12 +49,13 @@ class SchedulerPolicy:
                  sfi_prefix_limit=None):
         self.cfg = cfg
         self.sfi_capacity = sfi_capacity
-        self.cp_capacity = critiprefill_capacity
+        self.cp_capacity = critiprefill_capacity     # 0: no bound (the chunk rules still apply)
+        self.cp_on = cfg.critiprefill.enabled
         self._sfi_prefix_limit = sfi_prefix_limit    # (prompt_len, block_size) -> tokens, or None
 
     @property
     def active(self) -> bool:
-        return bool(self.sfi_capacity or self.cp_capacity or self._sfi_prefix_limit)
+        return bool(self.sfi_capacity or self.cp_on or self._sfi_prefix_limit)
 
     # ------------------------------------------------------------------ per request
     def wants_sfi(self, request) -> bool:
@@ -92,7 +93,7 @@ class SchedulerPolicy:
             if held >= self.sfi_capacity:
                 metrics.bump("sched.sfi_admission_waits")
                 return 0
-        if not self.cp_capacity:
+        if not self.cp_on:
             return num_new
         cp = self.cfg.critiprefill
         plen = request.num_prompt_tokens
@@ -104,7 +105,8 @@ class SchedulerPolicy:
             num_new = aligned
             if num_new == 0:
                 return 0
-        if chunking.is_critiprefill_chunk(cp, plen, computed, num_new) and not self._holds_cp_slot(request):
+        if self.cp_capacity and chunking.is_critiprefill_chunk(cp, plen, computed, num_new) \
+                and not self._holds_cp_slot(request):
             held = sum(1 for r in running if r is not request and self._holds_cp_slot(r))
             if held >= self.cp_capacity:
                 metrics.bump("sched.critiprefill_admission_waits")
@@ -123,7 +125,7 @@ class SchedulerPolicy:
             if sfi_limit < limit:
                 metrics.bump("sfi.prefix_hit_tokens_cut", limit - sfi_limit)
                 limit = sfi_limit
-        if self.cp_capacity:
+        if self.cp_on:
             cp_limit = chunking.prefix_hit_limit(self.cfg.critiprefill, plen, limit, block_size)
             if cp_limit < limit:
                 metrics.bump("critiprefill.prefix_hit_tokens_cut", limit - cp_limit)

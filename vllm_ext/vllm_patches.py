@@ -232,7 +232,7 @@ def scheduler_policy_of(scheduler):
     if cached is False:
         cached = None
         if is_speedsfi_selected(scheduler.vllm_config):
-            from vllm_ext.backend.metadata import critiprefill_capacity, sfi_admission_cap
+            from vllm_ext.backend.metadata import critiprefill_admission_cap, sfi_admission_cap
             from vllm_ext.backend.startup import resolve_config
             from vllm_ext.scheduler_policy import SchedulerPolicy
 
@@ -246,7 +246,7 @@ def scheduler_policy_of(scheduler):
 
                 sfi_limit = functools.partial(prefix_hit_limit, cfg.sfi)
             policy = SchedulerPolicy(cfg, sfi_capacity=sfi_admission_cap(vllm_config),
-                                     critiprefill_capacity=critiprefill_capacity(vllm_config),
+                                     critiprefill_capacity=critiprefill_admission_cap(vllm_config),
                                      sfi_prefix_limit=sfi_limit)
             cached = policy if policy.active else None
             if policy.sfi_capacity or policy.cp_capacity:

@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from helpers import cfg as make_cfg
-from vllm_ext.backend.critiprefill_path import (CritiPrefillLayerBuffers, CritiPrefillRuntime,
-                                                critiprefill_prefill)
+from types import SimpleNamespace
+
+from vllm_ext.backend.critiprefill_path import critiprefill_prefill
 from vllm_ext.critiprefill import LayerFusion, select_for_sequence
 from vllm_ext.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
                                          STAT_SPARSE_SEGMENTS, CritiPrefillSlots, first_sparse_segment,
                                          sparse_range)
+from vllm_ext.critiprefill.state_layout import STATE_SUFFIX, state_pages
 from vllm_ext.kernels.paged_reference import attention_over
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -30,6 +32,8 @@ HQ, HKV, D, PAGE = 4, 2, 16, 16
 N = 333                                  # prompt length (final segment 5 is partial)
 SPARSE_LAYERS = (1, 2)                   # layer 0 is dense (dense_layers=(0,)): the path never runs it
 SCALE = 0.25
+GID = 2                                  # CritiPrefill's state group (as vLLM numbers it)
+STATE_PAGES = 12
 
 
 @pytest.fixture(autouse=True)
@@ -67,16 +71,26 @@ def _paged(k, v, seed):
     return cache, perm[:pages].to(torch.int32)
 
 
-def run_path(cfg, data, chunks, *, companion=True, capacity=2, stats=None):
-    """The prompt prefilled in ``chunks`` (lengths) through the backend path. Each step also holds a
-    decode row of another request (before the sub-batch) and, after the prompt's row, the chunk of
-    a short prompt that stays dense. Returns ``{layer: output [N, Hq, D]}``."""
+def _state_caches():
+    """Each sparse layer's state pages (NaN: a read of a page never written shows) and the prompt's
+    block-table row of the state group (shuffled pages)."""
+    perm = torch.randperm(STATE_PAGES, generator=torch.Generator().manual_seed(7)).to(torch.int32)
+    caches = {layer: torch.full((STATE_PAGES, PAGE, HKV, 2 * D), float("nan")).transpose(1, 2)
+              for layer in SPARSE_LAYERS}
+    return caches, perm
+
+
+def run_path(cfg, data, chunks, *, companion=True, stats=None):
+    """The prompt prefilled in ``chunks`` (lengths) through the backend path, its state in pages of
+    a state group as vLLM allocates them (grown with the chunks). Each step also holds a decode row
+    of another request (before the sub-batch) and, after the prompt's row, the chunk of a short
+    prompt that stays dense; both hold no state pages and their stale table rows point at the
+    prompt's (they must never write there). Returns ``{layer: output [N, Hq, D]}``."""
     n = sum(chunks)
-    slots = CritiPrefillSlots(capacity, max_rows=4, cfg=cfg, device=torch.device("cpu"))
-    rt = CritiPrefillRuntime(cfg, capacity=capacity, num_kv_heads=HKV, max_len=512,
-                             max_num_batched_tokens=max(chunks) + 64, device=torch.device("cpu"))
-    bufs = {layer: CritiPrefillLayerBuffers(capacity, HQ, HKV, D, 512, cfg, torch.float32, torch.device("cpu"))
-            for layer in SPARSE_LAYERS}
+    slots = CritiPrefillSlots(4, max_rows=4, cfg=cfg, device=torch.device("cpu"))
+    spec = SimpleNamespace(carry_entries=HQ // HKV, block_size=PAGE)
+    slots.bind_kv_groups({GID: (STATE_PAGES, [f"layer{l}" + STATE_SUFFIX for l in SPARSE_LAYERS], spec)})
+    state, state_row = _state_caches()
     caches = {}
     for layer, (q, k, v) in data.items():
         # the full prompt is in the cache from the start: the path must only read positions < seq
@@ -94,8 +108,13 @@ def run_path(cfg, data, chunks, *, companion=True, capacity=2, stats=None):
         slots_np = np.array([1, 0, 2] if companion else [0])
         decode = np.array([1, 0, 0] if companion else [0])
         prompt_len = np.array([n, 50, short])
+        held = state_pages(seq, HQ // HKV, cfg.block_size, PAGE)
+        assert held <= STATE_PAGES
+        counts = np.array([0, held, 0] if companion else [held])
+        group = {GID: (state_row[None, :].repeat(len(rows_q), 1), counts > 0, counts)}
         step = slots.plan(num_reqs=len(rows_q), row_slots=slots_np, row_is_decode=decode,
-                          prompt_len=prompt_len, host_geometry=(qsl, computed), step_id=step_id)
+                          prompt_len=prompt_len, host_geometry=(qsl, computed), step_id=step_id,
+                          group_tables=group)
         for layer in SPARSE_LAYERS:
             q, _, _ = data[layer]
             cache, bt = caches[layer]
@@ -105,8 +124,8 @@ def run_path(cfg, data, chunks, *, companion=True, capacity=2, stats=None):
             query[mine] = q[ctx:seq]
             out = torch.full_like(query, float("nan"))
             if step is not None:
-                critiprefill_prefill(query, cache, table, step, cfg, bufs[layer], rt, layer, SCALE, out,
-                                     stats=stats)
+                critiprefill_prefill(query, cache, table, step, cfg, state[layer],
+                                     step.state_table(f"layer{layer}"), layer, SCALE, out, stats=stats)
                 assert step.first_row == (1 if companion else 0)
                 assert torch.isnan(out[:int(qsl[step.first_row])]).all()   # rows before: untouched
                 outs[layer][ctx:seq] = out[mine]
@@ -287,13 +306,14 @@ def test_triton_kernels_in_the_path_match_the_twins(monkeypatch):
     chunks = [90, 110]
     twin = run_path(cfg, data, chunks)
     monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "0")
-    from vllm_ext.kernels import block_representatives, block_sparse_prefill
+    from vllm_ext.kernels import block_representatives, block_sparse_prefill, paged_state
 
     def twin_ran(*args, **kwargs):
         raise AssertionError("a PyTorch twin ran where the Triton kernel should")
 
     for module, name in [(block_sparse_prefill, "block_sparse_prefill_torch"),
-                         (block_representatives, "update_block_representatives_torch"),
+                         (paged_state, "update_block_representatives_paged_torch"),
+                         (paged_state, "write_state_entries_torch"),
                          (block_representatives, "query_segment_representatives_torch")]:
         monkeypatch.setattr(module, name, twin_ran)
     tri = run_path(cfg, data, chunks)

@@ -151,5 +151,5 @@ def leftover_after_probe(llm, table, kv_manager, free_blocks_before: int) -> dic
                  use_tqdm=False)
     return {"request slots": len(table.slot_of) - 1,
             "SFI slots": len(table.sfi.slot_host) if table.sfi is not None else 0,
-            "CritiPrefill slots": len(table.critiprefill.slot_of) if table.critiprefill is not None else 0,
+            "CritiPrefill slots": len(table.critiprefill.active) if table.critiprefill is not None else 0,
             "KV blocks": free_blocks_before - kv_manager.block_pool.get_num_free_blocks()}

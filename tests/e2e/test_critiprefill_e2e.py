@@ -113,9 +113,13 @@ def test_critiprefill_with_sfi(tiny_models):
         from vllm.model_executor.models.utils import extract_layer_index
 
         ctx = model_runner(llm).vllm_config.compilation_config.static_forward_context
-        has = {extract_layer_index(n): a.impl._cp_layer is not None for n, a in ctx.items()
+        has = {extract_layer_index(n): a.impl._cp_state is not None for n, a in ctx.items()
                if hasattr(a, "impl")}                   # not SFI's compact caches
-        assert has == {0: False, 1: True}                 # dense_layers [0]: no tables for layer 0
+        assert has == {0: False, 1: True}                 # dense_layers [0]: no state for layer 0
+        # every layer has a state cache (one group pattern with the attention layers); layer 0's
+        # pages are never read
+        states = [extract_layer_index(n) for n in ctx if n.endswith(".critiprefill_state")]
+        assert states == [0, 1]
 
     covering, counts = _run(model, cp=dict(COVERING, dense_layers=[0]), sfi=SFI,
                             inspect=tables_of_sparse_layers_only)

@@ -40,7 +40,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from vllm_ext import metrics
 from vllm_ext.backend import row_counters
-from vllm_ext.backend.metadata import SpeedSfiMetadata, critiprefill_capacity, sfi_capacity
+from vllm_ext.backend.metadata import SpeedSfiMetadata, sfi_capacity
 from vllm_ext.backend.startup import resolve_config
 from vllm_ext.config import ConfigError
 from vllm_ext.kernels import paged_reference
@@ -77,9 +77,7 @@ class SpeedSfiImpl(AttentionImpl):
         self._compact = None                           # this layer's SfiCompactCache
         self._sfi_rt = None
         self._layer_index = -1
-        self._cp_capacity = critiprefill_capacity(vllm_config)
-        self._cp_layer = None                          # this layer's CritiPrefill tables (sparse layers)
-        self._cp_rt = None
+        self._cp_state = None                          # this layer's CritiPrefillStateCache (sparse layers)
         self._max_batched = vllm_config.scheduler_config.max_num_batched_tokens
         self._forward_context = vllm_config.compilation_config.static_forward_context
         self._speed_l_cut = (self.config.speed.resolved_l_cut(
@@ -103,8 +101,8 @@ class SpeedSfiImpl(AttentionImpl):
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         # Runs before vLLM profiles memory: what is allocated here comes out of its budget.
-        if self._cp_capacity:
-            self._allocate_critiprefill(act_dtype)
+        if self.config.critiprefill.enabled:
+            self._register_critiprefill_state()
         if self._ours_decode and not self._sfi_capacity and self._dense is not None:
             from vllm_ext.backend.sfi_runtime import shared_dense_workspace
 
@@ -174,25 +172,28 @@ class SpeedSfiImpl(AttentionImpl):
         self._compact = register_compact_layer(self._forward_context, name, self.config.sfi)
         return True
 
-    def _allocate_critiprefill(self, act_dtype: torch.dtype) -> None:
-        from vllm_ext.backend.critiprefill_path import CritiPrefillLayerBuffers, shared_runtime
+    def _register_critiprefill_state(self) -> None:
+        """Register this layer's CritiPrefill state cache in the forward context, so that vLLM pages
+        each prompt's state (``vllm_ext.backend.critiprefill_state``). Every layer below SPEED's cut
+        has one, its dense layers included (their pages are never read): the state layers then
+        match the attention layers (and SFI's compact layers) one for one, so vLLM keeps one group
+        pattern for all; fewer state layers would split the attention layers into groups of their
+        own block tables. A SPEED upper layer has none."""
+        from vllm.model_executor.models.utils import extract_layer_index
 
+        from vllm_ext.backend.critiprefill_state import register_state_layer
+
+        name = self._own_layer_name()
+        if name is None:
+            raise RuntimeError("SPEEDSFI: an attention impl not found in vLLM's forward context")
+        index = extract_layer_index(name)
         cfg = self.config.critiprefill
-        index = self._own_layer_index()
-        if index in cfg.dense_layers or index >= self._speed_l_cut:
-            return                                     # never sparse: no tables
-        device = _device()
-        args = (self._cp_capacity, self.num_heads, self.num_kv_heads, self.head_size, self._max_len, cfg)
-        self._cp_layer = CritiPrefillLayerBuffers(*args, act_dtype, device)
-        self._cp_rt = shared_runtime(cfg, capacity=self._cp_capacity, num_kv_heads=self.num_kv_heads,
-                                     max_len=self._max_len, max_num_batched_tokens=self._max_batched,
-                                     device=device)
-        metrics.log_once("critiprefill_buffers", "vllm_ext: CritiPrefill per sparse layer %.1f MiB: key-block "
-                         "representatives (C %d + 1) x 2 x ceil(max_model_len %d / Bk %d) x Hkv %d x D %d "
-                         "in %s + query carry (C + 1) x 2 x Hq %d x D fp32; C = critiprefill.max_requests",
-                         CritiPrefillLayerBuffers.nbytes(*args, act_dtype) / 2**20, self._cp_capacity,
-                         self._max_len, cfg.block_size, self.num_kv_heads, self.head_size, act_dtype,
-                         self.num_heads)
+        if index >= self._speed_l_cut:
+            return
+        state = register_state_layer(self._forward_context, name, cfg, num_heads=self.num_heads,
+                                     max_len=self._max_len)
+        if index not in cfg.dense_layers:
+            self._cp_state = state                     # this layer prefills sparsely
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: SpeedSfiMetadata | None, output: torch.Tensor,
@@ -304,7 +305,7 @@ class SpeedSfiImpl(AttentionImpl):
         prefill row when our kernels compute the decode rows; its metadata is cut to its rows).
         ``skip_rows`` (CPU only: a host list of flags for the first rows): rows the dense pass
         leaves out because SFI computes them."""
-        cp = md.step.critiprefill if self._cp_layer is not None else None
+        cp = md.step.critiprefill if self._cp_state is not None else None
         if cp is not None and self._layer_index in self.config.critiprefill.dense_layers:
             cp = None
         end = cp.first_row if cp is not None else md.num_reqs
@@ -332,9 +333,13 @@ class SpeedSfiImpl(AttentionImpl):
         if cp is not None:
             from vllm_ext.backend.critiprefill_path import critiprefill_prefill
 
+            state_table = cp.state_table(layer.layer_name)
+            if state_table is None:
+                raise RuntimeError(f"vllm_ext: no KV-cache group holds {layer.layer_name}'s CritiPrefill "
+                                   "state (vLLM did not page its state cache layer)")
             critiprefill_prefill(query, kv_cache, md.block_table, cp, self.config.critiprefill,
-                                 self._cp_layer, self._cp_rt, self._layer_index, self.scale, output,
-                                 stats=md.step.table.critiprefill.stats)
+                                 self._cp_state.kv_cache, state_table, self._layer_index, self.scale,
+                                 output, stats=md.step.table.critiprefill.stats)
             if rc is not None:
                 rc.add(row_counters.CRITIPREFILL, md.num_reqs - cp.first_row)
         return output

@@ -45,13 +45,16 @@ def sfi_admission_cap(vllm_config) -> int:
     return cap if cap < vllm_config.scheduler_config.max_num_seqs else 0
 
 
-def critiprefill_capacity(vllm_config) -> int:
-    """Prompts that can be in a sparse prefill at once (``speedsfi.critiprefill.max_requests``)."""
+def critiprefill_admission_cap(vllm_config) -> int:
+    """How many prompts the scheduler lets be in a CritiPrefill sparse prefill at once:
+    ``critiprefill.max_requests`` when it is set below ``--max-num-seqs``, else 0 (no cap of ours:
+    each prompt's state is KV-cache pages, ``vllm_ext.critiprefill.kv_spec``, and vLLM's block
+    accounting decides)."""
     cfg = resolve_config(vllm_config).critiprefill
-    if not cfg.enabled:
+    if not cfg.enabled or not cfg.max_requests:
         return 0
-    max_seqs = vllm_config.scheduler_config.max_num_seqs
-    return min(cfg.max_requests or min(max_seqs, 4), max_seqs)
+    cap = cfg.max_requests
+    return cap if cap < vllm_config.scheduler_config.max_num_seqs else 0
 
 
 @dataclass

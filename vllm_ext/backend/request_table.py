@@ -33,8 +33,7 @@ class EngineRequestTable(RequestStateTable):
 
     def __init__(self, max_reqs: int, device: torch.device | str, *,
                  config: SpeedSfiConfig | None = None, sfi_capacity: int = 0,
-                 trigger_lut: torch.Tensor | None = None, critiprefill_capacity: int = 0,
-                 max_model_len: int = 0):
+                 trigger_lut: torch.Tensor | None = None, max_model_len: int = 0):
         super().__init__(max_reqs, device)
         self.config = config or SpeedSfiConfig()
         self.sfi: SfiSlotTables | None = None
@@ -42,8 +41,9 @@ class EngineRequestTable(RequestStateTable):
             self.sfi = self.register(SfiSlotTables(self.num_slots, sfi_capacity, max_reqs, self.config,
                                                    trigger_lut, self.device, max_model_len=max_model_len))
         self.critiprefill: CritiPrefillSlots | None = None
-        if self.config.critiprefill.enabled and critiprefill_capacity > 0:
-            self.critiprefill = self.register(CritiPrefillSlots(critiprefill_capacity, max_reqs,
+        if self.config.critiprefill.enabled:
+            # no pool: the state of each prompt is pages of CritiPrefill's KV-cache groups
+            self.critiprefill = self.register(CritiPrefillSlots(self.num_slots, max_reqs,
                                                                 self.config.critiprefill, self.device))
 
     @property

@@ -138,7 +138,7 @@ class SfiSlotTables(MethodSlots):
         per request, the compact cache layers ``<attention layer>`` + :data:`COMPACT_SUFFIX`)."""
         self.bind_compact_groups({gid: (n_c, [n[:-len(COMPACT_SUFFIX)] for n in names
                                                if n.endswith(COMPACT_SUFFIX)])
-                                  for gid, (n_c, names) in groups.items()})
+                                  for gid, (n_c, names, *_) in groups.items()})
 
     def bind_compact_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
         """The compact segments live in vLLM's KV-cache groups ``groups``: group id -> (blocks per

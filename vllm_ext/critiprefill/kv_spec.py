@@ -1,0 +1,179 @@
+"""CritiPrefill's per-request state in vLLM's block manager: its KV-cache spec and manager (vLLM glue;
+``docs/per_request_memory.md``).
+
+Every SPEEDSFI layer below SPEED's cut (its dense layers included: one group pattern with the
+attention layers, see ``vllm_ext.backend.impl``; their pages are never read) has a companion cache
+layer (``vllm_ext.backend.critiprefill_state.CritiPrefillStateCache``) reporting
+:class:`CritiPrefillStateSpec`: the attention layer's page format, so vLLM groups it beside the
+attention layers and both draw block ids from the one shared pool. The state's layout in those pages
+is ``vllm_ext.critiprefill.state_layout``.
+
+:class:`CritiPrefillStateManager` gives a request pages only when its prompt has a sparse range
+(``vllm_ext.critiprefill.chunking.is_critiprefill_prompt``, decided by the prompt length alone), and
+grows them with the prompt's chunks (``state_pages`` of the tokens scheduled so far, never past the
+prompt). Once the prompt is computed (vLLM's ``remove_skipped_blocks``, called every step before
+the request's allocation with the tokens whose forward has finished) it gives them all back, as
+sliding-window layers give back what left the window; finish, abort and preemption free them too.
+A resumed request starts over (its recompute grows them again). Never prefix-cached or shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_ext import metrics
+from vllm_ext.config import CritiPrefillConfig
+from vllm_ext.critiprefill.chunking import is_critiprefill_prompt
+from vllm_ext.critiprefill.state_layout import state_pages
+
+
+@dataclass(frozen=True, kw_only=True)
+class CritiPrefillStateSpec(AttentionSpec):
+    """One sparse layer's CritiPrefill state: pages of the layer's format, growing with the prompt."""
+
+    carry_entries: int = 1          # G = Hq / Hkv
+    cp_block_size: int = 16         # critiprefill.block_size (key block)
+    segment_size: int = 512
+    budget: int = 1024
+    min_len: int = 0
+    max_len: int = 1                # max_model_len: the largest state
+
+    # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds
+    speedsfi_method = "critiprefill"
+
+    def pages_for(self, num_tokens: int) -> int:
+        return state_pages(num_tokens, self.carry_entries, self.cp_block_size, self.block_size)
+
+    @property
+    def cp_config(self) -> CritiPrefillConfig:
+        return CritiPrefillConfig(enabled=True, block_size=self.cp_block_size, segment_size=self.segment_size,
+                                  budget=self.budget, min_len=self.min_len)
+
+    @property
+    def blocks_per_request(self) -> int:
+        """The most a request holds (a ``max_model_len`` prompt); a shorter one holds fewer."""
+        return self.pages_for(self.max_len)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        return None
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        return False
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        """A ``max_model_len`` prompt's state: vLLM's "Maximum concurrency" counts it beside the
+        attention groups' blocks (a bound: the state is freed when the prefill ends)."""
+        return self.blocks_per_request * self.page_size_bytes
+
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        return self.pages_for(max(max_len, self.max_len))
+
+    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+        return all(isinstance(spec, CritiPrefillStateSpec) for spec in kv_cache_specs.values())
+
+
+class CritiPrefillStateManager(SingleTypeKVCacheManager):
+    """Pages for a CritiPrefill prompt's state, grown with its chunks, freed when it is computed."""
+
+    def __init__(self, kv_cache_spec: CritiPrefillStateSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self._cfg = kv_cache_spec.cp_config
+        self._prompt_len: dict[str, int] = {}       # from vLLM's per-step remove_skipped_blocks
+        self._done: set[str] = set()                 # prompt computed: state given back
+
+    def _wants(self, request_id: str, num_tokens: int) -> int:
+        plen = self._prompt_len.get(request_id, 0)
+        if request_id in self._done or not is_critiprefill_prompt(self._cfg, plen):
+            return 0
+        need = self.kv_cache_spec.pages_for(min(num_tokens, plen))
+        return max(0, need - len(self.req_to_blocks.get(request_id, ())))
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   prefill_end: int = 0) -> int:
+        if prefill_end > 0:          # a new request's admission check runs before remove_skipped_blocks
+            self._prompt_len.setdefault(request_id, prefill_end)
+        return self._wants(request_id, num_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        n = self._wants(request_id, num_tokens)
+        if not n:
+            return []
+        if not self.req_to_blocks.get(request_id):
+            metrics.bump("critiprefill.state_allocations")   # once per request and group (and resume)
+        new = self.block_pool.get_new_blocks(n)
+        self.req_to_blocks[request_id].extend(new)
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in new)
+        return new
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        if num_prompt_tokens is not None:
+            self._prompt_len[request_id] = num_prompt_tokens
+        plen = self._prompt_len.get(request_id, 0)
+        if request_id in self._done or plen <= 0 or processed_computed_tokens < plen:
+            return
+        self._done.add(request_id)
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks:
+            # the prompt is computed (its last chunk's forward has finished): the state is never read again
+            self._remove_blocks_in_range(request_id, 0, len(blocks))
+            metrics.bump("critiprefill.state_released_at_prefill_end")
+
+    def pop_blocks_for_free(self, request_id: str):
+        self._prompt_len.pop(request_id, None)
+        self._done.discard(request_id)
+        return super().pop_blocks_for_free(request_id)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
+        return None                  # KV connectors are refused with SPEEDSFI
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks,
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        return None                  # never a prefix hit (the group is not prefix-cacheable)
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args, **kwargs):
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+    def cache_blocks(self, request, num_tokens: int, retention_interval=None, *,
+                     replay_boundaries=()) -> None:
+        return None                  # never prefix-cached
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+
+def register_critiprefill_kv_spec() -> None:
+    """Register the spec and its manager (idempotent; after vLLM's built-ins, as SFI's)."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(CritiPrefillStateSpec, CritiPrefillStateManager,
+                                 uniform_type_base_spec=CritiPrefillStateSpec)
+
+
+def state_spec_for(spec: AttentionSpec, cfg: CritiPrefillConfig, *, num_heads: int,
+                   max_len: int) -> CritiPrefillStateSpec:
+    """The state spec beside an attention layer's ``spec`` (same page format)."""
+    return CritiPrefillStateSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                 head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
+                                 kv_quant_mode=spec.kv_quant_mode, page_size_padded=spec.page_size_padded,
+                                 dcp_sharded=spec.dcp_sharded, max_tp_shards=spec.max_tp_shards,
+                                 carry_entries=max(1, num_heads // spec.num_kv_heads),
+                                 cp_block_size=cfg.block_size, segment_size=cfg.segment_size,
+                                 budget=cfg.budget, min_len=cfg.min_len, max_len=max_len)
