@@ -1,0 +1,55 @@
+"""User-written needle prompts (vllm_ext/quality/user_needles.py): each form's value once in the
+prompt, inside the needle, at its depth, the prompt within the length with the real model's chat
+template, no answer prefix, the same prompt for the same arguments, and a JSON row rebuilds it."""
+
+import pytest
+
+from vllm_ext.quality import tasks as T
+from vllm_ext.quality import user_needles as U
+
+
+@pytest.fixture(scope="module")
+def tok():
+    pytest.importorskip("transformers")
+    from vllm_ext.tools import real_model
+
+    path = real_model.model_dir()
+    if not (path / real_model.MANIFEST).is_file() or not (path / "tokenizer.json").is_file():
+        pytest.skip("the real model is not cached (python -m vllm_ext.tools.real_model)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.mark.parametrize("form", U.FORMS)
+@pytest.mark.parametrize("depth", [0.05, 0.95])
+def test_one_value_in_its_needle_within_the_length(tok, form, depth):
+    s = U.make_user_needle(form, 1024, depth, 3, tok, value_digits=6)
+    assert 900 < s.length <= 1024 and len(s.prompt_ids) == s.length
+    assert len(s.answer) == 6 and s.prompt.count(s.answer) == 1
+    a, b = s.target_spans[0]
+    assert s.answer in s.prompt[a:b]
+    # the needle sits near its depth of the document (whole paragraphs: within a day's length)
+    assert abs(a / len(s.prompt) - depth) < 0.1
+    # a plain question ends the user's turn; the assistant's turn is empty (no answer prefix)
+    opening = tok.apply_chat_template([{"role": "user", "content": "Q?"}], tokenize=False,
+                                      add_generation_prompt=True).split("Q?", 1)[1]
+    assert s.prompt.endswith(s.meta["question"] + opening)
+    assert T.sample_score(s, f"It is {s.answer}.") == 1.0
+    assert T.sample_score(s, f"It is {s.answer[:3]}{s.answer[4:]}.") == 0.0
+
+
+def test_same_arguments_same_prompt_and_rebuild(tok):
+    s = U.make_user_needle("table", 1024, 0.5, 7, tok, value_digits=5)
+    assert U.make_user_needle("table", 1024, 0.5, 7, tok, value_digits=5).prompt_ids == s.prompt_ids
+    assert U.make_user_needle("table", 1024, 0.5, 8, tok, value_digits=5).answer != s.answer
+    row = dict(task=s.task, length=1024, depth=0.5, seed=7, expected=s.answer, wording=s.meta["wording"])
+    assert U.is_user_wording(row["wording"]) and not U.is_user_wording("order")
+    assert U.rebuild(row, tok).prompt_ids == s.prompt_ids
+
+
+def test_bad_arguments(tok):
+    with pytest.raises(ValueError):
+        U.make_user_needle("memo", 1024, 0.5, 0, tok)
+    with pytest.raises(ValueError):
+        U.make_user_needle("card", 1024, 1.5, 0, tok)
