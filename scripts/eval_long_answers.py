@@ -10,7 +10,7 @@ mean ROUGE-L F of the config's text against dense bf16's, and of dense bf16's ag
 counters. Writes ``bench/results/<name>.json``.
 
     .venv/bin/python scripts/eval_long_answers.py --model .cache/real_model/SmolLM2-135M-Instruct \\
-        --lengths 4096,8000 --per-kind 6 --name long_answers_cpu_smollm2
+        --lengths 4096,7900 --per-kind 5 --name long_answers_cpu_smollm2
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def log(msg: str) -> None:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--lengths", default="4096,8000")
+    p.add_argument("--lengths", default="4096,7900", help="prompt bounds; with the answer within the model's 8192 positions")
     p.add_argument("--kinds", default="summary,continue")
     p.add_argument("--per-kind", type=int, default=5, help="documents per (kind, length)")
     p.add_argument("--seed", type=int, default=0)
