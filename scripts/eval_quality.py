@@ -42,6 +42,13 @@ from vllm_ext.quality import tasks as T  # noqa: E402
 DEFAULT_MODEL = os.path.join(ROOT, "models", "retrieval-llama")
 
 
+def _commit() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def log(msg: str) -> None:
     print(f"[eval_quality {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -514,6 +521,7 @@ def main(argv=None):
         print(md)
         return data["configs"]
     t_start = time.time()
+    commit = _commit()                   # the code this run imports, before anything is committed during it
     import torch
 
     on_cuda = torch.cuda.is_available()
@@ -543,6 +551,7 @@ def main(argv=None):
             model=args.model if not args.model.startswith(ROOT) else os.path.relpath(args.model, ROOT),
             device=device, device_desc=device_desc, vllm=vllm.__version__, torch=torch.__version__,
             python=platform.python_version(), date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            commit=commit, load_average=list(os.getloadavg()),
             prompts=("text, chat template" if args.chat else "text") if args.text else "token ids (tiny vocabulary)",
             filler=None if args.text else args.filler,
             tasks=list(dict.fromkeys(s.task for s in samples)),
