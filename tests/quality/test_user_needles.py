@@ -53,3 +53,23 @@ def test_bad_arguments(tok):
         U.make_user_needle("memo", 1024, 0.5, 0, tok)
     with pytest.raises(ValueError):
         U.make_user_needle("card", 1024, 1.5, 0, tok)
+
+
+def test_eval_quality_builds_them_per_form_and_length(tok, monkeypatch):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "eval_quality.py")
+    spec = importlib.util.spec_from_file_location("eval_quality_for_test", path)
+    eq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eq)
+    args = eq.parse(["--text", "--chat", "--user-forms", "card,email", "--value-digits", "5",
+                     "--lengths", "1024", "--depths", "0.1,0.9", "--per-cell", "1", "--seed", "40"])
+    samples = eq.build_samples(args, tok)
+    assert [s.meta["wording"] for s in samples] == ["user_card"] * 2 + ["user_email"] * 2
+    assert len({s.key for s in samples}) == 4                  # the forms take their own seeds
+    assert all(len(s.answer) == 5 and s.length <= 1024 for s in samples)
+    # --chat does not template them twice
+    assert all(s.prompt.count("<|im_start|>user") == 1 for s in samples)
+    assert samples[0].prompt_ids == U.rebuild(dict(task="niah_single", length=1024, depth=0.1, seed=40,
+                                                   expected=samples[0].answer, wording="user_card"), tok).prompt_ids
