@@ -78,7 +78,8 @@ def parse(argv=None):
     p.add_argument("--user-forms", default=None,
                    help="with --text: single-needle prompts as a user writes them instead of --tasks/--wordings "
                         "(vllm_ext.quality.user_needles: prose, the value in a record card, a sentence, a table "
-                        "row or a quoted e-mail, a plain chat question): comma-separated, of card,vault,table,email")
+                        "row, a quoted e-mail, a ticket or a text message; a plain chat question): "
+                        "comma-separated, of card,vault,table,email,ticket,sms")
     p.add_argument("--value-digits", default="7",
                    help="with --text: digits of each value; a comma-separated list runs each length")
     p.add_argument("--ks", default="64,128,256,512", help="SFI budgets of the default configurations")

@@ -4,13 +4,15 @@ The project's own needle prompts (:func:`vllm_ext.quality.tasks.make_text_sample
 sentence in RULER's repeated-noise haystack, and open the assistant's turn with an answer prefix
 ("The order number for X is"), so the value is the first thing the model writes. A user asks
 differently: a document of ordinary prose (here the survey logbook of :mod:`.document`), a value in
-one of the forms people keep values in, and a plain question after the document, with no answer
+one of the forms people keep values in (a paragraph of its own between two days), and a plain question after the document, with no answer
 prefix; the model writes a sentence and the value somewhere in it. The forms (:data:`FORMS`):
 
 - ``card``: a record card, field per line ("Order reference: 621500");
-- ``vault``: one sentence inside a day's paragraph ("The code to open the vault is 541581.");
+- ``vault``: one sentence ("The code to open the vault is 541581.");
 - ``table``: a small markdown table whose one row holds the value;
-- ``email``: a quoted e-mail ("> Your booking number is 318204.").
+- ``email``: a quoted e-mail ("> Your booking number is 318204.");
+- ``ticket``: a support ticket's header lines ("Ticket #: 7731942");
+- ``sms``: a quoted text message ("Got a text from the bank: your PIN reset code is 55028.").
 
 Each prompt is a :class:`~vllm_ext.quality.tasks.Sample` of task ``niah_single`` scored like the
 others (:func:`~vllm_ext.quality.tasks.sample_score`: the value's digits in the reply), with the
@@ -25,7 +27,7 @@ import random
 from . import document as D
 from .tasks import Sample, _largest_fitting
 
-FORMS = ("card", "vault", "table", "email")
+FORMS = ("card", "vault", "table", "email", "ticket", "sms")
 _PEOPLE = ("Marta Lindqvist", "Oskar Brenner", "Priya Raman", "Tomasz Wolny", "Helen Okafor",
            "Jules Moreau", "Ana Ferreira", "Kenji Sato", "Ruth Abernathy", "Samir Haddad")
 _CITIES = ("Bergen", "Porto", "Gdansk", "Lyon", "Leeds", "Osaka", "Tunis", "Graz")
@@ -56,6 +58,13 @@ def _needle(form: str, rng: random.Random, value: str) -> tuple[str, str]:
         return (f"> From: {name}\n> Subject: your booking\n>\n> Dear guest, thank you for staying with us. "
                 f"Your booking number is {value}. Please quote it when you call.\n> Kind regards, {name}",
                 f"What booking number did {name}'s e-mail give?")
+    if form == "ticket":
+        return (f"SUPPORT TICKET\nOpened by: {name}\nTicket #: {value}\nPriority: normal\n"
+                f"Problem: the generator at the hut will not start.",
+                f"What is the number of the support ticket {name} opened?")
+    if form == "sms":
+        return (f"Got a text from the bank at noon: \"Your PIN reset code is {value}. Do not share it.\"",
+                "What PIN reset code did the bank's text message give?")
     raise ValueError(f"unknown form {form!r}; known: {FORMS}")
 
 
