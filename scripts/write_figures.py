@@ -442,13 +442,6 @@ def quality_critiprefill() -> str:
     return _quality(rows, _TASKS)
 
 
-def _lost_digits(expected: str, output: str) -> bool:
-    """The answer starts the value right and loses digits mid-value: a number in it that is a strict
-    prefix (two digits or more) of the value, and no whole value."""
-    return expected not in output and any(2 <= len(n) < len(expected) and expected.startswith(n)
-                                          for n in re.findall(r"\d+", output))
-
-
 _USER_NEEDLE_SETS = (("quality_cpu_smollm2_user_needles_4k_copy_once", "reproduction (settings chosen here)"),
                      ("quality_cpu_smollm2_user_needles_test_4k", "held out"),
                      ("quality_cpu_smollm2_user_needles_test_8k", "held out"))
@@ -458,27 +451,26 @@ _USER_NEEDLE_LABELS = {"dense": "dense", "sfi_preset": "the `sfi` preset",
 
 def quality_user_needles() -> str:
     """Issue 37: user-written single needles (vllm_ext.quality.user_needles), dense vs the preset
-    and the copy trigger, per set and length: right answers, those of dense's right ones kept,
-    answers that lost digits mid-value, and what the fast steps read."""
-    lines = ["| set | length | config | right | % of dense | of dense's right | lost digits mid-value "
-             "| fast-step read | decode read | slow / fast steps |", "|---" * 10 + "|"]
+    and the copy trigger, per set and length: right answers, how many of dense's right ones it kept,
+    and what the fast steps read."""
+    lines = ["| set | length | config | right | % of dense | of dense's right "
+             "| fast-step read | decode read | slow / fast steps |", "|---" * 9 + "|"]
     notes = []
     for name, label in _USER_NEEDLE_SETS:
         if not (ROOT / RESULTS / f"{name}.json").exists():
             continue
         d = _load(f"{name}.json")
         dense = d["configs"][0]["samples"]
-        n_dense = sum(r["correct"] for r in dense)
+        n_dense = round(sum(r["correct"] for r in dense))
         for c in d["configs"]:
             rows = c["samples"]
-            right = sum(r["correct"] for r in rows)
-            kept = sum(r["correct"] for r, q in zip(rows, dense) if q["correct"])
-            lost = sum(_lost_digits(r["expected"], r["output"]) for r in rows)
+            right = round(sum(r["correct"] for r in rows))
+            kept = round(sum(r["correct"] for r, q in zip(rows, dense) if q["correct"]))
             pl = next(iter(c["per_length"].values()))
             steps = f"{pl['slow_steps']} / {pl['fast_steps']}" if c["name"] != "dense" else "-"
             lines.append(f"| {label} | {', '.join(str(n) for n in d['meta']['lengths'])} | "
                          f"{_USER_NEEDLE_LABELS.get(c['name'], c['name'])} | {right} / {len(rows)} | "
-                         f"{100 * right / n_dense:.0f} | {kept} / {n_dense} | {lost} | "
+                         f"{100 * right / n_dense:.0f} | {kept} / {n_dense} | "
                          f"{c['fast_retained_fraction']:.3f} | {c['read_fraction']:.3f} | {steps} |")
         meta = d["meta"]
         commit = meta.get("commit") or UNRECORDED_COMMIT[name + ".json"].split()[3]
