@@ -86,6 +86,9 @@ def mean(xs):
 
 def main(argv=None):
     args = parse(argv)
+    # the code this run imports, before anything is committed during it
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     from transformers import AutoTokenizer
 
     from vllm_ext.quality.long_answers import make_long_answer_prompt, rouge_l_f
@@ -129,8 +132,6 @@ def main(argv=None):
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.machine())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     meta = dict(command="python scripts/eval_long_answers.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 model=os.path.relpath(args.model, ROOT) if args.model.startswith(ROOT) else args.model,
                 device="cpu", device_desc=f"{cpu}, {os.cpu_count()} cores", vllm=vllm.__version__,

@@ -542,7 +542,7 @@ FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels"
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill,
-           "quality_user_needles": quality_user_needles}
+           "quality_user_needles": quality_user_needles, "long_answers": long_answers}
 
 
 def documents() -> list[pathlib.Path]:
