@@ -42,6 +42,13 @@ from vllm_ext.quality import tasks as T  # noqa: E402
 DEFAULT_MODEL = os.path.join(ROOT, "models", "retrieval-llama")
 
 
+def _commit() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def log(msg: str) -> None:
     print(f"[eval_quality {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -68,6 +75,11 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wordings", default="ruler",
                    help=f"with --text: niah_single's wordings, comma-separated, of {','.join(T.TEXT_WORDINGS)}")
+    p.add_argument("--user-forms", default=None,
+                   help="with --text: single-needle prompts as a user writes them instead of --tasks/--wordings "
+                        "(vllm_ext.quality.user_needles: prose, the value in a record card, a sentence, a table "
+                        "row, a quoted e-mail, a ticket or a text message; a plain chat question): "
+                        "comma-separated, of card,vault,table,email,ticket,sms")
     p.add_argument("--value-digits", default="7",
                    help="with --text: digits of each value; a comma-separated list runs each length")
     p.add_argument("--ks", default="64,128,256,512", help="SFI budgets of the default configurations")
@@ -146,6 +158,14 @@ def build_samples(args, tokenizer):
         return T.make_suite(tasks, lengths, depths, args.per_cell, seed=args.seed, filler=args.filler)
     wordings = [w for w in args.wordings.split(",") if w]
     digits = [int(x) for x in str(args.value_digits).split(",") if x]
+    if args.user_forms:
+        from vllm_ext.quality.user_needles import make_user_needle
+
+        # chat-templated already (no answer prefix): --chat does not apply to them
+        return [make_user_needle(f, n, d, args.seed + 1000 * j + 100 * v + i, tokenizer, value_digits=nd)
+                for j, f in enumerate(f for f in args.user_forms.split(",") if f)
+                for v, nd in enumerate(digits)
+                for n in lengths for d in depths for i in range(args.per_cell)]
     # each (wording, value length) takes its own seeds: seed + 1000 x its place in --wordings + 100 x
     # its place in --value-digits (a sample's key stays (task, length, depth, seed))
     samples = [T.make_text_sample(t, n, d, args.seed + 1000 * j + 100 * v + i, tokenizer, wording=w,
@@ -502,6 +522,7 @@ def main(argv=None):
         print(md)
         return data["configs"]
     t_start = time.time()
+    commit = _commit()                   # the code this run imports, before anything is committed during it
     import torch
 
     on_cuda = torch.cuda.is_available()
@@ -531,6 +552,7 @@ def main(argv=None):
             model=args.model if not args.model.startswith(ROOT) else os.path.relpath(args.model, ROOT),
             device=device, device_desc=device_desc, vllm=vllm.__version__, torch=torch.__version__,
             python=platform.python_version(), date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            commit=commit, load_average=list(os.getloadavg()),
             prompts=("text, chat template" if args.chat else "text") if args.text else "token ids (tiny vocabulary)",
             filler=None if args.text else args.filler,
             tasks=list(dict.fromkeys(s.task for s in samples)),

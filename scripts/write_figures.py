@@ -53,6 +53,7 @@ UNRECORDED_COMMIT = {
         ("quality_cpu_retrieval-llama_quest_rerank.json", "c20029c"),
         ("quality_cpu_retrieval-qwen3_quest_rerank.json", "c20029c"),
         ("quality_cpu_retrieval-llama_critiprefill.json", "3fd8c60"),
+        ("quality_cpu_smollm2_user_needles_4k.json", "4e5c21a"),
     )}
 # result files that do not record their date: the date of the commit they were measured at
 UNRECORDED_DATE = {"document_question_smollm2.json": "2026-11-25", "critiprefill_bench.json": "2026-11-22"}
@@ -455,6 +456,64 @@ def quality_critiprefill() -> str:
     return _quality(rows, _TASKS)
 
 
+_USER_NEEDLE_SETS = (("quality_cpu_smollm2_user_needles_4k_copy_once", "reproduction (settings chosen here)"),
+                     ("quality_cpu_smollm2_user_needles_test_4k", "held out"),
+                     ("quality_cpu_smollm2_user_needles_test_8k", "held out"))
+_USER_NEEDLE_LABELS = {"dense": "dense", "sfi_preset": "the `sfi` preset",
+                       "sfi_copy_once": "preset + `copy_ngram` 2, `copy_once`"}
+
+
+def quality_user_needles() -> str:
+    """Issue 37: user-written single needles (vllm_ext.quality.user_needles), dense vs the preset
+    and the copy trigger, per set and length: right answers, how many of dense's right ones it kept,
+    and what the fast steps read."""
+    lines = ["| set | length | config | right | % of dense | of dense's right "
+             "| fast-step read | decode read | slow / fast steps |", "|---" * 9 + "|"]
+    notes = []
+    for name, label in _USER_NEEDLE_SETS:
+        if not (ROOT / RESULTS / f"{name}.json").exists():
+            continue
+        d = _load(f"{name}.json")
+        dense = d["configs"][0]["samples"]
+        n_dense = round(sum(r["correct"] for r in dense))
+        for c in d["configs"]:
+            rows = c["samples"]
+            right = round(sum(r["correct"] for r in rows))
+            kept = round(sum(r["correct"] for r, q in zip(rows, dense) if q["correct"]))
+            pl = next(iter(c["per_length"].values()))
+            steps = f"{pl['slow_steps']} / {pl['fast_steps']}" if c["name"] != "dense" else "-"
+            lines.append(f"| {label} | {', '.join(str(n) for n in d['meta']['lengths'])} | "
+                         f"{_USER_NEEDLE_LABELS.get(c['name'], c['name'])} | {right} / {len(rows)} | "
+                         f"{100 * right / n_dense:.0f} | {kept} / {n_dense} | "
+                         f"{c['fast_retained_fraction']:.3f} | {c['read_fraction']:.3f} | {steps} |")
+        meta = d["meta"]
+        commit = meta.get("commit") or UNRECORDED_COMMIT[name + ".json"].split()[3]
+        notes.append(f"{meta['model']} ({meta['n_samples']} prompts); {meta['device_desc']}, vLLM {meta['vllm']}, "
+                     f"torch {meta['torch']}; {meta['date'][:10]}; commit {commit}; `{meta['command']}`; "
+                     f"{_source(name + '.json')}.")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def long_answers() -> str:
+    """Issue 37 item 4: ROUGE-L F of the preset's 256-token answers against dense bf16's, and of dense
+    bf16's against dense fp32's (the precision noise floor)."""
+    name = "long_answers_cpu_smollm2.json"
+    d = _load(name)
+    lines = ["| documents | n | preset vs dense bf16 | dense bf16 vs dense fp32 | preset vs dense fp32 "
+             "| identical: preset = dense bf16 / bf16 = fp32 |", "|---|---|---|---|---|---|"]
+    for group, s in d["summary"].items():
+        label = "all" if group == "all" else group.replace("|", ", ")
+        lines.append(f"| {label} | {s['n']} | {s['config_vs_dense_bf16']:.3f} | {s['dense_bf16_vs_dense_fp32']:.3f} | "
+                     f"{s['config_vs_dense_fp32']:.3f} | {s['identical_config_dense_bf16']} / "
+                     f"{s['identical_dense_bf16_fp32']} |")
+    m = d["meta"]
+    note = (f"{m['model']}, greedy, {m['max_tokens']} tokens; the preset's fast steps read "
+            f"{m['fast_retained_fraction']:.3f} of their context ({m['slow_steps']} slow / {m['fast_steps']} fast "
+            f"steps); {m['device_desc']} (load {m['load_average'][0]:.1f} at the end), vLLM {m['vllm']}, torch "
+            f"{m['torch']}; {m['date'][:10]}; commit {m['commit']}; `{m['command']}`; {_source(name)}.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 # a number with a unit of time, speed or size, a ratio or a percentage: a measurement
 MEASURED = re.compile(r"\b\d+(?:[.,]\d+)?(?:K\s?(?:tokens/s|tok/s)|\s?(?:TB/s|GB/s|tokens/s|tok/s|ms|us|µs|min|s|x|%"
                       r"|GiB|MiB|GB|MB))(?![\w-])")
@@ -497,7 +556,8 @@ FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels"
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
-           "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill}
+           "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill,
+           "quality_user_needles": quality_user_needles, "long_answers": long_answers}
 
 
 def documents() -> list[pathlib.Path]:

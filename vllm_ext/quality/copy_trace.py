@@ -199,6 +199,7 @@ def main(argv=None):
 
     from vllm_ext.config import SpeedSfiConfig
     from vllm_ext.quality import tasks as T
+    from vllm_ext.quality import user_needles
 
     cfg = SpeedSfiConfig.from_dict(json.loads(args.sfi) if args.sfi else {"preset": "sfi"}).sfi
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -213,9 +214,12 @@ def main(argv=None):
               and (args.length is None or r["length"] == args.length)]
     traces = []
     for r in misses[:args.max_samples]:
-        s = T.chat_sample(T.make_text_sample(r["task"], r["length"], r["depth"], r["seed"], tok,
-                                             wording=r.get("wording", "ruler"),
-                                             value_digits=len(r["expected"])), tok)
+        if user_needles.is_user_wording(r.get("wording", "ruler")):
+            s = user_needles.rebuild(r, tok)
+        else:
+            s = T.chat_sample(T.make_text_sample(r["task"], r["length"], r["depth"], r["seed"], tok,
+                                                 wording=r.get("wording", "ruler"),
+                                                 value_digits=len(r["expected"])), tok)
         mine = r["output_ids"]
         ref = dense[(r["task"], r["length"], r["depth"], r["seed"])]["output_ids"]
         vpos = _value_positions(tok, s.prompt_ids, r["expected"])
