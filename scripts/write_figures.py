@@ -514,6 +514,18 @@ def long_answers() -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+def long_answers_summary() -> str:
+    """The README's line of :func:`long_answers`: the mean over every document."""
+    name = "long_answers_cpu_smollm2.json"
+    d = _load(name)
+    s, m = d["summary"]["all"], d["meta"]
+    return (f"On {s['n']} long answers ({m['max_tokens']} tokens, summaries and continuations of 4K-8K "
+            f"logbooks) the preset's text agrees with dense bf16's at ROUGE-L {s['config_vs_dense_bf16']:.3f}, "
+            f"dense bf16 with dense fp32 at {s['dense_bf16_vs_dense_fp32']:.3f}: the preset falls short of "
+            f"dense's own precision noise. {m['model']}; {m['device_desc']}; {m['date'][:10]}; commit "
+            f"{m['commit']}; `{m['command']}`; {_source(name)}.\n")
+
+
 # a number with a unit of time, speed or size, a ratio or a percentage: a measurement
 MEASURED = re.compile(r"\b\d+(?:[.,]\d+)?(?:K\s?(?:tokens/s|tok/s)|\s?(?:TB/s|GB/s|tokens/s|tok/s|ms|us|µs|min|s|x|%"
                       r"|GiB|MiB|GB|MB))(?![\w-])")
@@ -557,7 +569,8 @@ FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels"
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill,
-           "quality_user_needles": quality_user_needles, "long_answers": long_answers}
+           "quality_user_needles": quality_user_needles, "long_answers": long_answers,
+           "long_answers_summary": long_answers_summary}
 
 
 def documents() -> list[pathlib.Path]:
