@@ -63,6 +63,30 @@ def _at(t: torch.Tensor | None, e: slice) -> torch.Tensor | None:
     return None if t is None else t[e]
 
 
+def _same_table(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+
+
+def _slow_tables(step: SfiStep, block_table: torch.Tensor, e: slice, scratch, rt: SfiRuntime):
+    """The block-table rows of chunk ``e``'s slow entries, in this layer's own KV-cache group.
+
+    The plan gathers them once per step from the step's first attention group. vLLM gives each
+    group its own block ids, and it splits the attention layers into several groups when another
+    spec has fewer layers (SPEED's upper layers: 27 lower + 9 upper layers of a 36-layer model make
+    three groups of nine), so a layer whose table is not the plan's gathers its own rows into the
+    ring slot's persistent buffer (the side stream reads them). The choice is a host fact fixed for
+    a layer (the tables are persistent buffers), so a captured graph replays it."""
+    src = step.slow_table_source
+    if step.slow_block_table is None or src is None or _same_table(block_table, src):
+        return _at(step.slow_block_table, e)
+    rows = rt.slow_rows_in_range[:e.stop - e.start]
+    torch.clamp(step.slow_rows[e], min=0, out=rows)        # unused entries (-1) read row 0, unused
+    tables, persistent = scratch.block_tables(block_table, rows, rows.shape[0])
+    if not persistent:
+        rt.ring.keep(tables)
+    return tables
+
+
 def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
               sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None, kept=None,
               rest_cfg: SfiConfig | None = None) -> None:
@@ -160,8 +184,9 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                                    alpha=cfg.alpha, workspace=rt.dense_workspace,
                                    evidence_rows=step.slow_rows[e], key_norms=scratch.key_norms,
                                    evidence_count=count)
-        rt.ring.submit(entry, lambda e=e, count=count, scratch=scratch: _maintain(
-            rt, cfg, layer, kv_cache, _at(step.slow_block_table, e), step.slow_sfi_slot[e],
+        tables = _slow_tables(step, block_table, e, scratch, rt)
+        rt.ring.submit(entry, lambda e=e, count=count, scratch=scratch, tables=tables: _maintain(
+            rt, cfg, layer, kv_cache, tables, step.slow_sfi_slot[e],
             step.slow_seq[e], scratch.log_evidence, scratch.key_norms, step.slow_lo[e],
             step.slow_hi[e], step.slow_k[e], count,
             kept=step.slow_kept[e] if cfg.keep_prefill else None))
@@ -246,7 +271,7 @@ def quest_prefill_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, plan,
 
 
 def _quest_rerank(query, kv_cache, step: SfiStep, e: slice, count, cfg: SfiConfig,
-                  layer: SfiLayerBuffers, rt: SfiRuntime, scale: float, scratch) -> None:
+                  layer: SfiLayerBuffers, rt: SfiRuntime, scale: float, scratch, tables) -> None:
     """``sfi.quest_rerank`` for the slow entries ``e`` (one chunk, live count ``count``): the tokens of
     each selection row's best pages by bound, ``quest_rerank`` times its budget (the kept tokens left
     out), become candidates, and the row's evidence becomes their exact share of the GQA group's
@@ -262,7 +287,7 @@ def _quest_rerank(query, kv_cache, step: SfiStep, e: slice, count, cfg: SfiConfi
                           exclude=layer.kept_pos if kept is not None else None,
                           exclude_slot=step.slow_sfi_slot[e] if kept is not None else None,
                           exclude_count=kept)
-    quest_candidate_evidence(query, kv_cache, _at(step.slow_block_table, e), step.slow_rows[e], cand, n_cand,
+    quest_candidate_evidence(query, kv_cache, tables, step.slow_rows[e], cand, n_cand,
                              step.slow_hi[e], scale, scratch.log_evidence, count=count,
                              workspace=rt.candidate_scores)
 
@@ -302,9 +327,10 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
             quest_page_evidence(query, layer.page_reps, scale, step.slow_rows[e], step.slow_sfi_slot[e],
                                 step.slow_lo[e], step.slow_hi[e], cfg.page_size, scratch.log_evidence,
                                 count=count)
+            tables = _slow_tables(step, block_table, e, scratch, rt)
             if cfg.quest_rerank:
-                _quest_rerank(query, kv_cache, step, e, count, cfg, layer, rt, scale, scratch)
-            _maintain(rt, cfg, layer, kv_cache, _at(step.slow_block_table, e), step.slow_sfi_slot[e],
+                _quest_rerank(query, kv_cache, step, e, count, cfg, layer, rt, scale, scratch, tables)
+            _maintain(rt, cfg, layer, kv_cache, tables, step.slow_sfi_slot[e],
                       step.slow_seq[e], scratch.log_evidence, scratch.key_norms, step.slow_lo[e],
                       step.slow_hi[e], step.slow_k[e], count,
                       kept=step.slow_kept[e] if cfg.keep_prefill else None)

@@ -289,6 +289,9 @@ class SfiRuntime:
         # the rest at decode time)
         self.kept_select_cfg = dataclasses.replace(cfg, k_min=0)
         self.rest_select_cfg = dataclasses.replace(self.select_cfg, k_min=0)
+        # a chunk's slow rows, clamped to valid rows (main stream only: a layer of another KV-cache
+        # group gathers its own block-table rows with them, sfi_path._slow_tables)
+        self.slow_rows_in_range = torch.zeros(b, dtype=torch.int32, device=device)
         self.ring = MaintenanceRing([SfiScratch.allocate(b, num_kv_heads, max_len, device)
                                      for _ in range(n)], device, dual)
         if self.quest:

@@ -75,6 +75,9 @@ class SfiStep:
     slow_k: torch.Tensor | None = None        # int32 [S]: its budget (sfi.keep_prefill: besides the kept)
     slow_sfi_slot: torch.Tensor | None = None  # int32 [S]: its compact slot (-1 unused)
     slow_block_table: torch.Tensor | None = None  # int32 [S, max_blocks]: its block-table row
+    # the block table slow_block_table's rows come from (the step's first attention group); a layer
+    # of another KV-cache group gathers its own rows (vllm_ext.backend.sfi_path)
+    slow_table_source: torch.Tensor | None = None
     slow_count: torch.Tensor | None = None    # int32 [1]: live entries (they are slow_rows[:count])
     slow_kept: torch.Tensor | None = None     # int32 [S]: sfi.keep_prefill: its kept tokens (0 unused)
     # int32 [chunks, 4]: live entries of each chunk of chunk_rows entries (column 0; the rest padding)
@@ -133,6 +136,7 @@ class SfiPlanBuffers:
         self.slow_chunk_count = torch.zeros(self.num_chunks, 4, **i32)
         self.chunk_offsets = torch.arange(0, self.entries, self.chunk_rows, **i32)
         self.slow_block_table: torch.Tensor | None = None
+        self.slow_table_source: torch.Tensor | None = None
 
     def block_table_buffer(self, width: int) -> torch.Tensor:
         if self.slow_block_table is None:
@@ -157,6 +161,7 @@ class SfiPlanBuffers:
                        slow_lo=self.slow_lo[:cap], slow_hi=self.slow_hi[:cap],
                        slow_k=self.slow_k[:cap], slow_sfi_slot=self.slow_sfi_slot[:cap],
                        slow_block_table=None if bt is None else bt[:cap],
+                       slow_table_source=self.slow_table_source,
                        slow_count=self.slow_count, slow_kept=self.slow_kept[:cap],
                        slow_chunk_count=self.slow_chunk_count, chunk_rows=self.chunk_rows,
                        row_page_slot=self.row_page_slot[:rows],
@@ -191,6 +196,8 @@ def plan_step(cfg: SfiConfig, *, row_slot: torch.Tensor, row_last_token: torch.T
     only sparse rows can be slow.
     """
     rows = row_slot.shape[0]
+    if buffers is not None:
+        buffers.slow_table_source = block_table
     if buffers is not None and stats.device.type == "cuda":
         from vllm_ext.kernels.sfi_plan import can_plan_with_triton, plan_step_triton
 
@@ -262,6 +269,7 @@ def write_plan(buf: SfiPlanBuffers, rows: int, *, slow, fast, sparse, row_sfi_sl
     if rows > buf.max_rows:
         raise RuntimeError(f"SPEEDSFI: a step with {rows} rows exceeds the plan's {buf.max_rows}")
     cap = buf.capacity
+    buf.slow_table_source = block_table
     buf.row_slow[:rows].copy_(slow)
     buf.row_fast[:rows].copy_(fast)
     buf.row_sparse[:rows].copy_(sparse)
