@@ -3,7 +3,8 @@ level or inside a function, goes to the same room or to a lower one, and no grou
 itself in a circle. A new upward import fails here with the two modules named.
 
 Rooms, lowest first:
-0. base: the configuration, metrics and small shared helpers every room uses;
+0. base: the configuration, metrics and small shared helpers every room uses (``method_kv_spec``:
+   what the methods' KV-cache specs share);
 1. kernels: Triton kernels and their PyTorch twins; they know no method (shared constants live here);
 2. ``request_state``: the generic per-request slot table and the protocol (``method_slots``) through
    which it drives the methods' own slot tables; it knows no method;
@@ -23,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_ext"
 
 ROOMS = [
     ("base", {"vllm_ext.config", "vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging",
-              "vllm_ext.env_vars"}),
+              "vllm_ext.env_vars", "vllm_ext.method_kv_spec"}),
     ("kernels", {"vllm_ext.kernels"}),
     ("request_state", {"vllm_ext.request_state", "vllm_ext.method_slots"}),
     ("sfi", {"vllm_ext.sfi"}),

@@ -21,17 +21,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ext import metrics
+from vllm_ext.method_kv_spec import MethodPagesManager, MethodPagesSpec, page_format, register_method_spec
 from vllm_ext.config import CritiPrefillConfig
 from vllm_ext.critiprefill.chunking import is_critiprefill_prompt
 from vllm_ext.critiprefill.state_layout import state_pages
 
 
 @dataclass(frozen=True, kw_only=True)
-class CritiPrefillStateSpec(AttentionSpec):
+class CritiPrefillStateSpec(MethodPagesSpec):
     """One sparse layer's CritiPrefill state: pages of the layer's format, growing with the prompt."""
 
     carry_entries: int = 1          # G = Hq / Hkv
@@ -54,34 +54,15 @@ class CritiPrefillStateSpec(AttentionSpec):
 
     @property
     def blocks_per_request(self) -> int:
-        """The most a request holds (a ``max_model_len`` prompt); a shorter one holds fewer."""
+        """The most a request holds (a ``max_model_len`` prompt; "Maximum concurrency" counts it, a
+        bound: the state is freed when the prefill ends); a shorter one holds fewer."""
         return self.pages_for(self.max_len)
-
-    @property
-    def prefix_cacheable(self) -> bool:
-        return False
-
-    @property
-    def block_table_token_alignment(self) -> int | None:
-        return None
-
-    @property
-    def uses_slot_mapping(self) -> bool:
-        return False
-
-    def max_memory_usage_bytes(self, vllm_config) -> int:
-        """A ``max_model_len`` prompt's state: vLLM's "Maximum concurrency" counts it beside the
-        attention groups' blocks (a bound: the state is freed when the prefill ends)."""
-        return self.blocks_per_request * self.page_size_bytes
 
     def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
         return self.pages_for(max(max_len, self.max_len))
 
-    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
-        return all(isinstance(spec, CritiPrefillStateSpec) for spec in kv_cache_specs.values())
 
-
-class CritiPrefillStateManager(SingleTypeKVCacheManager):
+class CritiPrefillStateManager(MethodPagesManager):
     """Pages for a CritiPrefill prompt's state, grown with its chunks, freed when it is computed."""
 
     def __init__(self, kv_cache_spec: CritiPrefillStateSpec, **kwargs) -> None:
@@ -111,11 +92,7 @@ class CritiPrefillStateManager(SingleTypeKVCacheManager):
             return []
         if not self.req_to_blocks.get(request_id):
             metrics.bump("critiprefill.state_allocations")   # once per request and group (and resume)
-        new = self.block_pool.get_new_blocks(n)
-        self.req_to_blocks[request_id].extend(new)
-        if self._record_new_block_ids:
-            self.new_block_ids.extend(b.block_id for b in new)
-        return new
+        return self._take(request_id, n)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -136,44 +113,15 @@ class CritiPrefillStateManager(SingleTypeKVCacheManager):
         self._done.discard(request_id)
         return super().pop_blocks_for_free(request_id)
 
-    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int,
-                                          record_for_zeroing: bool = True) -> None:
-        return None                  # KV connectors are refused with SPEEDSFI
-
-    def add_local_computed_blocks(self, request_id: str, new_computed_blocks,
-                                  num_local_computed_tokens: int,
-                                  num_external_computed_tokens: int) -> None:
-        return None                  # never a prefix hit (the group is not prefix-cacheable)
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args, **kwargs):
-        return tuple([] for _ in kv_cache_group_ids), 0
-
-    def cache_blocks(self, request, num_tokens: int, retention_interval=None, *,
-                     replay_boundaries=()) -> None:
-        return None                  # never prefix-cached
-
-    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        return 0
-
 
 def register_critiprefill_kv_spec() -> None:
     """Register the spec and its manager (idempotent; after vLLM's built-ins, as SFI's)."""
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(CritiPrefillStateSpec, CritiPrefillStateManager,
-                                 uniform_type_base_spec=CritiPrefillStateSpec)
+    register_method_spec(CritiPrefillStateSpec, CritiPrefillStateManager)
 
 
 def state_spec_for(spec: AttentionSpec, cfg: CritiPrefillConfig, *, num_heads: int,
                    max_len: int) -> CritiPrefillStateSpec:
     """The state spec beside an attention layer's ``spec`` (same page format)."""
-    return CritiPrefillStateSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                 head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
-                                 kv_quant_mode=spec.kv_quant_mode, page_size_padded=spec.page_size_padded,
-                                 dcp_sharded=spec.dcp_sharded, max_tp_shards=spec.max_tp_shards,
-                                 carry_entries=max(1, num_heads // spec.num_kv_heads),
+    return CritiPrefillStateSpec(**page_format(spec), carry_entries=max(1, num_heads // spec.num_kv_heads),
                                  cp_block_size=cfg.block_size, segment_size=cfg.segment_size,
                                  budget=cfg.budget, min_len=cfg.min_len, max_len=max_len)

@@ -18,16 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ext import metrics
+from vllm_ext.method_kv_spec import MethodPagesManager, MethodPagesSpec, page_format, register_method_spec
 from vllm_ext.config import SfiConfig
 from vllm_ext.sfi.state_pages import first_compact_len, first_state_len, sfi_state_pages, tail_window
 
 
 @dataclass(frozen=True, kw_only=True)
-class SfiCompactSpec(AttentionSpec):
+class SfiCompactSpec(MethodPagesSpec):
     """One SPEEDSFI layer's per-request SFI state: ``compact_blocks`` pages of the layer's format per
     request (the compact segment, then the kept positions and the prompt-tail queries:
     ``vllm_ext.sfi.state_pages``), from the step its length reaches ``first_len``."""
@@ -45,31 +45,11 @@ class SfiCompactSpec(AttentionSpec):
     def blocks_per_request(self) -> int:
         return self.compact_blocks
 
-    @property
-    def prefix_cacheable(self) -> bool:
-        return False
-
-    @property
-    def block_table_token_alignment(self) -> int | None:
-        return None
-
-    @property
-    def uses_slot_mapping(self) -> bool:
-        return False
-
-    def max_memory_usage_bytes(self, vllm_config) -> int:
-        """A ``max_model_len`` request holds ``compact_blocks`` pages: vLLM's "Maximum concurrency"
-        counts them beside the attention groups' blocks."""
-        return self.compact_blocks * self.page_size_bytes
-
     def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
         return self.compact_blocks
 
-    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
-        return all(isinstance(spec, SfiCompactSpec) for spec in kv_cache_specs.values())
 
-
-class SfiCompactManager(SingleTypeKVCacheManager):
+class SfiCompactManager(MethodPagesManager):
     """``compact_blocks`` blocks per request once its length reaches its first state length
     (``first_len``, earlier for a prompt that writes tail queries); none before."""
 
@@ -98,50 +78,21 @@ class SfiCompactManager(SingleTypeKVCacheManager):
         n = self._wants(request_id, num_tokens, self._prefill_end.get(request_id, 0))
         if not n:
             return []
-        new = self.block_pool.get_new_blocks(n)
-        self.req_to_blocks[request_id].extend(new)
         metrics.bump("sfi.compact_allocations")   # once per request and group (and per resume)
-        if self._record_new_block_ids:
-            self.new_block_ids.extend(b.block_id for b in new)
-        return new
+        return self._take(request_id, n)
 
     def pop_blocks_for_free(self, request_id: str):
         self._prefill_end.pop(request_id, None)    # free() and the deferred free both come here
         return super().pop_blocks_for_free(request_id)
 
-    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int,
-                                          record_for_zeroing: bool = True) -> None:
-        return None                  # KV connectors are refused with SPEEDSFI
-
-    def add_local_computed_blocks(self, request_id: str, new_computed_blocks,
-                                  num_local_computed_tokens: int,
-                                  num_external_computed_tokens: int) -> None:
-        return None                  # never a prefix hit (the group is not prefix-cacheable)
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args, **kwargs):
-        return tuple([] for _ in kv_cache_group_ids), 0
-
-    def cache_blocks(self, request, num_tokens: int, retention_interval=None, *,
-                     replay_boundaries=()) -> None:
-        return None                  # never prefix-cached
-
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        return None
-
-    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        return 0
+        return None                  # held for the request's life
 
 
 def register_sfi_kv_spec() -> None:
     """Register the spec and its manager (idempotent; after vLLM's built-ins, as SPEED's)."""
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(SfiCompactSpec, SfiCompactManager,
-                                 uniform_type_base_spec=SfiCompactSpec)
+    register_method_spec(SfiCompactSpec, SfiCompactManager)
 
 
 def compact_spec_for(spec: AttentionSpec, cfg: SfiConfig, *, num_heads: int | None = None,
@@ -153,9 +104,5 @@ def compact_spec_for(spec: AttentionSpec, cfg: SfiConfig, *, num_heads: int | No
                             head_size=spec.head_size,
                             num_heads=spec.num_kv_heads if num_heads is None else num_heads,
                             cache_dtype=spec.dtype, act_dtype=spec.dtype if act_dtype is None else act_dtype)
-    return SfiCompactSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                          head_size=spec.head_size, head_size_v=spec.head_size_v, dtype=spec.dtype,
-                          kv_quant_mode=spec.kv_quant_mode, page_size_padded=spec.page_size_padded,
-                          dcp_sharded=spec.dcp_sharded, max_tp_shards=spec.max_tp_shards,
-                          compact_blocks=pages.total, first_len=first_compact_len(cfg),
+    return SfiCompactSpec(**page_format(spec), compact_blocks=pages.total, first_len=first_compact_len(cfg),
                           tail_window=tail_window(cfg))
