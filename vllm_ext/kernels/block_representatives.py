@@ -249,16 +249,12 @@ def _check_update(kv_cache: torch.Tensor, reps: torch.Tensor) -> None:
                          f"{tuple(reps.shape)}")
 
 
-def update_block_representatives_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                                       seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
-                                       max_blocks: int, reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
-    """PyTorch twin of :func:`update_block_representatives` (vectorised, no host sync)."""
-    _check_update(kv_cache, reps)
+def key_block_bounds(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     first_block: torch.Tensor, block_size: int, max_blocks: int):
+    """The max and min of K over each row's key blocks ``first_block + [0, max_blocks)`` (the
+    twins' shared step): ``(blocks [R, J], live [R, J]: the block holds a key, kmax, kmin [R, J, H, D]
+    fp32)``."""
     r = seq_lens.shape[0]
-    nb_max = reps.shape[2]
-    max_blocks = min(max_blocks, nb_max)          # a row's live blocks are fewer than NB
-    if r == 0 or max_blocks <= 0:
-        return reps
     dev = kv_cache.device
     page = kv_cache.shape[2]
     k_cache, _ = split_kv(kv_cache)                                   # [P, H, N, D]
@@ -273,7 +269,22 @@ def update_block_representatives_torch(kv_cache: torch.Tensor, block_table: torc
     vm = valid[..., None, None]
     kmax = k.masked_fill(~vm, float("-inf")).amax(dim=2)              # [R, J, H, D]
     kmin = k.masked_fill(~vm, float("inf")).amin(dim=2)
-    live = valid[..., 0]                                              # the block holds a key
+    return blk, valid[..., 0], kmax, kmin
+
+
+def update_block_representatives_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                       seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
+                                       max_blocks: int, reps: torch.Tensor, rep_slot: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of :func:`update_block_representatives` (vectorised, no host sync)."""
+    _check_update(kv_cache, reps)
+    r = seq_lens.shape[0]
+    nb_max = reps.shape[2]
+    max_blocks = min(max_blocks, nb_max)          # a row's live blocks are fewer than NB
+    if r == 0 or max_blocks <= 0:
+        return reps
+    blk, live, kmax, kmin = key_block_bounds(kv_cache, block_table, seq_lens, first_block, block_size,
+                                             max_blocks)
+    dev = kv_cache.device
     # Every entry writes (no host-side count): a dead one (no key) writes its location's current
     # value back. Locations are taken modulo NB: a row's J <= NB consecutive blocks land on distinct
     # locations, so a dead write never meets a live one of the same row.

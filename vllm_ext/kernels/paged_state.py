@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.kernels.paged_reference import split_kv
+from vllm_ext.kernels.block_representatives import key_block_bounds
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
 
 if HAS_TRITON:
@@ -115,21 +115,9 @@ def update_block_representatives_paged_torch(kv_cache: torch.Tensor, block_table
     r = seq_lens.shape[0]
     if r == 0 or max_blocks <= 0:
         return state_cache
-    dev = kv_cache.device
-    page = kv_cache.shape[2]
-    k_cache, _ = split_kv(kv_cache)                                   # [P, H, N, D]
-    seq = seq_lens.to(dev).long()
-    blk = first_block.to(dev).long()[:, None] + torch.arange(max_blocks, device=dev)[None, :]   # [R, J]
-    pos = blk[..., None] * block_size + torch.arange(block_size, device=dev)                   # [R, J, Bk]
-    valid = pos < seq[:, None, None]
-    pidx = (pos // page).clamp(0, block_table.shape[1] - 1)
-    pages = torch.gather(block_table.to(dev).long(), 1, pidx.reshape(r, -1)).reshape(pidx.shape)
-    pages = torch.where(valid, pages, 0)
-    k = k_cache[pages, :, pos % page].float()                         # [R, J, Bk, H, D]
-    vm = valid[..., None, None]
-    kmax = k.masked_fill(~vm, float("-inf")).amax(dim=2)              # [R, J, H, D]
-    kmin = k.masked_fill(~vm, float("inf")).amin(dim=2)
-    _store(state_cache, state_table.to(dev), entry_offset + blk, valid[..., 0], torch.cat([kmax, kmin], -1))
+    blk, live, kmax, kmin = key_block_bounds(kv_cache, block_table, seq_lens, first_block, block_size,
+                                             max_blocks)
+    _store(state_cache, state_table.to(kv_cache.device), entry_offset + blk, live, torch.cat([kmax, kmin], -1))
     return state_cache
 
 
