@@ -7,19 +7,6 @@ import pytest
 from vllm_ext.quality import long_answers as L
 
 
-@pytest.fixture(scope="module")
-def tok():
-    pytest.importorskip("transformers")
-    from vllm_ext.tools import real_model
-
-    path = real_model.model_dir()
-    if not (path / real_model.MANIFEST).is_file() or not (path / "tokenizer.json").is_file():
-        pytest.skip("the real model is not cached (python -m vllm_ext.tools.real_model)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 @pytest.mark.parametrize("kind", L.KINDS)
 def test_prompt_fills_the_length(tok, kind):
     p = L.make_long_answer_prompt(kind, 2048, 1, tok)

@@ -8,19 +8,6 @@ from vllm_ext.quality import tasks as T
 from vllm_ext.quality import user_needles as U
 
 
-@pytest.fixture(scope="module")
-def tok():
-    pytest.importorskip("transformers")
-    from vllm_ext.tools import real_model
-
-    path = real_model.model_dir()
-    if not (path / real_model.MANIFEST).is_file() or not (path / "tokenizer.json").is_file():
-        pytest.skip("the real model is not cached (python -m vllm_ext.tools.real_model)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 @pytest.mark.parametrize("form", U.FORMS)
 @pytest.mark.parametrize("depth", [0.05, 0.95])
 def test_one_value_in_its_needle_within_the_length(tok, form, depth):
