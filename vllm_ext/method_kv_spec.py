@@ -87,6 +87,62 @@ class MethodPagesManager(SingleTypeKVCacheManager):
         return 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class GrowingPagesSpec(MethodPagesSpec):
+    """Pages of a per-request state that grows with the request's length, as its KV does:
+    :meth:`pages_for` of ``num_tokens`` (the subclass's layout); a ``max_len`` request holds the most
+    (what "Maximum concurrency" counts)."""
+
+    max_len: int = 1                # max_model_len
+
+    def pages_for(self, num_tokens: int) -> int:
+        raise NotImplementedError
+
+    @property
+    def blocks_per_request(self) -> int:
+        return self.pages_for(self.max_len)
+
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        return self.pages_for(max(max_len, self.max_len))
+
+
+class GrowingPagesManager(MethodPagesManager):
+    """Gives a request ``pages_for(num_tokens)`` pages in all as its length grows (the tokens it will
+    hold after the step being scheduled, as vLLM counts a KV block), once :meth:`wants_pages` says it
+    needs any; held for its life, freed on finish, abort and preemption. :meth:`on_first_pages` is
+    called when a request gets its first pages (a counter)."""
+
+    def wants_pages(self, request_id: str, num_tokens: int) -> bool:
+        return True
+
+    def on_first_pages(self, request_id: str) -> None:
+        return None
+
+    def _growth(self, request_id: str, num_tokens: int) -> int:
+        held = len(self.req_to_blocks.get(request_id, ()))
+        if not held and not self.wants_pages(request_id, num_tokens):
+            return 0
+        return max(0, self.kv_cache_spec.pages_for(num_tokens) - held)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   prefill_end: int = 0) -> int:
+        return self._growth(request_id, num_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        n = self._growth(request_id, num_tokens)
+        if not n:
+            return []
+        if not self.req_to_blocks.get(request_id):
+            self.on_first_pages(request_id)
+        return self._take(request_id, n)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        return None                  # held for the request's life
+
+
 def register_method_spec(spec_type: type[MethodPagesSpec], manager_type: type[MethodPagesManager]) -> None:
     """Register a method's spec and manager with vLLM (idempotent; after vLLM's built-ins)."""
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
