@@ -44,29 +44,39 @@ STAGES = ("smoke", "graphs", "kernels", "sfi_perf", "correct", "quality", "perf"
 # The documented invocation: calls of at most CALL_DEADLINE_S each, each independent of the others
 # (a later session can run the rest).
 CALL_DEADLINE_S = 520
-# Issue 35: the GPU half in two calls of at most 10 minutes each (~20 minutes of device time with the
-# payload's transfer). Call 1 alone answers the principal question: SFI against what `vllm serve`
-# gives by default at 32K with the batch that fills the default's KV cache (TPOT, TTFT, and a kernel
-# table of a decode window from the torch profiler), after SFI under FULL CUDA graphs == eager.
-# Call 2: all off with dense_delegate "auto" == that backend on the V1 runner token for token (what
-# flips the default), and the 128K rows. What does not fit 20 minutes is calls 3 to 5, for later
-# sessions: the 8K rows and the serving run; the runner's share (the default backend on the V1
-# runner), all off, SFI + SPEED and CritiPrefill's TTFT at 32K, the kernel-only read rates; the
-# Llama-3.1-8B shape's token checks and quality.
+# Issue 35: the GPU half in calls of at most 10 minutes each, ordered by what they decide. A session
+# is lent 15 minutes of device time (the device tool's README, 2026-11-27; the issue was written for
+# 30), start-up, the payload's stash call and idle seconds included: SESSION_PLAN below. Call 1 alone
+# answers the principal question: SFI against what `vllm serve` gives by default at 32K with the batch
+# that fills the default's KV cache (TPOT, TTFT, and a kernel table of a decode window from the torch
+# profiler), after SFI under FULL CUDA graphs == eager. Call 2, on the same warm machine right after:
+# all off with dense_delegate "auto" == that backend on the V1 runner token for token (what flips the
+# default). What does not fit a session is calls 3 to 6, for later sessions: the 128K rows; the 8K
+# rows and the serving run; the runner's share (the default backend on the V1 runner), all off, SFI +
+# SPEED and CritiPrefill's TTFT at 32K, the kernel-only read rates; the Llama-3.1-8B shape's token
+# checks and quality.
 CALLS: dict[int, dict[str, str]] = {
     1: dict(stages="smoke,graphs,sfi_perf,perf", sfi_perf_configs="speedsfi_sfi_auto",
             perf_configs="vllm_default", lengths="32768", batches="32768:max", profile="1"),
-    2: dict(stages="correct,sfi_perf,perf", correct_models="qwen3-4b",
-            correct_configs="flash_attn_v1,speedsfi_dense_auto", sfi_perf_configs="speedsfi_sfi_auto",
+    2: dict(stages="correct", correct_models="qwen3-4b", correct_configs="flash_attn_v1,speedsfi_dense_auto"),
+    3: dict(stages="sfi_perf,perf", sfi_perf_configs="speedsfi_sfi_auto",
             perf_configs="vllm_default", lengths="131072", batches="131072:max"),
-    3: dict(stages="sfi_perf,perf,serving", sfi_perf_configs="speedsfi_sfi_auto",
+    4: dict(stages="sfi_perf,perf,serving", sfi_perf_configs="speedsfi_sfi_auto",
             perf_configs="vllm_default", lengths="8192", batches="8192:max",
             serve_configs="vllm_default,speedsfi_sfi_auto", serve_prompts="8", serve_rate="0.5"),
-    4: dict(stages="kernels,sfi_perf,perf,critiprefill", sfi_perf_configs="speedsfi_sfi_speed",
+    5: dict(stages="kernels,sfi_perf,perf,critiprefill", sfi_perf_configs="speedsfi_sfi_speed",
             perf_configs="flash_attn_v1,speedsfi_dense_auto", lengths="32768", batches="32768:max"),
-    5: dict(stages="correct,quality", correct_models="llama-3.1-8b",
+    6: dict(stages="correct,quality", correct_models="llama-3.1-8b",
             correct_configs="flash_attn_v1,speedsfi_dense_auto,speedsfi_sfi"),
 }
+# One session's device time and what it spends besides the driver (seconds): the machine's start
+# (a minute or more, HOPPER/README), the stash call that leaves the payload's second half on the warm
+# machine (bench/README.md: the payload and the tree do not fit one transfer), and per call the
+# transfer, the unpack and the files back. `session_fits` checks a session's calls against it.
+SESSION_PLAN = dict(device_budget_s=900, start_s=120, stash_call_s=60, per_call_overhead_s=40,
+                    calls=(1, 2))
+
+
 MAX_BATCH = 64
 # the driver's options a call may set (the rest keep their defaults)
 CALL_OPTIONS = ("perf_configs", "sfi_perf_configs", "lengths", "batches", "correct_models",
@@ -204,6 +214,13 @@ def build_plan(args) -> list[dict]:
 
 def plan_total(jobs: list[dict]) -> float:
     return sum(j["est_s"] for j in jobs)
+
+
+def session_total(call_estimates: dict[int, float], plan: dict = SESSION_PLAN) -> float:
+    """Device seconds a session spends on ``plan``'s calls (their plans' estimates), start-up, the
+    stash call and each call's transfer and unpack included."""
+    return (plan["start_s"] + plan["stash_call_s"]
+            + sum(call_estimates[c] + plan["per_call_overhead_s"] for c in plan["calls"]))
 
 
 def print_plan(jobs: list[dict], args) -> None:

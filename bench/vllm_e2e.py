@@ -4,15 +4,17 @@ performance against what users run by default, and serving (issues 10, 24).
 
 Run on the GPU machine by ``scripts/gpu_e2e.sh`` (which unpacks the payload of
 ``scripts/gpu_vllm_bundle.sh`` and puts it on ``PYTHONPATH``); the documented invocation is five
-calls of at most 520 s each: 1 and 2 in a session's 30 minutes of device time (issue 35), 3 to 5 in
-later sessions (``--call N`` picks a call's stages and configurations)::
+calls of at most 520 s each: 1 and 2 in a session's 15 minutes of device time (issue 35; ``session``
+prints that budget), 3 to 6 in later sessions (``--call N`` picks a call's stages and configurations)::
 
     python bench/vllm_e2e.py --call 1 --out $OUT --deadline-s 520   # graphs == eager; 32K x max: SFI vs vLLM's default + kernel tables
-    python bench/vllm_e2e.py --call 2 --out $OUT --deadline-s 520   # all off (auto) == FLASH_ATTN V1 token for token; 128K rows
-    python bench/vllm_e2e.py --call 3 --out $OUT --deadline-s 520   # 8K rows; serving (vllm bench serve)
-    python bench/vllm_e2e.py --call 4 --out $OUT --deadline-s 520   # 32K: runner share, all off, SFI + SPEED, CritiPrefill
-    python bench/vllm_e2e.py --call 5 --out $OUT --deadline-s 520   # Llama-3.1-8B token checks; quality
+    python bench/vllm_e2e.py --call 2 --out $OUT --deadline-s 520   # all off (auto) == FLASH_ATTN V1 token for token
+    python bench/vllm_e2e.py --call 3 --out $OUT --deadline-s 520   # 128K rows
+    python bench/vllm_e2e.py --call 4 --out $OUT --deadline-s 520   # 8K rows; serving (vllm bench serve)
+    python bench/vllm_e2e.py --call 5 --out $OUT --deadline-s 520   # 32K: runner share, all off, SFI + SPEED, CritiPrefill
+    python bench/vllm_e2e.py --call 6 --out $OUT --deadline-s 520   # Llama-3.1-8B token checks; quality
     python bench/vllm_e2e.py --call 1 --dry-run                     # the plan and its time estimate; no vLLM, no GPU
+    python bench/vllm_e2e.py session                                # a session's calls against its device time
     python bench/vllm_e2e.py report --merge a.json b.json --out bench/results   # merge + re-plot (CPU)
     python bench/vllm_e2e.py smoke,graphs --out $OUT               # or any stages by name
 
@@ -50,8 +52,9 @@ from e2e_models import (CONFIGS, MODELS, N_SPECIAL, SFI_CPU, SFI_SMALL, TRIGGER_
                         param_count, speedsfi_section, token_strings, trigger_ids, write_config)
 from e2e_report import (compare_quality, markdown_report, merge_results, plot_perf,  # noqa: E402,F401
                         summary_table)
-from e2e_stages import (CALL_DEADLINE_S, CALL_OPTIONS, CALLS, STAGES, Run, build_plan, derived_checks,  # noqa: E402,F401
-                        parse_batches, plan_total, print_plan, serving_summary)
+from e2e_stages import (CALL_DEADLINE_S, CALL_OPTIONS, CALLS, SESSION_PLAN, STAGES, Run, build_plan,  # noqa: E402,F401
+                        derived_checks, parse_batches, plan_total, print_plan, serving_summary,
+                        session_total)
 from e2e_timing import (HANG_FACTOR, PERF_ROW_KEYS, compare_tokens, decode_timing,  # noqa: E402,F401
                         est_engine_s, hang_timeout, kv_gbps, make_perf_row, sfi_summary, tokens_digest)
 
@@ -74,7 +77,7 @@ def ints(text: str) -> list[int]:
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stages", nargs="?", default=None,
-                    help=f"comma list of {','.join(STAGES)} | all | plan | report | note (or --call N)")
+                    help=f"comma list of {','.join(STAGES)} | all | plan | session | report | note (or --call N)")
     ap.add_argument("--call", type=int, choices=sorted(CALLS), default=None,
                     help="one call of the documented invocation: its stages and configurations "
                          + "; ".join(f"{k}: {v['stages']}" for k, v in CALLS.items()))
@@ -150,11 +153,11 @@ def parse(argv=None):
     if s is None:
         ap.error("give stages or --call N")
     args.stages = list(STAGES) if s == "all" else [x for x in s.split(",") if x]
-    if s not in ("plan", "report", "note", "_worker"):
+    if s not in ("plan", "session", "report", "note", "_worker"):
         bad = [x for x in args.stages if x not in STAGES]
         if bad:
             ap.error(f"unknown stage(s) {bad}; choose from {STAGES}, all, plan, report, note")
-    if s == "plan":
+    if s in ("plan", "session"):
         args.dry_run = True
         args.stages = list(STAGES)
     args.correct_models = [m for m in args.correct_models.split(",") if m]
@@ -199,6 +202,28 @@ def parse(argv=None):
     return args, s
 
 
+def call_estimate(call: int, argv: list[str] | None = None) -> float:
+    """The driver's estimate of call ``call``'s plan (seconds; no vLLM, no GPU)."""
+    args, _ = parse(["--call", str(call), *(argv or [])])
+    return plan_total(build_plan(args))
+
+
+def print_session(args) -> int:
+    """One lent session: its calls' estimates, start-up, the stash call and each call's transfer,
+    against the device time a session has (``e2e_stages.SESSION_PLAN``)."""
+    plan = SESSION_PLAN
+    extra = ["--cpu"] if args.cpu else []
+    est = {c: call_estimate(c, extra) for c in plan["calls"]}
+    total = session_total(est, plan)
+    print(f"session: start ~{plan['start_s']} s, stash call ~{plan['stash_call_s']} s, "
+          + ", ".join(f"call {c} ~{est[c]:.0f} s + {plan['per_call_overhead_s']} s transfer and unpack"
+                      for c in plan["calls"]))
+    fits = total <= plan["device_budget_s"]
+    print(f"session total ~{total:.0f} s ({total / 60:.1f} min) of {plan['device_budget_s']} s of device time"
+          + (" (fits)" if fits else " -- OVER"))
+    return 0 if fits else 1
+
+
 def main(argv=None) -> int:
     args, raw = parse(argv)
     if raw == "_worker":
@@ -220,6 +245,8 @@ def main(argv=None) -> int:
         run.failure("setup", "gpu_e2e.sh", "setup", args.error or "unknown")
         run.write()
         return 0
+    if raw == "session":
+        return print_session(args)
     jobs = build_plan(args)
     print_plan(jobs, args)
     if args.dry_run:

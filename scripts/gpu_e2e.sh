@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_e2e.sh STAGES [OUTDIR] [-- bench/vllm_e2e.py options]
 #
-# STAGES: "call1" .. "call5" (the documented invocation: bench/vllm_e2e.py --call N), or stage names,
+# STAGES: "call1" .. "call6" (the documented invocation: bench/vllm_e2e.py --call N), or stage names,
 # comma separated (run in bench/vllm_e2e.py's order; e2e_stages.py describes each):
 #   stash    keep the carried payload folders' archives on the warm machine for the next call (within
 #            ~30 s): carry [".gpu_payload/carry_deps"] when the two do not fit one call, then run with
@@ -14,14 +14,16 @@
 #   smoke, graphs, kernels, sfi_perf, correct, quality, perf, critiprefill, serving; all
 #
 # The calls (each <= 520 s of driver time; "python3 bench/vllm_e2e.py --call N --dry-run" prints the
-# plan and its estimate), in this order, 1 and 2 in a session's 30 minutes of device time (issue 35):
+# plan and its estimate), in this order, 1 and 2 in a session's 15 minutes of device time, one after
+# the other on the warm machine (issue 35; "python3 bench/vllm_e2e.py session" prints the budget):
 #   call1  SFI under FULL CUDA graphs == eager, each row once; Qwen3-4B shape at 32K with the batch
 #          that fills the KV cache: SFI preset (dense rows on vLLM's pick) vs vLLM's default, each
 #          with a kernel table of a decode window
-#   call2  all off with dense_delegate auto == FLASH_ATTN on the V1 runner (token for token); 128K rows
-#   call3  8K rows; serving (vllm serve + vllm bench serve, 32K prompts at 0.5 req/s)
-#   call4  32K: the runner's share, all off, SFI + SPEED, CritiPrefill TTFT; kernel-only read rates
-#   call5  Llama-3.1-8B shape token checks; quality (retrieval-llama vs the CPU)
+#   call2  all off with dense_delegate auto == FLASH_ATTN on the V1 runner (token for token)
+#   call3  128K rows
+#   call4  8K rows; serving (vllm serve + vllm bench serve, 32K prompts at 0.5 req/s)
+#   call5  32K: the runner's share, all off, SFI + SPEED, CritiPrefill TTFT; kernel-only read rates
+#   call6  Llama-3.1-8B shape token checks; quality (retrieval-llama vs the CPU)
 # Options after "--" go to bench/vllm_e2e.py, e.g. -- --batches 131072:max (bench/vllm_e2e.py --help).
 #
 # OUTDIR (default $OUT, else bench/results/vllm_e2e): vllm_e2e.json, vllm_e2e.png, vllm_e2e.log,

@@ -35,7 +35,7 @@ def _driver(*args, timeout=60):
 
 
 # ------------------------------------------------------------------------------------ e2e_stages
-@pytest.mark.parametrize("call", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("call", [1, 2, 3, 4, 5, 6])
 def test_each_documented_call_fits_its_deadline_in_dry_run(e2e, call):
     p = _driver("--call", str(call), "--deadline-s", str(e2e.CALL_DEADLINE_S), "--dry-run")
     assert p.returncode == 0, p.stderr
@@ -46,6 +46,29 @@ def test_each_documented_call_fits_its_deadline_in_dry_run(e2e, call):
     assert e2e.plan_total(jobs) <= e2e.CALL_DEADLINE_S <= 540
     # a job is killed at 1.5 x its estimate: even then a call stays within the device's 600 s
     assert all(e2e.hang_timeout(j["est_s"]) < 600 for j in jobs)
+
+
+def test_a_lent_session_runs_calls_1_and_2_within_its_device_time(e2e):
+    """A session is lent 15 minutes of device time, start-up and the payload's stash call included:
+    call 1 (the principal question) and call 2 (the token check that flips the default) fit it by
+    the plan's own estimates, and the printed plan says so (exit status 0)."""
+    plan = e2e.SESSION_PLAN
+    assert plan["calls"] == (1, 2) and plan["device_budget_s"] <= 900
+    est = {c: e2e.call_estimate(c) for c in plan["calls"]}
+    assert e2e.session_total(est) <= plan["device_budget_s"]
+    # call 2 runs on the warm machine after call 1: even with every job at its kill time (1.5 x its
+    # estimate) it ends before the session's time does
+    args, _ = e2e.parse(["--call", "2"])
+    worst_2 = sum(e2e.hang_timeout(j["est_s"]) for j in e2e.build_plan(args))
+    assert e2e.session_total(est) - est[2] + worst_2 <= plan["device_budget_s"]
+    p = _driver("session")
+    assert p.returncode == 0, p.stderr
+    assert "(fits)" in p.stdout and "call 1" in p.stdout and "call 2" in p.stdout
+
+
+def test_session_total_counts_every_overhead(e2e):
+    plan = dict(device_budget_s=900, start_s=100, stash_call_s=50, per_call_overhead_s=10, calls=(1, 2))
+    assert e2e.session_total({1: 400.0, 2: 100.0, 3: 999.0}, plan) == 100 + 50 + 410 + 110
 
 
 def test_calls_cover_every_stage_once(e2e):
@@ -94,6 +117,7 @@ def test_call_2_checks_auto_token_for_token_against_the_same_backend_on_the_same
     jobs = e2e.build_plan(args)
     correct = [j for j in jobs if j["stage"] == "correct"]
     assert {j["config"] for j in correct} == {"flash_attn_v1", "speedsfi_dense_auto"}
+    assert {j["stage"] for j in jobs} <= {"preflight", "correct"}      # nothing else: it must be short
     assert all(j["eager"] for j in correct)
     strict = {(a, b) for a, b, _, s in __import__("e2e_stages").CORRECT_PAIRS if s}
     assert ("speedsfi_dense_auto", "flash_attn_v1") in strict
