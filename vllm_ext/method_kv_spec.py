@@ -109,8 +109,9 @@ class GrowingPagesSpec(MethodPagesSpec):
 class GrowingPagesManager(MethodPagesManager):
     """Gives a request ``pages_for(num_tokens)`` pages in all as its length grows (the tokens it will
     hold after the step being scheduled, as vLLM counts a KV block), once :meth:`wants_pages` says it
-    needs any; held for its life, freed on finish, abort and preemption. :meth:`on_first_pages` is
-    called when a request gets its first pages (a counter)."""
+    needs any (:meth:`target_pages` for another rule); held for its life unless a subclass gives them
+    back in ``remove_skipped_blocks``, freed on finish, abort and preemption. :meth:`on_first_pages`
+    is called when a request gets its first pages (a counter)."""
 
     def wants_pages(self, request_id: str, num_tokens: int) -> bool:
         return True
@@ -118,11 +119,16 @@ class GrowingPagesManager(MethodPagesManager):
     def on_first_pages(self, request_id: str) -> None:
         return None
 
+    def target_pages(self, request_id: str, num_tokens: int) -> int:
+        """The pages the request should hold once it has ``num_tokens`` tokens (never fewer than it
+        holds: a manager gives pages back only through vLLM's own paths)."""
+        if not self.req_to_blocks.get(request_id) and not self.wants_pages(request_id, num_tokens):
+            return 0
+        return self.kv_cache_spec.pages_for(num_tokens)
+
     def _growth(self, request_id: str, num_tokens: int) -> int:
         held = len(self.req_to_blocks.get(request_id, ()))
-        if not held and not self.wants_pages(request_id, num_tokens):
-            return 0
-        return max(0, self.kv_cache_spec.pages_for(num_tokens) - held)
+        return max(0, self.target_pages(request_id, num_tokens) - held)
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
                                    total_computed_tokens: int, num_local_computed_tokens: int,

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ext import metrics
-from vllm_ext.method_kv_spec import MethodPagesManager, MethodPagesSpec, page_format, register_method_spec
+from vllm_ext.method_kv_spec import GrowingPagesManager, GrowingPagesSpec, page_format, register_method_spec
 from vllm_ext.config import CritiPrefillConfig
 from vllm_ext.critiprefill.chunking import is_critiprefill_prompt
 from vllm_ext.critiprefill.state_layout import state_pages
 
 
 @dataclass(frozen=True, kw_only=True)
-class CritiPrefillStateSpec(MethodPagesSpec):
+class CritiPrefillStateSpec(GrowingPagesSpec):
     """One sparse layer's CritiPrefill state: pages of the layer's format, growing with the prompt."""
 
     carry_entries: int = 1          # G = Hq / Hkv
@@ -39,7 +39,6 @@ class CritiPrefillStateSpec(MethodPagesSpec):
     segment_size: int = 512
     budget: int = 1024
     min_len: int = 0
-    max_len: int = 1                # max_model_len: the largest state
 
     # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds
     speedsfi_method = "critiprefill"
@@ -52,17 +51,11 @@ class CritiPrefillStateSpec(MethodPagesSpec):
         return CritiPrefillConfig(enabled=True, block_size=self.cp_block_size, segment_size=self.segment_size,
                                   budget=self.budget, min_len=self.min_len)
 
-    @property
-    def blocks_per_request(self) -> int:
-        """The most a request holds (a ``max_model_len`` prompt; "Maximum concurrency" counts it, a
-        bound: the state is freed when the prefill ends); a shorter one holds fewer."""
-        return self.pages_for(self.max_len)
-
-    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
-        return self.pages_for(max(max_len, self.max_len))
+    # blocks_per_request (GrowingPagesSpec): a ``max_model_len`` prompt's pages, what "Maximum
+    # concurrency" counts; a bound, since the state is freed when the prefill ends
 
 
-class CritiPrefillStateManager(MethodPagesManager):
+class CritiPrefillStateManager(GrowingPagesManager):
     """Pages for a CritiPrefill prompt's state, grown with its chunks, freed when it is computed."""
 
     def __init__(self, kv_cache_spec: CritiPrefillStateSpec, **kwargs) -> None:
@@ -71,12 +64,14 @@ class CritiPrefillStateManager(MethodPagesManager):
         self._prompt_len: dict[str, int] = {}       # from vLLM's per-step remove_skipped_blocks
         self._done: set[str] = set()                 # prompt computed: state given back
 
-    def _wants(self, request_id: str, num_tokens: int) -> int:
+    def target_pages(self, request_id: str, num_tokens: int) -> int:
         plen = self._prompt_len.get(request_id, 0)
         if request_id in self._done or not is_critiprefill_prompt(self._cfg, plen):
             return 0
-        need = self.kv_cache_spec.pages_for(min(num_tokens, plen))
-        return max(0, need - len(self.req_to_blocks.get(request_id, ())))
+        return self.kv_cache_spec.pages_for(min(num_tokens, plen))
+
+    def on_first_pages(self, request_id: str) -> None:
+        metrics.bump("critiprefill.state_allocations")   # once per request and group (and resume)
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
                                    total_computed_tokens: int, num_local_computed_tokens: int,
@@ -84,15 +79,7 @@ class CritiPrefillStateManager(MethodPagesManager):
                                    prefill_end: int = 0) -> int:
         if prefill_end > 0:          # a new request's admission check runs before remove_skipped_blocks
             self._prompt_len.setdefault(request_id, prefill_end)
-        return self._wants(request_id, num_tokens)
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
-        n = self._wants(request_id, num_tokens)
-        if not n:
-            return []
-        if not self.req_to_blocks.get(request_id):
-            metrics.bump("critiprefill.state_allocations")   # once per request and group (and resume)
-        return self._take(request_id, n)
+        return self._growth(request_id, num_tokens)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
