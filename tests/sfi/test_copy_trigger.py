@@ -90,7 +90,7 @@ def test_off_leaves_the_same_steps_fast():
 
 
 def hist_of(t):
-    return t.sfi.history[t.sfi.slot_host[t.slot_of["a"]]]
+    return t.sfi.history.read(t.sfi.slot_host[t.slot_of["a"]])
 
 
 @pytest.mark.parametrize("sfi, words", [({"copy_ngram": 1}, "copy_ngram"), ({"copy_ngram": 9}, "copy_ngram"),

@@ -31,6 +31,8 @@ from vllm_ext.request_state import StepState
 from vllm_ext.sfi.prompt_tail import (TailRow, kept_count, makes_prefill_selection, plan_prompt_tail,
                                       tail_window)
 from vllm_ext.kernels.copy_match import copy_match, record_tokens
+from vllm_ext.kernels.token_history import TokenHistory
+from vllm_ext.sfi.history_slots import HISTORY_SUFFIX, HistorySlots
 from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_COPY, STAT_DENSE,
                                     STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                     STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW,
@@ -68,7 +70,8 @@ class SfiSlotTables(MethodSlots):
     name = "sfi"
 
     def __init__(self, n_slots: int, capacity: int, max_rows: int, config: SpeedSfiConfig,
-                 trigger_lut: torch.Tensor | None, device: torch.device, *, max_model_len: int = 0):
+                 trigger_lut: torch.Tensor | None, device: torch.device, *, max_model_len: int = 0,
+                 paged_history: bool = False):
         self.config = config
         self.cfg = config.sfi
         self.capacity = capacity
@@ -92,17 +95,17 @@ class SfiSlotTables(MethodSlots):
         # sfi.keep_prefill: per compact slot (+ a scratch entry), the tokens its prefill-end selection
         # keeps for the whole decode (0 for a slot whose prefill made no selection)
         self.n_kept = torch.zeros(capacity + 1, **i32)
-        # sfi.copy_ngram: per compact slot (+ a trash row) the request's tokens by position (-1 where
-        # not seen: a prefix-cache hit's tokens never pass through the step's input ids, so they
-        # never match), and each row's copy flag of the step (kernels.copy_match)
-        self.history: torch.Tensor | None = None
+        # sfi.copy_ngram: per compact slot the request's tokens by position (vllm_ext.sfi.history_slots;
+        # ``paged_history``: in vLLM's KV-cache blocks), and each row's copy flag of the step
+        self.history_slots: HistorySlots | None = None
         self.row_copy: torch.Tensor | None = None
         self.copy_prev: torch.Tensor | None = None
         if self.cfg.copy_ngram:
             if max_model_len <= 0:
                 raise ConfigError("speedsfi.sfi.copy_ngram needs the model's max_model_len (the token "
                                   "history's size)")
-            self.history = torch.full((capacity + 1, max_model_len), -1, **i32)
+            self.history_slots = HistorySlots(capacity=capacity, n_slots=n_slots, max_rows=max_rows,
+                                              max_len=max_model_len, device=device, paged=paged_history)
             self.row_copy = torch.zeros(max_rows, **i32)
         # sfi.copy_once: per compact slot (+ the trash row) whether its last decode step copied
         self.copy_prev = torch.zeros(capacity + 1, **i32) if self.cfg.copy_once else None
@@ -133,12 +136,22 @@ class SfiSlotTables(MethodSlots):
     def stats(self) -> torch.Tensor:
         return self.counters.values
 
+    @property
+    def history(self) -> TokenHistory | None:
+        """``sfi.copy_ngram``'s token histories (None: off, or not bound to vLLM's pages yet)."""
+        return None if self.history_slots is None else self.history_slots.history
+
     def bind_kv_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
-        """``MethodSlots``: SFI's KV-cache groups (``vllm_ext.sfi.kv_spec``), group id -> (blocks
-        per request, the compact cache layers ``<attention layer>`` + :data:`COMPACT_SUFFIX`)."""
+        """``MethodSlots``: SFI's KV-cache groups, group id -> (blocks per request, layer names[,
+        spec, layer name -> page memory]): the compact groups (``vllm_ext.sfi.kv_spec``, layers
+        ``<attention layer>`` + :data:`COMPACT_SUFFIX`) and the history groups
+        (``vllm_ext.sfi.history_kv_spec``, layers ending in ``HISTORY_SUFFIX``)."""
+        history = {gid: g for gid, g in groups.items() if all(n.endswith(HISTORY_SUFFIX) for n in g[1])}
         self.bind_compact_groups({gid: (n_c, [n[:-len(COMPACT_SUFFIX)] for n in names
                                                if n.endswith(COMPACT_SUFFIX)])
-                                  for gid, (n_c, names, *_) in groups.items()})
+                                  for gid, (n_c, names, *_) in groups.items() if gid not in history})
+        if self.history_slots is not None:
+            self.history_slots.bind(history)
 
     def bind_compact_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
         """The compact segments live in vLLM's KV-cache groups ``groups``: group id -> (blocks per
@@ -205,6 +218,8 @@ class SfiSlotTables(MethodSlots):
             return -1, False, k
         sfi_slot = self._free.pop()
         self.slot_host[slot] = sfi_slot
+        if self.history_slots is not None:
+            self.history_slots.on_host[slot] = True
         self.k_host[slot] = k
         metrics.bump("sfi.slots_assigned")       # exported: in use = assigned - released
         return sfi_slot, True, k
@@ -212,6 +227,8 @@ class SfiSlotTables(MethodSlots):
     def release(self, slot: int) -> None:
         sfi_slot = self.slot_host.pop(slot, None)
         self.k_host.pop(slot, None)
+        if self.history_slots is not None:
+            self.history_slots.on_host[slot] = False
         self.first_computed.pop(slot, None)
         self.tail_lost.discard(slot)
         if sfi_slot is not None:
@@ -235,8 +252,8 @@ class SfiSlotTables(MethodSlots):
             self.page_upto.index_fill_(0, fresh, 0)
         if self.cfg.keep_prefill:
             self.n_kept.index_fill_(0, fresh, 0)
-        if self.history is not None:
-            self.history.index_fill_(0, fresh, -1)
+        if self.history_slots is not None:
+            self.history_slots.reset(idx, fresh)
         if self.copy_prev is not None:
             self.copy_prev.index_fill_(0, fresh, 0)
 
@@ -282,7 +299,7 @@ class SfiSlotTables(MethodSlots):
         sfi_on = self._update_compact_tables(step) if self.compact_tables else self.sfi_on
         row_copy = None
         if self.history is not None:
-            row_copy = self.copy_rows(step, sfi_rows, sfi_on)
+            row_copy = self.copy_rows(step, sfi_rows)
         plan = self.plan(row_slot=step.row_slot, row_last_token=step.row_last_token,
                          row_is_decode=sfi_rows, seq_lens=step.seq_lens, block_table=step.block_table,
                          sfi_on=sfi_on, row_copy=row_copy)
@@ -306,13 +323,17 @@ class SfiSlotTables(MethodSlots):
                          "slow" if bool(plan.row_slow[row]) else "fast")}
 
     # ------------------------------------------------------------------ per step (device)
-    def copy_rows(self, step: StepState, sfi_rows: torch.Tensor, sfi_on: torch.Tensor) -> torch.Tensor:
+    def copy_rows(self, step: StepState, sfi_rows: torch.Tensor) -> torch.Tensor:
         """``sfi.copy_ngram``: record the step's input tokens in the history, then flag the decode
-        rows whose last tokens repeat an earlier span (:mod:`vllm_ext.kernels.copy_match`)."""
+        rows whose last tokens repeat an earlier span (:mod:`vllm_ext.kernels.copy_match`). A request
+        with SFI on records from its first chunk, whether or not it holds its compact blocks yet;
+        a row whose request lacks the history pages of its step neither records nor matches
+        (:mod:`vllm_ext.sfi.history_slots`)."""
         num_rows = step.num_rows
         slot = step.row_slot.long()
-        hist_slot = torch.where(sfi_on[slot] & (self.sfi_slot_of[slot] >= 0),
-                                self.sfi_slot_of[slot], -1).to(torch.int32)
+        sfi_slot = self.sfi_slot_of[slot]
+        hist_slot, row_from = self.history_slots.plan_rows(step, self.sfi_on[slot] & (sfi_slot >= 0),
+                                                           sfi_slot)
         seq_lens = step.seq_lens[:num_rows]
         if step.is_real and step.num_reqs and step.input_ids is not None:
             if step.host_geometry is not None and not bool(step.row_is_decode_np[:step.num_reqs].all()):
@@ -324,7 +345,7 @@ class SfiSlotTables(MethodSlots):
                           hist_slot[:step.num_reqs], max_q_len)
         return copy_match(self.history, seq_lens, hist_slot, sfi_rows, self.row_copy[:num_rows],
                           n_sink=self.cfg.n_sink, n_recent=self.cfg.n_recent, ngram=self.cfg.copy_ngram,
-                          max_matches=self.cfg.copy_max_matches, prev=self.copy_prev)
+                          max_matches=self.cfg.copy_max_matches, prev=self.copy_prev, row_from=row_from)
 
     def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table,
              sfi_on: torch.Tensor | None = None, row_copy=None) -> SfiStep:
