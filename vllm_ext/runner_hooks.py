@@ -30,16 +30,21 @@ _PATCHED_ATTR = "_speedsfi_patched"
 _GROUPS_ATTR = "_speedsfi_method_groups"
 
 
-def method_kv_groups(kv_cache_config) -> dict[str, dict[int, tuple[int, list[str], object]]]:
+def method_kv_groups(kv_cache_config, forward_context=None) -> dict[str, dict[int, tuple]]:
     """The KV-cache groups that hold a method's per-request memory (their spec names the method in
     ``speedsfi_method``: ``vllm_ext.method_slots``): method -> group id -> (blocks per request (the
-    most, for a growing allocation), layer names, the group's spec)."""
-    out: dict[str, dict[int, tuple[int, list[str], object]]] = {}
+    most, for a growing allocation), layer names, the group's spec, layer name -> the page memory
+    vLLM bound to that layer in ``forward_context`` (for a method that reads its pages outside a
+    layer's forward, e.g. SFI's token history in the step plan; empty without a context))."""
+    out: dict[str, dict[int, tuple]] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         method = getattr(spec, "speedsfi_method", None)
         if method:
-            out.setdefault(method, {})[gid] = (int(spec.blocks_per_request), list(group.layer_names), spec)
+            names = list(group.layer_names)
+            pages = {} if forward_context is None else {
+                n: forward_context[n].kv_cache for n in names if n in forward_context}
+            out.setdefault(method, {})[gid] = (int(spec.blocks_per_request), names, spec, pages)
     return out
 
 
@@ -96,7 +101,8 @@ def _make_table(runner) -> EngineRequestTable:
 
     table = EngineRequestTable(runner.max_num_reqs, runner.device, config=cfg,
                                sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut,
-                               max_model_len=runner.vllm_config.model_config.max_model_len)
+                               max_model_len=runner.vllm_config.model_config.max_model_len,
+                               paged_history=True)
     if table.sfi is not None:
         from vllm_ext import metrics
 
@@ -121,7 +127,7 @@ def _bind_builders(runner, table: EngineRequestTable) -> None:
     from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
 
     if kv_cache_config is not None and hasattr(table, "bind_kv_groups"):
-        groups = method_kv_groups(kv_cache_config)
+        groups = method_kv_groups(kv_cache_config, runner.compilation_config.static_forward_context)
         runner.__dict__[_GROUPS_ATTR] = {gid: n for by_gid in groups.values()
                                          for gid, (n, *_) in by_gid.items()}
         table.bind_kv_groups(groups)

@@ -33,13 +33,15 @@ class EngineRequestTable(RequestStateTable):
 
     def __init__(self, max_reqs: int, device: torch.device | str, *,
                  config: SpeedSfiConfig | None = None, sfi_capacity: int = 0,
-                 trigger_lut: torch.Tensor | None = None, max_model_len: int = 0):
+                 trigger_lut: torch.Tensor | None = None, max_model_len: int = 0,
+                 paged_history: bool = False):
         super().__init__(max_reqs, device)
         self.config = config or SpeedSfiConfig()
         self.sfi: SfiSlotTables | None = None
         if self.config.sfi.enabled and sfi_capacity > 0:
             self.sfi = self.register(SfiSlotTables(self.num_slots, sfi_capacity, max_reqs, self.config,
-                                                   trigger_lut, self.device, max_model_len=max_model_len))
+                                                   trigger_lut, self.device, max_model_len=max_model_len,
+                                                   paged_history=paged_history))
         self.critiprefill: CritiPrefillSlots | None = None
         if self.config.critiprefill.enabled:
             # no pool: the state of each prompt is pages of CritiPrefill's KV-cache groups
