@@ -57,8 +57,8 @@ def _run(model, sfi):
         if sfi.get("copy_ngram"):
             copy_rows = table.sfi.copy_rows
 
-            def checking_copy_rows(step, sfi_rows):
-                out = copy_rows(step, sfi_rows)
+            def checking_copy_rows(step, sfi_rows, sfi_on):
+                out = copy_rows(step, sfi_rows, sfi_on)
                 if step.is_real:
                     _check_history(runner, table, step, checked)
                 return out

@@ -299,7 +299,7 @@ class SfiSlotTables(MethodSlots):
         sfi_on = self._update_compact_tables(step) if self.compact_tables else self.sfi_on
         row_copy = None
         if self.history is not None:
-            row_copy = self.copy_rows(step, sfi_rows)
+            row_copy = self.copy_rows(step, sfi_rows, sfi_on)
         plan = self.plan(row_slot=step.row_slot, row_last_token=step.row_last_token,
                          row_is_decode=sfi_rows, seq_lens=step.seq_lens, block_table=step.block_table,
                          sfi_on=sfi_on, row_copy=row_copy)
@@ -323,12 +323,13 @@ class SfiSlotTables(MethodSlots):
                          "slow" if bool(plan.row_slow[row]) else "fast")}
 
     # ------------------------------------------------------------------ per step (device)
-    def copy_rows(self, step: StepState, sfi_rows: torch.Tensor) -> torch.Tensor:
+    def copy_rows(self, step: StepState, sfi_rows: torch.Tensor, sfi_on: torch.Tensor) -> torch.Tensor:
         """``sfi.copy_ngram``: record the step's input tokens in the history, then flag the decode
         rows whose last tokens repeat an earlier span (:mod:`vllm_ext.kernels.copy_match`). A request
         with SFI on records from its first chunk, whether or not it holds its compact blocks yet;
-        a row whose request lacks the history pages of its step neither records nor matches
-        (:mod:`vllm_ext.sfi.history_slots`)."""
+        its rows match (and advance ``copy_once``'s state) while ``sfi_on`` (SFI on and its compact
+        blocks held). A row whose request lacks the history pages of its step neither records nor
+        matches (:mod:`vllm_ext.sfi.history_slots`)."""
         num_rows = step.num_rows
         slot = step.row_slot.long()
         sfi_slot = self.sfi_slot_of[slot]
@@ -343,7 +344,8 @@ class SfiSlotTables(MethodSlots):
                 max_q_len = 1                       # decode rows: one input token each
             record_tokens(self.history, step.input_ids, step.query_start_loc, seq_lens,
                           hist_slot[:step.num_reqs], max_q_len)
-        return copy_match(self.history, seq_lens, hist_slot, sfi_rows, self.row_copy[:num_rows],
+        active = sfi_rows * sfi_on[slot].to(sfi_rows.dtype)
+        return copy_match(self.history, seq_lens, hist_slot, active, self.row_copy[:num_rows],
                           n_sink=self.cfg.n_sink, n_recent=self.cfg.n_recent, ngram=self.cfg.copy_ngram,
                           max_matches=self.cfg.copy_max_matches, prev=self.copy_prev, row_from=row_from)
 
