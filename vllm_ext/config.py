@@ -147,8 +147,9 @@ class SfiConfig:
     # occurrence lies outside the sink and the recent window: the model is copying a span of its
     # context, and the next token it copies may not be in the selection made at the last slow step
     # (a 6-digit value answered with digits lost mid-value: bench/QUALITY.md, "Copying a value
-    # whole"). Decided on the device from a per-request token history (int32, max_model_len per SFI
-    # request). 0 = off (the paper's schedule); 2..MAX_COPY_NGRAM otherwise.
+    # whole"). Decided on the device from a per-request token history (one int32 per position, in
+    # blocks of vLLM's KV cache: docs/per_request_memory.md). 0 = off (the paper's schedule);
+    # 2..MAX_COPY_NGRAM otherwise.
     copy_ngram: int = 0
     # the copy trigger fires only when the span occurs at most this many times in the allowed set (a
     # value stated once, not a phrase the context repeats everywhere); 0 = any number of times

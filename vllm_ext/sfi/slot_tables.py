@@ -10,7 +10,9 @@ without one decodes densely and is counted, ``fallback.sfi_capacity``). Inside v
 segments are KV-cache blocks of SFI's own groups (``vllm_ext.sfi.kv_spec``): :meth:`bind_compact_groups`
 names the groups, and every step copies the rows' block-table rows into a per-compact-slot table
 (``compact_tables``, read by the kernels) and marks which requests hold their blocks; a request
-without them (vLLM gives them when its length first reaches ``first_compact_len``) decodes densely. Counters live on the device (``stats``) and are
+without them (vLLM gives them when its length first reaches ``first_compact_len``) decodes densely.
+With ``sfi.copy_ngram`` the token histories are pages of SFI's history groups, bound and followed
+step by step by :class:`vllm_ext.sfi.history_slots.HistorySlots`. Counters live on the device (``stats``) and are
 read asynchronously (:class:`vllm_ext.device_counters.DeviceCounters`). Torch only (no vLLM).
 """
 
