@@ -9,7 +9,9 @@ tiny Qwen3 (2 layers), a small KV cache and 24 requests of mixed lengths at once
   no row ever lacks them, and what each step reads in its request's pages is exactly the tokens the
   request has computed;
 - every request finishes with all its tokens, and request slots, SFI slots and KV blocks (history
-  pages included) all come back.
+  pages included) all come back;
+- on a KV cache small enough to preempt, a resumed request records its history again from position 0
+  in new pages, and everything still comes back.
 """
 
 import random
@@ -35,7 +37,7 @@ def _prompts():
     return prompts
 
 
-def _run(model, sfi):
+def _run(model, sfi, num_blocks=NUM_BLOCKS):
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
@@ -44,7 +46,7 @@ def _run(model, sfi):
     prompts = _prompts()
     metrics.reset()
     with engine(model, "SPEEDSFI", max_model_len=MAX_LEN, max_num_seqs=32, max_num_batched_tokens=2048,
-                block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS, enable_prefix_caching=False,
+                block_size=BLOCK, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False,
                 additional_config={"speedsfi": {"sfi": sfi}}) as llm:
         core = llm.llm_engine.engine_core.engine_core
         sched = core.scheduler
@@ -132,3 +134,17 @@ def test_every_request_finishes_and_nothing_leaks(runs):
     for run in runs:
         assert [len(t) for t in run["tokens"]] == [MAX_TOKENS] * NUM_REQUESTS
         assert run["leftover"] == {"request slots": 0, "SFI slots": 0, "CritiPrefill slots": 0, "KV blocks": 0}
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_models):
+    return _run(tiny_models["qwen3"], {**SFI, "copy_ngram": 3}, num_blocks=60)
+
+
+def test_preempted_requests_record_again_and_give_everything_back(tight):
+    c = tight["counts"]
+    assert c.get("fallback.sfi_preempted", 0) > 0, c
+    assert c.get("fallback.sfi_no_history_pages", 0) == 0
+    assert tight["checked"]["rows"] >= NUM_REQUESTS
+    assert [len(t) for t in tight["tokens"]] == [MAX_TOKENS] * NUM_REQUESTS
+    assert tight["leftover"] == {"request slots": 0, "SFI slots": 0, "CritiPrefill slots": 0, "KV blocks": 0}
