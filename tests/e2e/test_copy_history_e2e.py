@@ -11,7 +11,9 @@ tiny Qwen3 (2 layers), a small KV cache and 24 requests of mixed lengths at once
 - every request finishes with all its tokens, and request slots, SFI slots and KV blocks (history
   pages included) all come back;
 - on a KV cache small enough to preempt, a resumed request records its history again from position 0
-  in new pages, and everything still comes back.
+  in new pages, and everything still comes back;
+- with prefix caching, a request whose prompt hits the cache records from its first computed
+  position (the hit's tokens never pass through the input ids), never from the cached blocks.
 """
 
 import random
@@ -37,7 +39,7 @@ def _prompts():
     return prompts
 
 
-def _run(model, sfi, num_blocks=NUM_BLOCKS):
+def _run(model, sfi, num_blocks=NUM_BLOCKS, passes=1, prefix_caching=False):
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
@@ -46,7 +48,7 @@ def _run(model, sfi, num_blocks=NUM_BLOCKS):
     prompts = _prompts()
     metrics.reset()
     with engine(model, "SPEEDSFI", max_model_len=MAX_LEN, max_num_seqs=32, max_num_batched_tokens=2048,
-                block_size=BLOCK, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False,
+                block_size=BLOCK, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching,
                 additional_config={"speedsfi": {"sfi": sfi}}) as llm:
         core = llm.llm_engine.engine_core.engine_core
         sched = core.scheduler
@@ -55,7 +57,7 @@ def _run(model, sfi, num_blocks=NUM_BLOCKS):
         concurrency = get_max_concurrency_for_kv_cache_config(llm.llm_engine.vllm_config, sched.kv_cache_config)
         runner = model_runner(llm)
         table = table_of(runner)
-        checked = {"rows": 0, "positions": 0}
+        checked = {"rows": 0, "positions": 0, "hits": 0}
         if sfi.get("copy_ngram"):
             copy_rows = table.sfi.copy_rows
 
@@ -67,7 +69,8 @@ def _run(model, sfi, num_blocks=NUM_BLOCKS):
 
             table.sfi.copy_rows = checking_copy_rows
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for _ in range(passes):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         leftover = leftover_after_probe(llm, table, mgr, free0)
         counts = metrics.snapshot()
         specs = [g.kv_cache_spec for g in sched.kv_cache_config.kv_cache_groups]
@@ -90,9 +93,11 @@ def _check_history(runner, table, step, checked) -> None:
         tokens = list(state.prompt_token_ids) + list(state.output_token_ids)
         seq = int(step.seq_lens[row])
         first, upto = int(hs.first_pos[slot]), int(hs.upto[slot])
-        assert (first, upto) == (0, seq), (rid, first, upto, seq)
-        got = hs.history.read(slot)[:seq].tolist()
-        known = [(g, w) for g, w in zip(got, tokens[:seq]) if w >= 0]
+        computed = int(runner.input_batch.num_computed_tokens_cpu[row])
+        assert upto == seq and first <= computed, (rid, first, upto, seq)
+        checked["hits"] += first > 0
+        got = hs.history.read(slot)[first:seq].tolist()
+        known = [(g, w) for g, w in zip(got, tokens[first:seq]) if w >= 0]
         assert all(g == w for g, w in known), rid
         checked["rows"] += 1
         checked["positions"] += len(known)
@@ -128,6 +133,7 @@ def test_every_request_gets_its_history_pages_and_they_hold_its_tokens(runs):
     assert (NUM_REQUESTS + 1) * groups <= c["sfi.history_allocations"] <= (NUM_REQUESTS + 1 + preempted) * groups
     assert c.get("fallback.sfi_no_history_pages", 0) == 0
     assert copy["checked"]["rows"] >= NUM_REQUESTS and copy["checked"]["positions"] > 2000
+    assert copy["checked"]["hits"] == 0                   # no prefix caching: every run from position 0
 
 
 def test_every_request_finishes_and_nothing_leaks(runs):
@@ -145,6 +151,18 @@ def test_preempted_requests_record_again_and_give_everything_back(tight):
     c = tight["counts"]
     assert c.get("fallback.sfi_preempted", 0) > 0, c
     assert c.get("fallback.sfi_no_history_pages", 0) == 0
-    assert tight["checked"]["rows"] >= NUM_REQUESTS
+    assert tight["checked"]["rows"] >= NUM_REQUESTS and tight["checked"]["hits"] == 0
     assert [len(t) for t in tight["tokens"]] == [MAX_TOKENS] * NUM_REQUESTS
     assert tight["leftover"] == {"request slots": 0, "SFI slots": 0, "CritiPrefill slots": 0, "KV blocks": 0}
+
+
+@pytest.fixture(scope="module")
+def cached(tiny_models):
+    return _run(tiny_models["qwen3"], {**SFI, "copy_ngram": 3}, passes=2, prefix_caching=True)
+
+
+def test_prefix_cache_hits_record_from_their_first_computed_position(cached):
+    assert cached["checked"]["hits"] > 0                 # rows whose history starts after a hit
+    assert cached["counts"].get("fallback.sfi_no_history_pages", 0) == 0
+    assert [len(t) for t in cached["tokens"]] == [MAX_TOKENS] * NUM_REQUESTS
+    assert cached["leftover"]["request slots"] == 0 and cached["leftover"]["SFI slots"] == 0
