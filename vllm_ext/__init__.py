@@ -42,6 +42,9 @@ def register() -> None:
     from vllm_ext.sfi.kv_spec import register_sfi_kv_spec
 
     register_sfi_kv_spec()
+    from vllm_ext.sfi.quest_kv_spec import register_quest_kv_spec
+
+    register_quest_kv_spec()
     from vllm_ext.critiprefill.kv_spec import register_critiprefill_kv_spec
 
     register_critiprefill_kv_spec()
