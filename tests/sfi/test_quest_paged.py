@@ -130,7 +130,7 @@ def test_paged_page_updates_equal_the_whole_context(impl, page, bs):
     # two decode steps: the newest token's page
     for cur in ([70, 101, 0], [71, 102, 0]):
         seq = torch.tensor(cur, **i32)
-        loop(kv, bt, seq, torch.tensor([(c - 1) // page for c in cur], **i32), page, pages, table, 0,
+        loop(kv, bt, seq, torch.tensor([max(c - 1, 0) // page for c in cur], **i32), page, pages, table, 0,
              state_slot=slot)
     assert pages[table[3].long()].isnan().all(), "the scratch slot's row (length 0) was written"
     want = page_reps(kv, bt[:2], [71, 102], page, [0, 1], 2, -(-102 // page))

@@ -92,7 +92,7 @@ if HAS_TRITON:
             r = tl.program_id(1).to(tl.int64)
             h = tl.program_id(2).to(tl.int64)
         seq = tl.load(SEQ + r).to(tl.int64)
-        first = tl.load(FIRST + r).to(tl.int64)
+        first = tl.maximum(tl.load(FIRST + r).to(tl.int64), 0)
         if HAS_SROW:
             srow = tl.load(SROW + r).to(tl.int64)
         else:
