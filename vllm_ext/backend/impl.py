@@ -217,8 +217,11 @@ class SpeedSfiImpl(AttentionImpl):
             self._sfi_layer.bind_pages(self._compact.kv_cache,
                                        md.step.table.sfi.compact_table_of_layer[layer.layer_name])
         if sfi is not None and self._quest is not None:
-            self._sfi_layer.bind_quest_pages(self._quest.kv_cache,
-                                             md.step.table.sfi.quest.table_of_layer[layer.layer_name])
+            quest_table = md.step.table.sfi.quest.table_of_layer.get(layer.layer_name)
+            if quest_table is None:
+                raise RuntimeError(f"vllm_ext: no KV-cache group holds {layer.layer_name}'s Quest page "
+                                   "bounds (vLLM did not page its bound-page cache layer)")
+            self._sfi_layer.bind_quest_pages(self._quest.kv_cache, quest_table)
         if self._layer_index < 0:
             from vllm.model_executor.models.utils import extract_layer_index
 

@@ -128,8 +128,10 @@ class QuestPageTables:
         if step.host_geometry is None:
             return
         qsl, computed = step.host_geometry
-        t = np.asarray(computed[:n], dtype=np.int64) + (qsl[1:n + 1] - qsl[:n])
-        decode = np.asarray(step.row_is_decode_np[:n], dtype=bool)
+        q_len = qsl[1:n + 1] - qsl[:n]
+        t = np.asarray(computed[:n], dtype=np.int64) + q_len
+        # one-token decode rows (multi-token rows are the prefill plan's: plan_prefill counts them)
+        decode = np.asarray(step.row_is_decode_np[:n], dtype=bool) & (q_len == 1)
         missing = int((decode & (t >= self.first_len)
                        & (held < quest_blocks(t, self.page_size, self.block_size))).sum())
         if missing:
