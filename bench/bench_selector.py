@@ -113,6 +113,19 @@ def time_selector(mod, SfiConfig, sh, ev, kn, lo, hi, kt, dev, span: int, back: 
     return out
 
 
+def bound_pages(b: int, ctx: int, page: int, hkv: int, d: int, dtype, dev, block: int = 16):
+    """Random Quest page bounds of ``b`` requests of ``ctx`` tokens as vLLM pages them
+    (``vllm_ext.kernels.quest_pages``): blocks of ``block`` bound entries at shuffled ids, and the
+    per-slot table."""
+    from vllm_ext.sfi.quest_tables import quest_blocks
+
+    g = torch.Generator(device="cpu").manual_seed(page)
+    per = quest_blocks(ctx, page, block)
+    pages = torch.randn(b * per, hkv, block, 2 * d, generator=g).to(dev, dtype)
+    table = torch.randperm(b * per, generator=g).view(b, per).to(dev, torch.int32)
+    return pages, table
+
+
 def time_quest_selection(mod, SfiConfig, sh, prob, reps, ent, lo, hi, kt, ev, dev) -> dict:
     """A whole Quest selection of the batch (page scores + the selector's top-K), and the same with
     ``quest_rerank`` (page scores, the candidates' top-K, their group attention mass from K, the
@@ -130,11 +143,11 @@ def time_quest_selection(mod, SfiConfig, sh, prob, reps, ent, lo, hi, kt, ev, de
     cand_k = kt * r
 
     def plain():
-        quest_page_evidence(prob.query, reps, prob.scale, ent, ent, lo, hi, page, ev)
+        quest_page_evidence(prob.query, *reps, prob.scale, ent, ent, lo, hi, page, ev)
         mod.select(ev, ones, lo, hi, qcfg, kt, k_cap=k, workspace=final_ws)
 
     def rerank():
-        quest_page_evidence(prob.query, reps, prob.scale, ent, ent, lo, hi, page, ev)
+        quest_page_evidence(prob.query, *reps, prob.scale, ent, ent, lo, hi, page, ev)
         cand, n_cand = mod.select(ev, ones, lo, hi, qcfg, cand_k, k_cap=r * k, workspace=cand_ws)
         quest_candidate_evidence(prob.query, prob.kv_cache, prob.block_table, ent, cand, n_cand, hi,
                                  prob.scale, ev, workspace=scores_ws)
@@ -227,12 +240,11 @@ def run_config(ctx: int, batch: int, sh: dict, dev: torch.device, mod, SfiConfig
                 row["selector_keep_error"] = f"{type(exc).__name__}: {exc}"[:400]
         for page in QUEST_PAGES:       # selector quest: the page scores that replace the dense pass
             try:
-                from vllm_ext.kernels.quest_pages import page_count, quest_page_evidence
-                g = torch.Generator(device="cpu").manual_seed(page)
-                reps = torch.randn(b, 2, page_count(ctx, page), hkv, prob.d, generator=g).to(dev, prob.dtype)
+                from vllm_ext.kernels.quest_pages import quest_page_evidence
+                reps = bound_pages(b, ctx, page, hkv, prob.d, prob.dtype, dev)
                 ent = torch.arange(b, dtype=torch.int32, device=dev)
                 row[f"quest_page{page}_evidence_ms"] = time_op(lambda: quest_page_evidence(
-                    prob.query, reps, prob.scale, ent, ent, lo, hi, page, ev), dev)["ms"]
+                    prob.query, *reps, prob.scale, ent, ent, lo, hi, page, ev), dev)["ms"]
                 if page == QUEST_RERANK_PAGE:
                     row.update(time_quest_selection(mod, SfiConfig, sh, prob, reps, ent, lo, hi, kt, ev, dev))
                 del reps

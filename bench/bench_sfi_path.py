@@ -140,7 +140,7 @@ class PathLoop:
         for _ in range(self.cfg["layers"] - 1):
             layer = SfiLayerBuffers(self.batch, hkv, dataclasses.replace(cfg, selector="sfi"), d,
                                     self.dtype, self.device)
-            layer.page_reps = first.page_reps
+            layer.quest_pages, layer.quest_table = first.quest_pages, first.quest_table
             layers.append(layer)
         for layer in layers:
             layer.compact_len.fill_(cfg.n_sink + cfg.k)

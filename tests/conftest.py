@@ -33,7 +33,7 @@ import pytest
 HEAVY_MODULES = (
     "kernels/",
     "sfi/test_sfi_selector_triton.py", "sfi/test_sfi_selector_parallel.py", "sfi/test_sfi_plan_kernel.py",
-    "sfi/test_quest.py", "sfi/test_quest_rerank.py",
+    "sfi/test_quest.py", "sfi/test_quest_rerank.py", "sfi/test_quest_paged.py",
     "critiprefill/test_block_sparse_prefill.py", "critiprefill/test_plan.py",
     "critiprefill/test_bench_smoke.py", "critiprefill/test_block_representatives.py",
     "critiprefill/test_incremental_reps.py", "critiprefill/test_backend_path.py",

@@ -45,6 +45,9 @@ def register() -> None:
     from vllm_ext.sfi.history_kv_spec import register_history_kv_spec
 
     register_history_kv_spec()
+    from vllm_ext.sfi.quest_kv_spec import register_quest_kv_spec
+
+    register_quest_kv_spec()
     from vllm_ext.critiprefill.kv_spec import register_critiprefill_kv_spec
 
     register_critiprefill_kv_spec()

@@ -293,6 +293,8 @@ class RequestStateTable:
                     "last_token": int(step.row_last_token[row]),
                     "is_decode": bool(step.row_is_decode[row]),
                     "generation": int(self.generation[slots[row]])}
+            if step.host_geometry is not None:
+                view["q_len"] = int(step.host_geometry[0][row + 1] - step.host_geometry[0][row])
             for method in self.methods:
                 view.update(method.snapshot_fields(step.plans.get(method.name), row, slots[row]))
             views[row_req_ids[row]] = view

@@ -24,6 +24,7 @@ from vllm_ext.kernels import launch_log
 from vllm_ext.kernels.dense_decode_evidence import paged_decode
 from vllm_ext.kernels.triton_utils import use_triton
 from vllm_ext.sfi.prompt_tail import TailRow, plan_prompt_tail
+from vllm_ext.sfi.quest_tables import quest_blocks
 from vllm_ext.sfi.step_plan import SfiPlanBuffers
 
 pytestmark = pytest.mark.skipif(not use_triton(torch.device("cpu")) and not torch.cuda.is_available(),
@@ -92,7 +93,8 @@ def _warmup_keys(kv, cfg=CFG, compact=None):
     layer, rt = _layer(cfg, paged=compact is not None)
     with launch_log.record() as log:
         warm_up_sfi_layer(cfg=cfg, layer_buffers=layer, runtime=rt, kv_cache=kv, num_heads=HQ,
-                          head_size=D, scale=SCALE, dtype=torch.float32, shape=SHAPE, compact_cache=compact)
+                          head_size=D, scale=SCALE, dtype=torch.float32, shape=SHAPE, compact_cache=compact,
+                          quest_cache=compact if cfg.selector == "quest" else None)
     assert not bool(layer.compact_len.any()), "the warm-up leaves no per-request state behind"
     if compact is not None:
         assert layer.compact_table is None and layer.kept_pos is None, "the forward binds the real table"
@@ -104,6 +106,12 @@ def _bind_runner_table(layer, compact, gen):
     width = layer.state_pages(compact).total
     ids = torch.randint(1, compact.shape[0], ((CAP + 1) * width,), generator=gen, dtype=torch.int32)
     layer.bind_pages(compact, ids.view(CAP + 1, width).to(DEV))
+    if layer.cfg.selector == "quest":
+        # the Quest group's per-slot table (vllm_ext.sfi.quest_tables): as wide as a max_len request's
+        # bound pages; the pages share the KV tensor with the compact layer, as inside vLLM
+        width = quest_blocks(MAX_LEN, layer.cfg.page_size, compact.shape[2])
+        ids = torch.randint(1, compact.shape[0], ((CAP + 1) * width,), generator=gen, dtype=torch.int32)
+        layer.bind_quest_pages(compact, ids.view(CAP + 1, width).to(DEV))
 
 
 def _real_steps(kv, bt, gen, CFG=CFG, compact=None):

@@ -25,7 +25,7 @@ from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.block_representatives import block_representatives_torch
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.kernels.quest_pages import (quest_page_evidence_torch, quest_page_evidence_triton,
-                                          quest_selector_config)
+                                          quest_selector_config, read_page_bounds)
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
 from vllm_ext.kernels import sfi_selector_torch as torch_selector
 from vllm_ext.sfi.slot_tables import QuestPrefillPages
@@ -86,6 +86,30 @@ def page_reps(kv, bt, lens, page, slots, n_slots, nb):
     return reps
 
 
+def bound_pages(reps, bs=None, gen=None):
+    """``reps [slots, 2, NB, Hkv, D]`` as bound pages (``vllm_ext.kernels.quest_pages``): with ``bs``
+    None one block per slot and the trivial table; else blocks of ``bs`` entries at shuffled block
+    ids (spare blocks hold NaN) and the table that finds them."""
+    n_slots, _, nb, hkv, d = reps.shape
+    flat = torch.cat([reps[:, 0], reps[:, 1]], dim=-1).transpose(1, 2)          # [slots, Hkv, NB, 2D]
+    if bs is None:
+        return flat.contiguous(), torch.arange(n_slots, dtype=torch.int32)[:, None]
+    per = -(-nb // bs)
+    flat = torch.nn.functional.pad(flat, (0, 0, 0, per * bs - nb))
+    blocks = flat.reshape(n_slots, hkv, per, bs, 2 * d).transpose(1, 2).reshape(n_slots * per, hkv, bs, 2 * d)
+    total = n_slots * per + 3
+    ids = torch.randperm(total, generator=gen)[:n_slots * per]
+    pages = torch.full((total, hkv, bs, 2 * d), float("nan"))
+    pages[ids] = blocks
+    return pages, ids.view(n_slots, per).to(torch.int32)
+
+
+def layer_bounds(layer, slots, num_pages=None):
+    """The layer's page bounds of ``slots``: ``[S, 2, NB, Hkv, D]``."""
+    nb = num_pages if num_pages is not None else layer.quest_table.shape[1] * layer.quest_pages.shape[2]
+    return read_page_bounds(layer.quest_pages, layer.quest_table, slots, nb)
+
+
 GRID = [
     # (g, page_size, k, n_sink, n_recent, lens): partial last pages, allowed sets cut inside a page
     (1, 8, 16, 4, 8, [61, 100]),
@@ -112,8 +136,8 @@ def test_twin_selection_equals_brute_force(case):
     lo = torch.tensor([n_sink, n_sink, 0], dtype=torch.int32)
     hi = torch.tensor([lens[0] - n_recent, lens[1] - n_recent, 0], dtype=torch.int32)
     ev = torch.full((3, HKV, length), 5.0)
-    quest_page_evidence_torch(q, reps, scale, rows, torch.tensor([1, 0, 2], dtype=torch.int32), lo, hi,
-                              page, ev)
+    quest_page_evidence_torch(q, *bound_pages(reps), scale, rows, torch.tensor([1, 0, 2], dtype=torch.int32),
+                              lo, hi, page, ev)
     assert torch.all(ev[2] == 5.0), "an unused entry was written"
     sel, n_sel = torch_selector.select(ev[:2], torch.ones(2, HKV, length), lo[:2], hi[:2],
                                        quest_selector_config(cfg), k)
@@ -145,7 +169,7 @@ def test_triton_page_evidence_equals_twin(g, page, d):
     outs = []
     for fn in (quest_page_evidence_torch, quest_page_evidence_triton):
         out = torch.full((s_entries, hkv, length), 7.0)
-        fn(q, reps, 0.3, rows, slot, lo, hi, page, out, count=count)
+        fn(q, *bound_pages(reps, 4, gen), 0.3, rows, slot, lo, hi, page, out, count=count)
         outs.append(out)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     assert torch.all(outs[0][1] == 7.0) and torch.all(outs[0][3] == 7.0)
@@ -216,10 +240,11 @@ def test_layer_path_equals_brute_force(g, n_recent, kernels):
             sfi_decode(q, kv, bt, t, plan, cfg, layer, rt, 0, scale, out, dense_done=False)
             # every SFI row's page table (the exactly-dense row's too) covers its keys [0, t)
             live = [r for r, m in enumerate(modes) if m != PAD]
-            full = block_representatives_torch(kv, bt[live], t[live], cfg.page_size,
-                                               layer.page_reps.shape[2])
+            nb = layer.quest_pages.shape[2]
+            full = block_representatives_torch(kv, bt[live], t[live], cfg.page_size, nb)
+            got = layer_bounds(layer, [slots[r] for r in live])
             for i, r in enumerate(live):
-                torch.testing.assert_close(layer.page_reps[slots[r]], full[i], msg=f"row {r} pages")
+                torch.testing.assert_close(got[i], full[i], msg=f"row {r} pages")
             for r, m in enumerate(modes):
                 if m == PAD:
                     assert torch.all(out[r] == 7.0)
@@ -293,7 +318,7 @@ def test_fresh_slot_over_a_cached_context_writes_every_page(kernels):
                             torch.ones(2, dtype=torch.bool))
         layer = SfiLayerBuffers(2, HKV, cfg, D, torch.float32, torch.device("cpu"), num_heads=HKV,
                                 max_len=max(lens) + 8)
-        layer.page_reps.fill_(float("nan"))
+        layer.quest_pages.fill_(float("nan"))
         # request 1's prefill chunk wrote positions [0, 99): its pages are written (host plan)
         pre = tables.plan_quest_pages(num_reqs=2, row_slots=np.array([0, 1]), row_is_decode=np.array([1, 0]),
                                       host_geometry=(np.array([0, 1, 100]), np.array([60, 0])))
@@ -310,11 +335,13 @@ def test_fresh_slot_over_a_cached_context_writes_every_page(kernels):
             else:
                 assert step.row_page_first.tolist() == [lens[0] // page, lens[1] // page]
             quest_page_update(kv, bt, seq, step.row_page_slot, step.row_page_first, cfg, layer)
-        want = page_reps(kv, bt, [n + 1 for n in lens], page, sfi_slot.tolist(), 3, layer.page_reps.shape[2])
+        nb = layer.quest_pages.shape[2]
+        want = page_reps(kv, bt, [n + 1 for n in lens], page, sfi_slot.tolist(), 3, nb)
+        got = layer_bounds(layer, list(range(3)))
         for i, n in enumerate(lens):
             s = int(sfi_slot[i])
             live = -(-(n + 1) // page)
-            torch.testing.assert_close(layer.page_reps[s, :, :live], want[s, :, :live], atol=0, rtol=0)
+            torch.testing.assert_close(got[s, :, :live], want[s, :, :live], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("kernels", ["twins", "triton"])

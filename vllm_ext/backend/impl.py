@@ -75,6 +75,7 @@ class SpeedSfiImpl(AttentionImpl):
         self._sfi_capacity = sfi_capacity(vllm_config)
         self._sfi_layer = None
         self._compact = None                           # this layer's SfiCompactCache
+        self._quest = None                             # its SfiQuestCache (selector quest)
         self._sfi_rt = None
         self._layer_index = -1
         self._cp_state = None                          # this layer's CritiPrefillStateCache (sparse layers)
@@ -122,13 +123,13 @@ class SpeedSfiImpl(AttentionImpl):
             layer_mib = SfiLayerBuffers.nbytes(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
                                                self.head_size, act_dtype, num_heads=self.num_heads,
                                                max_len=self._max_len, paged=True) / 2**20
-            if self._sfi_layer.page_reps is not None:
-                metrics.log_once("sfi_buffers", "vllm_ext: SFI (selector quest) per layer %.1f MiB "
-                                 "(%d request slots): page max/min of K (C + 1) x 2 x ceil(max_model_len "
-                                 "%d / page_size %d) x Hkv x D; the compact segments%s are blocks of "
-                                 "vLLM's KV cache (docs/per_request_memory.md)", layer_mib,
-                                 self._sfi_capacity, self._max_len, self.config.sfi.page_size,
-                                 " and kept positions" if self.config.sfi.keep_prefill else "")
+            if self.config.sfi.selector == "quest":
+                metrics.log_once("sfi_buffers", "vllm_ext: SFI (selector quest) per layer %.2f MiB of "
+                                 "slot tables; the compact segments%s and the page max/min of K (one "
+                                 "block per block_size x page_size %d tokens of a request) are blocks "
+                                 "of vLLM's KV cache (docs/per_request_memory.md)", layer_mib,
+                                 " and kept positions" if self.config.sfi.keep_prefill else "",
+                                 self.config.sfi.page_size)
             else:
                 metrics.log_once("sfi_buffers", "vllm_ext: SFI per layer %.2f MiB of slot tables; its "
                                  "per-request state (compact segment, Hkv %d x (n_sink + k) %d entries; "
@@ -176,6 +177,10 @@ class SpeedSfiImpl(AttentionImpl):
             from vllm_ext.backend.sfi_history import register_history_layer
 
             register_history_layer(self._forward_context, name, max_len=self._max_len)
+        if self.config.sfi.selector == "quest":
+            from vllm_ext.backend.sfi_quest_cache import register_quest_layer
+
+            self._quest = register_quest_layer(self._forward_context, name, self.config.sfi)
         return True
 
     def _register_critiprefill_state(self) -> None:
@@ -217,6 +222,12 @@ class SpeedSfiImpl(AttentionImpl):
             # it: vllm_ext.sfi.slot_tables)
             self._sfi_layer.bind_pages(self._compact.kv_cache,
                                        md.step.table.sfi.compact_table_of_layer[layer.layer_name])
+        if sfi is not None and self._quest is not None:
+            quest_table = md.step.table.sfi.quest.table_of_layer.get(layer.layer_name)
+            if quest_table is None:
+                raise RuntimeError(f"vllm_ext: no KV-cache group holds {layer.layer_name}'s Quest page "
+                                   "bounds (vLLM did not page its bound-page cache layer)")
+            self._sfi_layer.bind_quest_pages(self._quest.kv_cache, quest_table)
         if self._layer_index < 0:
             from vllm.model_executor.models.utils import extract_layer_index
 

@@ -115,13 +115,27 @@ def _bind_synthetic_pages(layer_buffers, compact_cache: torch.Tensor, capacity: 
     layer_buffers.bind_pages(compact_cache, ids.view(capacity + 1, width))
 
 
+def _bind_synthetic_quest_pages(layer_buffers, quest_cache: torch.Tensor, capacity: int,
+                                shape: WarmupShape, page_size: int) -> None:
+    """A paged quest layer reads its page bounds through the Quest group's per-slot table
+    (``vllm_ext.sfi.quest_tables``): bind it to the Quest layer's pages through a table as wide as
+    the real one (``cdiv(cdiv(max_len, page_size), bs)`` = ``cdiv(block-table width, page_size)``)."""
+    width = -(-shape.block_table_width // page_size)
+    nb = quest_cache.shape[0]
+    ids = 1 + torch.arange((capacity + 1) * width, dtype=torch.int32, device=quest_cache.device) \
+        % max(nb - 1, 1)
+    layer_buffers.bind_quest_pages(quest_cache, ids.view(capacity + 1, width))
+
+
 def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch.Tensor,
                       num_heads: int, head_size: int, scale: float, dtype: torch.dtype,
                       shape: WarmupShape, layer_index: int = 0,
-                      compact_cache: torch.Tensor | None = None) -> None:
+                      compact_cache: torch.Tensor | None = None,
+                      quest_cache: torch.Tensor | None = None) -> None:
     """SFI's decode and prefill-end launches of one layer over synthetic steps (see the module
     docstring). ``layer_buffers``/``runtime``: the layer's ``SfiLayerBuffers`` and ``SfiRuntime``;
-    ``compact_cache``: a paged layer's compact pages (the compact cache layer's ``kv_cache``)."""
+    ``compact_cache``: a paged layer's compact pages (the compact cache layer's ``kv_cache``);
+    ``quest_cache``: with selector quest, its page bounds' pages (the Quest layer's ``kv_cache``)."""
     from vllm_ext.backend.sfi_path import sfi_decode, sfi_prefill_end
     from vllm_ext.sfi.prompt_tail import TailRow, plan_prompt_tail
     from vllm_ext.sfi.step_plan import SfiPlanBuffers
@@ -132,6 +146,10 @@ def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch
         if compact_cache is None:
             raise ValueError("warm_up_sfi_layer: a paged layer needs its compact pages")
         _bind_synthetic_pages(layer_buffers, compact_cache, capacity)
+        if cfg.selector == "quest":
+            if quest_cache is None:
+                raise ValueError("warm_up_sfi_layer: a paged quest layer needs its page bounds' pages")
+            _bind_synthetic_quest_pages(layer_buffers, quest_cache, capacity, shape, cfg.page_size)
     block_size = kv_cache.shape[2]                  # our kernels' view: [blocks, Hkv, page, 2D]
     num_blocks = kv_cache.shape[0]
     buffers = SfiPlanBuffers(shape.max_rows, capacity, device, chunk_rows=runtime.maintenance_rows)
@@ -221,14 +239,14 @@ def warm_up_speed_layer(*, kv_cache: torch.Tensor, num_heads: int, head_size: in
 
 def _clear(layer_buffers) -> None:
     layer_buffers.compact_len.zero_()
-    if layer_buffers.page_reps is not None:
-        layer_buffers.page_reps.zero_()
     if layer_buffers.paged:
         # the pages are vLLM's (nothing to clear: every request writes its state before reading it);
         # the forward binds the real table
         layer_buffers.unbind_pages()
         return
     layer_buffers.compact_kv.zero_()
+    if layer_buffers.quest_pages is not None:
+        layer_buffers.quest_pages.zero_()
     if layer_buffers.kept_pos is not None:
         layer_buffers.kept_pos.fill_(-1)
     if layer_buffers.prompt_tail is not None:
@@ -249,11 +267,13 @@ def warm_up_impl(impl, kv_cache: torch.Tensor, shape: WarmupShape, dtype: torch.
         return True
     if impl._sfi_layer is not None:
         compact = getattr(impl, "_compact", None)
+        quest = getattr(impl, "_quest", None)
         warm_up_sfi_layer(cfg=cfg.sfi, layer_buffers=impl._sfi_layer, runtime=impl._sfi_rt,
                           kv_cache=kv_cache, num_heads=impl.num_heads, head_size=impl.head_size,
                           scale=impl.scale, dtype=dtype, shape=shape,
                           layer_index=max(layer_index, 0),
-                          compact_cache=None if compact is None else compact.kv_cache)
+                          compact_cache=None if compact is None else compact.kv_cache,
+                          quest_cache=None if quest is None else quest.kv_cache)
         return True
     if impl._ours_decode and impl._dense_ws is not None:
         warm_up_paged_decode(kv_cache=kv_cache, workspace=impl._dense_ws, num_heads=impl.num_heads,

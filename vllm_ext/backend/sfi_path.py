@@ -31,8 +31,8 @@ from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence, paged_decode,
                                                     prefill_evidence)
-from vllm_ext.kernels.block_representatives import (update_block_representatives,
-                                                   update_block_representatives_from)
+from vllm_ext.kernels.paged_state import (update_block_representatives_paged,
+                                          update_block_representatives_paged_from)
 from vllm_ext.kernels.gather_compact import gather_compact
 from vllm_ext.kernels.quest_pages import quest_page_evidence
 from vllm_ext.kernels.quest_rerank import quest_candidate_evidence
@@ -254,20 +254,23 @@ def quest_page_update(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len
     """Each decode row of a request holding a compact slot (``page_slot >= 0``) rewrites the page
     max/min of K from page ``page_first`` (the plan's: the first its slot has not written) to the
     page holding its newest token: one page per row and layer in the steady state. Other rows write
-    nothing (their length reads as 0, their slot is the scratch entry)."""
-    reps = layer.page_reps
+    nothing (their length reads as 0, their slot is the scratch entry). The bounds are written
+    through the layer's per-slot page table (``layer.quest_table``)."""
+    table = layer.quest_table
     on = page_slot >= 0
     seq = torch.where(on, seq_lens, 0)
-    slot = torch.where(on, page_slot, reps.shape[0] - 1)
-    update_block_representatives_from(kv_cache, block_table, seq, page_first, cfg.page_size, reps, slot)
+    slot = torch.where(on, page_slot, table.shape[0] - 1)
+    update_block_representatives_paged_from(kv_cache, block_table, seq, page_first, cfg.page_size,
+                                            layer.quest_pages, table, 0, state_slot=slot)
 
 
 def quest_prefill_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, plan, cfg: SfiConfig,
                         layer: SfiLayerBuffers) -> None:
     """The pages the step's prefill chunks wrote (``QuestPrefillPages``, host-planned; eager). The
     chunk's K/V must be in the cache."""
-    update_block_representatives(kv_cache, block_table[plan.rows], plan.seq_lens, plan.first_page,
-                                 cfg.page_size, plan.max_pages, layer.page_reps, plan.sfi_slot)
+    update_block_representatives_paged(kv_cache, block_table[plan.rows], plan.seq_lens, plan.first_page,
+                                       cfg.page_size, plan.max_pages, layer.quest_pages, layer.quest_table, 0,
+                                       state_slot=plan.sfi_slot)
 
 
 def _quest_rerank(query, kv_cache, step: SfiStep, e: slice, count, cfg: SfiConfig,
@@ -324,7 +327,8 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
         for c in range(_chunks(step, rt, rows, on_cpu)):
             e, count = _chunk_of(step, c, b)
             _, scratch = rt.ring.entry()
-            quest_page_evidence(query, layer.page_reps, scale, step.slow_rows[e], step.slow_sfi_slot[e],
+            quest_page_evidence(query, layer.quest_pages, layer.quest_table, scale, step.slow_rows[e],
+                                step.slow_sfi_slot[e],
                                 step.slow_lo[e], step.slow_hi[e], cfg.page_size, scratch.log_evidence,
                                 count=count)
             tables = _slow_tables(step, block_table, e, scratch, rt)

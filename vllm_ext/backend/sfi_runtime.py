@@ -40,10 +40,13 @@ class SfiLayerBuffers:
     ``num_heads``) its prompt-tail queries ``[C, w_prefill, Hq, D]``
     (:class:`vllm_ext.sfi.prompt_tail.PromptTailQueries`, the prefill-end evidence window).
 
-    Selector ``quest`` (needs ``max_len``): instead of the prompt tail, the page max/min of K
-    ``page_reps [C + 1, 2, ceil(max_len / page_size), Hkv, D]`` (activation dtype; entry ``C`` is a
-    scratch slot that rows without a compact slot write to), kept up to date by the prefill chunks
-    and by every decode step (the page of the newest token).
+    Selector ``quest`` (needs ``max_len``): instead of the prompt tail, the page max/min of K in
+    bound pages ``quest_pages`` read through the per-slot table ``quest_table`` (slot ``C`` is a
+    scratch slot that rows without a compact slot point at; layout: ``vllm_ext.kernels.quest_pages``),
+    kept up to date by the prefill chunks and by every decode step (the page of the newest token).
+    Outside vLLM one block of ``ceil(max_len / page_size)`` entries per slot (activation dtype);
+    ``paged``: blocks of SFI's Quest group (``vllm_ext.sfi.quest_kv_spec``), bound before each forward
+    by :meth:`bind_quest_pages`.
 
     ``paged``: the compact segments, the kept positions and the prompt-tail queries live in vLLM's
     KV-cache blocks (``vllm_ext.sfi.kv_spec``, ``vllm_ext.sfi.state_pages``): none of them is
@@ -74,12 +77,12 @@ class SfiLayerBuffers:
             self.prompt_tail = PromptTailQueries(None if paged else PromptTailQueries.allocate(
                 capacity, cfg.w_prefill, num_heads, head_size, dtype, device))
         self._bound: tuple | None = None
-        self.page_reps = None
-        if quest:
-            from vllm_ext.kernels.quest_pages import page_count
+        self.quest_pages = self.quest_table = None
+        if quest and not paged:
+            from vllm_ext.kernels.quest_pages import contiguous_bound_pages, page_count
 
-            self.page_reps = torch.zeros(capacity + 1, 2, page_count(max_len, cfg.page_size),
-                                         num_kv_heads, head_size, dtype=dtype, device=device)
+            self.quest_pages, self.quest_table = contiguous_bound_pages(
+                capacity + 1, page_count(max_len, cfg.page_size), num_kv_heads, head_size, dtype, device)
 
     def state_pages(self, cache: torch.Tensor):
         """The row layout of this layer's compact group over the page memory ``cache``
@@ -115,9 +118,15 @@ class SfiLayerBuffers:
                                                  (cfg.w_prefill, self.num_heads, self.head_size), self.dtype)
         self._bound = (cache, table)
 
+    def bind_quest_pages(self, cache: torch.Tensor, table: torch.Tensor) -> None:
+        """``paged``, selector ``quest``: the page bounds are ``cache`` (the Quest layer's pages) read
+        through ``table [slots + 1, blocks per request]`` (``vllm_ext.sfi.quest_tables``)."""
+        self.quest_pages, self.quest_table = cache, table
+
     def unbind_pages(self) -> None:
         """``paged``: forget the bound pages (the next forward binds the real ones)."""
         self.compact_kv = self.compact_table = self.kept_pos = None
+        self.quest_pages = self.quest_table = None
         if self.prompt_tail is not None:
             self.prompt_tail.queries = None
         self._bound = None
@@ -134,7 +143,7 @@ class SfiLayerBuffers:
         tail = (0 if num_heads is None or not cfg.prefill_end_selection or paged else
                 PromptTailQueries.nbytes(capacity, cfg.w_prefill, num_heads, head_size, dtype))
         pages = 0
-        if quest and max_len is not None:
+        if quest and max_len is not None and not paged:
             pages = ((capacity + 1) * 2 * (-(-max_len // cfg.page_size)) * num_kv_heads * head_size
                      * elem)
         compact = 0 if paged else capacity * num_kv_heads * (cfg.n_sink + cfg.k) * 2 * head_size * elem

@@ -17,6 +17,16 @@ max_blocks, state_cache, state_table, entry_offset)``
     dtype). A row with ``first_block[i] >= ceil(seq_lens[i] / Bk)`` writes nothing (rows without
     pages: their table rows are never trusted).
 
+    ``state_slot`` (optional, int ``[R]``): row ``i`` writes through state-table row
+    ``state_slot[i]`` instead of row ``i`` (a per-slot table, e.g. SFI's Quest page bounds: Quest's
+    page max/min are this update with ``Bk`` = the Quest page and ``entry_offset`` 0).
+
+``update_block_representatives_paged_from(kv_cache, block_table, seq_lens, first_block, block_size,
+state_cache, state_table, entry_offset, *, state_slot=None)``
+    The same with no host bound: every key block from ``first_block[i]`` to row ``i``'s last live
+    one (a loop inside the kernel: a fixed launch that CUDA graphs capture). Quest's decode rows use
+    it: one page normally, every page of a request that just got its page bounds.
+
 ``write_state_entries(state_cache, state_table, first_entry, num_entries, values)``
     ``values`` ``[R, E, Hkv, 2*D]`` (any float dtype): row ``i`` stores ``values[i, e]`` in entry
     ``first_entry[i] + e`` for ``e < num_entries[i]`` (0: nothing).
@@ -42,34 +52,62 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _paged_reps_kernel(KV, BT, SEQ, FIRST, SC, ST, OFF,
+    def _paged_rep_entry(KV, BT, SC, ST, r, h, b, seq, srow, OFF,
+                         s_kv_p, s_kv_h, s_kv_n, s_kv_d, s_bt_r, s_bt_p,
+                         s_sc_p, s_sc_h, s_sc_n, s_sc_d, s_st_r, s_st_p,
+                         D: tl.constexpr, D_PAD: tl.constexpr,
+                         BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr, SPAGE: tl.constexpr):
+        offs_n = tl.arange(0, BK_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        pos = b * BK + offs_n
+        valid = (offs_n < BK) & (pos < seq)
+        page = tl.load(BT + r * s_bt_r + (pos // PAGE) * s_bt_p, mask=valid, other=0).to(tl.int64)
+        dmask = offs_d < D
+        ptr = KV + page[:, None] * s_kv_p + h * s_kv_h + (pos % PAGE)[:, None] * s_kv_n \
+            + offs_d[None, :] * s_kv_d
+        m2 = valid[:, None] & dmask[None, :]
+        k = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+        kmax = tl.max(tl.where(m2, k, float("-inf")), axis=0)
+        kmin = tl.min(tl.where(m2, k, float("inf")), axis=0)
+        e = OFF + b
+        spage = tl.load(ST + srow * s_st_r + (e // SPAGE) * s_st_p).to(tl.int64)
+        o = SC + spage * s_sc_p + h * s_sc_h + (e % SPAGE) * s_sc_n
+        tl.store(o + offs_d * s_sc_d, kmax.to(SC.dtype.element_ty), mask=dmask)
+        tl.store(o + (D + offs_d) * s_sc_d, kmin.to(SC.dtype.element_ty), mask=dmask)
+
+    @triton.jit
+    def _paged_reps_kernel(KV, BT, SEQ, FIRST, SC, ST, SROW, OFF,
                            s_kv_p, s_kv_h, s_kv_n, s_kv_d, s_bt_r, s_bt_p,
                            s_sc_p, s_sc_h, s_sc_n, s_sc_d, s_st_r, s_st_p,
                            D: tl.constexpr, D_PAD: tl.constexpr,
                            BK: tl.constexpr, BK_PAD: tl.constexpr, PAGE: tl.constexpr,
-                           SPAGE: tl.constexpr):
-        r = tl.program_id(1).to(tl.int64)
-        h = tl.program_id(2).to(tl.int64)
+                           SPAGE: tl.constexpr, HAS_SROW: tl.constexpr, LOOP: tl.constexpr):
+        # LOOP False: program (j, r, h) writes block FIRST[r] + j (a host bound sizes the grid);
+        # LOOP True: program (r, h) writes every block from FIRST[r] to row r's last live one.
+        # HAS_SROW: row r writes through state-table row SROW[r] (else row r)
+        if LOOP:
+            r = tl.program_id(0).to(tl.int64)
+            h = tl.program_id(1).to(tl.int64)
+        else:
+            r = tl.program_id(1).to(tl.int64)
+            h = tl.program_id(2).to(tl.int64)
         seq = tl.load(SEQ + r).to(tl.int64)
-        b = tl.load(FIRST + r).to(tl.int64) + tl.program_id(0)
-        if b * BK < seq:
-            offs_n = tl.arange(0, BK_PAD)
-            offs_d = tl.arange(0, D_PAD)
-            pos = b * BK + offs_n
-            valid = (offs_n < BK) & (pos < seq)
-            page = tl.load(BT + r * s_bt_r + (pos // PAGE) * s_bt_p, mask=valid, other=0).to(tl.int64)
-            dmask = offs_d < D
-            ptr = KV + page[:, None] * s_kv_p + h * s_kv_h + (pos % PAGE)[:, None] * s_kv_n \
-                + offs_d[None, :] * s_kv_d
-            m2 = valid[:, None] & dmask[None, :]
-            k = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
-            kmax = tl.max(tl.where(m2, k, float("-inf")), axis=0)
-            kmin = tl.min(tl.where(m2, k, float("inf")), axis=0)
-            e = OFF + b
-            spage = tl.load(ST + r * s_st_r + (e // SPAGE) * s_st_p).to(tl.int64)
-            o = SC + spage * s_sc_p + h * s_sc_h + (e % SPAGE) * s_sc_n
-            tl.store(o + offs_d * s_sc_d, kmax.to(SC.dtype.element_ty), mask=dmask)
-            tl.store(o + (D + offs_d) * s_sc_d, kmin.to(SC.dtype.element_ty), mask=dmask)
+        first = tl.maximum(tl.load(FIRST + r).to(tl.int64), 0)
+        if HAS_SROW:
+            srow = tl.load(SROW + r).to(tl.int64)
+        else:
+            srow = r
+        if LOOP:
+            for b in range(first, (seq + BK - 1) // BK):
+                _paged_rep_entry(KV, BT, SC, ST, r, h, b, seq, srow, OFF, s_kv_p, s_kv_h, s_kv_n, s_kv_d,
+                                 s_bt_r, s_bt_p, s_sc_p, s_sc_h, s_sc_n, s_sc_d, s_st_r, s_st_p,
+                                 D, D_PAD, BK, BK_PAD, PAGE, SPAGE)
+        else:
+            b = first + tl.program_id(0)
+            if b * BK < seq:
+                _paged_rep_entry(KV, BT, SC, ST, r, h, b, seq, srow, OFF, s_kv_p, s_kv_h, s_kv_n, s_kv_d,
+                                 s_bt_r, s_bt_p, s_sc_p, s_sc_h, s_sc_n, s_sc_d, s_st_r, s_st_p,
+                                 D, D_PAD, BK, BK_PAD, PAGE, SPAGE)
 
     @triton.jit
     def _write_entries_kernel(SC, ST, FIRST, NUM, VAL,
@@ -106,10 +144,17 @@ def _store(state_cache: torch.Tensor, state_table: torch.Tensor, entry: torch.Te
     state_cache[pages[live], :, (entry % spage)[live]] = vals[live].to(state_cache.dtype)
 
 
+def _state_rows(state_table: torch.Tensor, state_slot: torch.Tensor | None, device) -> torch.Tensor:
+    """Each row's state-table row (the twins gather them; the kernels read ``state_slot`` in place)."""
+    table = state_table.to(device)
+    return table if state_slot is None else table[state_slot.to(device).long()]
+
+
 def update_block_representatives_paged_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
                                              seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
                                              max_blocks: int, state_cache: torch.Tensor,
-                                             state_table: torch.Tensor, entry_offset: int) -> torch.Tensor:
+                                             state_table: torch.Tensor, entry_offset: int, *,
+                                             state_slot: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch twin of :func:`update_block_representatives_paged`."""
     _check_state(kv_cache, state_cache)
     r = seq_lens.shape[0]
@@ -117,40 +162,100 @@ def update_block_representatives_paged_torch(kv_cache: torch.Tensor, block_table
         return state_cache
     blk, live, kmax, kmin = key_block_bounds(kv_cache, block_table, seq_lens, first_block, block_size,
                                              max_blocks)
-    _store(state_cache, state_table.to(kv_cache.device), entry_offset + blk, live, torch.cat([kmax, kmin], -1))
+    _store(state_cache, _state_rows(state_table, state_slot, kv_cache.device), entry_offset + blk, live,
+           torch.cat([kmax, kmin], -1))
+    return state_cache
+
+
+def _launch_paged(kv_cache, block_table, seq_lens, first_block, block_size, state_cache, state_table,
+                  entry_offset, state_slot, max_blocks: int | None) -> torch.Tensor:
+    """One program per (block, row, KV head) up to the host bound ``max_blocks``, or, with None, one
+    per (row, KV head) looping over the row's blocks."""
+    _check_state(kv_cache, state_cache)
+    r = seq_lens.shape[0]
+    if r == 0 or (max_blocks is not None and max_blocks <= 0):
+        return state_cache
+    hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
+    grid = (r, hkv) if max_blocks is None else (max_blocks, r, hkv)
+    _paged_reps_kernel[grid](
+        kv_cache, block_table, seq_lens, first_block, state_cache, state_table,
+        state_slot if state_slot is not None else seq_lens, int(entry_offset),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0), block_table.stride(1),
+        state_cache.stride(0), state_cache.stride(1), state_cache.stride(2), state_cache.stride(3),
+        state_table.stride(0), state_table.stride(1),
+        D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)), PAGE=page,
+        SPAGE=state_cache.shape[2], HAS_SROW=state_slot is not None, LOOP=max_blocks is None,
+    )
     return state_cache
 
 
 def update_block_representatives_paged_triton(kv_cache: torch.Tensor, block_table: torch.Tensor,
                                               seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
                                               max_blocks: int, state_cache: torch.Tensor,
-                                              state_table: torch.Tensor, entry_offset: int) -> torch.Tensor:
-    _check_state(kv_cache, state_cache)
-    r = seq_lens.shape[0]
-    if r == 0 or max_blocks <= 0:
-        return state_cache
-    hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
-    _paged_reps_kernel[(max_blocks, r, hkv)](
-        kv_cache, block_table, seq_lens, first_block, state_cache, state_table, int(entry_offset),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0), block_table.stride(1),
-        state_cache.stride(0), state_cache.stride(1), state_cache.stride(2), state_cache.stride(3),
-        state_table.stride(0), state_table.stride(1),
-        D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)), PAGE=page,
-        SPAGE=state_cache.shape[2],
-    )
-    return state_cache
+                                              state_table: torch.Tensor, entry_offset: int, *,
+                                              state_slot: torch.Tensor | None = None) -> torch.Tensor:
+    return _launch_paged(kv_cache, block_table, seq_lens, first_block, block_size, state_cache, state_table,
+                         entry_offset, state_slot, max_blocks)
 
 
 def update_block_representatives_paged(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                                        first_block: torch.Tensor, block_size: int, max_blocks: int,
                                        state_cache: torch.Tensor, state_table: torch.Tensor,
-                                       entry_offset: int) -> torch.Tensor:
+                                       entry_offset: int, *, state_slot: torch.Tensor | None = None) -> torch.Tensor:
     """Recompute the key blocks a chunk wrote into the rows' state pages (see the module docstring)."""
     fn = update_block_representatives_paged_triton if use_triton(kv_cache) else \
         update_block_representatives_paged_torch
     return fn(kv_cache, block_table, seq_lens, first_block, block_size, max_blocks, state_cache, state_table,
-              entry_offset)
+              entry_offset, state_slot=state_slot)
+
+
+def update_block_representatives_paged_from_triton(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                                   seq_lens: torch.Tensor, first_block: torch.Tensor,
+                                                   block_size: int, state_cache: torch.Tensor,
+                                                   state_table: torch.Tensor, entry_offset: int, *,
+                                                   state_slot: torch.Tensor | None = None) -> torch.Tensor:
+    return _launch_paged(kv_cache, block_table, seq_lens, first_block, block_size, state_cache, state_table,
+                         entry_offset, state_slot, None)
+
+
+def update_block_representatives_paged_from_torch(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                                  seq_lens: torch.Tensor, first_block: torch.Tensor,
+                                                  block_size: int, state_cache: torch.Tensor,
+                                                  state_table: torch.Tensor, entry_offset: int, *,
+                                                  state_slot: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch twin of :func:`update_block_representatives_paged_from`. On the CPU, where reading the
+    rows costs nothing, row by row over its own blocks; elsewhere (tests forcing the twins on a GPU)
+    over the most blocks a state-table row addresses rather than synchronise."""
+    r = seq_lens.shape[0]
+    if r == 0:
+        return state_cache
+    if kv_cache.device.type != "cpu":
+        span = state_table.shape[1] * state_cache.shape[2] - int(entry_offset)
+        return update_block_representatives_paged_torch(kv_cache, block_table, seq_lens, first_block, block_size,
+                                                        span, state_cache, state_table, entry_offset,
+                                                        state_slot=state_slot)
+    rows = _state_rows(state_table, state_slot, kv_cache.device)
+    seqs, firsts = seq_lens.tolist(), first_block.tolist()
+    for i in range(r):
+        n = -(-int(seqs[i]) // block_size) - max(int(firsts[i]), 0)
+        if n > 0:
+            update_block_representatives_paged_torch(kv_cache, block_table[i:i + 1], seq_lens[i:i + 1],
+                                                     first_block[i:i + 1].clamp_min(0), block_size, n,
+                                                     state_cache, rows[i:i + 1], entry_offset)
+    return state_cache
+
+
+def update_block_representatives_paged_from(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                            seq_lens: torch.Tensor, first_block: torch.Tensor, block_size: int,
+                                            state_cache: torch.Tensor, state_table: torch.Tensor,
+                                            entry_offset: int, *, state_slot: torch.Tensor | None = None
+                                            ) -> torch.Tensor:
+    """Every key block from ``first_block`` to the row's last live one (see the module docstring)."""
+    fn = update_block_representatives_paged_from_triton if use_triton(kv_cache) else \
+        update_block_representatives_paged_from_torch
+    return fn(kv_cache, block_table, seq_lens, first_block, block_size, state_cache, state_table, entry_offset,
+              state_slot=state_slot)
 
 
 def write_state_entries_torch(state_cache: torch.Tensor, state_table: torch.Tensor, first_entry: torch.Tensor,

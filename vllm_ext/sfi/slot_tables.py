@@ -18,7 +18,6 @@ read asynchronously (:class:`vllm_ext.device_counters.DeviceCounters`). Torch on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -35,6 +34,8 @@ from vllm_ext.sfi.prompt_tail import (TailRow, kept_count, makes_prefill_selecti
 from vllm_ext.kernels.copy_match import copy_match, record_tokens
 from vllm_ext.kernels.token_history import TokenHistory
 from vllm_ext.sfi.history_slots import HISTORY_SUFFIX, HistorySlots
+from vllm_ext.sfi.quest_tables import QUEST_SUFFIX, QuestPageTables, QuestPrefillPages  # noqa: F401
+from vllm_ext.sfi.state_pages import first_compact_len
 from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_COPY, STAT_DENSE,
                                     STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                     STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW,
@@ -43,16 +44,6 @@ from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STA
 
 # what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
 # (kernel constants, buffer sizes, the schedule) and is refused loudly
-
-@dataclass
-class QuestPrefillPages:
-    """Selector ``quest``: one step's prefill page updates (rows of requests holding a compact slot)."""
-    rows: torch.Tensor              # int64 [n]: batch rows (their block-table rows)
-    seq_lens: torch.Tensor          # int32 [n]: tokens in the cache after this step
-    first_page: torch.Tensor        # int32 [n]: first page the row rewrites
-    sfi_slot: torch.Tensor          # int32 [n]: compact slot (the page table's entry)
-    max_pages: int                  # host bound of the pages one row rewrites
-
 
 # the name of an attention layer's compact cache layer (``vllm_ext.backend.sfi_compact``)
 COMPACT_SUFFIX = ".sfi_compact"
@@ -94,6 +85,9 @@ class SfiSlotTables(MethodSlots):
         # quest: per compact slot (+ a scratch entry), the positions whose page max/min are written;
         # a fresh slot starts at 0, so its first decode row writes every page of a cached context
         self.page_upto = torch.zeros(capacity + 1, **i32)
+        # quest inside vLLM: the page bounds' tables and which rows hold them (vllm_ext.sfi.quest_tables)
+        self.quest = (QuestPageTables(self.cfg.page_size, first_compact_len(self.cfg), capacity, n_slots,
+                                      max_rows, device) if self.cfg.selector == "quest" else None)
         # sfi.keep_prefill: per compact slot (+ a scratch entry), the tokens its prefill-end selection
         # keeps for the whole decode (0 for a slot whose prefill made no selection)
         self.n_kept = torch.zeros(capacity + 1, **i32)
@@ -145,15 +139,21 @@ class SfiSlotTables(MethodSlots):
 
     def bind_kv_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
         """``MethodSlots``: SFI's KV-cache groups, group id -> (blocks per request, layer names[,
-        spec, layer name -> page memory]): the compact groups (``vllm_ext.sfi.kv_spec``, layers
-        ``<attention layer>`` + :data:`COMPACT_SUFFIX`) and the history groups
-        (``vllm_ext.sfi.history_kv_spec``, layers ending in ``HISTORY_SUFFIX``)."""
-        history = {gid: g for gid, g in groups.items() if all(n.endswith(HISTORY_SUFFIX) for n in g[1])}
-        self.bind_compact_groups({gid: (n_c, [n[:-len(COMPACT_SUFFIX)] for n in names
-                                               if n.endswith(COMPACT_SUFFIX)])
-                                  for gid, (n_c, names, *_) in groups.items() if gid not in history})
+        spec, layer name -> page memory]), told apart by their layers' suffix: the compact groups
+        (``vllm_ext.sfi.kv_spec``, layers ``<attention layer>`` + :data:`COMPACT_SUFFIX`), the
+        history groups (``vllm_ext.sfi.history_kv_spec``, ``HISTORY_SUFFIX``) and with selector
+        ``quest`` the groups of its page bounds (``vllm_ext.sfi.quest_tables``, ``QUEST_SUFFIX``)."""
+        def layers(names, suffix):
+            return [n[:-len(suffix)] for n in names if n.endswith(suffix)]
+
+        self.bind_compact_groups({gid: (n_c, layers(names, COMPACT_SUFFIX))
+                                  for gid, (n_c, names, *_) in groups.items() if layers(names, COMPACT_SUFFIX)})
         if self.history_slots is not None:
-            self.history_slots.bind(history)
+            self.history_slots.bind({gid: g for gid, g in groups.items()
+                                     if all(n.endswith(HISTORY_SUFFIX) for n in g[1])})
+        if self.quest is not None:
+            self.quest.bind({gid: (n, layers(names, QUEST_SUFFIX), rest[0].block_size)
+                             for gid, (n, names, *rest) in groups.items() if layers(names, QUEST_SUFFIX)})
 
     def bind_compact_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
         """The compact segments live in vLLM's KV-cache groups ``groups``: group id -> (blocks per
@@ -194,6 +194,8 @@ class SfiSlotTables(MethodSlots):
     def assign(self, slot: int, overrides: Mapping[str, Any] | None) -> tuple[int, bool, int]:
         """Compact slot, on/off and ``k`` for a request taking request slot ``slot``."""
         self.first_computed.pop(slot, None)
+        if self.quest is not None:
+            self.quest.forget(slot)
         self.tail_lost.discard(slot)
         cfg = self.config
         if overrides:
@@ -233,6 +235,8 @@ class SfiSlotTables(MethodSlots):
             self.history_slots.on_host[slot] = False
         self.first_computed.pop(slot, None)
         self.tail_lost.discard(slot)
+        if self.quest is not None:
+            self.quest.forget(slot)
         if sfi_slot is not None:
             self._free.append(sfi_slot)
             metrics.bump("sfi.slots_released")
@@ -299,6 +303,8 @@ class SfiSlotTables(MethodSlots):
             q_len = qsl[1:num_rows + 1] - qsl[:num_rows]
             sfi_rows = step.row_is_decode * (q_len == 1)
         sfi_on = self._update_compact_tables(step) if self.compact_tables else self.sfi_on
+        if self.quest is not None:
+            sfi_on = self.quest.gate(step, self.sfi_slot_of, sfi_on, self.page_upto)
         row_copy = None
         if self.history is not None:
             row_copy = self.copy_rows(step, sfi_rows, sfi_on)
@@ -310,7 +316,7 @@ class SfiSlotTables(MethodSlots):
             # there is no prefill-end selection (the first decode step selects)
             plan.quest_pages = self.plan_quest_pages(
                 num_reqs=num_reqs, row_slots=step.row_slot_np, row_is_decode=step.row_is_decode_np,
-                host_geometry=step.host_geometry)
+                host_geometry=step.host_geometry, held=self.quest.held(step.group_tables, num_reqs))
         if step.is_real and step.host_geometry is not None and self.cfg.prefill_end_selection:
             plan.prefill_end = self.plan_prefill_end(
                 num_reqs=num_reqs, row_slots=step.row_slot_np, row_is_decode=step.row_is_decode_np,
@@ -450,41 +456,13 @@ class SfiSlotTables(MethodSlots):
         return plan
 
     def plan_quest_pages(self, *, num_reqs: int, row_slots: np.ndarray, row_is_decode: np.ndarray,
-                         host_geometry) -> "QuestPrefillPages | None":
-        """Selector ``quest``: the pages each multi-token row of a request holding a compact slot
-        writes this step (its first own chunk also covers a prefix-cache hit: pages from 0), whatever
-        the prompt's length (a short prompt grows into a sparse request). Multi-token rows include a
-        request resumed after preemption that recomputes only generated tokens (its prompt a prefix
-        hit): SFI runs them densely, and their pages must still be written before its first decode
-        selects. One-token decode rows update their page on the device (``quest_page_update``). Host
-        geometry is exact for multi-token rows; such steps run eagerly."""
-        page = self.cfg.page_size
-        qsl, computed = host_geometry
-        rows, seqs, firsts, slots, n_pages = [], [], [], [], 0
-        for row in range(num_reqs):
-            slot = int(row_slots[row])
-            if slot not in self.slot_host or (row_is_decode[row] and qsl[row + 1] - qsl[row] == 1):
-                continue
-            done = int(computed[row])
-            end = done + int(qsl[row + 1] - qsl[row])
-            first = self.first_computed.setdefault(slot, done)
-            first_page = 0 if done <= first else done // page
-            rows.append(row)
-            seqs.append(end)
-            firsts.append(first_page)
-            slots.append(self.slot_host[slot])
-            n_pages = max(n_pages, -(-end // page) - first_page)
-        if not rows:
-            return None
-
-        def dev(a, dtype):
-            return torch.as_tensor(np.asarray(a), dtype=dtype).to(self.device, non_blocking=True)
-
-        plan = QuestPrefillPages(rows=dev(rows, torch.int64), seq_lens=dev(seqs, torch.int32),
-                                 first_page=dev(firsts, torch.int32), sfi_slot=dev(slots, torch.int32),
-                                 max_pages=n_pages)
-        self.page_upto.index_copy_(0, plan.sfi_slot.long(), plan.seq_lens)
-        return plan
+                         host_geometry, held: np.ndarray | None = None) -> "QuestPrefillPages | None":
+        """Selector ``quest``: the pages the step's multi-token rows write
+        (``vllm_ext.sfi.quest_tables.QuestPageTables.plan_prefill``; ``held``: the rows' bound-page
+        blocks inside vLLM)."""
+        return self.quest.plan_prefill(num_reqs=num_reqs, row_slots=row_slots, row_is_decode=row_is_decode,
+                                       host_geometry=host_geometry, slot_host=self.slot_host, held=held,
+                                       page_upto=self.page_upto)
 
     def counter_values(self) -> dict[str, int]:
         values = self.counters.read()

@@ -1,0 +1,52 @@
+"""The per-layer cache of Quest's page bounds, as vLLM pages it (``docs/per_request_memory.md``).
+
+:class:`SfiQuestCache` is registered in the forward context beside a SPEEDSFI attention layer that
+has a compact cache (``<layer>.sfi_quest``; the same layers, so the attention layers stay in one
+group pattern), with ``sfi.selector = "quest"``. vLLM collects its spec
+(``vllm_ext.sfi.quest_kv_spec.SfiQuestPagesSpec``), groups it, allocates its blocks from the shared
+pool and binds a view of the KV cache to it (``kv_cache``, logically ``[num_blocks, Hkv, block_size,
+2D]``). The attention impl reads and writes the bounds through the group's per-slot table
+(``vllm_ext.sfi.quest_tables``). Backend: the compact caches' (page constraints, an empty builder).
+"""
+
+from __future__ import annotations
+
+from vllm_ext.backend.sfi_compact import SfiCompactBackend, SfiCompactCache
+from vllm_ext.sfi.quest_tables import QUEST_SUFFIX
+
+
+class SfiQuestBackend(SfiCompactBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "SPEEDSFI_QUEST_PAGES"
+
+
+class SfiQuestCache(SfiCompactCache):
+    """The Quest page bounds of one SPEEDSFI attention layer (``attn``), paged by vLLM."""
+
+    def get_kv_cache_spec(self, vllm_config):
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        from vllm_ext.sfi.quest_kv_spec import quest_spec_for
+
+        spec = self._attn[0].get_kv_cache_spec(vllm_config)
+        if not isinstance(spec, AttentionSpec):
+            return None
+        return quest_spec_for(spec, self.sfi_config, max_len=vllm_config.model_config.max_model_len)
+
+    def get_attn_backend(self):
+        return SfiQuestBackend
+
+    def forward(self):  # never called: the attention impl reads the blocks
+        raise RuntimeError("SfiQuestCache is a KV-cache holder, not a model layer")
+
+
+def register_quest_layer(forward_context: dict, attn_layer_name: str, sfi_config) -> SfiQuestCache:
+    """The bound-page cache of ``attn_layer_name`` in the forward context, registered on first call
+    (while the weights load, before vLLM collects the KV-cache specs)."""
+    name = attn_layer_name + QUEST_SUFFIX
+    layer = forward_context.get(name)
+    if layer is None:
+        layer = SfiQuestCache(forward_context[attn_layer_name], name, sfi_config)
+        forward_context[name] = layer
+    return layer
