@@ -188,6 +188,7 @@ def main(argv=None):
     res["meta"] = dict(model=os.path.relpath(args.model, ROOT) if args.model.startswith(ROOT) else args.model,
                        device="cpu", device_desc=f"{cpu}, {os.cpu_count()} cores", vllm=vllm.__version__,
                        torch=torch.__version__, commit=commit, max_tokens=args.max_tokens,
+                       date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        reference_dtype=args.reference_dtype,
                        measure="teacher-forced top-1 agreement: at each step of the reference (dense) answer, "
                                "the configuration's greedy choice given the reference's prefix")
