@@ -112,6 +112,9 @@ def engine_run(args, prompts, speedsfi: dict, dtype: str, forced: dict | None):
     records = {p.key: [F.RECORDS[p.key][s] for s in sorted(F.RECORDS[p.key])] for p in prompts}
     modes = {p.key: (request_modes(snapshots, o.request_id, len(tokens[p.key])) if snapshots is not None else None)
              for p, o in zip(prompts, outs)}
+    unrecorded = [k for k, m in modes.items() if snapshots is not None and m is None]
+    if unrecorded:
+        raise RuntimeError(f"the backend's recorder does not hold every decode step of {unrecorded}")
     counters = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before) if k.startswith(("sfi.", "fallback."))}
     return tokens, texts, records, modes, counters, time.time() - t0
 
