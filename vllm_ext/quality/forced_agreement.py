@@ -29,7 +29,7 @@ MODES = ("prefill", "dense", "slow", "fast")
 
 def request_modes(snapshots: Sequence[Mapping[str, Mapping]], request_id: str, n_tokens: int) -> list[str] | None:
     """The kind of each of a request's ``n_tokens`` sampling steps from the backend's per-step
-    snapshots (``EngineRequestTable.recorder``: per step, vLLM's internal request id -> view with
+    snapshots (``RequestStateTable.recorder``: per step, vLLM's internal request id -> view with
     ``is_decode`` and ``mode``). vLLM's internal id is the output's ``request_id`` with a suffix
     (``"3-8a370368"``). Token 0 is the prefill's; token t >= 1 is the t-th decode step's. None when
     the snapshots do not hold exactly ``n_tokens - 1`` decode steps of the request."""
