@@ -13,9 +13,7 @@ builder that builds nothing).
 
 from __future__ import annotations
 
-import torch
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
+from vllm_ext.backend.method_cache_layer import MethodCacheLayer, register_cache_layer
 from vllm_ext.backend.sfi_compact import SfiCompactBackend
 from vllm_ext.critiprefill.state_layout import STATE_SUFFIX
 
@@ -26,43 +24,27 @@ class CritiPrefillStateBackend(SfiCompactBackend):
         return "SPEEDSFI_CRITIPREFILL_STATE"
 
 
-class CritiPrefillStateCache(torch.nn.Module, AttentionLayerBase):
+class CritiPrefillStateCache(MethodCacheLayer):
     """The CritiPrefill state of one sparse SPEEDSFI attention layer (``attn``), paged by vLLM."""
 
+    backend = CritiPrefillStateBackend
+
     def __init__(self, attn, prefix: str, cp_config, *, num_heads: int, max_len: int):
-        super().__init__()
-        self.kv_cache = torch.tensor([])
-        self.layer_name = prefix
+        super().__init__(attn, prefix)
         self.cp_config = cp_config
         self.num_heads = num_heads
         self.max_len = max_len
-        self._attn = [attn]          # not a submodule: the model owns the attention layer
 
-    def get_kv_cache_spec(self, vllm_config):
-        from vllm.v1.kv_cache_interface import AttentionSpec
-
+    def spec_for(self, attn_spec, attn, vllm_config):
         from vllm_ext.critiprefill.kv_spec import state_spec_for
 
-        spec = self._attn[0].get_kv_cache_spec(vllm_config)
-        if not isinstance(spec, AttentionSpec):
-            return None
-        return state_spec_for(spec, self.cp_config, num_heads=self.num_heads, max_len=self.max_len)
-
-    def get_attn_backend(self):
-        return CritiPrefillStateBackend
-
-    def forward(self):  # never called: the attention impl reads the pages
-        raise RuntimeError("CritiPrefillStateCache is a KV-cache holder, not a model layer")
+        return state_spec_for(attn_spec, self.cp_config, num_heads=self.num_heads, max_len=self.max_len)
 
 
 def register_state_layer(forward_context: dict, attn_layer_name: str, cp_config, *, num_heads: int,
                          max_len: int) -> CritiPrefillStateCache:
-    """The state cache of ``attn_layer_name`` in the forward context, registered on first call (before
-    vLLM collects the KV-cache specs: the attention impl calls this while the weights load)."""
-    name = attn_layer_name + STATE_SUFFIX
-    layer = forward_context.get(name)
-    if layer is None:
-        layer = CritiPrefillStateCache(forward_context[attn_layer_name], name, cp_config,
-                                       num_heads=num_heads, max_len=max_len)
-        forward_context[name] = layer
-    return layer
+    """The state cache of ``attn_layer_name`` in the forward context, registered on first call."""
+    return register_cache_layer(forward_context, attn_layer_name, STATE_SUFFIX,
+                                lambda attn, name: CritiPrefillStateCache(attn, name, cp_config,
+                                                                          num_heads=num_heads,
+                                                                          max_len=max_len))

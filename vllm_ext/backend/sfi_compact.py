@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder,
                                        MultipleOf)
 
+from vllm_ext.backend.method_cache_layer import MethodCacheLayer, register_cache_layer
 from vllm_ext.sfi.slot_tables import COMPACT_SUFFIX as SUFFIX  # noqa: E402
 
 
@@ -72,41 +72,23 @@ class SfiCompactBackend(AttentionBackend):
         return (KVCacheLayout.LBNHC,)
 
 
-class SfiCompactCache(torch.nn.Module, AttentionLayerBase):
+class SfiCompactCache(MethodCacheLayer):
     """The compact segments of one SPEEDSFI attention layer (``attn``), paged by vLLM."""
 
+    backend = SfiCompactBackend
+
     def __init__(self, attn, prefix: str, sfi_config):
-        super().__init__()
-        self.kv_cache = torch.tensor([])
-        self.layer_name = prefix
+        super().__init__(attn, prefix)
         self.sfi_config = sfi_config
-        self._attn = [attn]          # not a submodule: the model owns the attention layer
 
-    def get_kv_cache_spec(self, vllm_config):
-        from vllm.v1.kv_cache_interface import AttentionSpec
-
+    def spec_for(self, attn_spec, attn, vllm_config):
         from vllm_ext.sfi.kv_spec import compact_spec_for
 
-        attn = self._attn[0]
-        spec = attn.get_kv_cache_spec(vllm_config)
-        if not isinstance(spec, AttentionSpec):
-            return None
-        return compact_spec_for(spec, self.sfi_config, num_heads=attn.num_heads,
+        return compact_spec_for(attn_spec, self.sfi_config, num_heads=attn.num_heads,
                                 act_dtype=vllm_config.model_config.dtype)
-
-    def get_attn_backend(self):
-        return SfiCompactBackend
-
-    def forward(self):  # never called: the attention impl reads the blocks
-        raise RuntimeError("SfiCompactCache is a KV-cache holder, not a model layer")
 
 
 def register_compact_layer(forward_context: dict, attn_layer_name: str, sfi_config) -> SfiCompactCache:
-    """The compact cache of ``attn_layer_name`` in the forward context, registered on first call
-    (before vLLM collects the KV-cache specs: the attention impl calls this while the weights load)."""
-    name = compact_layer_name(attn_layer_name)
-    layer = forward_context.get(name)
-    if layer is None:
-        layer = SfiCompactCache(forward_context[attn_layer_name], name, sfi_config)
-        forward_context[name] = layer
-    return layer
+    """The compact cache of ``attn_layer_name`` in the forward context, registered on first call."""
+    return register_cache_layer(forward_context, attn_layer_name, SUFFIX,
+                                lambda attn, name: SfiCompactCache(attn, name, sfi_config))

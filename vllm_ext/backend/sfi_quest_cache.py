@@ -11,7 +11,8 @@ pool and binds a view of the KV cache to it (``kv_cache``, logically ``[num_bloc
 
 from __future__ import annotations
 
-from vllm_ext.backend.sfi_compact import SfiCompactBackend, SfiCompactCache
+from vllm_ext.backend.method_cache_layer import MethodCacheLayer, register_cache_layer
+from vllm_ext.backend.sfi_compact import SfiCompactBackend
 from vllm_ext.sfi.quest_tables import QUEST_SUFFIX
 
 
@@ -21,32 +22,22 @@ class SfiQuestBackend(SfiCompactBackend):
         return "SPEEDSFI_QUEST_PAGES"
 
 
-class SfiQuestCache(SfiCompactCache):
+class SfiQuestCache(MethodCacheLayer):
     """The Quest page bounds of one SPEEDSFI attention layer (``attn``), paged by vLLM."""
 
-    def get_kv_cache_spec(self, vllm_config):
-        from vllm.v1.kv_cache_interface import AttentionSpec
+    backend = SfiQuestBackend
 
+    def __init__(self, attn, prefix: str, sfi_config):
+        super().__init__(attn, prefix)
+        self.sfi_config = sfi_config
+
+    def spec_for(self, attn_spec, attn, vllm_config):
         from vllm_ext.sfi.quest_kv_spec import quest_spec_for
 
-        spec = self._attn[0].get_kv_cache_spec(vllm_config)
-        if not isinstance(spec, AttentionSpec):
-            return None
-        return quest_spec_for(spec, self.sfi_config, max_len=vllm_config.model_config.max_model_len)
-
-    def get_attn_backend(self):
-        return SfiQuestBackend
-
-    def forward(self):  # never called: the attention impl reads the blocks
-        raise RuntimeError("SfiQuestCache is a KV-cache holder, not a model layer")
+        return quest_spec_for(attn_spec, self.sfi_config, max_len=vllm_config.model_config.max_model_len)
 
 
 def register_quest_layer(forward_context: dict, attn_layer_name: str, sfi_config) -> SfiQuestCache:
-    """The bound-page cache of ``attn_layer_name`` in the forward context, registered on first call
-    (while the weights load, before vLLM collects the KV-cache specs)."""
-    name = attn_layer_name + QUEST_SUFFIX
-    layer = forward_context.get(name)
-    if layer is None:
-        layer = SfiQuestCache(forward_context[attn_layer_name], name, sfi_config)
-        forward_context[name] = layer
-    return layer
+    """The bound-page cache of ``attn_layer_name`` in the forward context, registered on first call."""
+    return register_cache_layer(forward_context, attn_layer_name, QUEST_SUFFIX,
+                                lambda attn, name: SfiQuestCache(attn, name, sfi_config))
