@@ -458,34 +458,70 @@ def quality_critiprefill() -> str:
 
 _USER_NEEDLE_SETS = (("quality_cpu_smollm2_user_needles_4k_copy_once", "reproduction (settings chosen here)"),
                      ("quality_cpu_smollm2_user_needles_test_4k", "held out"),
-                     ("quality_cpu_smollm2_user_needles_test_8k", "held out"))
+                     ("quality_cpu_smollm2_user_needles_test_8k", "held out"),
+                     ("quality_cpu_smollm2_user_needles_heldout2", "held out, second"))
 _USER_NEEDLE_LABELS = {"dense": "dense", "sfi_preset": "the `sfi` preset",
                        "sfi_copy_once": "preset + `copy_ngram` 2, `copy_once`"}
 
 
+def _binomial_cdf(k: int, n: int, p: float) -> float:
+    from math import comb
+
+    return sum(comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+
+
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) two-sided interval of a binomial proportion k / n."""
+    if n <= 0:
+        return 0.0, 1.0
+    k = min(max(k, 0), n)
+    a = (1 - level) / 2
+
+    def solve(f) -> float:              # f falls from True to False on [0, 1]
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) else (lo, mid)
+        return (lo + hi) / 2
+
+    lower = 0.0 if k == 0 else solve(lambda p: 1 - _binomial_cdf(k - 1, n, p) < a)
+    upper = 1.0 if k == n else solve(lambda p: _binomial_cdf(k, n, p) > a)
+    return lower, upper
+
+
 def quality_user_needles() -> str:
     """Issue 37: user-written single needles (vllm_ext.quality.user_needles), dense vs the preset
-    and the copy trigger, per set and length: right answers, how many of dense's right ones it kept,
-    and what the fast steps read."""
-    lines = ["| set | length | config | right | % of dense | of dense's right "
+    and the copy trigger, per set and length: right answers, how many of dense's right ones it kept
+    (with the exact 95 % interval of that share: the paired measure, since both run the same
+    prompts), and what the fast steps read."""
+    lines = ["| set | length | config | right | % of dense | of dense's right (95 % interval) "
              "| fast-step read | decode read | slow / fast steps |", "|---" * 9 + "|"]
     notes = []
     for name, label in _USER_NEEDLE_SETS:
         if not (ROOT / RESULTS / f"{name}.json").exists():
             continue
         d = _load(f"{name}.json")
-        dense = d["configs"][0]["samples"]
-        n_dense = round(sum(r["correct"] for r in dense))
-        for c in d["configs"]:
-            rows = c["samples"]
-            right = round(sum(r["correct"] for r in rows))
-            kept = round(sum(r["correct"] for r, q in zip(rows, dense) if q["correct"]))
-            pl = next(iter(c["per_length"].values()))
-            steps = f"{pl['slow_steps']} / {pl['fast_steps']}" if c["name"] != "dense" else "-"
-            lines.append(f"| {label} | {', '.join(str(n) for n in d['meta']['lengths'])} | "
-                         f"{_USER_NEEDLE_LABELS.get(c['name'], c['name'])} | {right} / {len(rows)} | "
-                         f"{100 * right / n_dense:.0f} | {kept} / {n_dense} | "
-                         f"{c['fast_retained_fraction']:.3f} | {c['read_fraction']:.3f} | {steps} |")
+        lengths = [str(n) for n in d["meta"]["lengths"]]
+        groups = [(n, {n}) for n in lengths] + ([("both", set(lengths))] if len(lengths) > 1 else [])
+        dense_all = d["configs"][0]["samples"]
+        for group, members in groups:
+            dense = [r for r in dense_all if str(r["length"]) in members]
+            n_dense = round(sum(r["correct"] for r in dense))
+            for c in d["configs"]:
+                rows = [r for r in c["samples"] if str(r["length"]) in members]
+                right = round(sum(r["correct"] for r in rows))
+                kept = round(sum(r["correct"] for r, q in zip(rows, dense) if q["correct"]))
+                lo, hi = clopper_pearson(kept, n_dense)
+                pls = [c["per_length"][n] for n in sorted(members) if n in c["per_length"]]
+                if group == "both" or not pls:
+                    fast, read = c["fast_retained_fraction"], c["read_fraction"]
+                else:
+                    fast, read = pls[0]["fast_retained_fraction"], pls[0]["read_fraction"]
+                steps = (f"{sum(p['slow_steps'] for p in pls)} / {sum(p['fast_steps'] for p in pls)}"
+                         if c["name"] != "dense" else "-")
+                lines.append(f"| {label} | {group} | {_USER_NEEDLE_LABELS.get(c['name'], c['name'])} | "
+                             f"{right} / {len(rows)} | {100 * right / n_dense:.0f} | {kept} / {n_dense} "
+                             f"({100 * lo:.0f}-{100 * hi:.0f} %) | {fast:.3f} | {read:.3f} | {steps} |")
         meta = d["meta"]
         commit = meta.get("commit") or UNRECORDED_COMMIT[name + ".json"].split()[3]
         notes.append(f"{meta['model']} ({meta['n_samples']} prompts); {meta['device_desc']}, vLLM {meta['vllm']}, "

@@ -126,3 +126,17 @@ def test_the_scan_finds_figures_and_honours_marks():
     stray, exempt = write_figures.scan(text)
     assert stray == [(1, "12.5 ms"), (7, "2.1x")]
     assert exempt == [(3, "not measured", "the paper's figure", ["3.0x", "25 %"])]
+
+
+@pytest.mark.parametrize("k,n", [(0, 10), (3, 10), (15, 17), (17, 17), (74, 75), (1, 1)])
+def test_clopper_pearson_interval(k, n):
+    lo, hi = write_figures.clopper_pearson(k, n)
+    assert 0.0 <= lo <= k / n <= hi <= 1.0
+    # the interval of k / n mirrors the one of (n - k) / n
+    lo2, hi2 = write_figures.clopper_pearson(n - k, n)
+    assert lo == pytest.approx(1 - hi2, abs=1e-9) and hi == pytest.approx(1 - lo2, abs=1e-9)
+    if k == n:                          # closed form: P(all n | p) = p^n = 2.5 %
+        assert lo == pytest.approx(0.025 ** (1 / n), abs=1e-9)
+    if 0 < k < n:                       # each end leaves exactly 2.5 % of its tail
+        assert 1 - write_figures._binomial_cdf(k - 1, n, lo) == pytest.approx(0.025, abs=1e-6)
+        assert write_figures._binomial_cdf(k, n, hi) == pytest.approx(0.025, abs=1e-6)
