@@ -649,7 +649,12 @@ def run_config(name: str, base_url: str, model: str, pid: int | None, args, pass
                                      args.request_timeout))
         res["warmup_errors"] = sum(r["error"] is not None for r in wrecs)
     res["rss_after_warmup"] = tree_rss(pid)
-    before = counters()
+    # the warm-up's last slots come back after its last answer reached the client: wait for them, or
+    # their release would count in the measured run (a race a loaded machine loses)
+    before, deadline = counters(), time.monotonic() + 30
+    while warm and not _idle(before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        before = counters()
     done = []
     half = {}
     n_total = sum(len(w) for w in passes)
