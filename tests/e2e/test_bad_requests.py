@@ -117,6 +117,7 @@ def test_abort_storm_leaves_the_server_answering(server, reference):
         m = server.metrics()
         if m.get("speedsfi_request_slots_in_use") == 0 and m.get("speedsfi_sfi_slots_in_use") == 0:
             break
-        assert time.monotonic() < deadline, f"slots still held: {m.get('speedsfi_request_slots_in_use')}"
+        assert time.monotonic() < deadline, (f"slots still held: request {m.get('speedsfi_request_slots_in_use')}, "
+                                                  f"SFI {m.get('speedsfi_sfi_slots_in_use')}")
         time.sleep(0.5)
     assert not {k for k in server.events() if k.startswith("fallback.")}
