@@ -27,7 +27,7 @@ LAYERS = [f"model.layers.{i}.self_attn.attn{HISTORY_SUFFIX}" for i in range(2)]
 def _table(paged: bool, **more) -> EngineRequestTable:
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": K, "k_min": 4, "n_sink": N_SINK,
                                             "n_recent": N_RECENT, "refresh": 1000, "schedule": "periodic",
-                                            "copy_ngram": M, **more}})
+                                            "copy_ngram": M, "copy_once": False, **more}})
     t = EngineRequestTable(max_reqs=2, device="cpu", config=cfg, sfi_capacity=2, max_model_len=WIDTH * E,
                            paged_history=paged)
     if paged:
