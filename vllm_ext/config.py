@@ -426,7 +426,8 @@ class SpeedSfiConfig:
         elif _enables_only(raw.get("sfi")):
             # `sfi: {enabled: true}` and nothing else: the default selection, the `sfi` preset's
             # (chosen on a real model: bench/QUALITY.md, "A real model"). Any other sfi field starts
-            # from the dataclass's constants (the published method's, ALGORITHMS.md).
+            # from the dataclass's constants (the published method's, ALGORITHMS.md, with the copy
+            # trigger on: copy_ngram unset resolves to 2 where a step can be fast).
             merged = {"sfi": dict(load_preset("sfi").get("sfi") or {})}
         _deep_update(merged, raw)
         _copy_trigger_gives_way(merged, raw)

@@ -58,6 +58,8 @@ NUM_BLOCKS = 80
 # The last two phases are empty launches when no row is slow (their kernels exit on the device
 # count). Removing them from the fast step needs the host to know which steps have slow rows, or
 # conditional graph nodes: the closing note of issue 35 says why neither is done yet.
+# The copy trigger (sfi.copy_ngram, on by default) is not in this count: its record and match kernels
+# run once per step in the step plan (SfiSlotTables.copy_rows), not in a layer's forward.
 FAST_STEP_BUDGET = 13
 # The slow list runs in ceil(min(R, S) / B) chunks of B = sfi.maintenance_rows entries (S: SFI's
 # request capacity); each chunk past the first repeats the last two phases (3 + 8 launches). With
