@@ -225,6 +225,7 @@ class SfiSlotTables(MethodSlots):
         self.slot_host[slot] = sfi_slot
         if self.history_slots is not None:
             self.history_slots.on_host[slot] = True
+            self.history_slots.started[slot] = False
         self.k_host[slot] = k
         metrics.bump("sfi.slots_assigned")       # exported: in use = assigned - released
         return sfi_slot, True, k
@@ -345,6 +346,7 @@ class SfiSlotTables(MethodSlots):
         hist_slot, row_from = self.history_slots.plan_rows(step, self.sfi_on[slot] & (sfi_slot >= 0),
                                                            sfi_slot)
         seq_lens = step.seq_lens[:num_rows]
+        self.history_slots.backfill(step, hist_slot)
         if step.is_real and step.num_reqs and step.input_ids is not None:
             if step.host_geometry is not None and not bool(step.row_is_decode_np[:step.num_reqs].all()):
                 qsl = step.host_geometry[0]
