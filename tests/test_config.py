@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from vllm_ext.config import (ConfigError, SpeedSfiConfig, check_request_overrides, load_preset, preset_names,
+from vllm_ext.config import (ConfigError, SfiConfig, SpeedSfiConfig, check_request_overrides, load_preset, preset_names,
                              request_overrides)
 
 
@@ -235,3 +235,60 @@ def test_dense_delegate_is_an_engine_wide_choice():
         SpeedSfiConfig.from_dict({"dense_delegate": "flashinfer"})
     with pytest.raises(ConfigError, match="engine-wide"):
         check_request_overrides(cfg, {"dense_delegate": "triton"})
+
+
+def test_the_copy_trigger_is_on_by_default_and_off_in_the_paper_presets():
+    """Issue 37: copy_ngram 2, copy_max_matches 1, copy_once by default (SfiConfig's and the `sfi`
+    preset's); the presets that are the paper say copy_ngram 0."""
+    s = SfiConfig()
+    assert (s.copy_ngram, s.resolved_copy_ngram, s.copy_max_matches, s.copy_once) == (None, 2, 1, True)
+    preset = SpeedSfiConfig.from_dict({"preset": "sfi"}).sfi
+    assert (preset.copy_ngram, preset.copy_max_matches, preset.copy_once) == (2, 1, True)
+    assert load_preset("sfi")["sfi"]["copy_ngram"] == 2
+    for name in ("sfi-paper", "sfi-quality"):
+        assert load_preset(name)["sfi"]["copy_ngram"] == 0
+        assert SpeedSfiConfig.from_dict({"preset": name}).sfi.resolved_copy_ngram == 0
+    assert SpeedSfiConfig.from_dict({"preset": "all"}).sfi.resolved_copy_ngram == 2
+
+
+@pytest.mark.parametrize("sfi", [{"schedule": "always_slow"}, {"refresh": 1}, {"schedule": "periodic", "refresh": 1},
+                                 {"selector": "quest", "page_size": 16, "k": 256, "schedule": "periodic",
+                                  "refresh": 1}])
+def test_the_default_copy_trigger_is_inert_where_every_step_is_slow(sfi):
+    """Unset, copy_ngram resolves to 0 where every decode step is slow already (no history group, no
+    per-step launches); a configuration valid before the default changed stays valid, alone and on
+    top of the `sfi` preset (whose copy_ngram 2 gives way like the default)."""
+    for raw in ({"sfi": {"enabled": True, **sfi}}, {"preset": "sfi", "sfi": dict(sfi)}):
+        if "selector" in sfi and "preset" in raw:
+            raw["sfi"].update(keep_prefill=0, select_span=0, select_span_back=0)
+        cfg = SpeedSfiConfig.from_dict(raw).sfi
+        assert cfg.resolved_copy_ngram == 0, raw
+
+
+def test_an_explicit_copy_trigger_that_cannot_apply_is_refused():
+    for raw in ({"sfi": {"enabled": True, "schedule": "always_slow", "copy_ngram": 2}},
+                {"preset": "sfi", "sfi": {"schedule": "always_slow", "copy_ngram": 3}}):
+        with pytest.raises(ConfigError, match=r"sfi.copy_ngram \(\d\) applies to schedules 'boundary' and "
+                                              r"'periodic'.*leave it unset or set it to 0"):
+            SpeedSfiConfig.from_dict(raw)
+    # explicit 0 is always fine; an explicit n-gram where every step is slow anyway stays valid (as before)
+    assert SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "schedule": "always_slow",
+                                             "copy_ngram": 0}}).sfi.resolved_copy_ngram == 0
+    assert SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "refresh": 1,
+                                             "copy_ngram": 3}}).sfi.resolved_copy_ngram == 3
+    # Quest with a schedule that has fast steps: the trigger applies (a copying step is a selection step)
+    q = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "selector": "quest", "k": 256, "refresh": 4,
+                                          "schedule": "periodic"}}).sfi
+    assert q.resolved_copy_ngram == 2
+
+
+def test_the_unset_copy_trigger_survives_replace_and_overrides():
+    """Unset stays unset (resolved where read), so a derived configuration resolves it again."""
+    s = SfiConfig(enabled=True)
+    assert dataclasses.replace(s, schedule="always_slow").resolved_copy_ngram == 0
+    dataclasses.replace(s, schedule="always_slow").validate()
+    engine = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 256, "n_recent": 64}})
+    assert engine.with_overrides({"sfi": {"k": 128}}).sfi == dataclasses.replace(engine.sfi, k=128)
+    # a request asking for always_slow on a `sfi`-preset server: the field it set is named
+    with pytest.raises(ConfigError, match="speedsfi.sfi.schedule is engine-wide"):
+        check_request_overrides(SpeedSfiConfig.from_dict({"preset": "sfi"}), {"sfi": {"schedule": "always_slow"}})

@@ -53,6 +53,7 @@ MAX_SELECT_SPAN = 32
 MAX_PAGE_SIZE = 256
 MAX_QUEST_RERANK = 16
 MAX_COPY_NGRAM = 8                    # copy_ngram: tail tokens compared (unrolled in the match kernel)
+DEFAULT_COPY_NGRAM = 2                # copy_ngram unset, where the trigger applies (SfiConfig.resolved_copy_ngram)
 MAX_SENTENCE_COOLDOWN = 1 << 20       # the per-slot trigger state packs it with one flag in an int32
 
 
@@ -149,14 +150,22 @@ class SfiConfig:
     # (a 6-digit value answered with digits lost mid-value: bench/QUALITY.md, "Copying a value
     # whole"). Decided on the device from a per-request token history (one int32 per position, in
     # blocks of vLLM's KV cache: docs/per_request_memory.md). 0 = off (the paper's schedule);
-    # 2..MAX_COPY_NGRAM otherwise.
-    copy_ngram: int = 0
+    # 2..MAX_COPY_NGRAM otherwise. None (unset) = on with DEFAULT_COPY_NGRAM (2) where the trigger
+    # can make a step slow, off where every decode step is slow already (schedule always_slow, or
+    # refresh 1): `resolved_copy_ngram`, which is what the engine reads. On by default (ours): on
+    # prompts written as a user writes them the preset lost 4 values that dense copied, over three
+    # sets; copy_ngram 2 / copy_max_matches 1 / copy_once kept 3 of them whole and lost none the
+    # preset kept, for about 21-26 % more slow steps and the same fast-step read (bench/QUALITY.md,
+    # "Copying a value whole, on prompts written as a user writes them"). An explicit copy_ngram
+    # with schedule always_slow is refused.
+    copy_ngram: int | None = None
     # the copy trigger fires only when the span occurs at most this many times in the allowed set (a
     # value stated once, not a phrase the context repeats everywhere); 0 = any number of times
     copy_max_matches: int = 1
     # fire at the first step of each run of copying steps only (its slow step reselects from the
     # copying query and `select_span` brings the span's next tokens); False = at every copying step
-    copy_once: bool = False
+    # (the default's reason above: with copy_once the trigger's slow steps stay +21-26 %)
+    copy_once: bool = True
     # which selector a slow row runs (bench/QUALITY.md, "Quest-style page selection"):
     #   "sfi": the paper's selector (dense pass + attention evidence, prior, Soft-NMS, exclusivity);
     #   "quest": Quest-style pages (Tang et al. 2024): per `page_size` tokens the element-wise max/min
@@ -194,6 +203,21 @@ class SfiConfig:
     # MAINTENANCE_BUDGET_BYTES of scratch hold at max_model_len, at least MIN_MAINTENANCE_ROWS
     # (resolved at start-up: auto_maintenance_rows)
     maintenance_rows: int | None = None
+
+    @property
+    def copy_trigger_applies(self) -> bool:
+        """Whether the copy trigger can make a decode step slow: not when every decode step is slow
+        already (schedule always_slow; refresh 1, with either schedule, makes every step slow)."""
+        return self.schedule != "always_slow" and self.refresh != 1
+
+    @property
+    def resolved_copy_ngram(self) -> int:
+        """The copy trigger's n-gram the engine runs with (0 = off): `copy_ngram` when set, else
+        DEFAULT_COPY_NGRAM where the trigger applies and 0 where it cannot (no token history, no
+        KV-cache group for it, no per-step record/match launches)."""
+        if self.copy_ngram is not None:
+            return self.copy_ngram
+        return DEFAULT_COPY_NGRAM if self.copy_trigger_applies else 0
 
     @property
     def prefill_end_selection(self) -> bool:
@@ -237,13 +261,16 @@ class SfiConfig:
                 raise ConfigError("speedsfi.sfi.schedule 'always_slow' (dense decode) does not apply to "
                                   "selector 'quest'; use schedule 'periodic' with refresh 1 to select "
                                   "pages every step")
+        # (an unset copy_ngram resolves to a valid value: resolved_copy_ngram; only an explicit one
+        # can be refused)
         if self.copy_ngram and not 2 <= self.copy_ngram <= MAX_COPY_NGRAM:
             raise ConfigError(f"speedsfi.sfi.copy_ngram ({self.copy_ngram!r}) must be 0 (off) or 2..{MAX_COPY_NGRAM}: "
                               "the tail tokens a copy must match (1 would match almost every token)")
         _non_negative("sfi.copy_max_matches", self.copy_max_matches)
         if self.copy_ngram and self.schedule == "always_slow":
-            raise ConfigError("speedsfi.sfi.copy_ngram applies to schedules 'boundary' and 'periodic' "
-                              "('always_slow' is dense at every step already)")
+            raise ConfigError(f"speedsfi.sfi.copy_ngram ({self.copy_ngram}) applies to schedules 'boundary' "
+                              "and 'periodic' ('always_slow' is dense at every step already); leave it unset "
+                              "or set it to 0")
         if self.k_min > self.k:
             raise ConfigError(f"speedsfi.sfi.k_min ({self.k_min}) must be <= sfi.k ({self.k})")
         if self.keep_prefill and self.keep_prefill > self.k - self.k_min:
@@ -399,9 +426,11 @@ class SpeedSfiConfig:
         elif _enables_only(raw.get("sfi")):
             # `sfi: {enabled: true}` and nothing else: the default selection, the `sfi` preset's
             # (chosen on a real model: bench/QUALITY.md, "A real model"). Any other sfi field starts
-            # from the dataclass's constants (the published method's, ALGORITHMS.md).
+            # from the dataclass's constants (the published method's, ALGORITHMS.md, with the copy
+            # trigger on: copy_ngram unset resolves to 2 where a step can be fast).
             merged = {"sfi": dict(load_preset("sfi").get("sfi") or {})}
         _deep_update(merged, raw)
+        _copy_trigger_gives_way(merged, raw)
         cfg = _build(cls, merged, "speedsfi")
         cfg = dataclasses.replace(cfg, preset=preset)
         cfg.validate()
@@ -424,6 +453,7 @@ class SpeedSfiConfig:
         base = self.to_dict()
         base.pop("preset", None)
         _deep_update(base, dict(overrides))
+        _copy_trigger_gives_way(base, overrides)
         cfg = _build(SpeedSfiConfig, base, "speedsfi")
         cfg = dataclasses.replace(cfg, preset=self.preset)
         cfg.validate()
@@ -472,7 +502,10 @@ def check_request_overrides(engine: "SpeedSfiConfig", overrides: Mapping[str, An
     if not overrides:
         return engine
     cfg = engine.with_overrides(overrides)
-    engine_wide = sorted(changed_fields(engine, cfg) - PER_REQUEST_FIELDS)
+    # the fields the request wrote first (an engine default that gave way to one, such as the copy
+    # trigger's to schedule always_slow, is not what the request asked to change)
+    own = {f"{s}.{k}" for s, sec in overrides.items() if isinstance(sec, Mapping) for k in sec}
+    engine_wide = sorted(changed_fields(engine, cfg) - PER_REQUEST_FIELDS, key=lambda f: (f not in own, f))
     if engine_wide:
         raise ConfigError(f"speedsfi.{engine_wide[0]} is engine-wide (set it when the server starts); a "
                           f"request can set {', '.join(sorted(PER_REQUEST_FIELDS))}")
@@ -483,6 +516,22 @@ def check_request_overrides(engine: "SpeedSfiConfig", overrides: Mapping[str, An
         raise ConfigError(f"speedsfi.sfi.k ({cfg.sfi.k}) must be <= the server's sfi.k ({engine.sfi.k}), "
                           f"which sizes the compact buffers")
     return cfg
+
+
+def _copy_trigger_gives_way(merged: dict[str, Any], own: Mapping[str, Any]) -> None:
+    """A ``copy_ngram`` the caller did not write in ``own`` (a preset's, such as the ``sfi`` preset's
+    2, or the engine's under a request's overrides) is a default like ``SfiConfig``'s: where the
+    trigger cannot apply (schedule ``always_slow``, ``refresh`` 1) it is dropped (unset: resolved to
+    0) instead of refused or run for nothing. Only a ``copy_ngram`` the caller wrote is refused with
+    ``always_slow``."""
+    sfi = merged.get("sfi")
+    own_sfi = own.get("sfi") if isinstance(own, Mapping) else None
+    if not isinstance(sfi, dict) or (isinstance(own_sfi, Mapping) and "copy_ngram" in own_sfi):
+        return
+    defaults = SfiConfig()
+    if sfi.get("copy_ngram") and (sfi.get("schedule", defaults.schedule) == "always_slow"
+                                  or sfi.get("refresh", defaults.refresh) == 1):
+        sfi["copy_ngram"] = None
 
 
 def _enables_only(section: Any) -> bool:

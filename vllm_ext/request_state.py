@@ -64,6 +64,9 @@ class StepState:
     # (runner hooks) host counts [num_reqs]: the blocks it holds); a method that keeps per-request
     # memory in a group of its own reads its rows here
     group_tables: Mapping[int, tuple] | None = None
+    # the runner's host token ids by row ([rows, max_model_len]: prompt and generated tokens; real steps
+    # of the runner hooks): what a prefix-cache hit's positions hold, which no input id carries
+    token_ids_host: np.ndarray | None = None
     plans: dict[str, Any] = field(default_factory=dict)   # method name -> its plan of the step (or None)
 
 
@@ -208,11 +211,13 @@ class RequestStateTable:
               input_ids: torch.Tensor | None = None, query_start_loc: torch.Tensor | None = None,
               row_is_decode: np.ndarray | None = None,
               host_geometry: tuple[np.ndarray, np.ndarray] | None = None,
-              group_tables: Mapping[int, tuple[torch.Tensor, np.ndarray]] | None = None) -> None:
+              group_tables: Mapping[int, tuple[torch.Tensor, np.ndarray]] | None = None,
+              token_ids: np.ndarray | None = None) -> None:
         """Stage the step's rows on the host (no device work). ``row_req_ids`` is the runner's row
         order; ``input_ids`` / ``query_start_loc`` are the step's device buffers (read at build);
         ``host_geometry`` = (host ``query_start_loc [num_reqs + 1]``, tokens computed before this
-        step ``[num_reqs]``), exact for prefill rows, used to find the prefills that end here."""
+        step ``[num_reqs]``), exact for prefill rows, used to find the prefills that end here;
+        ``token_ids``: the runner's host token ids by row (read, never written)."""
         if num_rows > self.max_reqs:
             raise RuntimeError(f"vllm_ext: a step with {num_rows} rows exceeds the {self.max_reqs} "
                                f"request slots (max_num_seqs)")
@@ -227,7 +232,8 @@ class RequestStateTable:
             self._row_is_decode.np[:num_reqs] = row_is_decode[:num_reqs]
         self._row_is_decode.np[num_reqs:num_rows] = False
         self._staged = _Staged(list(row_req_ids[:num_reqs]), num_reqs, num_rows, real, input_ids,
-                               query_start_loc, host_geometry, group_tables if real else None)
+                               query_start_loc, host_geometry, group_tables if real else None,
+                               token_ids if real else None)
         self._built = None
 
     # ------------------------------------------------------------------ per step: build (device)
@@ -264,7 +270,8 @@ class RequestStateTable:
                               seq_lens=None if seq_lens is None else seq_lens[:num_rows],
                               query_start_loc=st.query_start_loc, input_ids=st.input_ids,
                               host_geometry=st.host_geometry,
-                              block_table=block_table, group_tables=st.group_tables)
+                              block_table=block_table, group_tables=st.group_tables,
+                              token_ids_host=st.token_ids)
         for method in self.methods:
             step.plans[method.name] = method.plan_step(step)
         if self.recorder is not None and st.real:
@@ -311,4 +318,5 @@ class _Staged:
     query_start_loc: torch.Tensor | None
     host_geometry: tuple | None
     group_tables: Mapping | None = None
+    token_ids: np.ndarray | None = None
 

@@ -194,7 +194,7 @@ def _stage_step(runner, num_reqs: int, num_reqs_padded: int | None, real: bool) 
         table.stage(batch.req_ids, num_reqs, num_rows, real=True, input_ids=runner.input_ids.gpu,
                     query_start_loc=runner.query_start_loc.gpu, row_is_decode=is_decode,
                     host_geometry=(runner.query_start_loc.np, batch.num_computed_tokens_cpu),
-                    group_tables=_staged_group_tables(runner, num_reqs))
+                    group_tables=_staged_group_tables(runner, num_reqs), token_ids=batch.token_ids_cpu)
     else:
         table.stage([], 0, num_rows, real=False)
 

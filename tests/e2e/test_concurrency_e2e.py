@@ -89,19 +89,28 @@ def state_blocks() -> int:
     return pages.total
 
 
+def history_blocks(max_len: int = 1024) -> int:
+    """Blocks of the copy trigger's history group per request (on by default: sfi.copy_ngram 2):
+    ``cdiv(t, E)`` with ``E`` the int32 positions of one page of the attention format (block 32 x
+    2 KV heads x (K + V) 2 x head 32, fp32: 16 KiB, E = 4096): 1 at up to 1024 tokens."""
+    e = BLOCK * 2 * 2 * 32 * 4 // 4
+    return -(-max_len // e)
+
+
 def test_startup_concurrency_counts_the_compact_blocks(runs):
     dense, sfi = runs
     assert dense["groups"] == ["FullAttentionSpec"]
-    assert sfi["groups"] == ["FullAttentionSpec", "SfiCompactSpec"]
+    # the copy trigger (on by default) adds its token history's group
+    assert sorted(sfi["groups"]) == ["FullAttentionSpec", "SfiCompactSpec", "SfiHistorySpec"]
     per_request = -(-1024 // BLOCK)                       # a max_model_len request, in blocks
-    n_c = state_blocks()
+    n_c = state_blocks() + history_blocks()
     assert sfi["concurrency"] == pytest.approx(dense["concurrency"] * per_request / (per_request + n_c))
 
 
 def test_sfi_runs_as_many_requests_at_once_as_dense_less_its_blocks(runs):
     dense, sfi = runs
     ctx = sum(len(p) + MAX_TOKENS for p in dense["prompts"]) / len(dense["prompts"])
-    n_c = state_blocks()
+    n_c = state_blocks() + history_blocks()               # (every context here fits one history page)
     assert dense["peak"] > 32, "the KV cache, not max_num_seqs, must limit dense here"
     assert dense["peak"] < NUM_REQUESTS
     assert sfi["peak"] >= dense["peak"] * ctx / (ctx + n_c * BLOCK), (sfi["peak"], dense["peak"])

@@ -3,7 +3,7 @@ history_kv_spec``), not a ``[max_num_seqs + 1, max_model_len]`` table of ours. R
 tiny Qwen3 (2 layers), a small KV cache and 24 requests of mixed lengths at once, with
 ``sfi.copy_ngram`` on and off:
 
-- vLLM groups the history layers in a group of their own, and its start-up concurrency counts a
+- with the trigger's default (``copy_ngram`` unset: on), vLLM groups the history layers in a group of their own, and its start-up concurrency counts a
   ``max_model_len`` request's history pages (``cdiv(L, E)`` per history group);
 - every request gets its history pages from its first chunk (counted once per request and group),
   no row ever lacks them, and what each step reads in its request's pages is exactly the tokens the
@@ -58,7 +58,7 @@ def _run(model, sfi, num_blocks=NUM_BLOCKS, passes=1, prefix_caching=False):
         runner = model_runner(llm)
         table = table_of(runner)
         checked = {"rows": 0, "positions": 0, "hits": 0}
-        if sfi.get("copy_ngram"):
+        if _copy_on(sfi):
             copy_rows = table.sfi.copy_rows
 
             def checking_copy_rows(step, sfi_rows, sfi_on):
@@ -74,10 +74,16 @@ def _run(model, sfi, num_blocks=NUM_BLOCKS, passes=1, prefix_caching=False):
         leftover = leftover_after_probe(llm, table, mgr, free0)
         counts = metrics.snapshot()
         specs = [g.kv_cache_spec for g in sched.kv_cache_config.kv_cache_groups]
-    print(f"SPEEDSFI SFI{' + copy trigger' if sfi.get('copy_ngram') else ''}: start-up concurrency "
+    print(f"SPEEDSFI SFI{' + copy trigger' if _copy_on(sfi) else ''}: start-up concurrency "
           f"{concurrency:.3f}; history rows checked {checked['rows']}, positions {checked['positions']}")
     return dict(tokens=[list(o.outputs[0].token_ids) for o in outs], leftover=leftover, counts=counts,
                 concurrency=concurrency, specs=specs, checked=checked)
+
+
+def _copy_on(sfi) -> bool:
+    from vllm_ext.config import SpeedSfiConfig
+
+    return bool(SpeedSfiConfig.from_dict({"sfi": sfi}).sfi.resolved_copy_ngram)
 
 
 def _check_history(runner, table, step, checked) -> None:
@@ -105,7 +111,8 @@ def _check_history(runner, table, step, checked) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tiny_models):
-    return _run(tiny_models["qwen3"], SFI), _run(tiny_models["qwen3"], {**SFI, "copy_ngram": 3})
+    # off explicitly; on by default (copy_ngram unset: 2, copy_once)
+    return _run(tiny_models["qwen3"], {**SFI, "copy_ngram": 0}), _run(tiny_models["qwen3"], SFI)
 
 
 def test_startup_concurrency_counts_the_history_pages(runs):

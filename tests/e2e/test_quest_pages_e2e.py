@@ -79,11 +79,16 @@ def test_startup_concurrency_counts_the_bound_pages(run):
     from vllm_ext.sfi.quest_tables import quest_blocks
 
     names = [type(s).__name__ for s in run["specs"]]
-    assert names == ["FullAttentionSpec", "SfiCompactSpec", "SfiQuestPagesSpec"]
-    compact, quest = run["specs"][1], run["specs"][2]
+    # refresh 4 leaves fast steps: the copy trigger (on by default) adds its token history's group
+    assert sorted(names) == ["FullAttentionSpec", "SfiCompactSpec", "SfiHistorySpec", "SfiQuestPagesSpec"]
+    by_name = dict(zip(names, run["specs"]))
+    compact, quest, hist = by_name["SfiCompactSpec"], by_name["SfiQuestPagesSpec"], by_name["SfiHistorySpec"]
     assert quest.blocks_per_request == quest_blocks(MAX_LEN, 8, BLOCK) == 4
     assert compact.compact_blocks == 1                  # ceil((4 + 16) / 32); no prompt tail with quest
-    per_request = -(-MAX_LEN // BLOCK) + compact.compact_blocks + quest.blocks_per_request
+    # one int32 position per token, E = 32 x 2 KV heads x 2 x 32 x 4 B / 4 = 4096 per page
+    assert hist.blocks_per_request == -(-MAX_LEN // (BLOCK * 2 * 2 * 32)) == 1
+    per_request = (-(-MAX_LEN // BLOCK) + compact.compact_blocks + quest.blocks_per_request
+                   + hist.blocks_per_request)
     assert run["concurrency"] == pytest.approx(run["num_blocks"] / per_request)
 
 

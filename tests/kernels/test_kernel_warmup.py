@@ -58,6 +58,8 @@ NUM_BLOCKS = 80
 # The last two phases are empty launches when no row is slow (their kernels exit on the device
 # count). Removing them from the fast step needs the host to know which steps have slow rows, or
 # conditional graph nodes: the closing note of issue 35 says why neither is done yet.
+# The copy trigger (sfi.copy_ngram, on by default) is not in this count: its record and match kernels
+# run once per step in the step plan (SfiSlotTables.copy_rows), not in a layer's forward.
 FAST_STEP_BUDGET = 13
 # The slow list runs in ceil(min(R, S) / B) chunks of B = sfi.maintenance_rows entries (S: SFI's
 # request capacity); each chunk past the first repeats the last two phases (3 + 8 launches). With
@@ -311,3 +313,127 @@ def test_the_launch_log_hooks_every_kernel_module():
                 if re.search(r"^\s*@triton\.jit", p.read_text(), flags=re.M)}
     assert defining == set(launch_log.KERNEL_MODULES)
     assert launch_log.our_kernels(), "no kernel was found behind the listed modules"
+
+
+# ---------------------------------------------------------------- the copy trigger (sfi.copy_ngram)
+# on by default: its record and match kernels run once per step (the step plan, not a layer), over
+# the token history in a history cache layer's pages (vllm_ext.sfi.history_slots)
+HIST_E, HIST_BLOCKS, HIST_MAX_LEN = 2 * 16 * 8, 40, 1000         # pages [H 2, block 16, C 8] fp32
+
+
+def _copy_table(copy_once: bool = True, cap: int = CAP, max_reqs: int = 6):
+    from types import SimpleNamespace
+
+    from vllm_ext.backend.request_table import EngineRequestTable
+    from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.sfi.history_slots import HISTORY_SUFFIX
+
+    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 24, "k_min": 4, "n_sink": 4, "n_recent": 16,
+                                            "w_prefill": 8, "dual_stream": False, "copy_once": copy_once}})
+    assert cfg.sfi.resolved_copy_ngram == 2              # the default, not set here
+    t = EngineRequestTable(max_reqs=max_reqs, device=DEV, config=cfg, sfi_capacity=cap,
+                           max_model_len=HIST_MAX_LEN, paged_history=True)
+    names = [f"model.layers.{i}.self_attn.attn{HISTORY_SUFFIX}" for i in range(2)]
+    g = torch.Generator().manual_seed(7)
+    # a layer's page memory as vLLM binds it: [blocks, H, block_size, C], strided like a KV cache view
+    pages = {n: torch.randn(HIST_BLOCKS, 16, 2, 8, generator=g).transpose(1, 2).to(DEV) for n in names}
+    width = -(-HIST_MAX_LEN // HIST_E)
+    t.bind_kv_groups({"sfi": {5: (width, names, SimpleNamespace(page_elems=HIST_E), pages)}})
+    return t, pages[names[0]], width
+
+
+def _real_copy_steps(t, width, rng):
+    """Steps as the runner stages them (its fixed input-id and query-start buffers): prompts in
+    chunks of many lengths (1 to 300 tokens), mixed steps, decode batches of 1 to 6 rows, requests
+    finishing and new ones taking their slots."""
+    from vllm_ext.kernels.copy_match import RECORD_BLOCK
+
+    import numpy as np
+
+    input_ids = torch.zeros(512, dtype=torch.int32, device=DEV)        # runner.input_ids.gpu
+    qsl_dev = torch.zeros(7, dtype=torch.int32, device=DEV)            # runner.query_start_loc.gpu
+    free = list(range(1, HIST_BLOCKS))
+    rng.shuffle(free)
+    state = {}                          # rid -> [prompt tokens, tokens so far, blocks]
+    n_req = 0
+    with launch_log.record() as log:
+        for step_no in range(24):
+            while len(state) < 5:
+                n_req += 1
+                prompt = [rng.randrange(50, 60) for _ in range(rng.choice([30, 60, 100, RECORD_BLOCK + 40]))]
+                state[f"r{n_req}"] = [prompt, [], []]
+            t.sync_membership([], {rid: (len(p), None) for rid, (p, _, _) in state.items()})
+            rids = list(state)[:rng.choice([1, 2, 3, 5])]
+            chunks = []
+            for rid in rids:
+                prompt, done, _ = state[rid]
+                if len(done) < len(prompt):
+                    chunks.append(prompt[len(done):len(done) + rng.choice([1, 7, 17, 40, 300])])
+                else:
+                    chunks.append([rng.randrange(50, 60)])
+            qsl = np.zeros(7, dtype=np.int32)
+            qsl[1:len(rids) + 1] = np.cumsum([len(c) for c in chunks])
+            flat = [tok for c in chunks for tok in c]
+            input_ids[:len(flat)] = torch.tensor(flat, dtype=torch.int32)
+            qsl_dev.copy_(torch.from_numpy(qsl))
+            computed = np.array([len(state[r][1]) for r in rids], dtype=np.int32)
+            rows = torch.zeros(len(rids), width, dtype=torch.int32)
+            counts = np.zeros(len(rids), dtype=np.int32)
+            for i, (rid, c) in enumerate(zip(rids, chunks)):
+                held = state[rid][2]
+                while len(held) * HIST_E < len(state[rid][1]) + len(c):
+                    held.append(free.pop())
+                rows[i, :len(held)] = torch.tensor(held, dtype=torch.int32)
+                counts[i] = len(held)
+            is_decode = np.array([len(state[r][1]) >= len(state[r][0]) for r in rids])
+            t.stage(rids, len(rids), len(rids), real=True, input_ids=input_ids, query_start_loc=qsl_dev,
+                    row_is_decode=is_decode, host_geometry=(qsl, computed),
+                    group_tables={5: (rows.to(DEV), counts >= width, counts)})
+            seq = torch.tensor([len(state[r][1]) + len(c) for r, c in zip(rids, chunks)], dtype=torch.int32,
+                               device=DEV)
+            t.build_step(seq)
+            for rid, c in zip(rids, chunks):
+                state[rid][1].extend(c)
+            done = [r for r in rids if len(state[r][1]) >= len(state[r][0]) + 6 and rng.random() < 0.5]
+            for rid in done:
+                free.extend(state.pop(rid)[2])
+            if done:
+                t.sync_membership(done, {rid: (len(p), None) for rid, (p, _, _) in state.items()})
+    return log
+
+
+def _copy_keys(log):
+    return {k for k in launch_log.keys(log) if k[0].startswith("copy_match.")}
+
+
+@pytest.mark.parametrize("copy_once", [True, False], ids=["default", "every_copying_step"])
+def test_warmup_reaches_every_compile_key_of_the_copy_trigger(copy_once):
+    """The copy trigger is on by default, so its kernels are warmed too: a grid of real steps through
+    the engine's request table (paged history, the runner's buffers) launches no record or match key
+    that :func:`warm_up_copy_trigger` did not, given only what the engine knows at start-up."""
+    from vllm_ext.backend.kernel_warmup import warm_up_copy_trigger
+
+    t, pages, _ = _copy_table(copy_once)
+    before = pages.clone()
+    with launch_log.record() as log:
+        warm_up_copy_trigger(cfg=t.sfi.cfg, pages=pages, max_len=HIST_MAX_LEN, capacity=CAP, max_rows=6)
+    warm = _copy_keys(log)
+    assert torch.equal(pages, before), "the warm-up writes no history page"
+    assert {name for name, _ in warm} == {"copy_match._record_kernel", "copy_match._match_kernel"}
+    t, _, width = _copy_table(copy_once)
+    real = _copy_keys(_real_copy_steps(t, width, random.Random(8)))
+    assert {name for name, _ in real} == {"copy_match._record_kernel", "copy_match._match_kernel"}
+    assert real <= warm, "compiled after start-up:\n" + launch_log.describe_missing(real, warm)
+
+
+def test_the_copy_warm_up_follows_the_configuration():
+    """The check can fail: a warm-up for the other copy_once misses the match key of real steps."""
+    from vllm_ext.backend.kernel_warmup import warm_up_copy_trigger
+
+    t, pages, width = _copy_table(True)
+    other = dataclasses.replace(t.sfi.cfg, copy_once=False)
+    with launch_log.record() as log:
+        warm_up_copy_trigger(cfg=other, pages=pages, max_len=HIST_MAX_LEN, capacity=CAP, max_rows=6)
+    real = _copy_keys(_real_copy_steps(t, width, random.Random(9)))
+    missing = real - _copy_keys(log)
+    assert {name for name, _ in missing} == {"copy_match._match_kernel"}

@@ -22,10 +22,14 @@ def reference_copy(tokens, m=M):
     return any(tokens[j - m + 1:j + 1] == tail for j in range(max(N_SINK - 1, m - 1), t - N_RECENT - 1))
 
 
-def _run(copy_ngram: int, answer: list[int], **more):
-    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": K, "k_min": 4, "n_sink": N_SINK,
-                                            "n_recent": N_RECENT, "refresh": 1000, "schedule": "periodic",
-                                            "copy_ngram": copy_ngram, **more}})
+def _run(copy_ngram: int | None, answer: list[int], **more):
+    """``copy_ngram`` None: left unset (the default); ``copy_once`` False unless ``more`` says (every
+    copying step slow: what most tests here look at)."""
+    sfi = {"enabled": True, "k": K, "k_min": 4, "n_sink": N_SINK, "n_recent": N_RECENT, "refresh": 1000,
+           "schedule": "periodic", "copy_once": False, **more}
+    if copy_ngram is not None:
+        sfi["copy_ngram"] = copy_ngram
+    cfg = SpeedSfiConfig.from_dict({"sfi": sfi})
     t = EngineRequestTable(max_reqs=2, device="cpu", config=cfg, sfi_capacity=2, max_model_len=128)
     t.sync_membership([], {"a": (len(PROMPT), None)})
     # the prefill in two chunks
@@ -81,6 +85,18 @@ def test_copy_once_is_slow_at_the_first_copying_step_only():
     t, modes, expected = _run(M, ANSWER, copy_once=True)
     assert modes[6:10] == ["slow", "fast", "fast", "fast"]
     assert t.sfi.counter_values()["sfi.copy_slow_steps"] == 1
+
+
+def test_the_default_is_the_bigram_once():
+    """Unset, the copy trigger is on (issue 37): copy_ngram 2, copy_max_matches 1, copy_once; the
+    value's 2nd token (902 after 901) is the first copying step, and only it is slow."""
+    t, modes, _ = _run(None, ANSWER, copy_once=True)
+    cfg = t.sfi.cfg
+    assert (cfg.copy_ngram, cfg.resolved_copy_ngram, cfg.copy_max_matches, cfg.copy_once) == (None, 2, 1, True)
+    assert modes[5:10] == ["slow", "fast", "fast", "fast", "fast"]
+    assert t.sfi.counter_values()["sfi.copy_slow_steps"] == 1
+    plain = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}}).sfi
+    assert (plain.copy_ngram, plain.resolved_copy_ngram, plain.copy_once) == (2, 2, True)   # the sfi preset
 
 
 def test_off_leaves_the_same_steps_fast():

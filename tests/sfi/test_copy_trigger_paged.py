@@ -27,7 +27,7 @@ LAYERS = [f"model.layers.{i}.self_attn.attn{HISTORY_SUFFIX}" for i in range(2)]
 def _table(paged: bool, **more) -> EngineRequestTable:
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": K, "k_min": 4, "n_sink": N_SINK,
                                             "n_recent": N_RECENT, "refresh": 1000, "schedule": "periodic",
-                                            "copy_ngram": M, **more}})
+                                            "copy_ngram": M, "copy_once": False, **more}})
     t = EngineRequestTable(max_reqs=2, device="cpu", config=cfg, sfi_capacity=2, max_model_len=WIDTH * E,
                            paged_history=paged)
     if paged:
@@ -65,30 +65,35 @@ class Pool:
         return {GID: (rows, counts >= WIDTH, counts)}
 
 
-def _step(t, pool, rid, tokens, chunk, done, *, lacking=False):
-    """One step of request ``rid`` computing ``chunk`` after ``done`` tokens."""
+def _step(t, pool, rid, tokens, chunk, done, *, lacking=False, host_ids=False):
+    """One step of request ``rid`` computing ``chunk`` after ``done`` tokens (``host_ids``: with the
+    runner's host token ids, as inside vLLM)."""
     n = done + len(chunk)
+    ids = None
+    if host_ids:
+        ids = np.full((1, WIDTH * E), -7, dtype=np.int32)      # beyond the request's tokens: junk
+        ids[0, :n] = tokens[:done] + chunk
     if pool is not None:
         pool.grow(rid, n)
     qsl = np.array([0, len(chunk)], dtype=np.int32)
     t.stage([rid], 1, 1, real=True, input_ids=torch.tensor(chunk + [0, 0], dtype=torch.int32),
             query_start_loc=torch.from_numpy(qsl), row_is_decode=np.array([done >= len(PROMPT)]),
             host_geometry=(qsl, np.array([done], dtype=np.int32)),
-            group_tables=None if pool is None else pool.group_tables([rid], lacking))
+            group_tables=None if pool is None else pool.group_tables([rid], lacking), token_ids=ids)
     return t.build_step(torch.tensor([n], dtype=torch.int32))
 
 
-def _run(t, pool, answer, rid="a", lacking_steps=(), start=0):
+def _run(t, pool, answer, rid="a", lacking_steps=(), start=0, host_ids=False):
     """The prompt in two chunks (from position ``start``: a prefix-cache hit before it), then one
     decode step per answer token."""
     t.sync_membership([], {rid: (len(PROMPT), None)})
     tokens = PROMPT[:start]
     for chunk in (PROMPT[start:33], PROMPT[33:]) if start < 33 else (PROMPT[start:],):
-        _step(t, pool, rid, tokens, chunk, len(tokens))
+        _step(t, pool, rid, tokens, chunk, len(tokens), host_ids=host_ids)
         tokens += chunk
     modes, copies = [], []
     for i, tok in enumerate(answer):
-        step = _step(t, pool, rid, tokens, [tok], len(tokens), lacking=i in lacking_steps)
+        step = _step(t, pool, rid, tokens, [tok], len(tokens), lacking=i in lacking_steps, host_ids=host_ids)
         tokens.append(tok)
         modes.append("slow" if bool(step.sfi.row_slow[0]) else "fast")
         copies.append(int(t.sfi.row_copy[0]))
@@ -144,6 +149,31 @@ def test_a_fresh_request_never_matches_what_reused_pages_hold():
     assert copies_b == [0] * len(ANSWER)
     contiguous = _table(False)
     assert _run(contiguous, None, ANSWER, start=32)[2] == copies_b
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("start", [20, 32, 40])
+def test_a_prefix_cache_hit_is_backfilled_so_the_answer_does_not_depend_on_the_cache(paged, start):
+    """Inside vLLM the step carries the runner's host token ids: a request whose first chunk starts
+    at ``start`` (a prefix-cache hit, which depends on other traffic) writes positions 0..start-1
+    from them, so it decides every step as the same request without a hit, and holds its whole
+    history. Hits ending before, inside (20-25) and after the value; paged (over another request's
+    reused pages) and contiguous."""
+    metrics.reset()
+    want = _run(_table(paged), Pool() if paged else None, ANSWER, host_ids=True)
+    assert sum(want[2]) == 4
+    t, pool = _table(paged), Pool() if paged else None
+    if paged:                                          # the pages first held another request's tokens
+        _run(t, pool, [9] * len(ANSWER), rid="x", host_ids=True)
+        t.sync_membership(["x"], {})
+        pool.free.extend(reversed(pool.blocks.pop("x")))
+    metrics.reset()
+    tokens, modes, copies = _run(t, pool, ANSWER, rid="b", start=start, host_ids=True)
+    assert (modes, copies) == want[1:]
+    slot = t.sfi.slot_host[t.slot_of["b"]]
+    assert t.sfi.history.read(slot)[:len(tokens)].tolist() == tokens
+    assert metrics.snapshot().get("sfi.history_backfilled_tokens") == start
+    assert not any(k.startswith("fallback.") for k in metrics.snapshot())
 
 
 def test_unbound_or_missing_history_group_is_refused_loudly():

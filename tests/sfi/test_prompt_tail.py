@@ -265,7 +265,7 @@ def test_a_chunk_without_its_blocks_writes_no_tail_and_its_end_makes_no_selectio
 
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 16, "k_min": 4, "n_sink": 4,
                                             "n_recent": 16, "w_prefill": 16}})
-    tables = SfiSlotTables(4, 4, 4, cfg, None, torch.device("cpu"))
+    tables = SfiSlotTables(4, 4, 4, cfg, None, torch.device("cpu"), max_model_len=1024)
     for slot in (0, 1):
         tables.assign(slot, None)
     p = 100

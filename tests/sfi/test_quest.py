@@ -272,7 +272,7 @@ def test_resumed_request_recomputing_generated_tokens_writes_its_pages():
 
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "selector": "quest", "page_size": 8, "k": 32,
                                             "k_min": 4, "n_recent": 8}})
-    tables = SfiSlotTables(4, 4, 4, cfg, None, torch.device("cpu"))
+    tables = SfiSlotTables(4, 4, 4, cfg, None, torch.device("cpu"), max_model_len=1024)
     for slot in (0, 1, 2):
         tables.assign(slot, None)
     row_slots = np.array([0, 1, 2])
@@ -312,7 +312,7 @@ def test_fresh_slot_over_a_cached_context_writes_every_page(kernels):
     kv, bt = make_cache(lens, torch.Generator().manual_seed(3), extra=2)
     ctx = torch_kernels() if kernels == "twins" else contextlib.nullcontext()
     with ctx:
-        tables = SfiSlotTables(2, 2, 2, full, None, torch.device("cpu"))
+        tables = SfiSlotTables(2, 2, 2, full, None, torch.device("cpu"), max_model_len=1024)
         sfi_slot = torch.tensor([tables.assign(s, None)[0] for s in (0, 1)], dtype=torch.int32)
         tables.apply_resets(torch.tensor([0, 1]), sfi_slot, torch.full((2,), 16, dtype=torch.int32),
                             torch.ones(2, dtype=torch.bool))

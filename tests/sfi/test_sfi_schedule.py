@@ -146,14 +146,14 @@ def test_refresh_warmup_starts_again_for_a_reused_slot():
     from vllm_ext.sfi.slot_tables import SfiSlotTables
 
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 64, "refresh_warmup": True}})
-    tables = SfiSlotTables(3, 2, 2, cfg, None, torch.device("cpu"))
+    tables = SfiSlotTables(3, 2, 2, cfg, None, torch.device("cpu"), max_model_len=1024)
     assert tables.refresh_gap.tolist() == [1, 1, 1]
     tables.refresh_gap.fill_(32)
     tables.apply_resets(torch.tensor([1]), torch.tensor([0], dtype=torch.int32),
                         torch.tensor([64], dtype=torch.int32), torch.tensor([True]))
     assert tables.refresh_gap.tolist() == [32, 1, 32]
     paper = SfiSlotTables(3, 2, 2, SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 64}}), None,
-                          torch.device("cpu"))
+                          torch.device("cpu"), max_model_len=1024)
     assert paper.refresh_gap.tolist() == [32, 32, 32]
 
 

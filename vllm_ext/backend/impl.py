@@ -171,7 +171,7 @@ class SpeedSfiImpl(AttentionImpl):
         if extract_layer_index(name) >= self._speed_l_cut:
             return False
         self._compact = register_compact_layer(self._forward_context, name, self.config.sfi)
-        if self.config.sfi.copy_ngram:
+        if self.config.sfi.resolved_copy_ngram:
             # the copy trigger's token history: one history layer beside each compact layer
             # (vllm_ext.backend.sfi_history), the same group pattern
             from vllm_ext.backend.sfi_history import register_history_layer

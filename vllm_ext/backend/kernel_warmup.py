@@ -23,9 +23,10 @@ compile key the warm-up did not.
 
 vLLM runs it through its JIT warm-up registry (``JitWarmupRegistry``, before CUDA-graph capture):
 the impl registers :class:`SpeedSfiWarmup` while the model is built. SPEED's upper layers run their
-attention kernel; the Quest selector its page-bound and re-ranking kernels. Not covered yet (they
-compile at first use, logged at start-up): CritiPrefill's prefill kernels and the copy trigger's
-(``sfi.copy_ngram``, off by default).
+attention kernel; the Quest selector its page-bound and re-ranking kernels. The copy trigger's two
+per-step kernels (``sfi.copy_ngram``, on by default: :func:`warm_up_copy_trigger`) run once per
+engine, over the real token-history pages. Not covered yet (they compile at first use, logged at
+start-up): CritiPrefill's prefill kernels.
 """
 
 from __future__ import annotations
@@ -237,6 +238,54 @@ def warm_up_speed_layer(*, kv_cache: torch.Tensor, num_heads: int, head_size: in
                         torch.empty_like(q))
 
 
+def warm_up_copy_trigger(*, cfg: SfiConfig, pages: torch.Tensor, max_len: int, capacity: int,
+                         max_rows: int) -> None:
+    """The copy trigger's per-step kernels (``vllm_ext.kernels.copy_match``: record and match, once
+    per step, not per layer), with every argument a real step's compile key depends on as the
+    engine has it: ``pages``, the page memory of a history cache layer (its dtype, strides and page
+    shape), a per-slot table as wide as the real one (``cdiv(max_len, E)`` pages,
+    ``SfiHistorySpec.blocks_per_request``), the n-gram, ``n_sink``, ``n_recent``,
+    ``copy_max_matches`` and ``copy_once``, and the step's int32 buffers (vLLM's input ids, query
+    start locations, sequence lengths; the plan's row tables). The rest is fixed by the launchers:
+    one record block size, an unspecialised token count, the match's block. It writes nothing that a
+    request reads: every row's history slot is -1 (the record writes no page) and no row is active
+    (the match leaves ``copy_once``'s state alone; its flags go to a scratch tensor)."""
+    from vllm_ext.kernels.copy_match import copy_match, record_tokens
+    from vllm_ext.kernels.token_history import TokenHistory, history_pages
+
+    ngram = cfg.resolved_copy_ngram
+    if not ngram:
+        return
+    dev = pages.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    view = pages if pages.dtype == torch.int32 else pages.view(torch.int32)
+    width = history_pages(max_len, view.shape[1] * view.shape[2] * view.shape[3])
+    hist = TokenHistory(pages, torch.zeros(capacity + 1, width, **i32), max_len)
+    rows = max(1, min(max_rows, 16))
+    q_len = 3
+    ids = torch.zeros(rows * q_len, **i32)
+    qsl = torch.arange(0, rows * q_len + 1, q_len, **i32)
+    seq = torch.full((rows,), min(q_len, max_len), **i32)
+    none = torch.full((rows,), -1, **i32)
+    for max_q_len in (1, q_len):                      # a decode-only step; a step with prefill chunks
+        record_tokens(hist, ids, qsl, seq, none, max_q_len)
+    prev = torch.zeros(capacity + 1, **i32) if cfg.copy_once else None
+    copy_match(hist, seq, none, torch.zeros(rows, **i32), torch.zeros(rows, **i32), n_sink=cfg.n_sink,
+               n_recent=cfg.n_recent, ngram=ngram, max_matches=cfg.copy_max_matches, prev=prev,
+               row_from=torch.zeros(rows, **i32))
+
+
+def _history_pages(vllm_config) -> torch.Tensor | None:
+    """The page memory vLLM bound to a history cache layer of SFI's copy trigger (None: none)."""
+    from vllm_ext.sfi.history_slots import HISTORY_SUFFIX
+
+    for name, layer in sorted(vllm_config.compilation_config.static_forward_context.items()):
+        kv = getattr(layer, "kv_cache", None)
+        if name.endswith(HISTORY_SUFFIX) and isinstance(kv, torch.Tensor) and kv.numel():
+            return kv
+    return None
+
+
 def _clear(layer_buffers) -> None:
     layer_buffers.compact_len.zero_()
     if layer_buffers.paged:
@@ -287,8 +336,6 @@ def not_covered(cfg: SpeedSfiConfig) -> list[str]:
     out = []
     if cfg.critiprefill.enabled:
         out.append("CritiPrefill's prefill kernels")
-    if cfg.sfi.enabled and cfg.sfi.copy_ngram:
-        out.append("the copy trigger's kernels (sfi.copy_ngram)")
     return out
 
 
@@ -322,7 +369,15 @@ def warm_up_engine(vllm_config) -> int:
         ran += warm_up_impl(impl, kv, shape, dtype, index)
     from vllm_ext.backend.startup import resolve_config
 
-    missing = not_covered(resolve_config(vllm_config))
+    cfg = resolve_config(vllm_config)
+    if cfg.sfi.enabled and cfg.sfi.resolved_copy_ngram:
+        pages = _history_pages(vllm_config)
+        if pages is not None:
+            from vllm_ext.backend.metadata import sfi_capacity
+
+            warm_up_copy_trigger(cfg=cfg.sfi, pages=pages, max_len=max_len,
+                                 capacity=sfi_capacity(vllm_config), max_rows=sched.max_num_seqs)
+    missing = not_covered(cfg)
     if missing:
         logger.info("vllm_ext: the start-up warm-up does not reach %s yet: they compile at first use",
                     ", ".join(missing))

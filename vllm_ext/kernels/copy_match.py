@@ -11,7 +11,9 @@ path: the CPU plan is PyTorch):
 
 * :func:`record_tokens` writes the step's input tokens of each row at their positions into the
   history of slot ``row_hist_slot[r]`` (-1: nothing written). Grid ``(rows, cdiv(max_q_len,
-  BLOCK))``: a decode-only step launches one block per row.
+  RECORD_BLOCK))``: a decode-only step launches one block per row. One block size and an
+  unspecialised token count, so that every step launches the one compile key the start-up warm-up
+  compiles (``vllm_ext.backend.kernel_warmup.warm_up_copy_trigger``).
 * :func:`copy_match` sets ``out[r]`` (int32 0/1) for the rows marked ``active`` that hold a slot:
   with ``t = seq_lens[r]`` (the step's input token at position ``t - 1``), ``m = ngram`` and ``f =
   row_from[r]`` (the first position the slot's history holds; 0 when not given), an occurrence is a
@@ -39,7 +41,11 @@ from __future__ import annotations
 import torch
 
 from vllm_ext.kernels.token_history import TokenHistory, as_token_history
-from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
+from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
+
+# record_tokens' positions per program: one size whatever the step (a decode row masks all but one
+# lane; a prefill chunk of n tokens takes cdiv(n, RECORD_BLOCK) programs), so one compile key
+RECORD_BLOCK = 256
 
 if HAS_TRITON:
     import triton
@@ -54,7 +60,7 @@ if HAS_TRITON:
         bsc = BS * C
         return blk * s_b + (r // bsc) * s_h + ((r % bsc) // C) * s_n + r % C
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_ids"])
     def _record_kernel(PAGES, TAB, IDS, QSL, SEQ, HSLOT, n_ids, max_len, s_tab, E, BS, C, s_b, s_h, s_n,
                        BLOCK: tl.constexpr):
         r = tl.program_id(0)
@@ -171,10 +177,9 @@ def record_tokens(history, input_ids, query_start_loc, seq_lens, row_hist_slot, 
         return record_tokens_torch(hist, input_ids, query_start_loc, seq_lens, row_hist_slot, max_q_len)
     if rows == 0 or max_q_len <= 0:
         return
-    block = min(1024, max(16, next_pow2(max_q_len)))
-    _record_kernel[(rows, triton.cdiv(max_q_len, block))](
+    _record_kernel[(rows, triton.cdiv(max_q_len, RECORD_BLOCK))](
         hist.pages, hist.table, input_ids, query_start_loc, seq_lens, row_hist_slot, input_ids.shape[0],
-        hist.max_len, *_page_args(hist), BLOCK=block)
+        hist.max_len, *_page_args(hist), BLOCK=RECORD_BLOCK)
 
 
 def copy_match(history, seq_lens, row_hist_slot, row_active, out, *, n_sink: int, n_recent: int,

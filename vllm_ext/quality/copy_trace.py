@@ -8,7 +8,7 @@ in the recent window, or in neither, and what dense attention put on them at tha
 
 The run: the prompt and SFI's own answer up to the wrong token go through the model densely
 (teacher forcing, fp32). The schedule is replayed from the answer's tokens (the preset's
-``refresh_warmup`` steps, sentence-end triggers, the copy trigger when ``copy_ngram`` is set); the
+``refresh_warmup`` steps, sentence-end triggers, the copy trigger unless ``copy_ngram`` resolves to 0); the
 selections are the reference selector's (:func:`vllm_ext.kernels.sfi_selector_torch.select`) on the
 same evidence the backend hands it (prefill end: the last ``w_prefill`` prompt queries; a slow step:
 its own query), with ``keep_prefill`` and ``select_span(_back)`` applied as in
@@ -72,6 +72,7 @@ def slow_steps(cfg, answer_ids: list[int], prompt_ids: list[int], upto: int, tok
     from vllm_ext.sfi.triggers import ends_in_trigger
 
     slow, since, gap = [], 0, 1 if cfg.refresh_warmup else cfg.refresh
+    m, copying = cfg.resolved_copy_ngram, False
     tokens = list(prompt_ids)
     for i in range(1, upto + 1):
         tokens.append(answer_ids[i - 1])
@@ -79,12 +80,15 @@ def slow_steps(cfg, answer_ids: list[int], prompt_ids: list[int], upto: int, tok
         text = tokenizer.decode([answer_ids[i - 1]], skip_special_tokens=False,
                                 clean_up_tokenization_spaces=False)
         fire = nth >= min(gap, cfg.refresh) or ends_in_trigger(text, cfg.trigger_chars)
-        if cfg.copy_ngram:
-            m, t = cfg.copy_ngram, len(tokens)
+        if m:
+            t = len(tokens)
             tail = tokens[t - m:]
             hits = sum(tokens[j - m + 1:j + 1] == tail
                        for j in range(max(cfg.n_sink - 1, m - 1), t - cfg.n_recent - 1))
-            fire |= hits > 0 and (not cfg.copy_max_matches or hits <= cfg.copy_max_matches)
+            hit = hits > 0 and (not cfg.copy_max_matches or hits <= cfg.copy_max_matches)
+            # copy_once: only the first step of a run of copying steps (kernels.copy_match's `prev`)
+            fire |= hit and not (cfg.copy_once and copying)
+            copying = hit
         if fire:
             slow.append(i)
             since, gap = 0, min(gap * 2, cfg.refresh)

@@ -14,10 +14,16 @@ Outside vLLM (tests, benchmarks) the history is a contiguous ``[capacity + 1, ma
 same addressing with a trivial table).
 
 Each compact slot keeps the run of positions it recorded without a gap, ``[first, upto)``: a step
-whose first position is not ``upto`` (a prefix-cache hit's tokens never pass through the input ids;
-a step without pages recorded nothing) starts a new run there, and matching never reads before
-``first`` (pages are reused blocks: positions never written hold another request's bytes). So a
-request that records late never matches its earlier tokens. Torch only (no vLLM).
+whose first position is not ``upto`` (a step without pages recorded nothing) starts a new run there,
+and matching never reads before ``first`` (pages are reused blocks: positions never written hold
+another request's bytes). So a request that records late never matches its earlier tokens.
+
+A prefix-cache hit's tokens never pass through the step's input ids. Whether a request's prompt hits
+the cache depends on other traffic, so a history that began after the hit would make its answer
+depend on that traffic. :meth:`HistorySlots.backfill` writes them instead: at a request's first
+chunk (fresh or resumed) that starts after position 0, the positions before it are copied from the
+runner's host token ids (``StepState.token_ids_host``) into its pages, and its run starts at 0, as
+if it had computed them. Torch only (no vLLM).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class HistorySlots:
                                              TokenHistory.contiguous(capacity + 1, max_len, device))
         self.gid: int | None = None
         self.on_host = np.zeros(n_slots, dtype=bool)      # request slots recording a history
+        self.started = np.zeros(n_slots, dtype=bool)      # ... that have had their first chunk
         self._held_staging = PinnedStaging(max_rows, torch.int32, device)
 
     # ------------------------------------------------------------------ vLLM's groups
@@ -110,6 +117,42 @@ class HistorySlots:
             self._count_missing(step)
         self.row_from[:num_rows].copy_(self.first_pos[s])
         return torch.where(ok, sfi_slot, -1).to(torch.int32), self.row_from[:num_rows]
+
+    def backfill(self, step, row_hist_slot: torch.Tensor) -> None:
+        """Host plan, device writes: the rows at their request's first chunk that start after
+        position 0 (a prefix-cache hit) write positions ``[0, computed)`` from the runner's host
+        token ids, and their run starts at 0 (module docstring). Rows that neither record (-1 in
+        ``row_hist_slot``, from :meth:`plan_rows`) nor have host token ids write nothing. Prefill
+        steps only: a request's first chunk is never a decode row."""
+        n = step.num_reqs
+        if not (step.is_real and n and step.host_geometry is not None):
+            return
+        slots = step.row_slot_np[:n]
+        first = self.on_host[slots] & ~self.started[slots]
+        self.started[slots[self.on_host[slots]]] = True
+        ids = step.token_ids_host
+        if ids is None or self.history is None or not first.any():
+            return
+        computed = step.host_geometry[1][:n].astype(np.int64)
+        rows = np.flatnonzero(first & (computed > 0) & (computed <= self.max_len))
+        if rows.size == 0:
+            return
+        from vllm_ext.kernels.copy_match import record_tokens
+
+        lens = computed[rows]
+        qsl = np.zeros(rows.size + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        tokens = np.concatenate([ids[r, :c] for r, c in zip(rows, lens)]).astype(np.int32)
+        dev = self.first_pos.device
+        idx = torch.from_numpy(rows).to(dev)
+        hist_slot = row_hist_slot[idx]
+        record_tokens(self.history, torch.from_numpy(tokens).to(dev), torch.from_numpy(qsl).to(dev),
+                      torch.from_numpy(lens.astype(np.int32)).to(dev), hist_slot, int(lens.max()))
+        recorded = hist_slot >= 0
+        s = torch.where(recorded, hist_slot, self.capacity).long()
+        self.first_pos.index_put_((s,), torch.where(recorded, 0, self.first_pos[s]))
+        self.row_from.index_put_((idx,), torch.where(recorded, 0, self.row_from[idx]))
+        metrics.bump("sfi.history_backfilled_tokens", int(lens.sum()))
 
     def _update_tables(self, step, sfi_slot: torch.Tensor) -> None:
         """Copy the real rows' block-table rows of the history group into the per-compact-slot table

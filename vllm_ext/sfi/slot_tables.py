@@ -96,7 +96,7 @@ class SfiSlotTables(MethodSlots):
         self.history_slots: HistorySlots | None = None
         self.row_copy: torch.Tensor | None = None
         self.copy_prev: torch.Tensor | None = None
-        if self.cfg.copy_ngram:
+        if self.cfg.resolved_copy_ngram:
             if max_model_len <= 0:
                 raise ConfigError("speedsfi.sfi.copy_ngram needs the model's max_model_len (the token "
                                   "history's size)")
@@ -104,7 +104,8 @@ class SfiSlotTables(MethodSlots):
                                               max_len=max_model_len, device=device, paged=paged_history)
             self.row_copy = torch.zeros(max_rows, **i32)
         # sfi.copy_once: per compact slot (+ the trash row) whether its last decode step copied
-        self.copy_prev = torch.zeros(capacity + 1, **i32) if self.cfg.copy_once else None
+        self.copy_prev = (torch.zeros(capacity + 1, **i32) if self.cfg.copy_once and self.history_slots is not None
+                          else None)
         self.counters = DeviceCounters(NUM_STATS, device)
         self.plan_buffers = SfiPlanBuffers(max_rows, capacity, device,
                                            chunk_rows=maintenance_chunk(self.cfg, capacity))
@@ -224,6 +225,7 @@ class SfiSlotTables(MethodSlots):
         self.slot_host[slot] = sfi_slot
         if self.history_slots is not None:
             self.history_slots.on_host[slot] = True
+            self.history_slots.started[slot] = False
         self.k_host[slot] = k
         metrics.bump("sfi.slots_assigned")       # exported: in use = assigned - released
         return sfi_slot, True, k
@@ -344,6 +346,7 @@ class SfiSlotTables(MethodSlots):
         hist_slot, row_from = self.history_slots.plan_rows(step, self.sfi_on[slot] & (sfi_slot >= 0),
                                                            sfi_slot)
         seq_lens = step.seq_lens[:num_rows]
+        self.history_slots.backfill(step, hist_slot)
         if step.is_real and step.num_reqs and step.input_ids is not None:
             if step.host_geometry is not None and not bool(step.row_is_decode_np[:step.num_reqs].all()):
                 qsl = step.host_geometry[0]
@@ -354,7 +357,7 @@ class SfiSlotTables(MethodSlots):
                           hist_slot[:step.num_reqs], max_q_len)
         active = sfi_rows * sfi_on[slot].to(sfi_rows.dtype)
         return copy_match(self.history, seq_lens, hist_slot, active, self.row_copy[:num_rows],
-                          n_sink=self.cfg.n_sink, n_recent=self.cfg.n_recent, ngram=self.cfg.copy_ngram,
+                          n_sink=self.cfg.n_sink, n_recent=self.cfg.n_recent, ngram=self.cfg.resolved_copy_ngram,
                           max_matches=self.cfg.copy_max_matches, prev=self.copy_prev, row_from=row_from)
 
     def plan(self, *, row_slot, row_last_token, row_is_decode, seq_lens, block_table,
