@@ -460,8 +460,13 @@ _USER_NEEDLE_SETS = (("quality_cpu_smollm2_user_needles_4k_copy_once", "reproduc
                      ("quality_cpu_smollm2_user_needles_test_4k", "held out"),
                      ("quality_cpu_smollm2_user_needles_test_8k", "held out"),
                      ("quality_cpu_smollm2_user_needles_heldout2", "held out, second"))
-_USER_NEEDLE_LABELS = {"dense": "dense", "sfi_preset": "the `sfi` preset",
-                       "sfi_copy_once": "preset + `copy_ngram` 2, `copy_once`"}
+_USER_NEEDLE_SETS += (("quality_cpu_smollm2_user_needles_heldout2_default", "held out, second"),)
+# runs whose dense rows are an earlier file's (--resume): shown once, with that file
+_USER_NEEDLE_RESUMED = {"quality_cpu_smollm2_user_needles_heldout2_default"}
+# "sfi_preset" in these files is the preset as it was when they ran: the copy trigger off
+_USER_NEEDLE_LABELS = {"dense": "dense", "sfi_preset": "the `sfi` preset, trigger off (until 2026-11-27)",
+                       "sfi_copy_once": "preset + `copy_ngram` 2, `copy_once` (the default's settings)",
+                       "sfi_default": "**the default** (`sfi` preset, trigger on, prefix hits backfilled)"}
 
 
 def _binomial_cdf(k: int, n: int, p: float) -> float:
@@ -508,6 +513,8 @@ def quality_user_needles() -> str:
             dense = [r for r in dense_all if str(r["length"]) in members]
             n_dense = round(sum(r["correct"] for r in dense))
             for c in d["configs"]:
+                if c["name"] == "dense" and name in _USER_NEEDLE_RESUMED:
+                    continue
                 rows = [r for r in c["samples"] if str(r["length"]) in members]
                 right = round(sum(r["correct"] for r in rows))
                 kept = round(sum(r["correct"] for r, q in zip(rows, dense) if q["correct"]))
