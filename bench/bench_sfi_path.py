@@ -162,8 +162,10 @@ class PathLoop:
             cfg = dataclasses.replace(cfg, refresh=10 ** 9)
         lut = torch.zeros(16, dtype=torch.bool, device=self.device)
         lut[TRIGGER_ID] = True
+        # (the copy trigger's history, on by default, is sized here; its two per-step launches are
+        # not in this bench's steps: they run once per step, before the layers)
         t = SfiSlotTables(self.batch + 1, self.batch, self.batch, SpeedSfiConfig(sfi=cfg), lut,
-                          self.device)
+                          self.device, max_model_len=self.max_len)
         self.reset_tables(t, fast_only=fast_only)
         return t
 

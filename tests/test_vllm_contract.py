@@ -170,7 +170,7 @@ def test_a_step_with_an_sfi_prompt_row_is_not_a_uniform_decode_batch():
     runner = SimpleNamespace(input_batch=batch)
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}})
     runner.__dict__["_speedsfi_request_table"] = EngineRequestTable(4, "cpu", config=cfg,
-                                                                    sfi_capacity=4)
+                                                                    sfi_capacity=4, max_model_len=1024)
     assert runner_hooks.has_sfi_prompt_rows(runner, 3)     # row 1 computes its last prompt token
     batch.num_computed_tokens_cpu[1] = 100
     assert not runner_hooks.has_sfi_prompt_rows(runner, 3)

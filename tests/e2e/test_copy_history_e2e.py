@@ -12,8 +12,10 @@ tiny Qwen3 (2 layers), a small KV cache and 24 requests of mixed lengths at once
   pages included) all come back;
 - on a KV cache small enough to preempt, a resumed request records its history again from position 0
   in new pages, and everything still comes back;
-- with prefix caching, a request whose prompt hits the cache records from its first computed
-  position (the hit's tokens never pass through the input ids), never from the cached blocks.
+- with prefix caching, a request whose prompt hits the cache (the second pass of the same prompts)
+  gets the hit's positions written from the runner's host token ids at its first chunk
+  (``HistorySlots.backfill``): its run starts at 0 and its pages hold every position, as without
+  the hit, so the trigger does not depend on what other traffic left in the cache.
 """
 
 import random
@@ -168,8 +170,11 @@ def cached(tiny_models):
     return _run(tiny_models["qwen3"], {**SFI, "copy_ngram": 3}, passes=2, prefix_caching=True)
 
 
-def test_prefix_cache_hits_record_from_their_first_computed_position(cached):
-    assert cached["checked"]["hits"] > 0                 # rows whose history starts after a hit
+def test_prefix_cache_hits_are_backfilled_and_record_from_position_0(cached):
+    # the second pass hit the cache (its positions were backfilled), and still every row's run
+    # starts at 0 with the pages holding the request's tokens at every position (_check_history)
+    assert cached["counts"].get("sfi.history_backfilled_tokens", 0) > 0
+    assert cached["checked"]["hits"] == 0 and cached["checked"]["rows"] >= 2 * NUM_REQUESTS
     assert cached["counts"].get("fallback.sfi_no_history_pages", 0) == 0
     assert [len(t) for t in cached["tokens"]] == [MAX_TOKENS] * NUM_REQUESTS
     assert cached["leftover"]["request slots"] == 0 and cached["leftover"]["SFI slots"] == 0
