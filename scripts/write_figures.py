@@ -460,7 +460,8 @@ _USER_NEEDLE_SETS = (("quality_cpu_smollm2_user_needles_4k_copy_once", "reproduc
                      ("quality_cpu_smollm2_user_needles_test_4k", "held out"),
                      ("quality_cpu_smollm2_user_needles_test_8k", "held out"),
                      ("quality_cpu_smollm2_user_needles_heldout2", "held out, second"))
-_USER_NEEDLE_SETS += (("quality_cpu_smollm2_user_needles_heldout2_default", "held out, second"),)
+_USER_NEEDLE_SETS += (("quality_cpu_smollm2_user_needles_heldout2_default", "held out, second"),
+                      ("quality_cpu_smollm2_user_needles_heldout3_4k", "held out, third (4K only so far)"))
 # runs whose dense rows are an earlier file's (--resume): shown once, with that file
 _USER_NEEDLE_RESUMED = {"quality_cpu_smollm2_user_needles_heldout2_default"}
 # "sfi_preset" in these files is the preset as it was when they ran: the copy trigger off
