@@ -19,8 +19,8 @@ from vllm_ext.kernels.packed_pages import PackedPages
 needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler here")
 
 
-def _pages(nb, hkv, bs, d, dtype, gen):
-    return PackedPages(torch.randn(nb, hkv, bs, 2 * d, generator=gen).to(dtype))
+def _pages(nb, hkv, bs, d, dtype, gen, isa="vec"):
+    return PackedPages(torch.randn(nb, hkv, bs, 2 * d, generator=gen).to(dtype), isa)
 
 
 def _run(native, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out=False):
@@ -42,12 +42,17 @@ CASES = [(torch.bfloat16, 32, 3, 64), (torch.bfloat16, 16, 1, 64), (torch.float3
 
 
 @needs_native
+@pytest.mark.parametrize("isa", ["vec", "amx"])
 @pytest.mark.parametrize("alpha", [0.5, 0.0, 1.0])
 @pytest.mark.parametrize("dtype,bs,g,d", CASES, ids=lambda c: str(c))
-def test_evidence_matches_the_twin(dtype, bs, g, d, alpha):
+def test_evidence_matches_the_twin(dtype, bs, g, d, alpha, isa):
+    """``amx``: CPU_ATTN's VNNI-paired pages, which the wrapper repacks for the C++ and the twin reads
+    through 6-d views (block and head sizes that are multiples of 16)."""
+    if isa == "amx" and (bs % 16 or d % 16):
+        pytest.skip("the amx packing has block and head sizes that are multiples of 16")
     gen = torch.Generator().manual_seed(bs * 10 + g)
     hkv, nb = 2, 40
-    pages = _pages(nb, hkv, bs, d, dtype, gen)
+    pages = _pages(nb, hkv, bs, d, dtype, gen, isa)
     lens = [5 * bs + 7, 3, bs, 9 * bs - 1]
     max_blocks = max(-(-n // bs) for n in lens)
     bt = torch.stack([torch.randperm(nb, generator=gen)[:max_blocks] for _ in lens]).to(torch.int32)

@@ -1,4 +1,5 @@
-"""PackedPages: vLLM CPU_ATTN's packed KV pages (K transposed per page) read as the logical cache.
+"""PackedPages: vLLM CPU_ATTN's packed KV pages (vec: K transposed per page; amx: K and V in VNNI
+pairs) read as the logical cache.
 
 - the packing itself, as PackedPages understands it, and as vLLM's own write op produces it (the
   contract the CPU build relies on before it uses the format);
@@ -17,16 +18,22 @@ from vllm_ext.kernels import paged_reference as pr
 from vllm_ext.kernels.packed_pages import PackedPages, index_blocks, layout_matches
 
 CASES = [(16, 64, torch.bfloat16), (32, 64, torch.float32), (16, 32, torch.float16)]
+ISAS = ["vec", "amx"]
 
 
-def pack(kv: torch.Tensor) -> PackedPages:
+def pack(kv: torch.Tensor, isa: str = "vec") -> PackedPages:
     """A PackedPages holding the entries of a logical cache (any strides)."""
     nb, h, bs, c = kv.shape
     d = c // 2
-    pages = PackedPages(torch.empty(nb, h, bs, c, dtype=kv.dtype))
+    pages = PackedPages(torch.empty(nb, h, bs, c, dtype=kv.dtype), isa)
     pages.k.copy_(kv[..., :d])
     pages.v.copy_(kv[..., d:])
     return pages
+
+
+def logical(view) -> torch.Tensor:
+    """Every block of a K or V view (a tensor or a PageView), in the logical layout."""
+    return view.index_select(0, torch.arange(view.shape[0]))
 
 
 def _cache(bs, d, dtype, seed=0, nb=9, h=2):
@@ -45,6 +52,40 @@ def test_page_is_k_transposed_then_v(bs, d, dtype):
     # CPU_ATTN's own arguments: K pages then V pages, [blocks, Hkv, block_size, D] each
     assert pages.key_cache.shape == pages.value_cache.shape == (kv.shape[0], kv.shape[1], bs, d)
     assert pages.value_cache.data_ptr() - pages.key_cache.data_ptr() == bs * d * kv.element_size()
+
+
+@pytest.mark.parametrize("bs,d", [(32, 64), (16, 32), (64, 128)])
+def test_amx_page_is_vnni_pairs(bs, d):
+    """The amx packing element by element, from its definition: K as [bs/16][D/2][16 tokens][2 dims],
+    then V as [D/16][bs/2][16 dims][2 tokens]."""
+    kv, _ = _cache(bs, d, torch.float32)
+    pages = pack(kv, "amx")
+    t = torch.arange(bs)[:, None]
+    i = torch.arange(d)[None, :]
+    k_off = (t // 16) * 16 * d + (i // 2) * 32 + (t % 16) * 2 + i % 2
+    v_off = bs * d + (i // 16) * 16 * bs + (t // 2) * 32 + (i % 16) * 2 + t % 2
+    assert torch.equal(torch.sort(torch.cat([k_off.flatten(), v_off.flatten()])).values,
+                       torch.arange(2 * bs * d))                    # a permutation of the page
+    for b, h in ((0, 0), (4, 1), (8, 1)):
+        flat = pages.raw[b, h].reshape(-1)
+        assert torch.equal(flat[k_off], kv[b, h, :, :d]) and torch.equal(flat[v_off], kv[b, h, :, d:])
+
+
+def test_amx_packing_refuses_sizes_it_cannot_hold():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        PackedPages(torch.zeros(2, 1, 24, 128), "amx")
+    with pytest.raises(ValueError, match="packings"):
+        PackedPages(torch.zeros(2, 1, 32, 128), "neon")
+
+
+def test_page_view_refuses_what_it_cannot_read():
+    pages = pack(_cache(16, 64, torch.float32)[0], "amx")
+    with pytest.raises(IndexError):
+        pages.k[0, :, 1:3]                          # tokens by slice
+    with pytest.raises(IndexError):
+        pages.k[..., 0]
+    with pytest.raises(AttributeError):
+        pages.k.stride(0)                           # not a strided tensor: nothing reads raw strides
 
 
 def _vllm_cpu_ops():
@@ -71,6 +112,25 @@ def test_vllm_cpu_attn_writes_what_packed_pages_reads(isa, bs, dtype):
     assert layout_matches(write, bs, 64, dtype)
 
 
+@pytest.mark.parametrize("bs", [32, 64, 128])
+@pytest.mark.parametrize("d", [64, 128])
+def test_vllm_cpu_attn_amx_writes_what_packed_pages_reads(bs, d):
+    """The same contract for the amx packing (bf16, block sizes that are multiples of 32: where
+    vLLM picks it), on a CPU with AMX tiles."""
+    ops = _vllm_cpu_ops()
+    if ops is None:
+        pytest.skip("needs vLLM's CPU build (cpu_attn ops)")
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("needs a CPU with AMX tiles (vLLM's amx ISA)")
+
+    def write(k, v, kc, vc, slots):
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "amx", k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+
+    assert layout_matches(write, bs, d, torch.bfloat16, "amx")
+    assert not layout_matches(write, bs, d, torch.bfloat16, "vec")     # the check tells them apart
+
+
 def test_layout_check_rejects_another_packing():
     """The start-up check fails on a write that stores the logical layout (K not transposed)."""
     def logical_write(k, v, kc, vc, slots):
@@ -82,13 +142,14 @@ def test_layout_check_rejects_another_packing():
     assert not layout_matches(logical_write, 16, 64, torch.float32)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bs,d,dtype", CASES)
-def test_primitives_read_the_same_entries(bs, d, dtype):
+def test_primitives_read_the_same_entries(bs, d, dtype, isa):
     kv, gen = _cache(bs, d, dtype)
-    pages = pack(kv)
+    pages = pack(kv, isa)
     nb, h = kv.shape[:2]
     ks, vs = pr.split_kv(pages)
-    assert torch.equal(ks, kv[..., :d]) and torch.equal(vs, kv[..., d:])
+    assert torch.equal(logical(ks), kv[..., :d]) and torch.equal(logical(vs), kv[..., d:])
     blocks = torch.randint(0, nb, (7,), generator=gen)
     heads = torch.randint(0, h, (7,), generator=gen)
     offs = torch.randint(0, bs, (7,), generator=gen)
@@ -115,10 +176,11 @@ def test_primitives_read_the_same_entries(bs, d, dtype):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bs,d,dtype", CASES)
-def test_write_kv_stores_the_same_entries(bs, d, dtype):
+def test_write_kv_stores_the_same_entries(bs, d, dtype, isa):
     kv, gen = _cache(bs, d, dtype)
-    pages = pack(kv)
+    pages = pack(kv, isa)
     n = 2 * bs + 3
     key = torch.randn(n + 2, kv.shape[1], d, generator=gen).to(dtype)
     value = torch.randn(n + 2, kv.shape[1], d, generator=gen).to(dtype)
@@ -126,13 +188,14 @@ def test_write_kv_stores_the_same_entries(bs, d, dtype):
     slots[4] = -1                                       # vLLM's padding slot: skipped
     pr.write_kv(kv, key, value, slots)
     pr.write_kv(pages, key, value, slots)
-    assert torch.equal(pages.k, kv[..., :d]) and torch.equal(pages.v, kv[..., d:])
+    assert torch.equal(logical(pages.k), kv[..., :d]) and torch.equal(logical(pages.v), kv[..., d:])
 
 
-def test_dense_paged_attention_is_the_same_on_both_formats():
+@pytest.mark.parametrize("isa", ISAS)
+def test_dense_paged_attention_is_the_same_on_both_formats(isa):
     bs, d, g = 16, 64, 3
     kv, gen = _cache(bs, d, torch.float32, nb=20)
-    pages = pack(kv)
+    pages = pack(kv, isa)
     lens = [37, 70, 1]
     bt = make_block_table(lens, bs, 6, kv.shape[0], gen)
     q_lens = [1, 9, 1]                                   # decode, a chunk after a prefix, decode
@@ -148,15 +211,16 @@ def test_dense_paged_attention_is_the_same_on_both_formats():
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sfi_cpu_twins_are_the_same_on_both_formats(dtype):
+def test_sfi_cpu_twins_are_the_same_on_both_formats(dtype, isa):
     from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence_cpu
     from vllm_ext.kernels.gather_compact import gather_compact_cpu
     from vllm_ext.kernels.two_segment_decode import two_segment_decode_torch
 
     rows = make_sfi_rows(seq_lens=[70, 33, 120, 0], active=[True, True, False, True], g=3, hkv=2,
                          d=64, bs=16, dtype=dtype, layout="LBHNC", n_recent=20, k=12, seed=3)
-    pages = pack(rows.kv_cache)
+    pages = pack(rows.kv_cache, isa)
     results = []
     for cache in (rows.kv_cache, pages):
         out = torch.zeros_like(rows.query)
@@ -181,13 +245,14 @@ def test_sfi_cpu_twins_are_the_same_on_both_formats(dtype):
         assert torch.equal(a, b), what
 
 
-def test_block_representatives_are_the_same_on_both_formats():
+@pytest.mark.parametrize("isa", ISAS)
+def test_block_representatives_are_the_same_on_both_formats(isa):
     from vllm_ext.kernels.block_representatives import (block_representatives_torch,
                                                         update_block_representatives_from_torch)
 
     bs = 16
     kv, gen = _cache(bs, 64, torch.bfloat16, nb=24)
-    pages = pack(kv)
+    pages = pack(kv, isa)
     lens = [100, 33]
     bt = make_block_table(lens, bs, 8, kv.shape[0], gen)
     seq = torch.tensor(lens, dtype=torch.int32)
@@ -203,12 +268,13 @@ def test_block_representatives_are_the_same_on_both_formats():
     assert blocks_needed(lens, bs) <= kv.shape[0]
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bs,d,dtype", CASES)
-def test_gather_prefix_kt_is_the_prefix_transposed(bs, d, dtype):
+def test_gather_prefix_kt_is_the_prefix_transposed(bs, d, dtype, isa):
     """The slow step's gather (K transposed + V, fp32) equals gather_prefix on both formats, for a
     table of consecutive blocks and for a fragmented one (more runs than one copy each is worth)."""
     kv, gen = _cache(bs, d, dtype, nb=48)
-    pages = pack(kv)
+    pages = pack(kv, isa)
     length = 40 * bs - 5
     for table in (torch.arange(48, dtype=torch.int32), torch.randperm(48, generator=gen).to(torch.int32)):
         k, v = pr.gather_prefix(kv, table, length)
@@ -219,12 +285,13 @@ def test_gather_prefix_kt_is_the_prefix_transposed(bs, d, dtype):
             assert torch.equal(kt, k.float().transpose(1, 2)) and vv is None
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bs,d,dtype", CASES)
-def test_index_blocks_is_index_select(bs, d, dtype):
+def test_index_blocks_is_index_select(bs, d, dtype, isa):
     """Whole-page gathers of K (transposed per page, gathered on the transposed view), V and the
     logical cache equal ``index_select``, and so does ``PackedPages.index_select``."""
     kv, gen = _cache(bs, d, dtype, nb=20)
-    pages = pack(kv)
+    pages = pack(kv, isa)
     idx = torch.randperm(20, generator=gen)[:13]
     for view in (pages.k, pages.v, kv):
         got = index_blocks(view, idx)

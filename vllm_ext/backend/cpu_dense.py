@@ -14,11 +14,11 @@ not committed), and its write of one token per layer is one call instead of a do
 - a method on: K/V are written by ``CPU_ATTN``'s op, and the rows attended densely (prefill chunks,
   CritiPrefill's decode rows, SFI's dense rows, requests with SFI off) go to ``CPU_ATTN``'s kernel,
   as a sub-batch of the step's rows; everything else reads the pages through
-  :class:`~vllm_ext.kernels.packed_pages.PackedPages` (K and V views with their own strides, K
-  being transposed per page with the ``vec``/``vec16`` ISAs). Where that packing cannot be read
-  (AMX, Arm, a vLLM whose packing differs: checked at the first forward by writing a page through
-  vLLM's op and reading it back), the cache keeps our format and every row runs the PyTorch path
-  (:mod:`vllm_ext.kernels.paged_reference`), logged once and counted as
+  :class:`~vllm_ext.kernels.packed_pages.PackedPages` (K and V views with their own strides: K
+  transposed per page with the ``vec``/``vec16`` ISAs, both in VNNI pairs with ``amx``). Where that
+  packing cannot be read (Arm, a vLLM whose packing differs: checked at the first forward by writing
+  a page through vLLM's op and reading it back), the cache keeps our format and every row runs the
+  PyTorch path (:mod:`vllm_ext.kernels.paged_reference`), logged once and counted as
   ``fallback.cpu_attn_packed_pages``.
 
 The packed format needs head-major contiguous pages: ``SpeedSfiBackend`` prefers the ``LBHNC``
@@ -33,9 +33,8 @@ import torch
 
 from vllm_ext import metrics
 from vllm_ext.backend.impl import SpeedSfiImpl
-from vllm_ext.kernels.packed_pages import PackedPages, layout_matches
+from vllm_ext.kernels.packed_pages import PACKED_ISAS, PackedPages, layout_matches
 
-_READABLE_ISAS = ("vec", "vec16")
 _layout_checked: dict[tuple, bool] = {}
 
 
@@ -65,14 +64,17 @@ def packed_pages_readable(isa: str, block_size: int, head_size: int, dtype: torc
     key = (isa, block_size, head_size, dtype, kv_cache_dtype)
     if key not in _layout_checked:
         ok = False
-        if isa in _READABLE_ISAS:
+        if isa in PACKED_ISAS:
             from vllm import _custom_ops as ops
 
             def write(k, v, kc, vc, slots):
                 ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
                                                kv_cache_dtype=kv_cache_dtype)
 
-            ok = layout_matches(write, block_size, head_size, dtype)
+            try:
+                ok = layout_matches(write, block_size, head_size, dtype, isa)
+            except (ValueError, RuntimeError):          # a shape this packing (or vLLM's op) refuses
+                ok = False
         _layout_checked[key] = ok
         if not ok:
             metrics.fallback("cpu_attn_packed_pages",
@@ -131,7 +133,7 @@ class SpeedSfiCpuImpl(SpeedSfiImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         if fmt == "packed":
             if self._pages is None or self._pages[0] is not kv_cache:
-                self._pages = (kv_cache, PackedPages(kv_cache))
+                self._pages = (kv_cache, PackedPages(kv_cache, self._isa))
             return super().forward(layer, query, key, value, self._pages[1], attn_metadata, output)
         return self._forward_all_off(layer, query, key, value, kv_cache, attn_metadata, output)
 

@@ -143,6 +143,10 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     if lib is None:
         metrics.bump("fallback.cpu_native")
         return False
+    if getattr(pages, "isa", "vec") == "amx":
+        pages, table = _as_vec_pages(pages, table, seq)
+        if pages is None:
+            return False
     k_pages, v_pages = pages.k, pages.v
     nb_all, hkv, bs, d = k_pages.shape
     hq = query.shape[0]
@@ -171,6 +175,26 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     if out is not None:
         out.copy_(attn.view(hq, d))
     return True
+
+
+def _as_vec_pages(pages, table: torch.Tensor, seq: int):
+    """One request's blocks of ``CPU_ATTN``'s amx pages repacked into the vec packing the C++ reads
+    (K transposed per page, V row-major) in a persistent scratch, with the identity block table:
+    one copy of its K and one of its V, about what one read of them costs, so the slow step's
+    single pass over K and V stays. ``(None, None)`` where the table does not cover ``seq``."""
+    from vllm_ext.kernels.packed_pages import PackedPages, split_view
+    from vllm_ext.kernels.paged_reference import _scratch_buffer
+
+    nb_all, hkv, bs, c = pages.shape
+    n_blocks = -(-seq // bs)
+    blocks = table[:n_blocks].long()
+    if blocks.numel() < n_blocks or int(blocks.min()) < 0 or int(blocks.max()) >= nb_all:
+        return None, None
+    raw = _scratch_buffer(n_blocks * hkv * bs * c, pages.dtype, pages.device, tag="cpu_native_vec_pages")
+    vec = PackedPages(raw.view(n_blocks, hkv, bs, c), "vec")
+    for src, dst in ((pages.k, vec.k), (pages.v, vec.v)):
+        split_view(dst, src.tok, src.elem).copy_(src.t6.index_select(0, blocks))
+    return vec, torch.arange(n_blocks, dtype=torch.int32)
 
 
 _CFG_FIELDS = ("alpha", "gamma_k", "pos_power", "pos_eta", "pos_beta", "w_k", "w_pos", "lambda_max", "mu",

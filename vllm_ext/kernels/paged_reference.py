@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.kernels.packed_pages import PackedPages, index_blocks
+from vllm_ext.kernels.packed_pages import PackedPages, PageView, index_blocks
 
 
 def split_kv(kv_cache: torch.Tensor | PackedPages) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,6 +191,13 @@ def _copy_blocks(dst: torch.Tensor, src: torch.Tensor, table: torch.Tensor, runs
                  block_dim: int) -> None:
     """``dst`` (block axis ``block_dim``) <- the blocks ``table`` of ``src`` ``[B, ...]`` permuted by
     ``perm``: one copy per run of consecutive ids, or one gather then one copy (``runs`` None)."""
+    if isinstance(src, PageView):                  # CPU_ATTN's amx pages: one copy per run, as 6-d views
+        if runs is None:
+            src.copy_blocks_to(dst, table.long(), perm)
+            return
+        for a, b, first in runs:
+            src.copy_blocks_to(dst.narrow(block_dim, a, b - a), slice(first, first + (b - a)), perm)
+        return
     if runs is None:
         dst.copy_(index_blocks(src, table.long()).permute(perm))
         return
