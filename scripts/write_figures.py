@@ -461,7 +461,14 @@ _USER_NEEDLE_SETS = (("quality_cpu_smollm2_user_needles_4k_copy_once", "reproduc
                      ("quality_cpu_smollm2_user_needles_test_8k", "held out"),
                      ("quality_cpu_smollm2_user_needles_heldout2", "held out, second"))
 _USER_NEEDLE_SETS += (("quality_cpu_smollm2_user_needles_heldout2_default", "held out, second"),
-                      ("quality_cpu_smollm2_user_needles_heldout3_4k", "held out, third (4K only so far)"))
+                      ("quality_cpu_smollm2_user_needles_heldout3_4k", "held out, third"),
+                      ("quality_cpu_smollm2_user_needles_heldout3_8k", "held out, third"),
+                      ("quality_cpu_smollm2_user_needles_heldout4_8k", "held out, fourth (8K only)"))
+# the held-out runs of the default as shipped, pooled per length (issue 37 item 3's resolution)
+_USER_NEEDLE_POOLED = ("quality_cpu_smollm2_user_needles_heldout2_default",
+                       "quality_cpu_smollm2_user_needles_heldout3_4k",
+                       "quality_cpu_smollm2_user_needles_heldout3_8k",
+                       "quality_cpu_smollm2_user_needles_heldout4_8k")
 # runs whose dense rows are an earlier file's (--resume): shown once, with that file
 _USER_NEEDLE_RESUMED = {"quality_cpu_smollm2_user_needles_heldout2_default"}
 # "sfi_preset" in these files is the preset as it was when they ran: the copy trigger off
@@ -535,7 +542,36 @@ def quality_user_needles() -> str:
         notes.append(f"{meta['model']} ({meta['n_samples']} prompts); {meta['device_desc']}, vLLM {meta['vllm']}, "
                      f"torch {meta['torch']}; {meta['date'][:10]}; commit {commit}; `{meta['command']}`; "
                      f"{_source(name + '.json')}.")
-    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+    return "\n".join(lines) + "\n\n" + _user_needles_pooled() + "\n".join(notes) + "\n"
+
+
+def _user_needles_pooled() -> str:
+    """The default's rows of the held-out sets pooled per length: dense's right values it kept."""
+    per: dict[str, list[int]] = {}
+    names = []
+    for name in _USER_NEEDLE_POOLED:
+        if not (ROOT / RESULTS / f"{name}.json").exists():
+            continue
+        d = _load(f"{name}.json")
+        by = {c["name"]: c["samples"] for c in d["configs"]}
+        if "sfi_default" not in by:
+            continue
+        names.append(name.rsplit("user_needles_", 1)[1])
+        for r, q in zip(by["sfi_default"], by["dense"]):
+            acc = per.setdefault(str(r["length"]), [0, 0, 0])
+            acc[0] += round(q["correct"])
+            acc[1] += round(r["correct"] * q["correct"])
+            acc[2] += 1
+    if not per:
+        return ""
+    lines = [f"The default pooled over the held-out runs ({', '.join(names)}):", "",
+             "| length | prompts | dense right | the default kept (95 % interval) |", "|---|---|---|---|"]
+    for n in sorted(per, key=int):
+        n_dense, kept, total = per[n]
+        lo, hi = clopper_pearson(kept, n_dense)
+        lines.append(f"| {n} | {total} | {n_dense} | {kept} / {n_dense}: {100 * kept / n_dense:.1f} % "
+                     f"({100 * lo:.1f}-{100 * hi:.1f} %) |")
+    return "\n".join(lines) + "\n\n"
 
 
 def long_answers() -> str:

@@ -46,7 +46,7 @@ _tried = False
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _EVIDENCE_ARGS = [_ptr, _i64, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _f32,
-                  _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr]
+                  _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i32]
 _SELECT_ARGS = [_ptr, _i64, _ptr, _i64, _i32, _i64, _i64, _ptr, _i32, _i32, _i32, _i64, _ptr, _i64, _ptr,
                 _i64, _ptr]
 
@@ -135,24 +135,22 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     ``[0, seq)`` (``lim = min(seq, max_len)`` written; ``-inf`` outside ``[lo, hi)``), and with ``out``
     (``[Hq, D]``, any float dtype) its dense attention over them from the same scores: what
     :func:`vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu` writes. ``query
-    [Hq, D]``; ``pages``: :class:`vllm_ext.kernels.packed_pages.PackedPages` (K transposed per page);
-    ``table``: the request's block-table row. False (nothing written) where the kernel does not
+    [Hq, D]``; ``pages``: :class:`vllm_ext.kernels.packed_pages.PackedPages` (the vec packing, K
+    transposed per page, or the amx one, which the C++ unpacks a page at a time); ``table``: the request's block-table row. False (nothing written) where the kernel does not
     apply: no library, a KV dtype other than bf16 / fp32, another page layout, rows that are not fp32
     and unit-stride."""
     lib = library()
     if lib is None:
         metrics.bump("fallback.cpu_native")
         return False
-    if getattr(pages, "isa", "vec") == "amx":
-        pages, table = _as_vec_pages(pages, table, seq)
-        if pages is None:
-            return False
-    k_pages, v_pages = pages.k, pages.v
-    nb_all, hkv, bs, d = k_pages.shape
+    layout = _page_layout(pages)
+    if layout is None:
+        return False
+    k_ptr, v_ptr, s_block, s_head, amx = layout
+    nb_all, hkv, bs, d = pages.k.shape
     hq = query.shape[0]
-    fn = {torch.bfloat16: lib.sfi_evidence_bf16, torch.float32: lib.sfi_evidence_f32}.get(k_pages.dtype)
-    if (fn is None or k_pages.stride(2) != 1 or k_pages.stride(3) != bs or hq % hkv
-            or v_pages.stride(3) != 1 or v_pages.stride(2) != d or v_pages.stride()[:2] != k_pages.stride()[:2]
+    fn = {torch.bfloat16: lib.sfi_evidence_bf16, torch.float32: lib.sfi_evidence_f32}.get(pages.k.dtype)
+    if (fn is None or hq % hkv
             or ev.dtype != torch.float32 or ev.stride(-1) != 1 or not 0 < lim <= seq
             or (kn is not None and (kn.dtype != torch.float32 or kn.stride(-1) != 1))
             or (out is not None and tuple(out.shape) != (hq, d))):
@@ -168,33 +166,35 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     extra = 0 if out is None else g * seq + g * d
     scratch = _scratch_buffer(g * seq + (g + 2) * bs + extra, torch.float32, query.device, tag="cpu_native_ev")
     attn = None if out is None else _scratch_buffer(hq * d, torch.float32, query.device, tag="cpu_native_out")
-    fn(k_pages.data_ptr(), k_pages.stride(0), k_pages.stride(1), bs, d, hkv, g, blocks.data_ptr(), seq,
+    fn(k_ptr, s_block, s_head, bs, d, hkv, g, blocks.data_ptr(), seq,
        lo, hi, lim, q.data_ptr(), scale, alpha, ev.data_ptr(), ev.stride(0), _p(kn),
-       0 if kn is None else kn.stride(0), scratch.data_ptr(), None if out is None else v_pages.data_ptr(),
-       _p(attn))
+       0 if kn is None else kn.stride(0), scratch.data_ptr(), None if out is None else v_ptr,
+       _p(attn), amx)
     if out is not None:
         out.copy_(attn.view(hq, d))
     return True
 
 
-def _as_vec_pages(pages, table: torch.Tensor, seq: int):
-    """One request's blocks of ``CPU_ATTN``'s amx pages repacked into the vec packing the C++ reads
-    (K transposed per page, V row-major) in a persistent scratch, with the identity block table:
-    one copy of its K and one of its V, about what one read of them costs, so the slow step's
-    single pass over K and V stays. ``(None, None)`` where the table does not cover ``seq``."""
-    from vllm_ext.kernels.packed_pages import PackedPages, split_view
-    from vllm_ext.kernels.paged_reference import _scratch_buffer
+def _page_layout(pages) -> tuple[int, int, int, int, int] | None:
+    """``(K base, V base, block stride, head stride, amx)`` of pages the C++ reads, else None."""
+    from vllm_ext.kernels.packed_pages import PageView
 
-    nb_all, hkv, bs, c = pages.shape
-    n_blocks = -(-seq // bs)
-    blocks = table[:n_blocks].long()
-    if blocks.numel() < n_blocks or int(blocks.min()) < 0 or int(blocks.max()) >= nb_all:
-        return None, None
-    raw = _scratch_buffer(n_blocks * hkv * bs * c, pages.dtype, pages.device, tag="cpu_native_vec_pages")
-    vec = PackedPages(raw.view(n_blocks, hkv, bs, c), "vec")
-    for src, dst in ((pages.k, vec.k), (pages.v, vec.v)):
-        split_view(dst, src.tok, src.elem).copy_(src.t6.index_select(0, blocks))
-    return vec, torch.arange(n_blocks, dtype=torch.int32)
+    k, v = pages.k, pages.v
+    if isinstance(k, PageView) and isinstance(v, PageView):
+        ks, vs = k.t6.stride(), v.t6.stride()
+        bs, d = k.shape[2], k.shape[3]
+        amx_k = (k.tok, k.elem) == (16, 2) and ks[2:] == (16 * d, 2, 32, 1)
+        amx_v = (v.tok, v.elem) == (2, 16) and vs[2:] == (32, 1, 16 * bs, 2)
+        if not (amx_k and amx_v and ks[:2] == vs[:2]):
+            return None
+        return k.t6.data_ptr(), v.t6.data_ptr(), ks[0], ks[1], 1
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    bs, d = k.shape[2], k.shape[3]
+    if (k.stride(2) != 1 or k.stride(3) != bs or v.stride(3) != 1 or v.stride(2) != d
+            or v.stride()[:2] != k.stride()[:2]):
+        return None
+    return k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), 0
 
 
 _CFG_FIELDS = ("alpha", "gamma_k", "pos_power", "pos_eta", "pos_beta", "w_k", "w_pos", "lambda_max", "mu",

@@ -377,11 +377,50 @@ void attend(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int 
     for (int dd = 0; dd < d; ++dd) out[gg * d + dd] = acc[gg * d + dd] * inv_z[gg];
 }
 
+// CPU_ATTN's amx packing (VNNI pairs for its tile multiplies) of one page, unpacked into the vec
+// packing the passes above read. K: element (t, i) at (t / 16) * 16D + (i / 2) * 32 + (t % 16) * 2
+// + i % 2 -> K^T [D, bs]. V: element (t, i) at (i / 16) * 16bs + (t / 2) * 32 + (i % 16) * 2 + t % 2
+// -> [bs, D]. A page is a few KB: unpacked in cache, next to the pass that reads it.
+template <typename T>
+void unpack_amx_k(const T* page, int bs, int d, T* kt) {
+  for (int t0 = 0; t0 < bs; t0 += 16)
+    for (int i2 = 0; i2 < d / 2; ++i2) {
+      const T* src = page + static_cast<int64_t>(t0) * d + i2 * 32;
+      T* r0 = kt + static_cast<int64_t>(2 * i2) * bs + t0;
+      T* r1 = r0 + bs;
+      for (int t = 0; t < 16; ++t) {
+        r0[t] = src[2 * t];
+        r1[t] = src[2 * t + 1];
+      }
+    }
+}
+
+template <typename T>
+void unpack_amx_v(const T* page, int bs, int d, T* v) {
+  for (int i0 = 0; i0 < d; i0 += 16)
+    for (int t2 = 0; t2 < bs / 2; ++t2) {
+      const T* src = page + static_cast<int64_t>(i0) * bs + t2 * 32;
+      T* r0 = v + static_cast<int64_t>(2 * t2) * d + i0;
+      T* r1 = r0 + d;
+      for (int i = 0; i < 16; ++i) {
+        r0[i] = src[2 * i];
+        r1[i] = src[2 * i + 1];
+      }
+    }
+}
+
+template <typename T>
+T* scratch_of(int64_t n) {                                    // per thread and type, grown as needed
+  thread_local std::vector<T> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
 template <typename T>
 void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
               const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
               const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
-              int64_t kn_hs, float* scratch, const T* v_base, float* attn_out) {
+              int64_t kn_hs, float* scratch, const T* v_base, float* attn_out, int amx) {
   // scratch: scores [G, seq], per-block accumulators [G + 1, bs] and one converted row [bs]; with
   // attn_out also softmax weights [G, seq] and accumulators [G, D]
   float* s = scratch;
@@ -392,10 +431,21 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
   float* oacc = w + static_cast<int64_t>(g) * seq;
   const int64_t nb = (seq + bs - 1) / bs;
   const float log_g = std::log(static_cast<float>(g));
+  // amx: one K page at a time unpacked; the head's V pages unpacked into consecutive pages [nb, bs, D]
+  // read through the identity block table
+  const int64_t page_elems = static_cast<int64_t>(bs) * d;
+  T* kpage = amx ? scratch_of<T>(page_elems + (attn_out != nullptr ? nb * page_elems : 0)) : nullptr;
+  T* vpages = amx && attn_out != nullptr ? kpage + page_elems : nullptr;
+  int32_t* ident = amx && attn_out != nullptr ? scratch_of<int32_t>(nb) : nullptr;
+  for (int64_t j = 0; ident != nullptr && j < nb; ++j) ident[j] = static_cast<int32_t>(j);
   for (int h = 0; h < hkv; ++h) {
     const float* qh = q + static_cast<int64_t>(h) * g * d;
     for (int64_t j = 0; j < nb; ++j) {
       const T* page = k_base + static_cast<int64_t>(blocks[j]) * s_block + static_cast<int64_t>(h) * s_head;
+      if (amx) {
+        unpack_amx_k(page, bs, d, kpage);
+        page = kpage;
+      }
       const int64_t p0 = j * bs;
       const int64_t nt = std::min<int64_t>(bs, seq - p0);
       float* knh = kn == nullptr ? nullptr : kn + h * kn_hs;
@@ -407,9 +457,16 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
                     nrm, krow);
       }
     }
-    if (attn_out != nullptr)                                      // before the evidence rewrites s
+    if (attn_out != nullptr && amx) {                             // before the evidence rewrites s
+      for (int64_t j = 0; j < nb; ++j)
+        unpack_amx_v(v_base + static_cast<int64_t>(blocks[j]) * s_block + static_cast<int64_t>(h) * s_head, bs,
+                     d, vpages + j * page_elems);
+      attend(static_cast<const T*>(vpages), page_elems, 0, bs, d, g, ident, seq, s, w, oacc,
+             attn_out + static_cast<int64_t>(h) * g * d);
+    } else if (attn_out != nullptr) {
       attend(v_base, s_block, static_cast<int64_t>(h) * s_head, bs, d, g, blocks, seq, s, w, oacc,
              attn_out + static_cast<int64_t>(h) * g * d);
+    }
     float* evh = ev + h * ev_hs;
     if (hi <= lo) {
       for (int64_t i = 0; i < lim; ++i) evh[i] = kNegInf;
@@ -444,26 +501,28 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
 extern "C" {
 
 // The slow step's evidence and key norms of one request (ALGORITHMS.md §1, "Slow step"; the twin
-// writes the same), and with attn_out its dense attention. K pages: element (d, t) of block b, KV
-// head h at k_base + b * s_block + h * s_head + d * bs + t (CPU_ATTN's vec packing); V pages (when
-// attn_out is given): element (t, d) at v_base + b * s_block + h * s_head + t * D + d. q: [Hkv, G, D]
+// writes the same), and with attn_out its dense attention. amx 0: K pages: element (d, t) of block b,
+// KV head h at k_base + b * s_block + h * s_head + d * bs + t (CPU_ATTN's vec packing); V pages (when
+// attn_out is given): element (t, d) at v_base + b * s_block + h * s_head + t * D + d. amx 1: the
+// pages at the same bases hold CPU_ATTN's amx packing (unpack_amx_k / unpack_amx_v; bs and D
+// multiples of 16). q: [Hkv, G, D]
 // fp32. ev / kn: [Hkv, >= lim] rows with strides ev_hs / kn_hs (kn may be null); positions [0, lim)
 // are written: -inf outside [lo, hi), lim = min(seq, max_len). attn_out: [Hkv * G, D] fp32 or null.
 // scratch: G * seq + (G + 2) * bs floats, and G * seq + G * D more with attn_out.
 void sfi_evidence_bf16(const uint16_t* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv,
                        int g, const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
                        const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
-                       int64_t kn_hs, float* scratch, const uint16_t* v_base, float* attn_out) {
+                       int64_t kn_hs, float* scratch, const uint16_t* v_base, float* attn_out, int amx) {
   evidence(k_base, s_block, s_head, bs, d, hkv, g, blocks, seq, lo, hi, lim, q, scale, alpha, ev, ev_hs,
-           kn, kn_hs, scratch, v_base, attn_out);
+           kn, kn_hs, scratch, v_base, attn_out, amx);
 }
 
 void sfi_evidence_f32(const float* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
                       const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
                       const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
-                      int64_t kn_hs, float* scratch, const float* v_base, float* attn_out) {
+                      int64_t kn_hs, float* scratch, const float* v_base, float* attn_out, int amx) {
   evidence(k_base, s_block, s_head, bs, d, hkv, g, blocks, seq, lo, hi, lim, q, scale, alpha, ev, ev_hs,
-           kn, kn_hs, scratch, v_base, attn_out);
+           kn, kn_hs, scratch, v_base, attn_out, amx);
 }
 
 // The selector of one request over its allowed set [lo, hi) (the twin: sfi_selector_cpu.select_rows):
