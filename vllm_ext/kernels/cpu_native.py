@@ -136,9 +136,9 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     (``[Hq, D]``, any float dtype) its dense attention over them from the same scores: what
     :func:`vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu` writes. ``query
     [Hq, D]``; ``pages``: :class:`vllm_ext.kernels.packed_pages.PackedPages` (the vec packing, K
-    transposed per page, or the amx one, which the C++ unpacks a page at a time); ``table``: the request's block-table row. False (nothing written) where the kernel does not
-    apply: no library, a KV dtype other than bf16 / fp32, another page layout, rows that are not fp32
-    and unit-stride."""
+    transposed per page, or the amx one, which the C++ unpacks a page at a time); ``table``: the
+    request's block-table row. False (nothing written) where the kernel does not apply: no library,
+    a KV dtype other than bf16 / fp32, another page layout, rows that are not fp32 and unit-stride."""
     lib = library()
     if lib is None:
         metrics.bump("fallback.cpu_native")
