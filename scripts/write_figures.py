@@ -558,19 +558,21 @@ def _user_needles_pooled() -> str:
             continue
         names.append(name.rsplit("user_needles_", 1)[1])
         for r, q in zip(by["sfi_default"], by["dense"]):
-            acc = per.setdefault(str(r["length"]), [0, 0, 0])
+            acc = per.setdefault(str(r["length"]), [0, 0, 0, 0])
             acc[0] += round(q["correct"])
             acc[1] += round(r["correct"] * q["correct"])
             acc[2] += 1
+            acc[3] += round(r["correct"])
     if not per:
         return ""
     lines = [f"The default pooled over the held-out runs ({', '.join(names)}):", "",
-             "| length | prompts | dense right | the default kept (95 % interval) |", "|---|---|---|---|"]
+             "| length | prompts | dense right | the default right (% of dense) "
+             "| of dense's right, the default kept (95 % interval) |", "|---|---|---|---|---|"]
     for n in sorted(per, key=int):
-        n_dense, kept, total = per[n]
+        n_dense, kept, total, right = per[n]
         lo, hi = clopper_pearson(kept, n_dense)
-        lines.append(f"| {n} | {total} | {n_dense} | {kept} / {n_dense}: {100 * kept / n_dense:.1f} % "
-                     f"({100 * lo:.1f}-{100 * hi:.1f} %) |")
+        lines.append(f"| {n} | {total} | {n_dense} | {right} ({100 * right / n_dense:.0f}) | {kept} / {n_dense}: "
+                     f"{100 * kept / n_dense:.1f} % ({100 * lo:.1f}-{100 * hi:.1f} %) |")
     return "\n".join(lines) + "\n\n"
 
 
