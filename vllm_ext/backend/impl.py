@@ -7,8 +7,9 @@ Dense path (every method off, and whatever a method leaves dense):
 - CPU build: vLLM's own ``CPU_ATTN`` ops on their packed cache (``vllm_ext.backend.cpu_dense``):
   the whole layer with every method off (identical to ``CPU_ATTN``), the K/V write and the dense
   rows with a method on, while our PyTorch twins read the same pages through
-  ``vllm_ext.kernels.packed_pages.PackedPages``; where that packing is unreadable (Arm, a vLLM that packs otherwise),
-  ``vllm_ext.kernels.paged_reference`` (PyTorch) over our layout (a counted fallback).
+  ``vllm_ext.kernels.packed_pages.PackedPages`` (vec and amx packings); where the packing is
+  unreadable (Arm, a vLLM that packs otherwise), ``vllm_ext.kernels.paged_reference`` (PyTorch) over
+  our layout (a counted fallback).
 Both write K/V themselves (``forward_includes_kv_cache_update``) and read the cache through strides.
 
 SFI (``speedsfi.sfi.enabled``): decode rows follow the step plan (dense / slow / fast, decided on the
