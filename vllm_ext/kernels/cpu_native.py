@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from vllm_ext import metrics
+from vllm_ext.kernels.packed_pages import PageView
 
 ENV = "SPEEDSFI_CPU_NATIVE"
 CACHE_ENV = "SPEEDSFI_CPU_KERNEL_CACHE"
@@ -177,8 +178,6 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
 
 def _page_layout(pages) -> tuple[int, int, int, int, int] | None:
     """``(K base, V base, block stride, head stride, amx)`` of pages the C++ reads, else None."""
-    from vllm_ext.kernels.packed_pages import PageView
-
     k, v = pages.k, pages.v
     if isinstance(k, PageView) and isinstance(v, PageView):
         ks, vs = k.t6.stride(), v.t6.stride()

@@ -381,17 +381,21 @@ void attend(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int 
 // packing the passes above read. K: element (t, i) at (t / 16) * 16D + (i / 2) * 32 + (t % 16) * 2
 // + i % 2 -> K^T [D, bs]. V: element (t, i) at (i / 16) * 16bs + (t / 2) * 32 + (i % 16) * 2 + t % 2
 // -> [bs, D]. A page is a few KB: unpacked in cache, next to the pass that reads it.
+// r0[j] = src[2j], r1[j] = src[2j + 1] for j < 16: one run of VNNI pairs split into its two rows
+template <typename T>
+inline void split_pairs16(const T* src, T* r0, T* r1) {
+  for (int j = 0; j < 16; ++j) {
+    r0[j] = src[2 * j];
+    r1[j] = src[2 * j + 1];
+  }
+}
+
 template <typename T>
 void unpack_amx_k(const T* page, int bs, int d, T* kt) {
   for (int t0 = 0; t0 < bs; t0 += 16)
     for (int i2 = 0; i2 < d / 2; ++i2) {
-      const T* src = page + static_cast<int64_t>(t0) * d + i2 * 32;
-      T* r0 = kt + static_cast<int64_t>(2 * i2) * bs + t0;
-      T* r1 = r0 + bs;
-      for (int t = 0; t < 16; ++t) {
-        r0[t] = src[2 * t];
-        r1[t] = src[2 * t + 1];
-      }
+      T* r0 = kt + static_cast<int64_t>(2 * i2) * bs + t0;          // dims 2 i2 and 2 i2 + 1
+      split_pairs16(page + static_cast<int64_t>(t0) * d + i2 * 32, r0, r0 + bs);
     }
 }
 
@@ -399,13 +403,8 @@ template <typename T>
 void unpack_amx_v(const T* page, int bs, int d, T* v) {
   for (int i0 = 0; i0 < d; i0 += 16)
     for (int t2 = 0; t2 < bs / 2; ++t2) {
-      const T* src = page + static_cast<int64_t>(i0) * bs + t2 * 32;
-      T* r0 = v + static_cast<int64_t>(2 * t2) * d + i0;
-      T* r1 = r0 + d;
-      for (int i = 0; i < 16; ++i) {
-        r0[i] = src[2 * i];
-        r1[i] = src[2 * i + 1];
-      }
+      T* r0 = v + static_cast<int64_t>(2 * t2) * d + i0;            // tokens 2 t2 and 2 t2 + 1
+      split_pairs16(page + static_cast<int64_t>(i0) * bs + t2 * 32, r0, r0 + d);
     }
 }
 
