@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
     import torch
 
     from vllm_ext.config import CritiPrefillConfig
-    from vllm_ext.critiprefill import LayerFusion, build_plan, dense_plan
+    from vllm_ext.methods.critiprefill import LayerFusion, build_plan, dense_plan
     from vllm_ext.kernels import block_sparse_prefill as bsp
 
     smoke = args.smoke

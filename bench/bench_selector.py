@@ -117,7 +117,7 @@ def bound_pages(b: int, ctx: int, page: int, hkv: int, d: int, dtype, dev, block
     """Random Quest page bounds of ``b`` requests of ``ctx`` tokens as vLLM pages them
     (``vllm_ext.kernels.quest_pages``): blocks of ``block`` bound entries at shuffled ids, and the
     per-slot table."""
-    from vllm_ext.sfi.quest_tables import quest_blocks
+    from vllm_ext.methods.sfi.quest_tables import quest_blocks
 
     g = torch.Generator(device="cpu").manual_seed(page)
     per = quest_blocks(ctx, page, block)

@@ -14,7 +14,7 @@ What runs per decode step, for ``steps`` (>= 256) steps with the context growing
 - ``dense``: :func:`paged_decode` in every layer (our split-K kernel at the copy bandwidth);
 - ``sfi``: the backend's own code: the step plan (:meth:`SfiSlotTables.plan`: schedule on the device,
   compacted slow rows, persistent buffers; eager, as the metadata builder runs it) and then the whole
-  step replayed from one CUDA graph with :func:`vllm_ext.backend.sfi_path.sfi_decode` in every layer
+  step replayed from one CUDA graph with :func:`vllm_ext.methods.sfi.path.sfi_decode` in every layer
   (one dense pass for slow rows with evidence + key norms, the two-segment pass for fast rows,
   selector + gather over the compacted slow list on the side stream, one join);
 - ``sfi_serial``: the same with maintenance on the main stream (``dual_stream = false``);
@@ -70,7 +70,7 @@ class PathLoop:
 
     def __init__(self, cfg: dict, batch: int, ctx: int, steps: int, dtype, device, sfi_cfg,
                  seed: int = 0):
-        from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+        from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
         from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
         from vllm_ext.kernels.two_segment_decode import dense_num_splits
 
@@ -119,9 +119,9 @@ class PathLoop:
         from the shared KV cache) and runtime."""
         if mode in self.quest:
             return self.quest[mode]
-        from vllm_ext.backend.sfi_path import quest_prefill_pages
-        from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
-        from vllm_ext.sfi.slot_tables import QuestPrefillPages
+        from vllm_ext.methods.sfi.path import quest_prefill_pages
+        from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
+        from vllm_ext.methods.sfi.slot_tables import QuestPrefillPages
 
         base = dict(selector="quest", schedule="periodic", refresh=1, dual_stream=False)
         keep = self.sfi_cfg.k // 2 if mode == "quest_keep" else 0
@@ -155,7 +155,7 @@ class PathLoop:
 
     def make_tables(self, *, fast_only: bool, cfg=None):
         from vllm_ext.config import SpeedSfiConfig
-        from vllm_ext.sfi.slot_tables import SfiSlotTables
+        from vllm_ext.methods.sfi.slot_tables import SfiSlotTables
 
         cfg = cfg or self.sfi_cfg
         if fast_only:
@@ -202,7 +202,7 @@ class PathLoop:
         self.kv_cache[blk, :, off, d:] = v
 
     def step(self, mode: str, plan=None, rt=None):
-        from vllm_ext.backend.sfi_path import sfi_decode
+        from vllm_ext.methods.sfi.path import sfi_decode
         from vllm_ext.kernels.dense_decode_evidence import paged_decode
 
         sfi_cfg, layers = self.sfi_cfg, self.layers
@@ -293,7 +293,7 @@ class PathLoop:
             ms = (time.perf_counter() - c0) * 1e3 / self.steps
         out = {"ms": ms}
         if tables is not None:
-            from vllm_ext.sfi.step_plan import STAT_FAST, STAT_SLOW
+            from vllm_ext.methods.sfi.step_plan import STAT_FAST, STAT_SLOW
             st = tables.stats.tolist()
             rows_total = self.steps * self.batch
             out.update(slow_rows=st[STAT_SLOW], fast_rows=st[STAT_FAST],

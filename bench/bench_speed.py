@@ -14,11 +14,11 @@ per layer are a real model's).
   all earlier keys). SPEED: the lower ``l_cut`` layers the same; the upper layers only on the last
   prompt token (and BoS in the first chunk), attending to BoS and itself
   (:func:`vllm_ext.kernels.speed_attention.speed_attention`), exactly what the backend runs
-  (``vllm_ext.speed.upper_stack``). TTFT = the whole prefill.
+  (``vllm_ext.methods.speed.upper_stack``). TTFT = the whole prefill.
 - ``decode``: one decode step of a batch after a ``ctx`` prompt. Dense: :func:`paged_decode` over
   ``ctx`` in every layer. SPEED: the same in the lower layers, the upper layers read BoS + the
   decode-phase tokens (``decoded`` of them) through ``speed_attention``.
-- ``kv``: KV bytes a request holds (block arithmetic of :mod:`vllm_ext.speed.kv_spec`).
+- ``kv``: KV bytes a request holds (block arithmetic of :mod:`vllm_ext.methods.speed.kv_spec`).
 
 Paper anchors (Llama-3.1-8B, 128K, 24/32): TTFT -33 %, TPOT -22 %, KV -25 %.
 Writes ``speed.json`` (rows: ctx, batch, prefill_dense_ms, prefill_speed_ms, decode_dense_ms,

@@ -231,7 +231,7 @@ class DecodeProblem:
 
 def paged_compact(compact: torch.Tensor, block_size: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """The contiguous compact segments ``[S, Hkv, C, 2D]`` laid out as SFI's KV-cache group holds
-    them inside vLLM (``vllm_ext.sfi.kv_spec``): ``(pages [B, Hkv, block_size, 2D], table [S, n_c])``,
+    them inside vLLM (``vllm_ext.methods.sfi.kv_spec``): ``(pages [B, Hkv, block_size, 2D], table [S, n_c])``,
     each slot's blocks scattered over a pool with as many spare blocks again (shuffled, as vLLM's
     free list hands them out)."""
     s, hkv, cap, c2 = compact.shape

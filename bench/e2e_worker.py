@@ -197,7 +197,7 @@ def worker_kernels(spec: dict, ev: Events) -> None:
     import torch
     from vllm.v1.attention.backends import triton_attn as ta
 
-    from vllm_ext.backend.sfi_runtime import shared_dense_workspace
+    from vllm_ext.methods.sfi.runtime import shared_dense_workspace
     from vllm_ext.kernels.dense_decode_evidence import paged_decode
 
     hq, hkv, d = spec["heads"], spec["kv_heads"], spec["head_dim"]

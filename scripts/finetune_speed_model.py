@@ -10,7 +10,7 @@ question samples shaped like the evaluation's (document, question and the answer
 the prompt; the answer is the decode phase), teacher forced, with SPEED's masks:
 
 * layers ``< l_cut``: plain causal attention;
-* layers ``>= l_cut``: :func:`vllm_ext.speed.visibility.visible_mask` (BoS + ``[P - 1, q]``), the
+* layers ``>= l_cut``: :func:`vllm_ext.methods.speed.visibility.visible_mask` (BoS + ``[P - 1, q]``), the
   rule the backend implements; interior prompt queries there see BoS only, and their outputs feed
   nothing (exactly as in vLLM, where they do not run the upper layers at all).
 
@@ -106,7 +106,7 @@ class SpeedMasks:
     def mask(self, width: int, prompt_len: int):
         import torch
 
-        from vllm_ext.speed.visibility import visible_mask
+        from vllm_ext.methods.speed.visibility import visible_mask
 
         key = (width, prompt_len)
         if key not in self._cache:
@@ -373,7 +373,7 @@ rule, teacher forced). Serve it with
   `tokenizer_config.json`, `generation_config.json` copied byte for byte).
 {init}
 - Visibility while training (forward pre-hooks on the decoder layers): layers 0..{args.l_cut - 1} causal;
-  layers {args.l_cut}..{n_layers - 1} `vllm_ext.speed.visibility.visible_mask`, anchor `{args.anchor}`: a query at
+  layers {args.l_cut}..{n_layers - 1} `vllm_ext.methods.speed.visibility.visible_mask`, anchor `{args.anchor}`: a query at
   `p >= P - 1` sees {'BoS and ' if args.anchor == 'bos' else ''}`[P - 1, p]` (`P` = prompt length). Interior prompt
   queries of the upper layers feed nothing (in vLLM they do not run there at all).
 - Data: single-question samples from `vllm_ext.quality.tasks.make_sample` (the four tasks at random,

@@ -47,7 +47,7 @@ def test_flags_reach_their_modes(modes, monkeypatch):
 
 def test_document_methods():
     from vllm_ext.config import SpeedSfiConfig
-    from vllm_ext.critiprefill.slots import sparse_range
+    from vllm_ext.methods.critiprefill.slots import sparse_range
 
     assert list(demo.DOCUMENT_METHODS) == ["dense", "sfi", "critiprefill"]
     assert demo.DOCUMENT_METHODS["dense"][0] == {}

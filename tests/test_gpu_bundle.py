@@ -417,7 +417,7 @@ def test_unknown_stage_or_model_is_refused(e2e):
 
 
 def test_tokenizer_trigger_rate_is_one_in_24(e2e, tmp_path):
-    from vllm_ext.sfi.triggers import trigger_token_ids
+    from vllm_ext.methods.sfi.triggers import trigger_token_ids
 
     vocab = 4803
     tok = e2e.build_tokenizer(tmp_path, vocab)

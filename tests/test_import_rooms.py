@@ -1,16 +1,17 @@
-"""The package's imports run one way (issue 26): every import of a ``vllm_ext`` module, at module
+"""The package's imports run one way: every import of a ``vllm_ext`` module, at module
 level or inside a function, goes to the same room or to a lower one, and no group of modules imports
 itself in a circle. A new upward import fails here with the two modules named.
 
 Rooms, lowest first:
-0. base: the configuration, metrics and small shared helpers every room uses (``method_kv_spec``:
-   what the methods' KV-cache specs share);
+0. base: the configuration, metrics and small shared helpers every room uses (``method_kv_spec``,
+   ``method_cache_layer``: what the methods' KV-cache specs and cache layers share);
 1. kernels: Triton kernels and their PyTorch twins; they know no method (shared constants live here);
 2. ``request_state``: the generic per-request slot table and the protocol (``method_slots``) through
    which it drives the methods' own slot tables; it knows no method;
-3. methods: ``sfi``, ``speed``, ``critiprefill``, each on its own (no method imports another);
-4. ``backend``: the attention backend, its builder, impl and per-method paths, and the engine's
-   request table (``backend.request_table``: the methods' slot tables registered in the generic one);
+3. methods: ``methods.sfi``, ``methods.speed``, ``methods.critiprefill``, each a package on its own
+   (no method imports another, and none imports the backend);
+4. ``backend``: the attention backend, its builder, impl and dense path, and the engine's request
+   table (``backend.request_table``: the methods' slot tables registered in the generic one);
 5. vLLM glue: ``vllm_patches`` opens the only door into ``runner_hooks`` and ``scheduler_policy``;
 6. the package entry point and the tools: ``vllm_ext`` (registration), ``quality``, ``tools``.
 """
@@ -24,12 +25,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_ext"
 
 ROOMS = [
     ("base", {"vllm_ext.config", "vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging",
-              "vllm_ext.env_vars", "vllm_ext.method_kv_spec"}),
+              "vllm_ext.env_vars", "vllm_ext.method_kv_spec", "vllm_ext.method_cache_layer"}),
     ("kernels", {"vllm_ext.kernels"}),
-    ("request_state", {"vllm_ext.request_state", "vllm_ext.method_slots"}),
-    ("sfi", {"vllm_ext.sfi"}),
-    ("speed", {"vllm_ext.speed"}),
-    ("critiprefill", {"vllm_ext.critiprefill"}),
+    ("request_state", {"vllm_ext.request_state", "vllm_ext.method_slots", "vllm_ext.methods"}),
+    ("sfi", {"vllm_ext.methods.sfi"}),
+    ("speed", {"vllm_ext.methods.speed"}),
+    ("critiprefill", {"vllm_ext.methods.critiprefill"}),
     ("backend", {"vllm_ext.backend"}),
     ("glue", {"vllm_ext.vllm_patches", "vllm_ext.runner_hooks", "vllm_ext.scheduler_policy"}),
     ("top", {"vllm_ext", "vllm_ext.quality", "vllm_ext.tools"}),
@@ -146,4 +147,4 @@ def test_no_circles():
 
 def test_the_walker_sees_function_level_imports():
     graph = _graph()
-    assert "vllm_ext.kernels.sfi_plan" in graph["vllm_ext.sfi.step_plan"]     # imported inside a function
+    assert "vllm_ext.kernels.sfi_plan" in graph["vllm_ext.methods.sfi.step_plan"]     # imported inside a function

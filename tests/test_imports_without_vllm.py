@@ -10,11 +10,11 @@ TORCH_ONLY = [
     "vllm_ext.kernels.dense_decode_evidence", "vllm_ext.kernels.gather_compact",
     "vllm_ext.kernels.merge_state", "vllm_ext.kernels.sfi_selector",
     "vllm_ext.kernels.block_representatives", "vllm_ext.kernels.block_sparse_prefill",
-    "vllm_ext.kernels.sfi_selector_torch", "vllm_ext.sfi.schedule", "vllm_ext.sfi.triggers",
-    "vllm_ext.sfi.step_plan", "vllm_ext.sfi.slot_tables", "vllm_ext.critiprefill.plan",
+    "vllm_ext.kernels.sfi_selector_torch", "vllm_ext.methods.sfi.schedule", "vllm_ext.methods.sfi.triggers",
+    "vllm_ext.methods.sfi.step_plan", "vllm_ext.methods.sfi.slot_tables", "vllm_ext.methods.critiprefill.plan",
     "vllm_ext.device_counters", "vllm_ext.kernels.sfi_plan", "vllm_ext.kernels.quest_pages",
-    "vllm_ext.backend.sfi_runtime", "vllm_ext.backend.sfi_path",
-    "vllm_ext.critiprefill.slots", "vllm_ext.backend.critiprefill_path",
+    "vllm_ext.methods.sfi.runtime", "vllm_ext.methods.sfi.path",
+    "vllm_ext.methods.critiprefill.slots", "vllm_ext.methods.critiprefill.path",
     "vllm_ext.method_slots", "vllm_ext.backend.request_table",
 ]
 

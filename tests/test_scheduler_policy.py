@@ -12,7 +12,7 @@ import pytest
 
 from vllm_ext import metrics
 from vllm_ext.config import SpeedSfiConfig
-from vllm_ext.critiprefill.chunking import is_critiprefill_chunk, sparse_range
+from vllm_ext.methods.critiprefill.chunking import is_critiprefill_chunk, sparse_range
 from vllm_ext.scheduler_policy import SchedulerPolicy
 
 CP = {"enabled": True, "segment_size": 64, "block_size": 16, "budget": 32, "min_len": 100}
@@ -91,8 +91,8 @@ def test_critiprefill_admission_holds_one_sparse_prefill_per_slot():
 def test_simulated_scheduler_never_overflows_and_always_finishes(seed):
     """vLLM's loop reduced to what the policy sees: running requests first (prefills and decodes),
     then waiting ones in order; random budgets and preemptions. The worker's pools, replayed from
-    the scheduled chunks as the worker sees them (vllm_ext.critiprefill.slots.CritiPrefillSlots.plan,
-    vllm_ext.sfi.slot_tables), never overflow; every chunk end is on a segment boundary of the
+    the scheduled chunks as the worker sees them (vllm_ext.methods.critiprefill.slots.CritiPrefillSlots.plan,
+    vllm_ext.methods.sfi.slot_tables), never overflow; every chunk end is on a segment boundary of the
     sparse range or outside it; every request finishes."""
     rng = random.Random(seed)
     p = _policy(sfi_cap=3, cp_cap=2, sfi={"enabled": True, "k": 64})

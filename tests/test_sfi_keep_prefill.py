@@ -1,4 +1,4 @@
-"""``sfi.keep_prefill`` on the SFI path (``vllm_ext.backend.sfi_path``): the prefill-end selection's
+"""``sfi.keep_prefill`` on the SFI path (``vllm_ext.methods.sfi.path``): the prefill-end selection's
 best tokens stay in the compact segment for the whole decode, decode-time selections choose the rest
 of the budget among the other positions, and the two together hold ``min(k, |A|)`` tokens. Kernels
 (Triton, interpreted on CPU) against the twins, and both against the reference selector."""
@@ -13,12 +13,12 @@ import torch
 
 from tests.kernel_choice import torch_kernels
 from tests.test_sfi_path import BS, D, HKV, Problem
-from vllm_ext.backend.sfi_path import _prefill_end_select, sfi_decode
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.path import _prefill_end_select, sfi_decode
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import ConfigError, SfiConfig
 from vllm_ext.kernels.paged_reference import gather_kv
 from vllm_ext.kernels import sfi_selector_torch as S
-from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 
 CFG = SfiConfig(enabled=True, k=24, k_min=4, n_sink=4, n_recent=16, keep_prefill=10,
                 select_span=2, select_span_back=1)

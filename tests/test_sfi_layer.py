@@ -1,4 +1,4 @@
-"""One layer of SFI decode (``vllm_ext.backend.sfi_path``) against an independent reference: a slow
+"""One layer of SFI decode (``vllm_ext.methods.sfi.path``) against an independent reference: a slow
 step makes the selection the selector defines from dense evidence, and the next fast step equals
 dense attention restricted to S ∪ M_h ∪ R_t. Runs the PyTorch twins on CPU (and the Triton kernels
 with the side stream on CUDA)."""
@@ -6,12 +6,12 @@ with the side stream on CUDA)."""
 import pytest
 import torch
 
-from vllm_ext.backend.sfi_path import sfi_decode
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.path import sfi_decode
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.kernels import sfi_selector_torch as ref_selector
-from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 
 HAS_CUDA = torch.cuda.is_available()
 

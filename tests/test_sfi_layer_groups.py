@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
-from vllm_ext.backend.sfi_path import sfi_decode
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.path import sfi_decode
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.triton_utils import use_triton
-from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 
 DEV = torch.device("cpu")
 HKV, G, D, BS = 2, 2, 16, 16

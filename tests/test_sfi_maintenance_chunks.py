@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
-from vllm_ext.backend import sfi_path
-from vllm_ext.backend.sfi_path import sfi_decode, sfi_prefill_end
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi import path as sfi_path
+from vllm_ext.methods.sfi.path import sfi_decode, sfi_prefill_end
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.triton_utils import use_triton
-from vllm_ext.sfi.prompt_tail import TailRow, plan_prompt_tail
-from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
+from vllm_ext.methods.sfi.prompt_tail import TailRow, plan_prompt_tail
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 
 DEV = torch.device("cpu")
 HKV, G, D, BS = 2, 2, 16, 16
@@ -194,7 +194,7 @@ def test_the_ring_gives_each_chunk_the_next_slot_and_join_starts_over():
     """The unit of the ring is a chunk: the k-th chunk of a step (over all its layers) takes slot
     k mod N, so with dual streams the main stream waits for the side stream's previous chunk in that
     slot (on CUDA: tests/test_sfi_path.py's captured replays); join starts the step's count again."""
-    from vllm_ext.backend.sfi_runtime import MaintenanceRing, SfiScratch
+    from vllm_ext.methods.sfi.runtime import MaintenanceRing, SfiScratch
 
     ring = MaintenanceRing([SfiScratch.allocate(2, HKV, 32, DEV) for _ in range(3)], DEV, dual_stream=True)
     assert not ring.dual                                    # the CPU runs maintenance inline

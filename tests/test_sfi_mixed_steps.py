@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from vllm_ext.backend import row_counters
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import ConfigError, SfiConfig, SpeedSfiConfig
 from vllm_ext.kernels import paged_reference
-from vllm_ext.sfi.step_plan import SfiPlanBuffers
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
 
 pytest.importorskip("vllm")
 
@@ -72,7 +72,7 @@ def _setup(sfi_on: bool, *, cut: bool = True):
 
     from vllm_ext.backend.impl import SpeedSfiImpl
     from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
-    from vllm_ext.sfi.step_plan import write_plan
+    from vllm_ext.methods.sfi.step_plan import write_plan
 
     gen = torch.Generator().manual_seed(3)
     kv, bt, seq, qsl, q_lens = _batch(gen)
@@ -207,8 +207,8 @@ def test_dense_decode_switch_resolves_and_refuses_the_delegate_under_sfi():
 def test_prefill_end_side_stream_work_reads_the_ring_slots_persistent_tables():
     """``sfi_prefill_end`` hands the side stream the ending requests' block-table rows in the ring
     slot's persistent buffer (not a temporary the main stream could reuse before the side stream ran)."""
-    from vllm_ext.backend.sfi_path import sfi_prefill_end
-    from vllm_ext.sfi.prompt_tail import plan_prompt_tail, TailRow
+    from vllm_ext.methods.sfi.path import sfi_prefill_end
+    from vllm_ext.methods.sfi.prompt_tail import plan_prompt_tail, TailRow
 
     cfg = SfiConfig(enabled=True, k=24, k_min=4, n_sink=4, n_recent=16, w_prefill=8, dual_stream=False)
     gen = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""The SFI decode path as the backend runs it (``vllm_ext.backend.sfi_path``) over a grid of mixed
+"""The SFI decode path as the backend runs it (``vllm_ext.methods.sfi.path``) over a grid of mixed
 dense / slow / fast / padded rows: the kernels (Triton on CUDA, under the interpreter on CPU) against
 the PyTorch twins, dense rows against an independent reference; on CUDA with no host
 synchronisation, and captured in a CUDA graph that is replayed while rows flip between modes.
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
-from vllm_ext.backend.sfi_path import sfi_decode
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.path import sfi_decode
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
-from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])

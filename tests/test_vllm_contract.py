@@ -98,7 +98,7 @@ def test_speedsfi_forces_the_v1_runner(tiny_models):
 
 
 def test_prefix_hit_and_batch_execution_hooks():
-    """Traffic independence (vllm_ext.sfi.prompt_tail): the scheduler's local prefix-cache hit (cut
+    """Traffic independence (vllm_ext.methods.sfi.prompt_tail): the scheduler's local prefix-cache hit (cut
     before the prompt tail) and the runner's uniform-decode decision (no FULL graph for a step with
     a prompt row) are where vllm_patches / runner_hooks wrap them."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -193,7 +193,7 @@ class SfiConfig:
     # system
     # an optional upper bound on the requests decoding with SFI at once (beyond it requests wait in
     # vLLM's queue); None = every request of --max-num-seqs: the compact segments are vLLM's KV-cache
-    # blocks (vllm_ext.sfi.kv_spec, docs/per_request_memory.md)
+    # blocks (vllm_ext.methods.sfi.kv_spec, docs/per_request_memory.md)
     max_requests: int | None = None
     dual_stream: bool = True           # selector + gather on a side stream (CUDA); False = serial
     side_stream_slots: int = 4         # evidence scratch ring shared by the side stream and the layers
@@ -330,7 +330,7 @@ class CritiPrefillConfig:
     # system: an optional upper bound on the prompts in a sparse prefill at once (the others wait in
     # vLLM's queue: sched.critiprefill_admission_waits). None (default): no bound of ours; each
     # prompt's state is KV-cache pages that vLLM's block manager allocates
-    # (vllm_ext.critiprefill.kv_spec, docs/per_request_memory.md).
+    # (vllm_ext.methods.critiprefill.kv_spec, docs/per_request_memory.md).
     max_requests: int | None = None
 
     def validate(self) -> None:

@@ -81,7 +81,7 @@ def _make_table(runner) -> EngineRequestTable:
     cfg = resolve_config(runner.vllm_config)
     lut = None
     if cfg.sfi.enabled:
-        from vllm_ext.sfi.triggers import boundary_token_ids, trigger_lut
+        from vllm_ext.methods.sfi.triggers import boundary_token_ids, trigger_lut
 
         model_config = runner.vllm_config.model_config
         from vllm.tokenizers import cached_tokenizer_from_config
@@ -254,7 +254,7 @@ def install() -> None:
 def has_sfi_prompt_rows(runner, num_reqs: int) -> bool:
     """A real step with SFI whose batch has a prompt row (a prefill chunk, maybe of one token). Such
     a step is never run as a uniform-decode FULL CUDA graph: a replayed graph would skip the
-    host-planned prompt-tail work of that row (``vllm_ext.sfi.prompt_tail``), and whether a one-token
+    host-planned prompt-tail work of that row (``vllm_ext.methods.sfi.prompt_tail``), and whether a one-token
     chunk lands in an otherwise all-decode step depends on the other requests."""
     table = table_of(runner)
     if table is None or table.sfi is None or num_reqs <= 0:
@@ -264,12 +264,12 @@ def has_sfi_prompt_rows(runner, num_reqs: int) -> bool:
 
 
 def move_critiprefill_rows_last(batch, num_scheduled_tokens, cfg) -> int:
-    """Move the rows that run CritiPrefill this step (``vllm_ext.critiprefill.chunking.
+    """Move the rows that run CritiPrefill this step (``vllm_ext.methods.critiprefill.chunking.
     is_critiprefill_chunk``) behind every other row of vLLM's persistent batch, so that the step's
     CritiPrefill sub-batch holds them only: a row's kernel then depends on its own request, not on
     whether a CritiPrefill row happened to come before it. Such rows have two tokens or more, so
     vLLM's decode-like rows (one token) stay in front. Returns the number of swaps."""
-    from vllm_ext.critiprefill.chunking import is_critiprefill_chunk
+    from vllm_ext.methods.critiprefill.chunking import is_critiprefill_chunk
 
     req_ids = batch.req_ids
     n = len(req_ids)

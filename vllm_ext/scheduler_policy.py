@@ -2,7 +2,7 @@
 never on batch composition, chunk boundaries or other traffic).
 
 By default every method's per-request memory is vLLM's KV-cache blocks (SFI's compact segments:
-``vllm_ext.sfi.kv_spec``; CritiPrefill's state: ``vllm_ext.critiprefill.kv_spec``) and the
+``vllm_ext.methods.sfi.kv_spec``; CritiPrefill's state: ``vllm_ext.methods.critiprefill.kv_spec``) and the
 scheduler's own block accounting admits requests. Only when ``sfi.max_requests`` /
 ``critiprefill.max_requests`` is set below ``--max-num-seqs`` does the worker bound the requests
 using a method (``C_sfi`` / ``C_cp``, optional upper bounds). A request over such a bound used to be
@@ -17,10 +17,10 @@ vLLM's queue (the same way a request waits for KV blocks), then runs with its me
    prompt with a sparse range is scheduled only while fewer than ``C_cp`` such prompts are
    prefilling.
 3. **CritiPrefill chunk ends** fall on segment boundaries inside the sparse range, prefix-cache hits
-   are cut to one, and no chunk of such a prompt has one token (``vllm_ext.critiprefill.chunking``),
+   are cut to one, and no chunk of such a prompt has one token (``vllm_ext.methods.critiprefill.chunking``),
    so every sparse segment is computed in one chunk, and every position by the same kernel,
    whatever the token budget left for the request.
-4. **SFI prefix hits** stop before the prompt tail (``vllm_ext.sfi.prompt_tail.prefix_hit_limit``).
+4. **SFI prefix hits** stop before the prompt tail (``vllm_ext.methods.sfi.prompt_tail.prefix_hit_limit``).
 
 A request held back waits at most until a request under a bound leaves or a step has budget for a whole segment;
 each wait is counted (``sched.sfi_admission_waits``, ``sched.critiprefill_admission_waits``,
@@ -37,7 +37,7 @@ from collections.abc import Iterable
 
 from vllm_ext import metrics
 from vllm_ext.config import ConfigError, SpeedSfiConfig, request_overrides
-from vllm_ext.critiprefill import chunking
+from vllm_ext.methods.critiprefill import chunking
 
 # attributes SPEEDSFI keeps on a vLLM Request
 _WANTS_SFI = "_speedsfi_wants_sfi"
@@ -60,7 +60,7 @@ class SchedulerPolicy:
     # ------------------------------------------------------------------ per request
     def wants_sfi(self, request) -> bool:
         """The request decodes with SFI (the worker assigns it a compact slot): the rule of
-        ``vllm_ext.sfi.slot_tables.SfiSlotTables.assign``."""
+        ``vllm_ext.methods.sfi.slot_tables.SfiSlotTables.assign``."""
         cached = request.__dict__.get(_WANTS_SFI)
         if cached is None:
             cached = False

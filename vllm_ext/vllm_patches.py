@@ -77,11 +77,11 @@ PATCHES: tuple[Patch, ...] = (
           "a step with an SFI prompt row is never replayed as a uniform-decode FULL CUDA graph",
           "tests/test_vllm_contract.py::test_prefix_hit_and_batch_execution_hooks"),
     Patch("vllm.model_executor.models.llama.LlamaModel.forward", "vllm/model_executor/models/llama.py",
-          "vllm_ext.speed.upper_stack.install",
+          "vllm_ext.methods.speed.upper_stack.install",
           "with SPEED on an eager model, prompt tokens skip the upper layers",
           "tests/speed/test_speed_vllm_contract.py::test_model_forward_shape_we_replace"),
     Patch("vllm.model_executor.models.qwen2.Qwen2Model.forward", "vllm/model_executor/models/qwen2.py",
-          "vllm_ext.speed.upper_stack.install",
+          "vllm_ext.methods.speed.upper_stack.install",
           "with SPEED on an eager model, prompt tokens skip the upper layers",
           "tests/speed/test_speed_vllm_contract.py::test_model_forward_shape_we_replace"),
     Patch("vllm.v1.attention.backends.registry.AttentionBackendEnum.SPEEDSFI.__reduce_ex__",
@@ -98,7 +98,7 @@ def install() -> None:
     _patch_prefix_hit_limit()
     _patch_chunk_admission()
     _patch_speed_kv_spec()
-    from vllm_ext.speed import upper_stack
+    from vllm_ext.methods.speed import upper_stack
 
     upper_stack.install()
     _patch_request_validation()
@@ -172,7 +172,7 @@ def _patch_speed_kv_spec() -> None:
         if not is_speedsfi_selected(vllm_config):
             return spec
         from vllm_ext.backend.startup import resolve_config
-        from vllm_ext.speed.kv_spec import speed_spec_for_layer
+        from vllm_ext.methods.speed.kv_spec import speed_spec_for_layer
 
         return speed_spec_for_layer(spec, self.layer_name, vllm_config, resolve_config(vllm_config))
 
@@ -242,7 +242,7 @@ def scheduler_policy_of(scheduler):
             # selector quest without keep_prefill reads no prompt-tail queries (its first decode
             # step selects, and its page tables cover a prefix hit): nothing to cut
             if cfg.sfi.enabled and cfg.sfi.prefill_end_selection:
-                from vllm_ext.sfi.prompt_tail import prefix_hit_limit
+                from vllm_ext.methods.sfi.prompt_tail import prefix_hit_limit
 
                 sfi_limit = functools.partial(prefix_hit_limit, cfg.sfi)
             policy = SchedulerPolicy(cfg, sfi_capacity=sfi_admission_cap(vllm_config),

@@ -1,5 +1,5 @@
-"""CritiPrefill as the backend runs it (host plan of ``vllm_ext.critiprefill.slots`` + the per-layer path
-of ``vllm_ext.backend.critiprefill_path``), driven chunk by chunk over a paged cache, against an
+"""CritiPrefill as the backend runs it (host plan of ``vllm_ext.methods.critiprefill.slots`` + the per-layer path
+of ``vllm_ext.methods.critiprefill.path``), driven chunk by chunk over a paged cache, against an
 independent oracle: ``select_for_sequence`` on contiguous tensors + attention over explicit visible sets.
 
 Properties (docs/critiprefill.md, "Chunk boundaries change nothing"):
@@ -18,12 +18,12 @@ import torch
 from helpers import cfg as make_cfg
 from types import SimpleNamespace
 
-from vllm_ext.backend.critiprefill_path import critiprefill_prefill
-from vllm_ext.critiprefill import LayerFusion, select_for_sequence
-from vllm_ext.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
+from vllm_ext.methods.critiprefill.path import critiprefill_prefill
+from vllm_ext.methods.critiprefill import LayerFusion, select_for_sequence
+from vllm_ext.methods.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
                                          STAT_SPARSE_SEGMENTS, CritiPrefillSlots, first_sparse_segment,
                                          sparse_range)
-from vllm_ext.critiprefill.state_layout import STATE_SUFFIX, state_pages
+from vllm_ext.methods.critiprefill.state_layout import STATE_SUFFIX, state_pages
 from vllm_ext.kernels.paged_reference import attention_over
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

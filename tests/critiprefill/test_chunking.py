@@ -1,5 +1,5 @@
 """Chunk ends and prefix hits never cut a segment of the sparse range, and a prompt with one is never
-prefilled in a one-token chunk (vllm_ext.critiprefill.chunking), against a brute-force statement of
+prefilled in a one-token chunk (vllm_ext.methods.critiprefill.chunking), against a brute-force statement of
 the rules over many prompts, budgets and block sizes."""
 
 import random
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from vllm_ext.config import CritiPrefillConfig
-from vllm_ext.critiprefill.chunking import (aligned_chunk, is_critiprefill_chunk, is_critiprefill_prompt,
+from vllm_ext.methods.critiprefill.chunking import (aligned_chunk, is_critiprefill_chunk, is_critiprefill_prompt,
                                             prefix_hit_limit, sparse_range)
 
 CFG = CritiPrefillConfig(enabled=True, segment_size=64, block_size=16, budget=32, min_len=100)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import cfg
-from vllm_ext.critiprefill import (
+from vllm_ext.methods.critiprefill import (
     LayerFusion,
     candidate_mask,
     criticality_scores,
@@ -16,7 +16,7 @@ from vllm_ext.critiprefill import (
     select_blocks,
     select_for_sequence,
 )
-from vllm_ext.critiprefill.criticality import check_sizes
+from vllm_ext.methods.critiprefill.criticality import check_sizes
 
 
 def softmax(xs):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import make_batch, make_cache
-from vllm_ext.critiprefill.state_layout import state_pages
+from vllm_ext.methods.critiprefill.state_layout import state_pages
 from vllm_ext.kernels.block_representatives import block_representatives_torch
 from vllm_ext.kernels.paged_state import (
     read_state_entries,

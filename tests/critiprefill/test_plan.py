@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import cfg, make_batch
-from vllm_ext.critiprefill import (
+from vllm_ext.methods.critiprefill import (
     LayerFusion,
     build_plan,
     dense_plan,

@@ -1,4 +1,4 @@
-"""The host plan of CritiPrefill's rows (``vllm_ext.critiprefill.slots``): which rows, the sub-batch,
+"""The host plan of CritiPrefill's rows (``vllm_ext.methods.critiprefill.slots``): which rows, the sub-batch,
 the state pages each row must hold (vLLM's count) and the dense fallback without them, what each
 chunk recomputes, when the query carry is valid."""
 
@@ -10,8 +10,8 @@ import torch
 
 from helpers import cfg as make_cfg
 from vllm_ext import metrics
-from vllm_ext.critiprefill.slots import CritiPrefillSlots, first_sparse_segment, sparse_range
-from vllm_ext.critiprefill.state_layout import STATE_SUFFIX, state_pages
+from vllm_ext.methods.critiprefill.slots import CritiPrefillSlots, first_sparse_segment, sparse_range
+from vllm_ext.methods.critiprefill.state_layout import STATE_SUFFIX, state_pages
 
 GID, CARRY, PAGE = 3, 2, 16
 

@@ -1,4 +1,4 @@
-"""CritiPrefill's per-request state in vLLM's block manager (``vllm_ext.critiprefill.kv_spec``): the
+"""CritiPrefill's per-request state in vLLM's block manager (``vllm_ext.methods.critiprefill.kv_spec``): the
 spec's page format and accounting, and the manager's rule: pages only for a CritiPrefill prompt,
 grown with its chunks, given back once the prompt is computed, and on finish / abort / preemption."""
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_ext.critiprefill.state_layout import state_pages  # noqa: E402
+from vllm_ext.methods.critiprefill.state_layout import state_pages  # noqa: E402
 
 PAGE, HKV, HQ = 16, 2, 8          # G = 4 carry entries per KV head
 
@@ -18,7 +18,7 @@ def _spec(max_len=4096):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_ext.config import CritiPrefillConfig
-    from vllm_ext.critiprefill.kv_spec import state_spec_for
+    from vllm_ext.methods.critiprefill.kv_spec import state_spec_for
 
     cfg = CritiPrefillConfig(enabled=True, segment_size=64, block_size=16, budget=64, min_len=256)
     full = FullAttentionSpec(block_size=PAGE, num_kv_heads=HKV, head_size=32, dtype=torch.float32)
@@ -28,7 +28,7 @@ def _spec(max_len=4096):
 def _manager(num_blocks=64):
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_ext.critiprefill.kv_spec import CritiPrefillStateManager
+    from vllm_ext.methods.critiprefill.kv_spec import CritiPrefillStateManager
 
     _, _, spec = _spec()
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=PAGE)
@@ -60,7 +60,7 @@ def test_spec_shares_the_layer_page_format_and_is_registered():
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     import vllm_ext
-    from vllm_ext.critiprefill.kv_spec import CritiPrefillStateManager
+    from vllm_ext.methods.critiprefill.kv_spec import CritiPrefillStateManager
 
     vllm_ext.register()
     _, full, spec = _spec()
@@ -130,7 +130,7 @@ def test_admission_check_before_the_first_step_knows_the_prompt():
 
 
 def test_never_a_prefix_hit():
-    from vllm_ext.critiprefill.kv_spec import CritiPrefillStateManager
+    from vllm_ext.methods.critiprefill.kv_spec import CritiPrefillStateManager
 
     spec, pool, _ = _manager()
     blocks, hit = CritiPrefillStateManager.find_longest_cache_hit([], 1000, [1], pool, spec, False, 16)

@@ -1,5 +1,5 @@
 """As many requests at once as dense (issue 36): SFI's compact segments are blocks of vLLM's KV cache
-(``vllm_ext.sfi.kv_spec``), so under a load the KV cache limits, SPEEDSFI with SFI on runs about as
+(``vllm_ext.methods.sfi.kv_spec``), so under a load the KV cache limits, SPEEDSFI with SFI on runs about as
 many requests at once as with every method off, less exactly its compact-group blocks (compact segment + prompt-tail queries); no pool of ours
 caps it (the old default capped SFI at 32 requests). Real vLLM, CPU build, a tiny Qwen3, a small KV
 cache and 80 concurrent requests of mixed lengths, short ones included.
@@ -7,7 +7,7 @@ cache and 80 concurrent requests of mixed lengths, short ones included.
 - vLLM's start-up concurrency counts the compact blocks: ``blocks(L) / (blocks(L) + n_c)`` of dense's;
 - the most requests one step runs with SFI is at least dense's x ``ctx / (ctx + n_c * block_size)``
   (``ctx``: the requests' mean length), and above the old cap of 32;
-- only requests whose length reaches ``first_compact_len`` (earlier for a prompt long enough to select: ``vllm_ext.sfi.state_pages.first_state_len``) get compact blocks (short ones never);
+- only requests whose length reaches ``first_compact_len`` (earlier for a prompt long enough to select: ``vllm_ext.methods.sfi.state_pages.first_state_len``) get compact blocks (short ones never);
 - every request finishes with all its tokens, and request slots, compact slots and KV blocks all
   come back.
 """
@@ -77,11 +77,11 @@ def runs(tiny_models):
 
 def state_blocks() -> int:
     """Blocks of the compact group per request for the tiny Qwen3 (4 query / 2 KV heads, head 32,
-    fp32): the compact segment and the prompt-tail queries (``vllm_ext.sfi.state_pages``)."""
+    fp32): the compact segment and the prompt-tail queries (``vllm_ext.methods.sfi.state_pages``)."""
     import torch
 
     from vllm_ext.config import SfiConfig
-    from vllm_ext.sfi.state_pages import sfi_state_pages
+    from vllm_ext.methods.sfi.state_pages import sfi_state_pages
 
     pages = sfi_state_pages(SfiConfig(**SFI), block_size=BLOCK, num_kv_heads=2, head_size=32, num_heads=4,
                             cache_dtype=torch.float32, act_dtype=torch.float32)
@@ -121,7 +121,7 @@ def test_sfi_runs_as_many_requests_at_once_as_dense_less_its_blocks(runs):
 
 def test_only_requests_that_can_go_sparse_get_compact_blocks(runs):
     from vllm_ext.config import SfiConfig
-    from vllm_ext.sfi.state_pages import first_compact_len, first_state_len, tail_window
+    from vllm_ext.methods.sfi.state_pages import first_compact_len, first_state_len, tail_window
 
     _, sfi = runs
     cfg = SfiConfig(**SFI)

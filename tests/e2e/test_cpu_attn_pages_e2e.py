@@ -6,7 +6,7 @@ e2e suite) never take the ``amx`` packing, which is bf16 only."""
 import pytest
 
 from tests.e2e.engine import random_prompts, run_recorded
-from vllm_ext.sfi.step_plan import STAT_DENSE, STAT_FAST, STAT_SLOW
+from vllm_ext.methods.sfi.step_plan import STAT_DENSE, STAT_FAST, STAT_SLOW
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""CritiPrefill's per-request state is blocks of vLLM's KV cache (issue 36; ``vllm_ext.critiprefill.
+"""CritiPrefill's per-request state is blocks of vLLM's KV cache (issue 36; ``vllm_ext.methods.critiprefill.
 kv_spec``): no pool of ours caps the prompts in a sparse prefill (the old default was 4). Real vLLM,
 CPU build, a tiny Qwen3 (2 layers, both sparse), a small KV cache and 16 prompts at once, a quarter
 too short for CritiPrefill.
@@ -80,7 +80,7 @@ def runs(tiny_models):
 
 
 def test_startup_concurrency_counts_the_state_pages(runs):
-    from vllm_ext.critiprefill.state_layout import state_pages
+    from vllm_ext.methods.critiprefill.state_layout import state_pages
 
     dense, cp = runs
     names = [type(s).__name__ for s in cp["specs"]]
@@ -104,7 +104,7 @@ def test_more_than_four_prompts_prefill_sparsely_at_once(runs):
 
 def test_only_critiprefill_prompts_get_state_pages_and_give_them_back(runs):
     from vllm_ext.config import CritiPrefillConfig
-    from vllm_ext.critiprefill.chunking import is_critiprefill_prompt
+    from vllm_ext.methods.critiprefill.chunking import is_critiprefill_prompt
 
     _, cp = runs
     c = cp["counts"]

@@ -26,7 +26,7 @@ SPEED = {"enabled": True, "l_cut": 3}
 MAX_TOKENS = 96
 # 8 prompts of 300-700 tokens with 96 tokens out: about 500 blocks of 32 tokens over the four layers'
 # groups at once (SPEED: three lower layers + the upper layer's anchor blocks), plus SFI's compact blocks
-# (3 per SFI request and lower layer: vllm_ext.sfi.kv_spec) and the copy trigger's token history (on by
+# (3 per SFI request and lower layer: vllm_ext.methods.sfi.kv_spec) and the copy trigger's token history (on by
 # default: one block per request here, SFI-off requests included). 230 blocks hold two or three of
 # them, and a 1,024-token request alone (vLLM checks that at start-up); with it vLLM preempts requests
 # of both kinds. Which ones depends on the block count (2026-11-27, CPU build): 210 and 220 preempt

@@ -1,4 +1,4 @@
-"""Quest's page bounds are blocks of vLLM's KV cache (issue 36; ``vllm_ext.sfi.quest_kv_spec``): no
+"""Quest's page bounds are blocks of vLLM's KV cache (issue 36; ``vllm_ext.methods.sfi.quest_kv_spec``): no
 bounds table sized by the request capacity at start-up. Real vLLM, CPU build, a tiny Qwen3, a small
 KV cache and 40 requests at once, a third too short for SFI.
 
@@ -76,7 +76,7 @@ def run(tiny_models):
 
 
 def test_startup_concurrency_counts_the_bound_pages(run):
-    from vllm_ext.sfi.quest_tables import quest_blocks
+    from vllm_ext.methods.sfi.quest_tables import quest_blocks
 
     names = [type(s).__name__ for s in run["specs"]]
     # refresh 4 leaves fast steps: the copy trigger (on by default) adds its token history's group
@@ -101,7 +101,7 @@ def test_quest_decodes_sparsely_holding_its_bound_pages(run):
 
 def test_only_requests_reaching_the_first_length_get_bound_pages(run):
     from vllm_ext.config import SfiConfig
-    from vllm_ext.sfi.state_pages import first_compact_len
+    from vllm_ext.methods.sfi.state_pages import first_compact_len
 
     c = run["counts"]
     first = first_compact_len(SfiConfig(**QUEST))

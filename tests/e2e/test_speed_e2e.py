@@ -53,7 +53,7 @@ def test_capacity_in_vllms_accounting(speed_models):
     llm = _speed_engine(model)
     mgr, cache = _engine_state(llm)
     groups = mgr.kv_cache_config.kv_cache_groups
-    from vllm_ext.speed.kv_spec import SpeedUpperSpec
+    from vllm_ext.methods.speed.kv_spec import SpeedUpperSpec
 
     upper = [g for g in groups if isinstance(g.kv_cache_spec, SpeedUpperSpec)]
     assert len(upper) == 1 and len(groups) == LAYERS        # 3 lower groups of 1 layer + 1 upper
@@ -129,7 +129,7 @@ def test_speed_equals_the_visibility_reference(speed_models, arch):
 def test_masked_upper_stack_without_token_dropping_is_the_same(speed_models, monkeypatch):
     """Where the model is compiled, prompt tokens run the upper layers with SPEED's masking
     (the fallback): the same tokens as with the skip."""
-    from vllm_ext.speed import upper_stack
+    from vllm_ext.methods.speed import upper_stack
 
     monkeypatch.setattr(upper_stack, "_current_plan", lambda: None)
     model = speed_models["qwen3"]
@@ -162,7 +162,7 @@ def test_speed_with_sfi_runs_sfi_in_the_lower_layers(speed_models):
     cfg = {"speedsfi": {"speed": {"enabled": True, "l_cut": L_CUT}, "sfi": sfi}}
     with engine(model, "SPEEDSFI", additional_config=cfg, enable_prefix_caching=False) as llm:
         from vllm_ext.runner_hooks import table_of
-        from vllm_ext.sfi.step_plan import STAT_FAST
+        from vllm_ext.methods.sfi.step_plan import STAT_FAST
 
         table = table_of(model_runner(llm))
         tokens = greedy(llm, PROMPTS, max_tokens=24)

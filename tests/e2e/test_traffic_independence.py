@@ -7,7 +7,7 @@ import pytest
 
 from tests.e2e.engine import engine, greedy, model_runner, random_prompts
 from vllm_ext.runner_hooks import table_of
-from vllm_ext.sfi.step_plan import STAT_FAST, STAT_PREFILL_END
+from vllm_ext.methods.sfi.step_plan import STAT_FAST, STAT_PREFILL_END
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -142,7 +142,7 @@ def page_compact(compact_kv: torch.Tensor, block_size: int, seed: int = 0,
     table [S, ceil(C / block_size)] int32)``, the slots' blocks scattered over the pool in random
     order, block 0 (vLLM's null block) and spare blocks left with garbage. As inside vLLM, the table
     is the leading columns of a wider per-slot row whose other ``state_columns`` blocks hold SFI's
-    other per-request state (``vllm_ext.sfi.state_pages``: kept positions, prompt-tail queries),
+    other per-request state (``vllm_ext.methods.sfi.state_pages``: kept positions, prompt-tail queries),
     here garbage: a view whose row stride is not its width."""
     gen = torch.Generator().manual_seed(seed)
     s, hkv, cap, c2 = compact_kv.shape

@@ -17,15 +17,15 @@ import torch
 
 from vllm_ext.backend.kernel_warmup import (DECODE_BATCHES, WarmupShape, synthetic_decode_plan,
                                             warm_up_paged_decode, warm_up_sfi_layer)
-from vllm_ext.backend.sfi_path import sfi_decode, sfi_prefill_end
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime, shared_dense_workspace
+from vllm_ext.methods.sfi.path import sfi_decode, sfi_prefill_end
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime, shared_dense_workspace
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import launch_log
 from vllm_ext.kernels.dense_decode_evidence import paged_decode
 from vllm_ext.kernels.triton_utils import use_triton
-from vllm_ext.sfi.prompt_tail import TailRow, plan_prompt_tail
-from vllm_ext.sfi.quest_tables import quest_blocks
-from vllm_ext.sfi.step_plan import SfiPlanBuffers
+from vllm_ext.methods.sfi.prompt_tail import TailRow, plan_prompt_tail
+from vllm_ext.methods.sfi.quest_tables import quest_blocks
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
 
 pytestmark = pytest.mark.skipif(not use_triton(torch.device("cpu")) and not torch.cuda.is_available(),
                                 reason="no Triton (neither CUDA nor the interpreter)")
@@ -109,7 +109,7 @@ def _bind_runner_table(layer, compact, gen):
     ids = torch.randint(1, compact.shape[0], ((CAP + 1) * width,), generator=gen, dtype=torch.int32)
     layer.bind_pages(compact, ids.view(CAP + 1, width).to(DEV))
     if layer.cfg.selector == "quest":
-        # the Quest group's per-slot table (vllm_ext.sfi.quest_tables): as wide as a max_len request's
+        # the Quest group's per-slot table (vllm_ext.methods.sfi.quest_tables): as wide as a max_len request's
         # bound pages; the pages share the KV tensor with the compact layer, as inside vLLM
         width = quest_blocks(MAX_LEN, layer.cfg.page_size, compact.shape[2])
         ids = torch.randint(1, compact.shape[0], ((CAP + 1) * width,), generator=gen, dtype=torch.int32)
@@ -141,7 +141,7 @@ def _real_steps(kv, bt, gen, CFG=CFG, compact=None):
         if CFG.selector == "quest":
             from types import SimpleNamespace
 
-            from vllm_ext.backend.sfi_path import quest_prefill_pages
+            from vllm_ext.methods.sfi.path import quest_prefill_pages
 
             for n in (1, 2, 3):
                 lens = [rng.randrange(1, MAX_LEN) for _ in range(n)]
@@ -280,7 +280,7 @@ def test_warmup_reaches_speed_upper_layer_keys():
         warm_up_speed_layer(kv_cache=kv, num_heads=HQ, head_size=D, scale=SCALE, dtype=torch.float32,
                             shape=SHAPE, anchor_end=1, self_only=False)
     warm = launch_log.keys(log)
-    from vllm_ext.speed.visibility import SpeedPlanBuffers, plan_upper_step
+    from vllm_ext.methods.speed.visibility import SpeedPlanBuffers, plan_upper_step
 
     buffers = SpeedPlanBuffers(MAX_ROWS, 256, DEV)
     with launch_log.record() as log:
@@ -317,7 +317,7 @@ def test_the_launch_log_hooks_every_kernel_module():
 
 # ---------------------------------------------------------------- the copy trigger (sfi.copy_ngram)
 # on by default: its record and match kernels run once per step (the step plan, not a layer), over
-# the token history in a history cache layer's pages (vllm_ext.sfi.history_slots)
+# the token history in a history cache layer's pages (vllm_ext.methods.sfi.history_slots)
 HIST_E, HIST_BLOCKS, HIST_MAX_LEN = 2 * 16 * 8, 40, 1000         # pages [H 2, block 16, C 8] fp32
 
 
@@ -326,7 +326,7 @@ def _copy_table(copy_once: bool = True, cap: int = CAP, max_reqs: int = 6):
 
     from vllm_ext.backend.request_table import EngineRequestTable
     from vllm_ext.config import SpeedSfiConfig
-    from vllm_ext.sfi.history_slots import HISTORY_SUFFIX
+    from vllm_ext.methods.sfi.history_slots import HISTORY_SUFFIX
 
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 24, "k_min": 4, "n_sink": 4, "n_recent": 16,
                                             "w_prefill": 8, "dual_stream": False, "copy_once": copy_once}})

@@ -10,7 +10,7 @@ from kernel_testlib import DEVICE, assert_close_out, make_block_table, make_kv_c
 
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.kernels.speed_attention import speed_attention, speed_attention_torch
-from vllm_ext.speed.visibility import visible_mask
+from vllm_ext.methods.speed.visibility import visible_mask
 
 # (prompt_len, first query position, number of queries): a final prefill chunk reaching P - 1, a
 # whole prompt, decode rows, a chunk of interior prompt tokens only, a one-token prompt

@@ -1,4 +1,4 @@
-"""SFI's compact segments in vLLM's block manager (``vllm_ext.sfi.kv_spec``): the spec's page format
+"""SFI's compact segments in vLLM's block manager (``vllm_ext.methods.sfi.kv_spec``): the spec's page format
 and accounting, the manager's allocation rule, and the vLLM 0.32 internals both rely on (they fail
 loudly here when those move)."""
 
@@ -18,7 +18,7 @@ def _specs(k=60, n_sink=4, block=16):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_ext.config import SfiConfig
-    from vllm_ext.sfi.kv_spec import compact_spec_for
+    from vllm_ext.methods.sfi.kv_spec import compact_spec_for
 
     cfg = SfiConfig(enabled=True, k=k, n_sink=n_sink, n_recent=32, k_min=8)
     full = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32)
@@ -31,7 +31,7 @@ def test_spec_shares_the_layer_page_format_and_is_registered():
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     import vllm_ext
-    from vllm_ext.sfi.kv_spec import SfiCompactManager
+    from vllm_ext.methods.sfi.kv_spec import SfiCompactManager
 
     vllm_ext.register()
     cfg, full, spec = _specs()
@@ -57,7 +57,7 @@ def test_spec_shares_the_layer_page_format_and_is_registered():
 def test_manager_gives_the_blocks_once_the_request_can_go_sparse_and_frees_them():
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_ext.sfi.kv_spec import SfiCompactManager
+    from vllm_ext.methods.sfi.kv_spec import SfiCompactManager
 
     _, _, spec = _specs()
     pool = BlockPool(num_gpu_blocks=32, enable_caching=False, hash_block_size=16)
@@ -102,7 +102,7 @@ def test_state_pages_of_the_preset():
     import torch
 
     from vllm_ext.config import SfiConfig
-    from vllm_ext.sfi.state_pages import first_compact_len, first_state_len, sfi_state_pages, tail_window
+    from vllm_ext.methods.sfi.state_pages import first_compact_len, first_state_len, sfi_state_pages, tail_window
 
     preset = dataclasses.replace(SfiConfig(), enabled=True, k=1024, n_sink=4, n_recent=128,
                                  keep_prefill=512)
@@ -128,9 +128,9 @@ def test_the_runner_facts_the_hooks_read():
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.worker.block_table import BlockTable, MultiGroupBlockTable
 
-    from vllm_ext.backend.sfi_compact import SfiCompactCache
+    from vllm_ext.method_cache_layer import MethodCacheLayer
 
-    assert issubclass(SfiCompactCache, AttentionLayerBase)
+    assert issubclass(MethodCacheLayer, AttentionLayerBase)
     for name in ("num_blocks_per_row", "get_device_tensor", "add_row", "append_row", "clear_row"):
         assert name in inspect.getsource(BlockTable), name
     assert "__getitem__" in vars(MultiGroupBlockTable)

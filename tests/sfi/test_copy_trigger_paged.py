@@ -1,4 +1,4 @@
-"""``sfi.copy_ngram`` with the token history in KV-cache pages (``vllm_ext.sfi.history_slots``), through
+"""``sfi.copy_ngram`` with the token history in KV-cache pages (``vllm_ext.methods.sfi.history_slots``), through
 the engine's request table (no vLLM): the history group binds like vLLM's (``runner_hooks.
 method_kv_groups``: blocks per request, layer names, spec, page memory), each step brings the
 request's block-table row and block count (``StepState.group_tables``). The paged run decides every
@@ -16,7 +16,7 @@ import torch
 from vllm_ext import metrics
 from vllm_ext.backend.request_table import EngineRequestTable
 from vllm_ext.config import SpeedSfiConfig
-from vllm_ext.sfi.history_slots import HISTORY_SUFFIX
+from vllm_ext.methods.sfi.history_slots import HISTORY_SUFFIX
 
 from tests.sfi.test_copy_trigger import ANSWER, K, M, N_RECENT, N_SINK, PROMPT, VALUE, reference_copy
 

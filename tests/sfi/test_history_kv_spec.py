@@ -1,4 +1,4 @@
-"""SFI's copy-trigger token history in vLLM's block manager (``vllm_ext.sfi.history_kv_spec``): the
+"""SFI's copy-trigger token history in vLLM's block manager (``vllm_ext.methods.sfi.history_kv_spec``): the
 spec's page format and block counts, its group beside the attention and compact layers and its share
 of vLLM's "Maximum concurrency", and the manager's rule: ``cdiv(t, E)`` pages from the first chunk,
 grown with the request, freed on finish / abort / preemption, never a prefix hit or cached."""
@@ -23,7 +23,7 @@ def _full(**kw):
 
 
 def _spec(max_len=4096, **kw):
-    from vllm_ext.sfi.history_kv_spec import history_spec_for
+    from vllm_ext.methods.sfi.history_kv_spec import history_spec_for
 
     return history_spec_for(_full(**kw), max_len=max_len)
 
@@ -31,7 +31,7 @@ def _spec(max_len=4096, **kw):
 def _manager(num_blocks=64, max_len=4096):
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_ext.sfi.history_kv_spec import SfiHistoryManager
+    from vllm_ext.methods.sfi.history_kv_spec import SfiHistoryManager
 
     spec = _spec(max_len)
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=BLOCK)
@@ -54,7 +54,7 @@ def test_spec_shares_the_layer_page_format_and_is_registered():
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     import vllm_ext
-    from vllm_ext.sfi.history_kv_spec import SfiHistoryManager
+    from vllm_ext.methods.sfi.history_kv_spec import SfiHistoryManager
 
     vllm_ext.register()
     spec = _spec()
@@ -90,7 +90,7 @@ def test_qwen3_4b_preset_cost():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_ext.sfi.history_kv_spec import history_spec_for
+    from vllm_ext.methods.sfi.history_kv_spec import history_spec_for
 
     qwen = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     spec = history_spec_for(qwen, max_len=131072)
@@ -107,7 +107,7 @@ def test_its_own_group_beside_the_attention_and_compact_layers_and_its_share_of_
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from vllm_ext.config import SfiConfig
-    from vllm_ext.sfi.kv_spec import compact_spec_for
+    from vllm_ext.methods.sfi.kv_spec import compact_spec_for
 
     max_len, layers = 4096, 4
     cfg = SfiConfig(enabled=True, k=60, n_sink=4, n_recent=32, k_min=8, copy_ngram=3)
@@ -157,7 +157,7 @@ def test_first_pages_are_counted_once_per_request():
 
 
 def test_never_a_prefix_hit_never_cached():
-    from vllm_ext.sfi.history_kv_spec import SfiHistoryManager
+    from vllm_ext.methods.sfi.history_kv_spec import SfiHistoryManager
 
     spec, pool, mgr = _manager()
     blocks, hit = SfiHistoryManager.find_longest_cache_hit([], 1000, [2], pool, spec, False, BLOCK)

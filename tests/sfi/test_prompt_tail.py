@@ -1,4 +1,4 @@
-"""The prompt tail (``vllm_ext.sfi.prompt_tail``): the prefill-end evidence window spans prefill chunks.
+"""The prompt tail (``vllm_ext.methods.sfi.prompt_tail``): the prefill-end evidence window spans prefill chunks.
 
 Whatever the chunking of a prompt (and whatever else shares the steps' batches), the queries of its
 last ``w_prefill`` positions reach the per-layer buffer exactly once, the prefill end fires once, in
@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_ext.backend.sfi_path import sfi_prefill_end
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.path import sfi_prefill_end
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.dense_decode_evidence import prefill_evidence
-from vllm_ext.sfi.prompt_tail import TailRow, plan_prompt_tail, prefix_hit_limit
+from vllm_ext.methods.sfi.prompt_tail import TailRow, plan_prompt_tail, prefix_hit_limit
 
 CFG = SfiConfig(enabled=True, k=16, k_min=4, n_sink=4, n_recent=16, w_prefill=16)
 HKV, G, D, BS = 2, 2, 32, 16
@@ -261,7 +261,7 @@ def test_a_chunk_without_its_blocks_writes_no_tail_and_its_end_makes_no_selectio
 
     from vllm_ext import metrics
     from vllm_ext.config import SpeedSfiConfig
-    from vllm_ext.sfi.slot_tables import SfiSlotTables
+    from vllm_ext.methods.sfi.slot_tables import SfiSlotTables
 
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 16, "k_min": 4, "n_sink": 4,
                                             "n_recent": 16, "w_prefill": 16}})

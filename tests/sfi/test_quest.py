@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
-from vllm_ext.backend.sfi_path import quest_page_update, quest_prefill_pages, sfi_decode
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.path import quest_page_update, quest_prefill_pages, sfi_decode
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.block_representatives import block_representatives_torch
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
@@ -28,8 +28,8 @@ from vllm_ext.kernels.quest_pages import (quest_page_evidence_torch, quest_page_
                                           quest_selector_config, read_page_bounds)
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
 from vllm_ext.kernels import sfi_selector_torch as torch_selector
-from vllm_ext.sfi.slot_tables import QuestPrefillPages
-from vllm_ext.sfi.step_plan import SfiPlanBuffers, write_plan
+from vllm_ext.methods.sfi.slot_tables import QuestPrefillPages
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 
 HKV, D, BS = 2, 16, 16          # BS: the paged cache's block size (independent of the Quest page)
 
@@ -268,7 +268,7 @@ def test_resumed_request_recomputing_generated_tokens_writes_its_pages():
     import numpy as np
 
     from vllm_ext.config import SpeedSfiConfig
-    from vllm_ext.sfi.slot_tables import SfiSlotTables
+    from vllm_ext.methods.sfi.slot_tables import SfiSlotTables
 
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "selector": "quest", "page_size": 8, "k": 32,
                                             "k_min": 4, "n_recent": 8}})
@@ -299,7 +299,7 @@ def test_fresh_slot_over_a_cached_context_writes_every_page(kernels):
     import numpy as np
 
     from vllm_ext.config import SpeedSfiConfig
-    from vllm_ext.sfi.slot_tables import SfiSlotTables
+    from vllm_ext.methods.sfi.slot_tables import SfiSlotTables
 
     if kernels == "triton" and not (HAS_TRITON and use_triton(torch.device("cpu"))):
         pytest.skip("the Triton form runs on CPU tensors under the interpreter (CI); on a GPU machine the "
@@ -351,7 +351,7 @@ def test_kept_prefill_tokens_stay_and_pages_fill_the_rest(kernels):
     fill the other ``k - P`` tokens among the positions not kept, in the same step."""
     import dataclasses
 
-    from vllm_ext.backend.sfi_path import _prefill_end_select
+    from vllm_ext.methods.sfi.path import _prefill_end_select
 
     if kernels == "triton" and not (HAS_TRITON and use_triton(torch.device("cpu"))):
         pytest.skip("needs the Triton interpreter")

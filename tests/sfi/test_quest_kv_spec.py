@@ -1,5 +1,5 @@
-"""Quest's page bounds in vLLM's block manager (``vllm_ext.sfi.quest_kv_spec``) and as the worker
-sees them (``vllm_ext.sfi.quest_tables``): the spec's page format and block counts, what "Maximum
+"""Quest's page bounds in vLLM's block manager (``vllm_ext.methods.sfi.quest_kv_spec``) and as the worker
+sees them (``vllm_ext.methods.sfi.quest_tables``): the spec's page format and block counts, what "Maximum
 concurrency" counts, the manager's growth / free / no prefix caching, and the per-step check that
 keeps a row without its blocks off its stale table entries."""
 
@@ -23,14 +23,14 @@ def _cfg(**kw):
 def _spec(max_len=1000, block=BLOCK):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_ext.sfi.quest_kv_spec import quest_spec_for
+    from vllm_ext.methods.sfi.quest_kv_spec import quest_spec_for
 
     full = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32)
     return full, quest_spec_for(full, _cfg(), max_len=max_len)
 
 
 def test_quest_blocks_is_one_entry_per_page():
-    from vllm_ext.sfi.quest_tables import quest_blocks
+    from vllm_ext.methods.sfi.quest_tables import quest_blocks
 
     for t in (1, 7, 8, 9, 127, 128, 129, 1000, 4096, 131072):
         pages = -(-t // 8)
@@ -47,9 +47,9 @@ def test_spec_shares_the_layer_page_format_and_counts_a_max_len_request():
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     import vllm_ext
-    from vllm_ext.sfi.kv_spec import compact_spec_for
-    from vllm_ext.sfi.quest_kv_spec import SfiQuestPagesManager
-    from vllm_ext.sfi.state_pages import first_compact_len
+    from vllm_ext.methods.sfi.kv_spec import compact_spec_for
+    from vllm_ext.methods.sfi.quest_kv_spec import SfiQuestPagesManager
+    from vllm_ext.methods.sfi.state_pages import first_compact_len
 
     vllm_ext.register()
     full, spec = _spec()
@@ -74,7 +74,7 @@ def test_max_concurrency_counts_the_bound_pages():
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    from vllm_ext.sfi.kv_spec import compact_spec_for
+    from vllm_ext.methods.sfi.kv_spec import compact_spec_for
 
     full, spec = _spec(max_len=1000)
     compact = compact_spec_for(full, _cfg())
@@ -100,7 +100,7 @@ def test_max_concurrency_counts_the_bound_pages():
 def _manager(num_blocks=64):
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_ext.sfi.quest_kv_spec import SfiQuestPagesManager
+    from vllm_ext.methods.sfi.quest_kv_spec import SfiQuestPagesManager
 
     _, spec = _spec()
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=BLOCK)
@@ -143,7 +143,7 @@ def test_manager_grows_from_the_first_length_and_frees():
 # ------------------------------------------------------------------------ the worker's tables
 def _tables(cfg=None, groups=True):
     from vllm_ext.config import SpeedSfiConfig
-    from vllm_ext.sfi.slot_tables import SfiSlotTables
+    from vllm_ext.methods.sfi.slot_tables import SfiSlotTables
 
     full = SpeedSfiConfig(sfi=cfg or _cfg())
     t = SfiSlotTables(4, 4, 4, full, None, torch.device("cpu"), max_model_len=1000)

@@ -22,8 +22,8 @@ import torch
 from tests.kernel_choice import torch_kernels
 from tests.sfi.test_quest import (D, DENSE, FAST, HKV, PAD, SLOW, bound_pages, make_cache, page_reps,
                                   quest_plan)
-from vllm_ext.backend.sfi_path import quest_page_update, quest_prefill_pages, sfi_decode
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.path import quest_page_update, quest_prefill_pages, sfi_decode
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import sfi_selector_torch as torch_selector
 from vllm_ext.kernels.block_representatives import block_representatives_torch
@@ -34,8 +34,8 @@ from vllm_ext.kernels.paged_state import (update_block_representatives_paged_fro
 from vllm_ext.kernels.quest_pages import (quest_page_evidence_torch, quest_page_evidence_triton,
                                           quest_selector_config, read_page_bounds)
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
-from vllm_ext.sfi.quest_tables import QuestPrefillPages, quest_blocks
-from vllm_ext.sfi.step_plan import SfiPlanBuffers
+from vllm_ext.methods.sfi.quest_tables import QuestPrefillPages, quest_blocks
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
 
 TRITON = HAS_TRITON and use_triton(torch.device("cpu"))
 needs_triton = pytest.mark.skipif(not TRITON, reason="needs the Triton interpreter (CPU) or CUDA")

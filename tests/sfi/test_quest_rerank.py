@@ -23,14 +23,14 @@ import torch
 
 from tests.kernel_choice import torch_kernels
 from tests.sfi.test_quest import D, DENSE, FAST, HKV, PAD, SLOW, brute_quest, make_cache, quest_plan
-from vllm_ext.backend.sfi_path import quest_prefill_pages, sfi_decode
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.path import quest_prefill_pages, sfi_decode
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import ConfigError, SfiConfig
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.kernels.quest_rerank import quest_candidate_evidence_torch, quest_candidate_evidence_triton
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
-from vllm_ext.sfi.slot_tables import QuestPrefillPages
-from vllm_ext.sfi.step_plan import SfiPlanBuffers
+from vllm_ext.methods.sfi.slot_tables import QuestPrefillPages
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
 
 INTERPRETER = HAS_TRITON and use_triton(torch.device("cpu"))
 

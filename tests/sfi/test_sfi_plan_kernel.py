@@ -1,5 +1,5 @@
 """The one-launch Triton step plan (``vllm_ext.kernels.sfi_plan``) against its PyTorch twin
-(``vllm_ext.sfi.step_plan.plan_step``): every plan buffer, the per-slot schedule state and the
+(``vllm_ext.methods.sfi.step_plan.plan_step``): every plan buffer, the per-slot schedule state and the
 counters agree step after step, for every schedule, with padded rows, prefill rows, SFI-off rows and
 rows without a compact slot."""
 
@@ -9,7 +9,7 @@ import torch
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.sfi_plan import plan_step_triton
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
-from vllm_ext.sfi.step_plan import NUM_STATS, SfiPlanBuffers, plan_step
+from vllm_ext.methods.sfi.step_plan import NUM_STATS, SfiPlanBuffers, plan_step
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and use_triton(DEVICE)),

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from vllm_ext.sfi.schedule import (allowed_range, decide_slow, dense_threshold, is_exactly_dense, is_trigger,
+from vllm_ext.methods.sfi.schedule import (allowed_range, decide_slow, dense_threshold, is_exactly_dense, is_trigger,
                                    mark_selected, reset_slots)
 
 T = 7                                   # the trigger token of these streams
@@ -20,7 +20,7 @@ def lut(device="cpu"):
 
 
 class Oracle:
-    """The rules of vllm_ext.sfi.schedule, one slot at a time in plain Python."""
+    """The rules of vllm_ext.methods.sfi.schedule, one slot at a time in plain Python."""
 
     def __init__(self, schedule="boundary", refresh=4, min_gap=0, warmup=False):
         self.schedule, self.refresh, self.min_gap, self.warmup = schedule, refresh, min_gap, warmup
@@ -143,7 +143,7 @@ def test_refresh_warmup_doubles_the_budget_up_to_refresh():
 
 def test_refresh_warmup_starts_again_for_a_reused_slot():
     from vllm_ext.config import SpeedSfiConfig
-    from vllm_ext.sfi.slot_tables import SfiSlotTables
+    from vllm_ext.methods.sfi.slot_tables import SfiSlotTables
 
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 64, "refresh_warmup": True}})
     tables = SfiSlotTables(3, 2, 2, cfg, None, torch.device("cpu"), max_model_len=1024)
@@ -242,7 +242,7 @@ ENDERS, SPACES = (T, 9, NL), (NL, SP)
 
 
 def bits_lut(device="cpu"):
-    from vllm_ext.sfi.triggers import trigger_lut as build
+    from vllm_ext.methods.sfi.triggers import trigger_lut as build
 
     return build(ENDERS, VOCAB, device, whitespace_ids=SPACES)
 

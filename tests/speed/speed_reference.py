@@ -1,13 +1,13 @@
 """An independent reference of SPEED's visibility rule: the Hugging Face model (eager attention)
 with a per-layer additive mask, greedy decoding by full recomputation. Lower layers are causal;
-upper layers follow :func:`vllm_ext.speed.visibility.visible_mask` (interior prompt queries see
+upper layers follow :func:`vllm_ext.methods.speed.visibility.visible_mask` (interior prompt queries see
 themselves here, to stay finite; their upper-layer output is never used)."""
 
 from __future__ import annotations
 
 import torch
 
-from vllm_ext.speed.visibility import visible_mask
+from vllm_ext.methods.speed.visibility import visible_mask
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ def _manager(num_blocks: int = 200):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from vllm_ext.speed.kv_spec import SpeedUpperSpec
+    from vllm_ext.methods.speed.kv_spec import SpeedUpperSpec
 
     vllm_ext.register()
     shape = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ext.speed.visibility import (SpeedPlanBuffers, host_token_counts, plan_upper_step,
+from vllm_ext.methods.speed.visibility import (SpeedPlanBuffers, host_token_counts, plan_upper_step,
                                        visible_mask)
 
 
@@ -60,7 +60,7 @@ def test_plan_matches_host_reference(anchor_end):
 
 @pytest.mark.parametrize("anchor_end", [1, 0])
 def test_kept_token_index_matches_the_rule(anchor_end):
-    from vllm_ext.speed.visibility import kept_token_index
+    from vllm_ext.methods.speed.visibility import kept_token_index
 
     rng = np.random.default_rng(0)
     for _ in range(50):

@@ -16,7 +16,7 @@ def test_kv_spec_registry_and_manager_api():
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     import vllm_ext
-    from vllm_ext.speed.kv_spec import SpeedUpperManager, SpeedUpperSpec
+    from vllm_ext.methods.speed.kv_spec import SpeedUpperManager, SpeedUpperSpec
 
     vllm_ext.register()
     # built-ins register only into an empty registry: ours must not have pre-empted them

@@ -13,8 +13,8 @@ Dense path (every method off, and whatever a method leaves dense):
 Both write K/V themselves (``forward_includes_kv_cache_update``) and read the cache through strides.
 
 SFI (``speedsfi.sfi.enabled``): decode rows follow the step plan (dense / slow / fast, decided on the
-device, ``vllm_ext.sfi.step_plan``); ending prefills make the first selection; see
-``vllm_ext.backend.sfi_path``. On CUDA a pure-decode step runs only our kernels, the same launches
+device, ``vllm_ext.methods.sfi.step_plan``); ending prefills make the first selection; see
+``vllm_ext.methods.sfi.path``. On CUDA a pure-decode step runs only our kernels, the same launches
 whatever the rows decide, so vLLM captures it in a FULL CUDA graph. A step with prefills (piecewise)
 computes every row once: the decode rows (first in vLLM's batch) go entirely through SFI's path,
 dense ones through our ``paged_decode``, and the delegate attends only the prefill rows, from its
@@ -27,8 +27,8 @@ SFI on; with every method off the delegate, or ``paged_decode`` when asked (SFI'
 dense reference: then decode rows run as under SFI, prefill rows through the delegate).
 
 CritiPrefill (``speedsfi.critiprefill.enabled``): in each sparse layer the step's CritiPrefill
-sub-batch (prefill chunks of long prompts, host-planned by ``vllm_ext.critiprefill.slots``) attends
-block-sparsely (``vllm_ext.backend.critiprefill_path``); the rows before it take the dense path (on
+sub-batch (prefill chunks of long prompts, host-planned by ``vllm_ext.methods.critiprefill.slots``) attends
+block-sparsely (``vllm_ext.methods.critiprefill.path``); the rows before it take the dense path (on
 CUDA the delegate, with its metadata cut to those rows). Decode rows are never affected.
 """
 
@@ -106,7 +106,7 @@ class SpeedSfiImpl(AttentionImpl):
         if self.config.critiprefill.enabled:
             self._register_critiprefill_state()
         if self._ours_decode and not self._sfi_capacity and self._dense is not None:
-            from vllm_ext.backend.sfi_runtime import shared_dense_workspace
+            from vllm_ext.methods.sfi.runtime import shared_dense_workspace
 
             self._dense_ws = shared_dense_workspace(max_rows=self._max_rows, num_heads=self.num_heads,
                                                     num_kv_heads=self.num_kv_heads,
@@ -114,7 +114,7 @@ class SpeedSfiImpl(AttentionImpl):
                                                     device=_device())
         if self._sfi_capacity:
             self._register_compact_cache()
-            from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, shared_runtime
+            from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, shared_runtime
 
             device = _device()
             self._sfi_layer = SfiLayerBuffers(self._sfi_capacity, self.num_kv_heads, self.config.sfi,
@@ -160,11 +160,11 @@ class SpeedSfiImpl(AttentionImpl):
 
     def _register_compact_cache(self) -> bool:
         """Register this layer's SFI compact cache in the forward context, so that vLLM pages its
-        compact segments (``vllm_ext.backend.sfi_compact``); none for a layer that never decodes
+        compact segments (``vllm_ext.methods.sfi.caches``); none for a layer that never decodes
         sparsely (a SPEED upper layer). Returns whether it has one."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-        from vllm_ext.backend.sfi_compact import register_compact_layer
+        from vllm_ext.methods.sfi.caches import register_compact_layer
 
         name = self._own_layer_name()
         if name is None:
@@ -174,26 +174,26 @@ class SpeedSfiImpl(AttentionImpl):
         self._compact = register_compact_layer(self._forward_context, name, self.config.sfi)
         if self.config.sfi.resolved_copy_ngram:
             # the copy trigger's token history: one history layer beside each compact layer
-            # (vllm_ext.backend.sfi_history), the same group pattern
-            from vllm_ext.backend.sfi_history import register_history_layer
+            # (vllm_ext.methods.sfi.caches), the same group pattern
+            from vllm_ext.methods.sfi.caches import register_history_layer
 
             register_history_layer(self._forward_context, name, max_len=self._max_len)
         if self.config.sfi.selector == "quest":
-            from vllm_ext.backend.sfi_quest_cache import register_quest_layer
+            from vllm_ext.methods.sfi.caches import register_quest_layer
 
             self._quest = register_quest_layer(self._forward_context, name, self.config.sfi)
         return True
 
     def _register_critiprefill_state(self) -> None:
         """Register this layer's CritiPrefill state cache in the forward context, so that vLLM pages
-        each prompt's state (``vllm_ext.backend.critiprefill_state``). Every layer below SPEED's cut
+        each prompt's state (``vllm_ext.methods.critiprefill.state_cache``). Every layer below SPEED's cut
         has one, its dense layers included (their pages are never read): the state layers then
         match the attention layers (and SFI's compact layers) one for one, so vLLM keeps one group
         pattern for all; fewer state layers would split the attention layers into groups of their
         own block tables. A SPEED upper layer has none."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-        from vllm_ext.backend.critiprefill_state import register_state_layer
+        from vllm_ext.methods.critiprefill.state_cache import register_state_layer
 
         name = self._own_layer_name()
         if name is None:
@@ -220,7 +220,7 @@ class SpeedSfiImpl(AttentionImpl):
         if sfi is not None and self._compact is not None:
             # the compact segments, kept positions and prompt-tail queries: this layer's pages of
             # SFI's KV-cache group, through the group's per-slot block table (the runner hooks bound
-            # it: vllm_ext.sfi.slot_tables)
+            # it: vllm_ext.methods.sfi.slot_tables)
             self._sfi_layer.bind_pages(self._compact.kv_cache,
                                        md.step.table.sfi.compact_table_of_layer[layer.layer_name])
         if sfi is not None and self._quest is not None:
@@ -297,7 +297,7 @@ class SpeedSfiImpl(AttentionImpl):
         ``dense_done``: the dense path already wrote the dense rows; ``slow_done`` (the CPU build):
         and the slow rows."""
         if sfi is not None:
-            from vllm_ext.backend.sfi_path import sfi_decode
+            from vllm_ext.methods.sfi.path import sfi_decode
 
             sfi_decode(query[:rows], kv_cache, md.block_table[:rows], md.seq_lens[:rows], sfi,
                        self.config.sfi, self._sfi_layer, self._sfi_rt, self._layer_index, self.scale,
@@ -317,7 +317,7 @@ class SpeedSfiImpl(AttentionImpl):
 
     def _prefill_attention(self, layer, query, key, value, kv_cache, md, output, skip_rows=None):
         """Every row's attention as the dense path gives it, except the rows of the step's
-        CritiPrefill sub-batch in a sparse layer (``vllm_ext.backend.critiprefill_path``): the rows
+        CritiPrefill sub-batch in a sparse layer (``vllm_ext.methods.critiprefill.path``): the rows
         before it go to the dense path (the delegate on CUDA), the sub-batch to CritiPrefill. K/V
         are already written. On CUDA the delegate starts at ``md.delegate_first_row`` (the first
         prefill row when our kernels compute the decode rows; its metadata is cut to its rows).
@@ -349,7 +349,7 @@ class SpeedSfiImpl(AttentionImpl):
             if rc is not None:
                 rc.add(row_counters.DELEGATE, rows - sum(bool(x) for x in (skip_rows or [])[:rows]))
         if cp is not None:
-            from vllm_ext.backend.critiprefill_path import critiprefill_prefill
+            from vllm_ext.methods.critiprefill.path import critiprefill_prefill
 
             state_table = cp.state_table(layer.layer_name)
             if state_table is None:
@@ -376,13 +376,13 @@ class SpeedSfiImpl(AttentionImpl):
 
     def _sfi_prefill_end(self, query, kv_cache, md, sfi) -> None:
         if sfi.quest_pages is not None:
-            from vllm_ext.backend.sfi_path import quest_prefill_pages
+            from vllm_ext.methods.sfi.path import quest_prefill_pages
 
             quest_prefill_pages(kv_cache, md.block_table, sfi.quest_pages, self.config.sfi,
                                 self._sfi_layer)
         if sfi.prefill_end is None:
             return
-        from vllm_ext.backend.sfi_path import sfi_prefill_end
+        from vllm_ext.methods.sfi.path import sfi_prefill_end
 
         sfi_prefill_end(query, kv_cache, md.block_table, sfi.prefill_end, self.config.sfi,
                         self._sfi_layer, self._sfi_rt, self._layer_index, self.scale)
@@ -422,7 +422,7 @@ class SpeedSfiImpl(AttentionImpl):
         sp = md.speed
         slots, rows, positions = sp.slot_mapping, sp.token_row, sp.positions
         if query.shape[0] < slots.shape[0]:
-            # the upper stack runs on the kept rows only (vllm_ext.speed.upper_stack)
+            # the upper stack runs on the kept rows only (vllm_ext.methods.speed.upper_stack)
             keep = sp.keep_idx
             slots, rows, positions = slots[keep], rows[keep], positions[keep]
         n = slots.shape[0]

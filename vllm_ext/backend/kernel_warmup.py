@@ -77,7 +77,7 @@ def synthetic_decode_plan(buffers, cfg: SfiConfig, modes: list[str], lens: list[
                           block_table: torch.Tensor):
     """Write a plan with the given row modes (``"dense"``, ``"slow"``, ``"fast"``) into ``buffers``
     (an ``SfiPlanBuffers``); row ``i`` takes compact slot ``i % capacity``."""
-    from vllm_ext.sfi.step_plan import write_plan
+    from vllm_ext.methods.sfi.step_plan import write_plan
 
     dev = buffers.device
     rows = len(modes)
@@ -119,7 +119,7 @@ def _bind_synthetic_pages(layer_buffers, compact_cache: torch.Tensor, capacity: 
 def _bind_synthetic_quest_pages(layer_buffers, quest_cache: torch.Tensor, capacity: int,
                                 shape: WarmupShape, page_size: int) -> None:
     """A paged quest layer reads its page bounds through the Quest group's per-slot table
-    (``vllm_ext.sfi.quest_tables``): bind it to the Quest layer's pages through a table as wide as
+    (``vllm_ext.methods.sfi.quest_tables``): bind it to the Quest layer's pages through a table as wide as
     the real one (``cdiv(cdiv(max_len, page_size), bs)`` = ``cdiv(block-table width, page_size)``)."""
     width = -(-shape.block_table_width // page_size)
     nb = quest_cache.shape[0]
@@ -137,9 +137,9 @@ def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch
     docstring). ``layer_buffers``/``runtime``: the layer's ``SfiLayerBuffers`` and ``SfiRuntime``;
     ``compact_cache``: a paged layer's compact pages (the compact cache layer's ``kv_cache``);
     ``quest_cache``: with selector quest, its page bounds' pages (the Quest layer's ``kv_cache``)."""
-    from vllm_ext.backend.sfi_path import sfi_decode, sfi_prefill_end
-    from vllm_ext.sfi.prompt_tail import TailRow, plan_prompt_tail
-    from vllm_ext.sfi.step_plan import SfiPlanBuffers
+    from vllm_ext.methods.sfi.path import sfi_decode, sfi_prefill_end
+    from vllm_ext.methods.sfi.prompt_tail import TailRow, plan_prompt_tail
+    from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
 
     device = kv_cache.device
     capacity = runtime.capacity
@@ -174,7 +174,7 @@ def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch
         # the prefill chunks' page bounds, for one and two rows (the prompt tail is SFI's only)
         from types import SimpleNamespace
 
-        from vllm_ext.backend.sfi_path import quest_prefill_pages
+        from vllm_ext.methods.sfi.path import quest_prefill_pages
 
         for lens in ([min(cfg.page_size * 3 + 5, seq_cap)], [min(cfg.page_size * 2, seq_cap), 7]):
             n = len(lens)
@@ -229,7 +229,7 @@ def warm_up_speed_layer(*, kv_cache: torch.Tensor, num_heads: int, head_size: in
     device = kv_cache.device
     bt = _block_table(shape, 2, kv_cache.shape[0], device)
     for n in (1, 3):
-        # the dtypes of the plan's buffers (``vllm_ext.speed.visibility.SpeedPlanBuffers``)
+        # the dtypes of the plan's buffers (``vllm_ext.methods.speed.visibility.SpeedPlanBuffers``)
         q = torch.randn(n, num_heads, head_size, dtype=dtype, device=device)
         rows = torch.zeros(n, dtype=torch.int64, device=device)
         positions = torch.arange(40, 40 + n, dtype=torch.int64, device=device)
@@ -277,7 +277,7 @@ def warm_up_copy_trigger(*, cfg: SfiConfig, pages: torch.Tensor, max_len: int, c
 
 def _history_pages(vllm_config) -> torch.Tensor | None:
     """The page memory vLLM bound to a history cache layer of SFI's copy trigger (None: none)."""
-    from vllm_ext.sfi.history_slots import HISTORY_SUFFIX
+    from vllm_ext.methods.sfi.history_slots import HISTORY_SUFFIX
 
     for name, layer in sorted(vllm_config.compilation_config.static_forward_context.items()):
         kv = getattr(layer, "kv_cache", None)
@@ -307,7 +307,7 @@ def warm_up_impl(impl, kv_cache: torch.Tensor, shape: WarmupShape, dtype: torch.
     """Warm up one ``SpeedSfiImpl`` layer; False when it launches none of our kernels."""
     cfg: SpeedSfiConfig = impl.config
     if cfg.speed.enabled and layer_index >= impl._speed_l_cut:
-        from vllm_ext.speed.visibility import anchor_count
+        from vllm_ext.methods.speed.visibility import anchor_count
 
         warm_up_speed_layer(kv_cache=kv_cache, num_heads=impl.num_heads, head_size=impl.head_size,
                             scale=impl.scale, dtype=dtype, shape=shape,

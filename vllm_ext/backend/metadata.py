@@ -30,7 +30,7 @@ from vllm_ext.request_state import RequestStateTable, StepState
 def sfi_capacity(vllm_config) -> int:
     """Requests that can hold SFI state at once: every request the engine runs
     (``--max-num-seqs``); the compact segments themselves are vLLM's KV-cache blocks
-    (``vllm_ext.sfi.kv_spec``). ``speedsfi.sfi.max_requests``, when set, is an upper bound."""
+    (``vllm_ext.methods.sfi.kv_spec``). ``speedsfi.sfi.max_requests``, when set, is an upper bound."""
     cfg = resolve_config(vllm_config).sfi
     if not cfg.enabled:
         return 0
@@ -48,7 +48,7 @@ def sfi_admission_cap(vllm_config) -> int:
 def critiprefill_admission_cap(vllm_config) -> int:
     """How many prompts the scheduler lets be in a CritiPrefill sparse prefill at once:
     ``critiprefill.max_requests`` when it is set below ``--max-num-seqs``, else 0 (no cap of ours:
-    each prompt's state is KV-cache pages, ``vllm_ext.critiprefill.kv_spec``, and vLLM's block
+    each prompt's state is KV-cache pages, ``vllm_ext.methods.critiprefill.kv_spec``, and vLLM's block
     accounting decides)."""
     cfg = resolve_config(vllm_config).critiprefill
     if not cfg.enabled or not cfg.max_requests:
@@ -77,7 +77,7 @@ class SpeedSfiMetadata:
     seq_lens_host: list[int] | None = None
     delegate: Any = None            # TritonAttentionMetadata on CUDA
     last_layer_name: str = ""       # the group's last layer: joins the step's side-stream work
-    speed: Any = None               # vllm_ext.speed.visibility.SpeedUpperStep when SPEED is on
+    speed: Any = None               # vllm_ext.methods.speed.visibility.SpeedUpperStep when SPEED is on
     # CUDA with a CritiPrefill sub-batch: the delegate's metadata of the rows before it (from
     # ``delegate_first_row``)
     delegate_head: Any = None
@@ -206,7 +206,7 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
         self._delegate = None
         self._speed_buffers = None
         if self.config.speed.enabled:
-            from vllm_ext.speed.visibility import SpeedPlanBuffers
+            from vllm_ext.methods.speed.visibility import SpeedPlanBuffers
 
             sched = vllm_config.scheduler_config
             self._speed_buffers = SpeedPlanBuffers(sched.max_num_seqs, sched.max_num_batched_tokens,
@@ -289,7 +289,7 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
     def _speed_plan(self, cm: CommonAttentionMetadata, step: StepState):
         """The upper layers' view of the step (SPEED): every group plans it (cheap), the upper
         layers use it (without vLLM's hybrid KV manager the upper layers share a group)."""
-        from vllm_ext.speed.visibility import anchor_count, kept_token_index, plan_upper_step
+        from vllm_ext.methods.speed.visibility import anchor_count, kept_token_index, plan_upper_step
 
         cfg = self.config.speed
         anchor_end = anchor_count(cfg.anchor)

@@ -11,10 +11,10 @@ import torch
 
 from vllm_ext import metrics
 from vllm_ext.config import SpeedSfiConfig
-from vllm_ext.critiprefill.slots import CritiPrefillSlots, CritiPrefillStep
+from vllm_ext.methods.critiprefill.slots import CritiPrefillSlots, CritiPrefillStep
 from vllm_ext.request_state import RequestStateTable, StepState
-from vllm_ext.sfi.slot_tables import SfiSlotTables
-from vllm_ext.sfi.step_plan import SfiStep
+from vllm_ext.methods.sfi.slot_tables import SfiSlotTables
+from vllm_ext.methods.sfi.step_plan import SfiStep
 
 
 class EngineStepState(StepState):

@@ -176,7 +176,7 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
         raise ConfigError("speedsfi: SFI, SPEED and CritiPrefill do not support speculative decoding")
     if cfg.critiprefill.enabled:
         # the scheduler ends CritiPrefill chunks on segment boundaries and never leaves a one-token
-        # chunk (vllm_ext.critiprefill.chunking): a step must have room for a segment and one
+        # chunk (vllm_ext.methods.critiprefill.chunking): a step must have room for a segment and one
         # token more, or a prefill could stop moving
         sched = vllm_config.scheduler_config
         seg = cfg.critiprefill.segment_size
@@ -202,7 +202,7 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
             metrics.fallback("speed_compute_compiled", "vllm_ext: SPEED with a compiled model: "
                              "prompt tokens still run the upper layers (masked, same outputs; KV "
                              "memory is saved, prefill compute is not); --enforce-eager enables "
-                             "the skip (vllm_ext.speed.upper_stack)")
+                             "the skip (vllm_ext.methods.speed.upper_stack)")
         archs = set(getattr(model_config.hf_config, "architectures", None) or [])
         if not archs & SPEED_ARCHITECTURES:
             raise ConfigError(f"speedsfi.speed.enabled: SPEED supports the "

@@ -7,7 +7,7 @@ signature):
     ``query`` ``[T, Hq, D]``; ``kv_cache`` ``[pages, Hkv, page_size, 2D]`` (vLLM's logical view, any
     strides, K = ``[..., :D]``, V = ``[..., D:]``); ``block_table`` int32 ``[R, max_pages]``;
     ``query_start_loc`` int ``[R + 1]``; ``seq_lens`` int ``[R]`` (the chunk included; its K/V are
-    already in the cache); ``plan``: a :class:`vllm_ext.critiprefill.plan.CritiPrefillPlan` (or any
+    already in the cache); ``plan``: a :class:`vllm_ext.methods.critiprefill.plan.CritiPrefillPlan` (or any
     object with its fields) built for the same batch; ``scale``: softmax scale.
     Each query at absolute position ``p`` in segment ``j`` (start ``s0 = j * segment_size``) attends to
 

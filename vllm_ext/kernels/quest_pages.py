@@ -5,7 +5,7 @@ Per KV page of ``page_size`` tokens the backend keeps the element-wise max and m
 entry offset 0) in *bound pages*: the attention layer's page format ``[blocks, Hkv, bs, 2D]``, one
 Quest page's bounds per token entry (max in ``[..., :D]``, min in ``[..., D:]``), addressed through a
 per-slot table: Quest page ``j`` of slot ``s`` and KV head ``h`` is ``pages[table[s, j // bs], h, j % bs]``.
-Inside vLLM the pages are blocks of SFI's Quest group (``vllm_ext.sfi.quest_kv_spec``); outside it
+Inside vLLM the pages are blocks of SFI's Quest group (``vllm_ext.methods.sfi.quest_kv_spec``); outside it
 (benchmarks, tests) :func:`contiguous_bound_pages` gives one block per slot and a trivial table. At a selection step the upper bound of a query's logit on any key of
 page ``p`` is ``ub_g(p) = scale * sum_d max(q_gd * kmax_pd, q_gd * kmin_pd)``; the KV head's pages are
 ranked by the max of that bound over the query heads of its GQA group (the tightest bound on the

@@ -1,12 +1,12 @@
 """The SFI step plan in one Triton launch (plus one for the slow rows' block-table rows): the device
-part of :func:`vllm_ext.sfi.step_plan.plan_step`, its PyTorch twin. Writes every plan buffer and
+part of :func:`vllm_ext.methods.sfi.step_plan.plan_step`, its PyTorch twin. Writes every plan buffer and
 advances the per-slot schedule state in place, with no allocation and no host synchronisation, so
 the metadata builder's per-step work is two launches instead of some fifty small torch ops.
 
 One program walks all rows of the step (``BLOCK_R`` = the next power of two of the row count; a
 step has at most ``max_num_seqs`` rows): modes, allowed sets, the schedule update, the counters and
 the compaction of the slow rows (a prefix sum in row order), and the sentence-boundary state
-(``fire_at``, ``sentence_cooldown``; see :mod:`vllm_ext.sfi.schedule`). Rows that are not decode rows
+(``fire_at``, ``sentence_cooldown``; see :mod:`vllm_ext.methods.sfi.schedule`). Rows that are not decode rows
 (prefill chunks, padding) never touch the per-slot state. Importable without vLLM; on CPU the twin runs
 unless the Triton interpreter is on.
 """
@@ -17,7 +17,7 @@ import torch
 
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
 
-# The plan's device counters (int64 [NUM_STATS]), shared with vllm_ext.sfi.step_plan's PyTorch plan:
+# The plan's device counters (int64 [NUM_STATS]), shared with vllm_ext.methods.sfi.step_plan's PyTorch plan:
 STAT_SLOW, STAT_FAST, STAT_RETAINED, STAT_CONTEXT, STAT_DENSE = range(5)
 STAT_COPY = 5          # sparse rows the copy trigger (sfi.copy_ngram) made slow (whatever else fired)
 STAT_PREFILL_END = 7
@@ -33,7 +33,7 @@ _SCHEDULE_CODE = {"boundary": 0, "periodic": 1, "always_slow": 2}
 _FIRE_AT_CODE = {"sentence_end": 0, "sentence_start": 1}
 # _plan_kernel spells out the counter layout (slots 8-13 the histogram, 14 the ppm sum)
 assert RETAINED_FRACTION_BOUNDS_PCT == (1, 2, 5, 10, 20, 50) and NUM_STATS == 15, \
-    "update _plan_kernel's counters together with vllm_ext.sfi.step_plan's layout"
+    "update _plan_kernel's counters together with vllm_ext.methods.sfi.step_plan's layout"
 
 if HAS_TRITON:
     import triton

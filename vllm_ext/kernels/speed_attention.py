@@ -1,5 +1,5 @@
 """SPEED's upper-layer attention: each query sees its row's anchors and its row's decode-phase
-tokens, read in place from the paged cache (ALGORITHMS.md §2, :mod:`vllm_ext.speed.visibility`).
+tokens, read in place from the paged cache (ALGORITHMS.md §2, :mod:`vllm_ext.methods.speed.visibility`).
 
 For the query token ``t`` at position ``p`` of row ``r`` (``token_row[t]``, ``positions[t]``), with
 ``P1 = tail_start[r]`` (``P - 1``) and ``a = anchor_end``, the visible keys are

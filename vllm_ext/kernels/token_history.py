@@ -1,7 +1,7 @@
 """Where ``sfi.copy_ngram``'s token history lives: each slot's tokens by position, in pages reached
 through a per-slot block table (``docs/per_request_memory.md``, ``vllm_ext.kernels.copy_match``).
 
-Inside vLLM the history is blocks of SFI's history group (``vllm_ext.sfi.history_kv_spec``): the page
+Inside vLLM the history is blocks of SFI's history group (``vllm_ext.methods.sfi.history_kv_spec``): the page
 memory of one history cache layer, ``[num_blocks, H, block_size, C]`` of the cache dtype (any
 strides, the last axis contiguous), viewed as int32 ``[num_blocks, H, block_size, C']``; a page holds
 ``E = H x block_size x C'`` positions. Position ``pos`` of slot ``s`` is in block ``table[s, pos //

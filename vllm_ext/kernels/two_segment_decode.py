@@ -19,7 +19,7 @@ Conventions: ``kv_cache`` is vLLM's logical ``[num_blocks, Hkv, block_size, 2*D]
 strides; ``compact_kv`` is ``[num_slots, Hkv, capacity, 2*D]`` (any strides too), or, with
 ``compact_table [num_slots, n_c]`` (int32), paged like the KV cache: ``compact_kv [num_blocks, Hkv,
 bs_c, 2*D]`` and entry ``e`` of slot ``s`` at ``compact_kv[compact_table[s, e // bs_c], :, e % bs_c]``
-(capacity ``n_c * bs_c``; vLLM's blocks of SFI's own KV-cache group, ``vllm_ext.sfi.kv_spec``). A row is active
+(capacity ``n_c * bs_c``; vLLM's blocks of SFI's own KV-cache group, ``vllm_ext.methods.sfi.kv_spec``). A row is active
 iff ``row_mask[r] != 0`` (when given) and ``seq_lens[r] > 0``; inactive rows are left untouched.
 No host synchronisation; pass a :func:`two_segment_workspace` to avoid allocation.
 """

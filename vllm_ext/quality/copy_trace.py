@@ -12,7 +12,7 @@ The run: the prompt and SFI's own answer up to the wrong token go through the mo
 selections are the reference selector's (:func:`vllm_ext.kernels.sfi_selector_torch.select`) on the
 same evidence the backend hands it (prefill end: the last ``w_prefill`` prompt queries; a slow step:
 its own query), with ``keep_prefill`` and ``select_span(_back)`` applied as in
-:mod:`vllm_ext.backend.sfi_path`. bf16 serving and fp32 here can differ in near ties.
+:mod:`vllm_ext.methods.sfi.path`. bf16 serving and fp32 here can differ in near ties.
 
     python -m vllm_ext.quality.copy_trace --model $M --results bench/results/X.json --config sfi_preset
 """
@@ -69,7 +69,7 @@ def slow_steps(cfg, answer_ids: list[int], prompt_ids: list[int], upto: int, tok
     """Decode steps ``1..upto`` (step ``i`` reads answer token ``i - 1`` and writes token ``i``) that the
     schedule makes slow: the warm-up's budget, sentence-end triggers (``fire_at`` sentence_end, no
     cooldown: the preset's), the copy trigger."""
-    from vllm_ext.sfi.triggers import ends_in_trigger
+    from vllm_ext.methods.sfi.triggers import ends_in_trigger
 
     slow, since, gap = [], 0, 1 if cfg.refresh_warmup else cfg.refresh
     m, copying = cfg.resolved_copy_ngram, False

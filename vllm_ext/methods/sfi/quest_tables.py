@@ -2,7 +2,7 @@
 pages' block count, the per-compact-slot page tables the kernels read, and which rows may read and
 write their bounds this step (``docs/per_request_memory.md``). Torch and numpy only (no vLLM).
 
-Inside vLLM a request's bounds are blocks of SFI's Quest group (``vllm_ext.sfi.quest_kv_spec``): one
+Inside vLLM a request's bounds are blocks of SFI's Quest group (``vllm_ext.methods.sfi.quest_kv_spec``): one
 Quest page's bounds (max and min of K over ``page_size`` tokens, ``Hkv x D`` each) is one token entry
 of the attention layer's page ``[Hkv, block_size, 2D]``, so a request of ``t`` tokens holds
 :func:`quest_blocks` ``(t)`` blocks, growing as it grows, from the step its length reaches the group's
@@ -26,7 +26,7 @@ import torch
 from vllm_ext import metrics
 from vllm_ext.host_staging import PinnedStaging
 
-# the name of an attention layer's Quest bound-page layer (``vllm_ext.backend.sfi_quest_cache``)
+# the name of an attention layer's Quest bound-page layer (``vllm_ext.methods.sfi.caches``)
 QUEST_SUFFIX = ".sfi_quest"
 
 

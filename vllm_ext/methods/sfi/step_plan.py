@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.config import MIN_MAINTENANCE_ROWS, SfiConfig
-from vllm_ext.sfi.prompt_tail import SfiPrefillEnd  # noqa: F401  (the plan's prefill-end part)
-from vllm_ext.sfi.schedule import allowed_range, decide_slow, mark_selected, needs_trigger_state
+from vllm_ext.methods.sfi.prompt_tail import SfiPrefillEnd  # noqa: F401  (the plan's prefill-end part)
+from vllm_ext.methods.sfi.schedule import allowed_range, decide_slow, mark_selected, needs_trigger_state
 
 # the plan's device counters: their layout is the plan kernel's (the lower room)
 from vllm_ext.kernels.sfi_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT,  # noqa: E402,F401
@@ -76,7 +76,7 @@ class SfiStep:
     slow_sfi_slot: torch.Tensor | None = None  # int32 [S]: its compact slot (-1 unused)
     slow_block_table: torch.Tensor | None = None  # int32 [S, max_blocks]: its block-table row
     # the block table slow_block_table's rows come from (the step's first attention group); a layer
-    # of another KV-cache group gathers its own rows (vllm_ext.backend.sfi_path)
+    # of another KV-cache group gathers its own rows (vllm_ext.methods.sfi.path)
     slow_table_source: torch.Tensor | None = None
     slow_count: torch.Tensor | None = None    # int32 [1]: live entries (they are slow_rows[:count])
     slow_kept: torch.Tensor | None = None     # int32 [S]: sfi.keep_prefill: its kept tokens (0 unused)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.backend.sfi_runtime import SfiLayerBuffers, SfiRuntime
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence, paged_decode,
                                                     prefill_evidence)
@@ -38,7 +38,7 @@ from vllm_ext.kernels.quest_pages import quest_page_evidence
 from vllm_ext.kernels.quest_rerank import quest_candidate_evidence
 from vllm_ext.kernels.sfi_selector import select
 from vllm_ext.kernels.two_segment_decode import two_segment_decode
-from vllm_ext.sfi.step_plan import SfiPrefillEnd, SfiStep
+from vllm_ext.methods.sfi.step_plan import SfiPrefillEnd, SfiStep
 
 
 def _chunks(step: SfiStep, rt: SfiRuntime, rows: int, on_cpu: bool) -> int:
@@ -199,7 +199,7 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     """The step's prompt-tail work for one layer: store the queries of prompt positions
     ``[P - w_prefill, P)`` that this step computes (whatever chunk they fall in), then make the
     first selection of the requests whose prefill ends in this step from their stored window
-    (:mod:`vllm_ext.sfi.prompt_tail`). The K/V of this step must already be in the cache. Runs eagerly
+    (:mod:`vllm_ext.methods.sfi.prompt_tail`). The K/V of this step must already be in the cache. Runs eagerly
     (prefill is never captured; the host knows the count); at most ``S`` requests end (each holds a
     compact slot), in chunks of ``B`` (the scratch's rows) as the decode slow rows."""
     tail = layer.prompt_tail

@@ -2,7 +2,7 @@
 history lives, which positions it holds, and which of the step's rows may record and match
 (``docs/per_request_memory.md``; the ops: ``vllm_ext.kernels.copy_match``).
 
-Inside vLLM (``paged``) the history is pages of SFI's history group (``vllm_ext.sfi.history_kv_spec``):
+Inside vLLM (``paged``) the history is pages of SFI's history group (``vllm_ext.methods.sfi.history_kv_spec``):
 a request holds ``cdiv(t, E)`` of them at length ``t`` (``E`` int32 positions per page), from its
 first chunk. :meth:`HistorySlots.bind` takes the group (the page memory of its first layer holds the
 history; the group's other layers' pages of those blocks are unused) and every step copies the rows'
@@ -37,7 +37,7 @@ from vllm_ext import metrics
 from vllm_ext.host_staging import PinnedStaging
 from vllm_ext.kernels.token_history import TokenHistory
 
-# the name of an attention layer's history cache layer (``vllm_ext.backend.sfi_history``)
+# the name of an attention layer's history cache layer (``vllm_ext.methods.sfi.caches``)
 HISTORY_SUFFIX = ".sfi_history"
 
 

@@ -3,13 +3,13 @@
 
 Every SPEEDSFI layer below SPEED's cut (its dense layers included: one group pattern with the
 attention layers, see ``vllm_ext.backend.impl``; their pages are never read) has a companion cache
-layer (``vllm_ext.backend.critiprefill_state.CritiPrefillStateCache``) reporting
+layer (``vllm_ext.methods.critiprefill.state_cache``) reporting
 :class:`CritiPrefillStateSpec`: the attention layer's page format, so vLLM groups it beside the
 attention layers and both draw block ids from the one shared pool. The state's layout in those pages
-is ``vllm_ext.critiprefill.state_layout``.
+is ``vllm_ext.methods.critiprefill.state_layout``.
 
 :class:`CritiPrefillStateManager` gives a request pages only when its prompt has a sparse range
-(``vllm_ext.critiprefill.chunking.is_critiprefill_prompt``, decided by the prompt length alone), and
+(``vllm_ext.methods.critiprefill.chunking.is_critiprefill_prompt``, decided by the prompt length alone), and
 grows them with the prompt's chunks (``state_pages`` of the tokens scheduled so far, never past the
 prompt). Once the prompt is computed (vLLM's ``remove_skipped_blocks``, called every step before
 the request's allocation with the tokens whose forward has finished) it gives them all back, as
@@ -26,8 +26,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_ext import metrics
 from vllm_ext.method_kv_spec import GrowingPagesManager, GrowingPagesSpec, page_format, register_method_spec
 from vllm_ext.config import CritiPrefillConfig
-from vllm_ext.critiprefill.chunking import is_critiprefill_prompt
-from vllm_ext.critiprefill.state_layout import state_pages
+from vllm_ext.methods.critiprefill.chunking import is_critiprefill_prompt
+from vllm_ext.methods.critiprefill.state_layout import state_pages
 
 
 @dataclass(frozen=True, kw_only=True)

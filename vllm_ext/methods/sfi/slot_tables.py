@@ -4,15 +4,15 @@
 
 Per slot (device): the compact-segment slot (or -1), SFI on/off and ``k`` for the request, steps
 since the last slow step, whether a selection exists, the tokens selected at the last slow step, and
-the sentence-boundary state (``trigger_state``: cooldown and arm, :mod:`vllm_ext.sfi.schedule`).
+the sentence-boundary state (``trigger_state``: cooldown and arm, :mod:`vllm_ext.methods.sfi.schedule`).
 Compact slots: one per request slot by default (``sfi.max_requests`` can bound them: a request
 without one decodes densely and is counted, ``fallback.sfi_capacity``). Inside vLLM the compact
-segments are KV-cache blocks of SFI's own groups (``vllm_ext.sfi.kv_spec``): :meth:`bind_compact_groups`
+segments are KV-cache blocks of SFI's own groups (``vllm_ext.methods.sfi.kv_spec``): :meth:`bind_compact_groups`
 names the groups, and every step copies the rows' block-table rows into a per-compact-slot table
 (``compact_tables``, read by the kernels) and marks which requests hold their blocks; a request
 without them (vLLM gives them when its length first reaches ``first_compact_len``) decodes densely.
 With ``sfi.copy_ngram`` the token histories are pages of SFI's history groups, bound and followed
-step by step by :class:`vllm_ext.sfi.history_slots.HistorySlots`. Counters live on the device (``stats``) and are
+step by step by :class:`vllm_ext.methods.sfi.history_slots.HistorySlots`. Counters live on the device (``stats``) and are
 read asynchronously (:class:`vllm_ext.device_counters.DeviceCounters`). Torch only (no vLLM).
 """
 
@@ -29,14 +29,14 @@ from vllm_ext.device_counters import DeviceCounters
 from vllm_ext.host_staging import PinnedStaging
 from vllm_ext.method_slots import MethodSlots
 from vllm_ext.request_state import StepState
-from vllm_ext.sfi.prompt_tail import (TailRow, kept_count, makes_prefill_selection, plan_prompt_tail,
+from vllm_ext.methods.sfi.prompt_tail import (TailRow, kept_count, makes_prefill_selection, plan_prompt_tail,
                                       tail_window)
 from vllm_ext.kernels.copy_match import copy_match, record_tokens
 from vllm_ext.kernels.token_history import TokenHistory
-from vllm_ext.sfi.history_slots import HISTORY_SUFFIX, HistorySlots
-from vllm_ext.sfi.quest_tables import QUEST_SUFFIX, QuestPageTables, QuestPrefillPages  # noqa: F401
-from vllm_ext.sfi.state_pages import first_compact_len
-from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_COPY, STAT_DENSE,
+from vllm_ext.methods.sfi.history_slots import HISTORY_SUFFIX, HistorySlots
+from vllm_ext.methods.sfi.quest_tables import QUEST_SUFFIX, QuestPageTables, QuestPrefillPages  # noqa: F401
+from vllm_ext.methods.sfi.state_pages import first_compact_len
+from vllm_ext.methods.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT, STAT_COPY, STAT_DENSE,
                                     STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                     STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW,
                                     SfiPlanBuffers, SfiStep, maintenance_chunk,
@@ -45,7 +45,7 @@ from vllm_ext.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STA
 # what a request's SamplingParams.extra_args["speedsfi"] may change; everything else is engine-wide
 # (kernel constants, buffer sizes, the schedule) and is refused loudly
 
-# the name of an attention layer's compact cache layer (``vllm_ext.backend.sfi_compact``)
+# the name of an attention layer's compact cache layer (``vllm_ext.methods.sfi.caches``)
 COMPACT_SUFFIX = ".sfi_compact"
 
 STAT_NAMES = {STAT_SLOW: "sfi.slow_steps", STAT_FAST: "sfi.fast_steps",
@@ -85,13 +85,13 @@ class SfiSlotTables(MethodSlots):
         # quest: per compact slot (+ a scratch entry), the positions whose page max/min are written;
         # a fresh slot starts at 0, so its first decode row writes every page of a cached context
         self.page_upto = torch.zeros(capacity + 1, **i32)
-        # quest inside vLLM: the page bounds' tables and which rows hold them (vllm_ext.sfi.quest_tables)
+        # quest inside vLLM: the page bounds' tables and which rows hold them (vllm_ext.methods.sfi.quest_tables)
         self.quest = (QuestPageTables(self.cfg.page_size, first_compact_len(self.cfg), capacity, n_slots,
                                       max_rows, device) if self.cfg.selector == "quest" else None)
         # sfi.keep_prefill: per compact slot (+ a scratch entry), the tokens its prefill-end selection
         # keeps for the whole decode (0 for a slot whose prefill made no selection)
         self.n_kept = torch.zeros(capacity + 1, **i32)
-        # sfi.copy_ngram: per compact slot the request's tokens by position (vllm_ext.sfi.history_slots;
+        # sfi.copy_ngram: per compact slot the request's tokens by position (vllm_ext.methods.sfi.history_slots;
         # ``paged_history``: in vLLM's KV-cache blocks), and each row's copy flag of the step
         self.history_slots: HistorySlots | None = None
         self.row_copy: torch.Tensor | None = None
@@ -141,9 +141,9 @@ class SfiSlotTables(MethodSlots):
     def bind_kv_groups(self, groups: Mapping[int, tuple[int, list[str]]]) -> None:
         """``MethodSlots``: SFI's KV-cache groups, group id -> (blocks per request, layer names[,
         spec, layer name -> page memory]), told apart by their layers' suffix: the compact groups
-        (``vllm_ext.sfi.kv_spec``, layers ``<attention layer>`` + :data:`COMPACT_SUFFIX`), the
-        history groups (``vllm_ext.sfi.history_kv_spec``, ``HISTORY_SUFFIX``) and with selector
-        ``quest`` the groups of its page bounds (``vllm_ext.sfi.quest_tables``, ``QUEST_SUFFIX``)."""
+        (``vllm_ext.methods.sfi.kv_spec``, layers ``<attention layer>`` + :data:`COMPACT_SUFFIX`), the
+        history groups (``vllm_ext.methods.sfi.history_kv_spec``, ``HISTORY_SUFFIX``) and with selector
+        ``quest`` the groups of its page bounds (``vllm_ext.methods.sfi.quest_tables``, ``QUEST_SUFFIX``)."""
         def layers(names, suffix):
             return [n[:-len(suffix)] for n in names if n.endswith(suffix)]
 
@@ -339,7 +339,7 @@ class SfiSlotTables(MethodSlots):
         with SFI on records from its first chunk, whether or not it holds its compact blocks yet;
         its rows match (and advance ``copy_once``'s state) while ``sfi_on`` (SFI on and its compact
         blocks held). A row whose request lacks the history pages of its step neither records nor
-        matches (:mod:`vllm_ext.sfi.history_slots`)."""
+        matches (:mod:`vllm_ext.methods.sfi.history_slots`)."""
         num_rows = step.num_rows
         slot = step.row_slot.long()
         sfi_slot = self.sfi_slot_of[slot]
@@ -406,10 +406,10 @@ class SfiSlotTables(MethodSlots):
                          prompt_len: np.ndarray, host_geometry, row_slot_device: torch.Tensor,
                          row_has_blocks: np.ndarray | None = None):
         """This step's prompt-tail writes and the requests whose prefill ends in it (host geometry
-        is exact for prefill rows); see :mod:`vllm_ext.sfi.prompt_tail`. ``row_has_blocks`` (inside
+        is exact for prefill rows); see :mod:`vllm_ext.methods.sfi.prompt_tail`. ``row_has_blocks`` (inside
         vLLM): a request without its compact blocks makes no selection (its first decode step
         selects; counted)."""
-        from vllm_ext.sfi.schedule import mark_selected
+        from vllm_ext.methods.sfi.schedule import mark_selected
 
         cfg = self.cfg
         qsl, computed = host_geometry
@@ -425,7 +425,7 @@ class SfiSlotTables(MethodSlots):
             ends = done + q_len >= p
             first = self.first_computed.setdefault(slot, done)
             if row_has_blocks is not None and not row_has_blocks[row]:
-                # its tail queries live in its compact-group blocks (vllm_ext.sfi.state_pages): a
+                # its tail queries live in its compact-group blocks (vllm_ext.methods.sfi.state_pages): a
                 # chunk without them writes none, and the request makes no prefill-end selection
                 if done + q_len > tail_window(cfg, p)[0]:
                     self.tail_lost.add(slot)
@@ -461,7 +461,7 @@ class SfiSlotTables(MethodSlots):
     def plan_quest_pages(self, *, num_reqs: int, row_slots: np.ndarray, row_is_decode: np.ndarray,
                          host_geometry, held: np.ndarray | None = None) -> "QuestPrefillPages | None":
         """Selector ``quest``: the pages the step's multi-token rows write
-        (``vllm_ext.sfi.quest_tables.QuestPageTables.plan_prefill``; ``held``: the rows' bound-page
+        (``vllm_ext.methods.sfi.quest_tables.QuestPageTables.plan_prefill``; ``held``: the rows' bound-page
         blocks inside vLLM)."""
         return self.quest.plan_prefill(num_reqs=num_reqs, row_slots=row_slots, row_is_decode=row_is_decode,
                                        host_geometry=host_geometry, slot_host=self.slot_host, held=held,

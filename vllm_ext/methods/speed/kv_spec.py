@@ -9,7 +9,7 @@ anchor) and for the blocks from ``(P - 1) // block_size`` on (the last prompt to
 tokens), and the shared null block for the interior: block-table rows stay position-aligned
 (row index = position // block_size), interior rows point at block 0 of the pool, which vLLM never
 hands out, and the upper layers never write there (their slot mapping sends interior tokens to -1,
-:mod:`vllm_ext.speed.visibility`) nor read there (their attention masks the interior).
+:mod:`vllm_ext.methods.speed.visibility`) nor read there (their attention masks the interior).
 
 Prefix caching is refused with SPEED at start-up, so the manager never sees cache hits.
 """

@@ -3,7 +3,7 @@
 The set is built once from the tokenizer at start-up (never hard-coded ids); at run time only ids are
 compared, through an int8 look-up table of bits on the device (:func:`trigger_lut`): bit 0 marks the
 triggers (sentence enders), bit 1 the whitespace-only tokens (which never start a sentence under
-``fire_at = "sentence_start"``, :mod:`vllm_ext.sfi.schedule`).
+``fire_at = "sentence_start"``, :mod:`vllm_ext.methods.sfi.schedule`).
 
 Rule ("ends in"), decided here and applied to every tokenizer the same way:
 
@@ -144,7 +144,7 @@ def trigger_lut(ids: Iterable[int], vocab_size: int, device: torch.device | str 
                 whitespace_ids: Iterable[int] = ()) -> torch.Tensor:
     """Look-up table ``[vocab_size]`` int8 of bits: ``LUT_ENDER`` (bit 0) for the trigger ``ids``,
     ``LUT_SPACE`` (bit 1) for ``whitespace_ids``. ``lut != 0`` is no longer "is a trigger": test bit 0
-    (:func:`vllm_ext.sfi.schedule.is_trigger`).
+    (:func:`vllm_ext.methods.sfi.schedule.is_trigger`).
 
     ``vocab_size`` is the model's (possibly padded) vocabulary; ids outside ``[0, vocab_size)`` are
     ignored (ids the model cannot emit never trigger).

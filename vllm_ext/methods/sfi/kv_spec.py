@@ -2,11 +2,11 @@
 ``docs/per_request_memory.md``).
 
 Every SPEEDSFI attention layer that can decode sparsely has a companion cache layer
-(``vllm_ext.backend.sfi_compact.SfiCompactCache``) reporting :class:`SfiCompactSpec`: the layer's own
+(``vllm_ext.methods.sfi.caches``) reporting :class:`SfiCompactSpec`: the layer's own
 page format (block size, KV heads, head size, dtype, so vLLM groups it beside the attention layers
 and both draw block ids from the one shared pool), with a fixed ``compact_blocks`` blocks per
 request: the compact segment and SFI's other fixed-size per-request state (the kept prefill
-positions, the prompt-tail queries: ``vllm_ext.sfi.state_pages``). :class:`SfiCompactManager` gives a request those blocks in the step its length first
+positions, the prompt-tail queries: ``vllm_ext.methods.sfi.state_pages``). :class:`SfiCompactManager` gives a request those blocks in the step its length first
 reaches ``first_len`` (the shortest context SFI writes any of that state for), never earlier, and
 vLLM frees them with the request's other blocks on finish, abort and preemption. The blocks are
 never prefix-cached or shared (``prefix_cacheable`` is False: vLLM's hybrid coordinator leaves the
@@ -23,19 +23,19 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_ext import metrics
 from vllm_ext.method_kv_spec import MethodPagesManager, MethodPagesSpec, page_format, register_method_spec
 from vllm_ext.config import SfiConfig
-from vllm_ext.sfi.state_pages import first_compact_len, first_state_len, sfi_state_pages, tail_window
+from vllm_ext.methods.sfi.state_pages import first_compact_len, first_state_len, sfi_state_pages, tail_window
 
 
 @dataclass(frozen=True, kw_only=True)
 class SfiCompactSpec(MethodPagesSpec):
     """One SPEEDSFI layer's per-request SFI state: ``compact_blocks`` pages of the layer's format per
     request (the compact segment, then the kept positions and the prompt-tail queries:
-    ``vllm_ext.sfi.state_pages``), from the step its length reaches ``first_len``."""
+    ``vllm_ext.methods.sfi.state_pages``), from the step its length reaches ``first_len``."""
 
     compact_blocks: int = 1
     first_len: int = 1
     # prompt positions whose queries the blocks hold (0: none): a prompt long enough to select gets
-    # the blocks from the chunk that reaches its tail (``vllm_ext.sfi.state_pages.first_state_len``)
+    # the blocks from the chunk that reaches its tail (``vllm_ext.methods.sfi.state_pages.first_state_len``)
     tail_window: int = 0
 
     # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds

@@ -13,7 +13,7 @@ Per layer of a prefill step (chunked prefill is the normal case)::
 use its ordinary dense prefill kernel instead. Imports neither vLLM nor Triton directly.
 """
 
-from vllm_ext.critiprefill.criticality import (
+from vllm_ext.methods.critiprefill.criticality import (
     LayerFusion,
     SequenceSelection,
     candidate_mask,
@@ -24,7 +24,7 @@ from vllm_ext.critiprefill.criticality import (
     select_blocks,
     select_for_sequence,
 )
-from vllm_ext.critiprefill.plan import (
+from vllm_ext.methods.critiprefill.plan import (
     CritiPrefillPlan,
     build_plan,
     dense_plan,

@@ -1,17 +1,17 @@
 """SFI's device runtime: the persistent buffers, scratch workspaces and CUDA streams/events the SFI
-decode path runs on (``vllm_ext.backend.sfi_path``). Torch only (no vLLM import): the GPU benchmarks
+decode path runs on (``vllm_ext.methods.sfi.path``). Torch only (no vLLM import): the GPU benchmarks
 drive it without vLLM.
 
 Sizes follow the work, never ``max_num_seqs``:
 - per layer, the compact segments: ``C x Hkv x (n_sink + k) x 2D`` entries (``C`` = SFI's request
   capacity: ``--max-num-seqs``, or ``sfi.max_requests`` when set) outside vLLM; inside vLLM they are
-  KV-cache blocks of SFI's own group (``vllm_ext.sfi.kv_spec``) and nothing here; so are, inside
+  KV-cache blocks of SFI's own group (``vllm_ext.methods.sfi.kv_spec``) and nothing here; so are, inside
   vLLM, the prompt-tail queries ``C x w_prefill x Hq x D`` (the prefill-end evidence window, which
   spans prefill chunks) and with ``sfi.keep_prefill`` P the kept positions ``C x Hkv x P`` int32
-  (``vllm_ext.sfi.state_pages``);
+  (``vllm_ext.methods.sfi.state_pages``);
 - shared by the layers of a device (one :class:`SfiRuntime`), sized by the maintenance chunk ``B``
   (``sfi.maintenance_rows``, at most ``C``), not by the request capacity: a step runs its slow rows
-  in chunks of ``B`` (``vllm_ext.backend.sfi_path``):
+  in chunks of ``B`` (``vllm_ext.methods.sfi.path``):
   - the maintenance ring, ``N`` slots of evidence + key norms, ``2 x N x B x Hkv x L`` fp32
     (``L = max_model_len``), and the prefill-end block-table rows ``N x B x ceil(L / 16)`` int32;
   - the evidence pass's raw scores ``B x Hq x L`` fp32;
@@ -38,18 +38,18 @@ logger = logging.getLogger("vllm_ext")
 class SfiLayerBuffers:
     """One layer's compact segments ``[C, Hkv, n_sink + k, 2D]`` and their lengths ``[C]``, and (with
     ``num_heads``) its prompt-tail queries ``[C, w_prefill, Hq, D]``
-    (:class:`vllm_ext.sfi.prompt_tail.PromptTailQueries`, the prefill-end evidence window).
+    (:class:`vllm_ext.methods.sfi.prompt_tail.PromptTailQueries`, the prefill-end evidence window).
 
     Selector ``quest`` (needs ``max_len``): instead of the prompt tail, the page max/min of K in
     bound pages ``quest_pages`` read through the per-slot table ``quest_table`` (slot ``C`` is a
     scratch slot that rows without a compact slot point at; layout: ``vllm_ext.kernels.quest_pages``),
     kept up to date by the prefill chunks and by every decode step (the page of the newest token).
     Outside vLLM one block of ``ceil(max_len / page_size)`` entries per slot (activation dtype);
-    ``paged``: blocks of SFI's Quest group (``vllm_ext.sfi.quest_kv_spec``), bound before each forward
+    ``paged``: blocks of SFI's Quest group (``vllm_ext.methods.sfi.quest_kv_spec``), bound before each forward
     by :meth:`bind_quest_pages`.
 
     ``paged``: the compact segments, the kept positions and the prompt-tail queries live in vLLM's
-    KV-cache blocks (``vllm_ext.sfi.kv_spec``, ``vllm_ext.sfi.state_pages``): none of them is
+    KV-cache blocks (``vllm_ext.methods.sfi.kv_spec``, ``vllm_ext.methods.sfi.state_pages``): none of them is
     allocated here; before each forward the impl hands :meth:`bind_pages` the compact layer's pages
     and the per-slot block table, and ``compact_kv`` / ``compact_table`` / ``kept_pos`` /
     ``prompt_tail.queries`` read through them."""
@@ -57,7 +57,7 @@ class SfiLayerBuffers:
     def __init__(self, capacity: int, num_kv_heads: int, cfg: SfiConfig, head_size: int,
                  dtype: torch.dtype, device: torch.device, num_heads: int | None = None,
                  max_len: int | None = None, paged: bool = False):
-        from vllm_ext.sfi.prompt_tail import PromptTailQueries
+        from vllm_ext.methods.sfi.prompt_tail import PromptTailQueries
 
         quest = cfg.selector == "quest"
         if quest and max_len is None:
@@ -86,8 +86,8 @@ class SfiLayerBuffers:
 
     def state_pages(self, cache: torch.Tensor):
         """The row layout of this layer's compact group over the page memory ``cache``
-        (``vllm_ext.sfi.state_pages.SfiStatePages``)."""
-        from vllm_ext.sfi.state_pages import sfi_state_pages
+        (``vllm_ext.methods.sfi.state_pages.SfiStatePages``)."""
+        from vllm_ext.methods.sfi.state_pages import sfi_state_pages
 
         return sfi_state_pages(self.cfg, block_size=int(cache.shape[2]), num_kv_heads=self.num_kv_heads,
                                head_size=self.head_size,
@@ -97,7 +97,7 @@ class SfiLayerBuffers:
     def bind_pages(self, cache: torch.Tensor, table: torch.Tensor) -> None:
         """``paged``: read this layer's per-request state from ``cache`` (the compact layer's pages,
         ``[num_blocks, Hkv, block_size, 2D]``) through ``table [slots + 1, blocks per request]`` (the
-        per-compact-slot block table; its columns follow ``vllm_ext.sfi.state_pages``). Views only,
+        per-compact-slot block table; its columns follow ``vllm_ext.methods.sfi.state_pages``). Views only,
         built again only when the cache or the table is another tensor."""
         if self._bound is not None and self._bound[0] is cache and self._bound[1] is table:
             return
@@ -120,7 +120,7 @@ class SfiLayerBuffers:
 
     def bind_quest_pages(self, cache: torch.Tensor, table: torch.Tensor) -> None:
         """``paged``, selector ``quest``: the page bounds are ``cache`` (the Quest layer's pages) read
-        through ``table [slots + 1, blocks per request]`` (``vllm_ext.sfi.quest_tables``)."""
+        through ``table [slots + 1, blocks per request]`` (``vllm_ext.methods.sfi.quest_tables``)."""
         self.quest_pages, self.quest_table = cache, table
 
     def unbind_pages(self) -> None:
@@ -136,7 +136,7 @@ class SfiLayerBuffers:
                dtype: torch.dtype, num_heads: int | None = None, max_len: int | None = None,
                paged: bool = False) -> int:
         """Bytes allocated here (``paged``: the per-request state is in vLLM's KV cache, not here)."""
-        from vllm_ext.sfi.prompt_tail import PromptTailQueries
+        from vllm_ext.methods.sfi.prompt_tail import PromptTailQueries
 
         elem = torch.empty((), dtype=dtype).element_size()
         quest = cfg.selector == "quest"
@@ -274,7 +274,7 @@ class SfiRuntime:
                                                          two_segment_num_splits,
                                                          two_segment_workspace)
 
-        from vllm_ext.sfi.step_plan import maintenance_chunk
+        from vllm_ext.methods.sfi.step_plan import maintenance_chunk
 
         self.cfg = cfg
         self.capacity = capacity

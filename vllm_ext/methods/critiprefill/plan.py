@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ext.critiprefill.criticality import (
+from vllm_ext.methods.critiprefill.criticality import (
     LayerFusion,
     candidate_mask,
     check_sizes,
@@ -128,7 +128,7 @@ def build_plan(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     bounds come from the tensor shapes. Layers in ``cfg.dense_layers`` give :func:`dense_plan`
     without touching the fusion state.
 
-    The backend passes what it keeps itself (``vllm_ext.backend.critiprefill_path``): ``key_reps``
+    The backend passes what it keeps itself (``vllm_ext.methods.critiprefill.path``): ``key_reps``
     ``[R, 2, NB, Hkv, D]`` (any float dtype; max, min per criticality block, e.g. a view of its
     persistent per-request table) instead of reading them from the paged cache; ``query_reps``
     ``(Qmax, Qmin)`` each ``[R, S, Hq, D]`` fp32 with ``S = max_segments_bound(max_query_len)``;

@@ -6,7 +6,7 @@ A request's prompt may be split into chunks anywhere (the token budget, the othe
 step, a prefix-cache hit decide where), so the last ``W_p`` prompt queries may come from several
 chunks. DESIGN.md: "an answer depends only on its request ... the prefill-end evidence window spans
 chunks". Each layer therefore keeps the window ``[W_p, Hq, D]`` per request (inside vLLM in blocks of
-the request's compact group, ``vllm_ext.sfi.state_pages``) indexed by the request's compact slot; whichever chunk computes a
+the request's compact group, ``vllm_ext.methods.sfi.state_pages``) indexed by the request's compact slot; whichever chunk computes a
 position of ``[P - W_p, P)`` (``P`` = prompt length) writes its query to entry ``position - (P - W_p)``,
 and the chunk that reaches ``P`` runs the evidence from the buffer over the prompt's K/V once its own
 K/V are in the cache. The selection then depends on the prompt only, never on the chunking.
@@ -30,7 +30,7 @@ class PromptTailQueries:
     """One layer's prompt-tail queries ``[C, W_p, Hq, D]`` (the activation dtype), indexed by the
     compact SFI slot: a tensor (:meth:`allocate`, outside vLLM) or, inside vLLM, pages of the request's
     compact-group blocks (``vllm_ext.kernels.paged_rows.PagedRows``, bound by the layer before each
-    forward: ``vllm_ext.sfi.state_pages``)."""
+    forward: ``vllm_ext.methods.sfi.state_pages``)."""
 
     def __init__(self, queries):
         self.queries = queries

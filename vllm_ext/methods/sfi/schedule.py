@@ -35,7 +35,7 @@ first gaps are shorter). The boundary gap reads the same way: a trigger counts w
 
 Sentence boundaries (``schedule = "boundary"``), on the previous sampled token ``tok`` of each row, with
 ``C = sentence_cooldown``; the trigger LUT's bit 0 marks triggers ("enders"), bit 1 whitespace-only
-tokens (:mod:`vllm_ext.sfi.triggers`):
+tokens (:mod:`vllm_ext.methods.sfi.triggers`):
 
 1. if ``cooldown == 0`` and ``tok`` is an ender: ``cooldown = C`` and the slot is armed; otherwise a
    positive ``cooldown`` counts down by one;
@@ -56,8 +56,8 @@ from typing import Literal
 
 import torch
 
-# the trigger LUT's bits (vllm_ext.sfi.triggers.trigger_lut); a bool LUT carries bit 0 only
-from vllm_ext.sfi.triggers import LUT_ENDER, LUT_SPACE
+# the trigger LUT's bits (vllm_ext.methods.sfi.triggers.trigger_lut); a bool LUT carries bit 0 only
+from vllm_ext.methods.sfi.triggers import LUT_ENDER, LUT_SPACE
 
 Schedule = Literal["boundary", "periodic", "always_slow"]
 SCHEDULES = ("boundary", "periodic", "always_slow")
@@ -143,7 +143,7 @@ def decide_slow(
       steps_since_slow: ``[slots]`` int32, updated in place for decode rows: 0 if slow, else +1.
       has_selection: ``[slots]`` bool (read only; see :func:`mark_selected`).
       trigger_lut: ``[vocab]`` int8 bits (``LUT_ENDER``, ``LUT_SPACE``) or bool (enders only), from
-        :func:`vllm_ext.sfi.triggers.trigger_lut`.
+        :func:`vllm_ext.methods.sfi.triggers.trigger_lut`.
       schedule, refresh, min_boundary_gap, fire_at, sentence_cooldown: ``SfiConfig`` fields.
       trigger_state: ``[slots]`` int32 ``cooldown << 1 | armed``, updated in place for the ``advance``
         rows (schedule ``boundary`` only). Required when :func:`needs_trigger_state`; without it (and

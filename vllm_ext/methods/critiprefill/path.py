@@ -1,5 +1,5 @@
 """CritiPrefill as the backend runs it: one sparse layer of one step's CritiPrefill sub-batch
-(ALGORITHMS.md §3; the rows and their host plan: :mod:`vllm_ext.critiprefill.slots`). Torch-level
+(ALGORITHMS.md §3; the rows and their host plan: :mod:`vllm_ext.methods.critiprefill.slots`). Torch-level
 orchestration of the kernels (Triton on CUDA, PyTorch twins elsewhere); no vLLM import.
 
 Per sparse layer, after the chunk's K/V are in the paged cache:
@@ -11,12 +11,12 @@ Per sparse layer, after the chunk's K/V are in the paged cache:
    segment is carried onwards (state pages, per request and layer);
 3. scores, layer fusion with the previous sparse layer of the same step (the step keeps that
    layer's fused scores: fusion never spans steps, so it is no per-request state), selection
-   (:func:`vllm_ext.critiprefill.plan.build_plan`);
+   (:func:`vllm_ext.methods.critiprefill.plan.build_plan`);
 4. block-sparse attention of the sub-batch (:func:`block_sparse_prefill`), dense segments included;
 5. device counters: sparse segments, candidate and selected key blocks.
 
 Memory: none of its own. A request's state lives in pages of CritiPrefill's KV-cache group, which
-vLLM allocates (``vllm_ext.critiprefill.kv_spec``; layout: ``vllm_ext.critiprefill.state_layout``):
+vLLM allocates (``vllm_ext.methods.critiprefill.kv_spec``; layout: ``vllm_ext.methods.critiprefill.state_layout``):
 ``state_cache`` is the layer's state cache (``[pages, Hkv, page, 2D]``, the attention layer's page
 format) and ``state_table`` the sub-batch's block-table rows of its group. A row that does not hold
 its pages (``step.holds_state`` 0) is dense and writes nothing.
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from vllm_ext.config import CritiPrefillConfig
-from vllm_ext.critiprefill.criticality import fuse_scores
-from vllm_ext.critiprefill.plan import build_plan, max_segments_bound
-from vllm_ext.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
+from vllm_ext.methods.critiprefill.criticality import fuse_scores
+from vllm_ext.methods.critiprefill.plan import build_plan, max_segments_bound
+from vllm_ext.methods.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
                                          STAT_SPARSE_SEGMENTS, CritiPrefillStep)
 from vllm_ext.kernels.block_representatives import query_segment_representatives
 from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill
@@ -38,7 +38,7 @@ from vllm_ext.kernels.paged_state import (read_state_entries, update_block_repre
 
 
 class StepFusion:
-    """Layer fusion within one step (the protocol of :class:`vllm_ext.critiprefill.LayerFusion`:
+    """Layer fusion within one step (the protocol of :class:`vllm_ext.methods.critiprefill.LayerFusion`:
     ``fused = fusion(scores)``): the step's first sparse layer keeps its scores, each later one fuses
     with the previous layer's."""
 

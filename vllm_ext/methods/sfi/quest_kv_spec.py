@@ -2,18 +2,18 @@
 ``docs/per_request_memory.md``).
 
 With ``sfi.selector = "quest"`` every SPEEDSFI layer with a compact cache also has a bound-page cache
-layer (``vllm_ext.backend.sfi_quest_cache.SfiQuestCache``) reporting :class:`SfiQuestPagesSpec`: the
+layer (``vllm_ext.methods.sfi.caches``) reporting :class:`SfiQuestPagesSpec`: the
 attention layer's page format, so vLLM groups it beside the attention layers (and the compact
 layers) in the one shared pool. One Quest page's bounds (max and min of K over ``page_size`` tokens,
 ``Hkv x D`` each) fill one token entry of such a page (max in the K half, min in the V half), so a
 request of ``t`` tokens holds ``cdiv(cdiv(t, page_size), block_size)`` blocks
-(``vllm_ext.sfi.quest_tables.quest_blocks``): ``1 / page_size`` of its KV blocks, rounded up.
+(``vllm_ext.methods.sfi.quest_tables.quest_blocks``): ``1 / page_size`` of its KV blocks, rounded up.
 
 :class:`SfiQuestPagesManager` gives a request its first blocks in the step its length reaches
 ``first_len`` (the shortest context SFI decodes sparsely at, as the compact blocks: a short chat
 holds none) and grows them as the request grows, like KV; vLLM frees them on finish, abort and
 preemption. Never prefix-cached or shared. A request that gets them after its first tokens writes
-every page once (the worker's page progress restarts at page 0: ``vllm_ext.sfi.quest_tables``).
+every page once (the worker's page progress restarts at page 0: ``vllm_ext.methods.sfi.quest_tables``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_ext import metrics
 from vllm_ext.config import SfiConfig
 from vllm_ext.method_kv_spec import GrowingPagesManager, GrowingPagesSpec, page_format, register_method_spec
-from vllm_ext.sfi.quest_tables import quest_blocks
-from vllm_ext.sfi.state_pages import first_compact_len
+from vllm_ext.methods.sfi.quest_tables import quest_blocks
+from vllm_ext.methods.sfi.state_pages import first_compact_len
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,9 +2,9 @@
 
 Indexed by the generic request slot of :class:`vllm_ext.request_state.RequestStateTable` (registered
 there as its :class:`vllm_ext.method_slots.MethodSlots`). A prompt's state (key-block
-representatives, the query carry: ``vllm_ext.critiprefill.state_layout``) lives in pages of
+representatives, the query carry: ``vllm_ext.methods.critiprefill.state_layout``) lives in pages of
 CritiPrefill's own KV-cache groups, which vLLM's block manager allocates as the prompt's chunks arrive
-and frees when its prefill is computed (``vllm_ext.critiprefill.kv_spec``); the step exposes each
+and frees when its prefill is computed (``vllm_ext.methods.critiprefill.kv_spec``); the step exposes each
 group's block-table rows of the sub-batch (``state_tables``). There is no pool: a CritiPrefill row
 runs sparsely while vLLM's count says it holds the pages its chunk needs (``state_pages``); otherwise
 (only if the manager and this plan disagree) it attends densely through the same kernel and writes
@@ -15,7 +15,7 @@ device. Torch + numpy only (no vLLM).
 
 Which rows run CritiPrefill in a step (*CritiPrefill rows*): every prefill chunk of at least two
 tokens of a prompt with a sparse range (``>= min_len`` tokens and a sparse segment: the rules of
-``vllm_ext.critiprefill.chunking``), its dense segments included, so that the kernel that computes a
+``vllm_ext.methods.critiprefill.chunking``), its dense segments included, so that the kernel that computes a
 position never depends on how its prompt was chunked. Segment ``j`` (absolute positions
 ``[j*Sq, (j+1)*Sq)``) is sparse when it is before the prompt's final segment and has more candidate
 blocks than the budget selects (``j*Sq/Bk - 1 > budget/Bk``); every other segment attends densely (a
@@ -30,7 +30,7 @@ one disagree) attends densely through the same kernel (``row_dense``).
 
 Chunk boundaries and traffic change nothing (``docs/critiprefill.md``): the scheduler ends every chunk of a
 CritiPrefill prompt that stops inside the sparse range on a segment boundary, cuts prefix-cache hits
-the same way (``vllm_ext.critiprefill.chunking``), and vLLM schedules a chunk only with the pages it
+the same way (``vllm_ext.methods.critiprefill.chunking``), and vLLM schedules a chunk only with the pages it
 needs, so each sparse segment is computed whole, in one chunk, by a request that holds its state.
 What remains:
 - A segment that a chunk still cuts (the scheduler's rules bypassed: a prefix hit the block layout
@@ -51,8 +51,8 @@ import torch
 
 from vllm_ext import metrics
 from vllm_ext.config import CritiPrefillConfig
-from vllm_ext.critiprefill.chunking import first_sparse_segment, is_critiprefill_prompt, sparse_range  # noqa: F401
-from vllm_ext.critiprefill.state_layout import STATE_SUFFIX, state_pages
+from vllm_ext.methods.critiprefill.chunking import first_sparse_segment, is_critiprefill_prompt, sparse_range  # noqa: F401
+from vllm_ext.methods.critiprefill.state_layout import STATE_SUFFIX, state_pages
 from vllm_ext.device_counters import DeviceCounters
 from vllm_ext.method_slots import MethodSlots
 from vllm_ext.request_state import StepState
@@ -136,7 +136,7 @@ class CritiPrefillSlots(MethodSlots):
 
     # ------------------------------------------------------------------ KV-cache groups
     def bind_kv_groups(self, groups) -> None:
-        """``MethodSlots``: CritiPrefill's state groups (``vllm_ext.critiprefill.kv_spec``): group id
+        """``MethodSlots``: CritiPrefill's state groups (``vllm_ext.methods.critiprefill.kv_spec``): group id
         -> (most pages per request, the state layers ``<attention layer>`` + ``STATE_SUFFIX``, the
         group's spec: carry entries and page size)."""
         self.groups, self.group_of_layer = {}, {}

@@ -1,6 +1,6 @@
 """Where a prompt's prefill may be cut so that CritiPrefill's segments never are.
 
-A query segment of the sparse range (``vllm_ext.critiprefill.slots.sparse_range``) chooses its key
+A query segment of the sparse range (``vllm_ext.methods.critiprefill.slots.sparse_range``) chooses its key
 blocks from the max/min of *its* queries (ALGORITHMS.md §3). A chunk boundary inside such a segment
 would make the chunk before it choose from part of the segment's queries, and that part's output
 would depend on the token budget and on the other requests of the step. So the scheduler

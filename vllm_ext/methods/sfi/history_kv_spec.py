@@ -2,13 +2,13 @@
 ``docs/per_request_memory.md``).
 
 With ``sfi.copy_ngram`` on, every SPEEDSFI layer with a compact cache also has a history cache layer
-(``vllm_ext.backend.sfi_history.SfiHistoryCache``) reporting :class:`SfiHistorySpec`: the attention
+(``vllm_ext.methods.sfi.caches``) reporting :class:`SfiHistorySpec`: the attention
 layer's page format, so vLLM groups it beside the attention layers (one history layer per compact
 layer keeps their group pattern) and both draw block ids from the one shared pool. A request's
 history is one int32 per position: ``E = real page bytes / 4`` positions per page, ``cdiv(t, E)``
 blocks at length ``t``, grown as the request grows like its KV and held for its life (finish, abort
 and preemption free them), from its first chunk: the history records every input token, the prompt
-included. It lives in the pages of one layer of the group (``vllm_ext.sfi.history_slots``); the
+included. It lives in the pages of one layer of the group (``vllm_ext.methods.sfi.history_slots``); the
 other layers' pages of those blocks are unused. Never prefix-cached or shared.
 """
 

@@ -1,5 +1,0 @@
-"""SPEED: prompt tokens' KV only in the lower layers (ALGORITHMS.md §2).
-
-- :mod:`vllm_ext.speed.visibility`: the visibility rule and the per-step plan (torch only);
-- :mod:`vllm_ext.speed.kv_spec`: the upper layers' KV-cache spec and block manager (vLLM glue).
-"""
