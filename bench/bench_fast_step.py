@@ -17,7 +17,7 @@ the recent window read in place.
 Times are CUDA-graph replays (``ms``; eager ``ms_eager`` beside them); GB/s = KV bytes read / time.
 Every point also times the fast step with the compact segment paged as vLLM holds it (SFI's own
 KV-cache group, read through a per-slot block table: ``sparse_paged_ms``, and
-``paged_over_contiguous``, the issue-36 check that paging costs under 5 %).
+``paged_over_contiguous``, the check that paging costs under 5 %).
 Writes ``fast_step.json``, ``fast_step_retention.png``, ``fast_step_context.png``.
 """
 

@@ -27,7 +27,7 @@ batch (= slow rows) 1 / 4 / 16:
   by page bound as candidates, their group attention mass from their K, the top-K of them).
 
 ``maintenance_ms`` = selector + gather (what the side stream runs per layer) and
-``maintenance_over_dense`` = maintenance / dense, against the issue-9 target of 0.15 at 32K-128K;
+``maintenance_over_dense`` = maintenance / dense, against the target of 0.15 at 32K-128K;
 ``selector_gbps``: bytes the selector's kernels move by design (about 32 per position and KV head,
 ``selector_model_bytes``) / time; ``selector_input_gbps``: the 8 bytes per position it must read.
 ``candidates_*``: how many positions reached the exact top-K step (the threshold bucket); above
@@ -50,7 +50,7 @@ from common import (BASELINE_NOTE, DecodeProblem, device_for, env_info, gbps, pa
 SPAN = 4                               # sfi.select_span timed beside the paper's selector
 QUEST_PAGES = (16, 8)                  # sfi.page_size of the timed Quest page scores
 QUEST_RERANK, QUEST_RERANK_PAGE = 4, 16  # sfi.quest_rerank timed beside a plain Quest selection
-TARGET = 0.15                          # issue 9: selector + gather <= 15 % of the layer's dense attention
+TARGET = 0.15                          # the target: selector + gather <= 15 % of the layer's dense attention
 
 
 def shapes(smoke: bool) -> dict:
@@ -297,7 +297,7 @@ def main(argv=None):
                    selector_tiles=(dataclasses.asdict(mod.TILES) if mod is not None and hasattr(mod, "TILES")
                                    else None),
                    target=dict(maintenance_over_dense=TARGET, ctx_range=[32768, 131072],
-                               note="issue 9 item 3: selector + gather <= 15 % of the layer's dense attention"),
+                               note="the target: selector + gather <= 15 % of the layer's dense attention"),
                    shapes=dict(batches=sh["batches"], q_heads=sh["hq"], kv_heads=sh["hkv"],
                                head_size=sh["d"], k=sh["k"], dtype=str(sh["dtype"])),
                    timing="CUDA-graph replay median, per layer", rows=rows)

@@ -57,7 +57,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "speedsfi_dense_fa": dict(backend="SPEEDSFI", speedsfi={"preset": "dense", "dense_delegate": "flash_attn"},
                               env={}),
     # dense_delegate "auto": the backend vLLM picks (FLASH_ATTN/FA3 on Hopper) attends the dense rows
-    # (issue 35: the candidate default, opt-in until this run checks it token for token)
+    # (the candidate default, opt-in until this run checks it token for token)
     "speedsfi_sfi_auto": dict(backend="SPEEDSFI", speedsfi={"preset": "sfi", "dense_delegate": "auto"}, env={}),
     "speedsfi_dense_auto": dict(backend="SPEEDSFI", speedsfi={"preset": "dense", "dense_delegate": "auto"},
                                 env={}),
@@ -171,7 +171,7 @@ def write_config(out_dir: str | Path, model: str, max_position: int) -> dict:
     except TypeError:                                   # transformers < 5
         cfg = cls(**kw, rope_theta=m["rope_theta"])
     cfg.architectures = [m["arch"]]
-    if hasattr(cfg, "dtype"):                           # transformers 5: "dtype" (was torch_dtype)
+    if hasattr(cfg, "dtype"):                           # transformers 5: "dtype" (4: torch_dtype)
         cfg.dtype = "bfloat16"
     else:                                               # pragma: no cover - transformers 4
         cfg.torch_dtype = "bfloat16"

@@ -1,7 +1,7 @@
 """The GPU driver's stages (bench/vllm_e2e.py): the plan of each call, the job kinds, and the checks
 derived from what the jobs recorded. No vLLM, no torch (the work runs in ``e2e_worker``).
 
-Stages, in the order they run (issue 24: SFI under FULL CUDA graphs is proved first, SFI is measured
+Stages, in the order they run (SFI under FULL CUDA graphs is proved first, SFI is measured
 before its baselines):
 
 * ``smoke``: vLLM's ``_C`` kernels against PyTorch, imports and the plugin entry point;
@@ -44,9 +44,9 @@ STAGES = ("smoke", "graphs", "kernels", "sfi_perf", "correct", "quality", "perf"
 # The documented invocation: calls of at most CALL_DEADLINE_S each, each independent of the others
 # (a later session can run the rest).
 CALL_DEADLINE_S = 520
-# Issue 35: the GPU half in calls of at most 10 minutes each, ordered by what they decide. A session
-# is lent 15 minutes of device time (the device tool's README, 2026-11-27; the issue was written for
-# 30), start-up, the payload's stash call and idle seconds included: SESSION_PLAN below. Call 1 alone
+# The GPU half in calls of at most 10 minutes each, ordered by what they decide. A session is lent 15
+# minutes of device time (the device tool's README), start-up, the payload's stash call and idle
+# seconds included: SESSION_PLAN below. Call 1 alone
 # answers the principal question: SFI against what `vllm serve` gives by default at 32K with the batch
 # that fills the default's KV cache (TPOT, TTFT, and a kernel table of a decode window from the torch
 # profiler), after SFI under FULL CUDA graphs == eager. Call 2, on the same warm machine right after:

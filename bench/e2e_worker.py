@@ -191,7 +191,7 @@ def worker_kernels(spec: dict, ev: Events) -> None:
     ``paged_decode`` (SFI's dense rows; ``dense_decode = paged_decode``) against the delegate's kernel
     (vLLM's ``TritonAttentionImpl.forward``, i.e. ``unified_attention`` with the metadata its builder
     makes for a decode batch: the 3D split kernel at small batches), both in CUDA graphs. The faster
-    one is what dense decode rows should take (issue 24)."""
+    one is what dense decode rows should take."""
     import types
 
     import torch

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Real vLLM 0.32 + SPEEDSFI end to end on a GPU: SFI under CUDA graphs, correctness, quality,
-performance against what users run by default, and serving (issues 10, 24).
+performance against what users run by default, and serving.
 
 Run on the GPU machine by ``scripts/gpu_e2e.sh`` (which unpacks the payload of
 ``scripts/gpu_vllm_bundle.sh`` and puts it on ``PYTHONPATH``); the documented invocation is five
-calls of at most 520 s each: 1 and 2 in a session's 15 minutes of device time (issue 35; ``session``
+calls of at most 520 s each: 1 and 2 in a session's 15 minutes of device time (``session``
 prints that budget), 3 to 6 in later sessions (``--call N`` picks a call's stages and configurations)::
 
     python bench/vllm_e2e.py --call 1 --out $OUT --deadline-s 520   # graphs == eager; 32K x max: SFI vs vLLM's default + kernel tables
@@ -21,7 +21,7 @@ prints that budget), 3 to 6 in later sessions (``--call N`` picks a call's stage
 This process never imports vLLM or torch: every job (one engine: a backend, a SPEEDSFI
 configuration, eager or CUDA graphs) runs in its own subprocess, killed at its own estimate x 1.5 or
 at the call's deadline; a failure is recorded with its exact error and the run goes on; the JSON is
-rewritten after every job. The rooms:
+rewritten after every job. The modules:
 
 * ``e2e_stages.py``: the stages and each call's plan, the job kinds, the derived checks;
 * ``e2e_jobs.py``: the job runner (subprocess, process group, deadline and hang kill, failure record);
@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# the rooms (re-exported: tests and tools address the driver as one module)
+# the modules (re-exported: tests and tools address the driver as one module)
 from e2e_jobs import (JSON_NAME, LOGS_TAR, PNG_NAME, ROOT, SCHEMA, JobRunner, job_timeout,  # noqa: E402,F401
                       log, looks_like_c_op_failure, short_error, spawn)
 from e2e_models import (CONFIGS, MODELS, N_SPECIAL, SFI_CPU, SFI_SMALL, TRIGGER_EVERY,  # noqa: E402,F401

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Teacher-forced agreement with dense on long answers through real vLLM (issue 37, item 4).
+"""Teacher-forced agreement with dense on long answers through real vLLM.
 
 For every document of ``vllm_ext.quality.long_answers`` (summarise or continue a logbook of about
 ``--lengths`` tokens, one per kind, length and seed):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Long answers through real vLLM (issue 37, item 4): does SFI's text stay as close to dense's as
+"""Long answers through real vLLM: does SFI's text stay as close to dense's as
 dense's own precision noise?
 
 For every document (``vllm_ext.quality.long_answers``: summarise or continue a logbook of about

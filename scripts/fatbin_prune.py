@@ -9,10 +9,10 @@ a third (vLLM 0.32's ``_C_stable_libtorch.abi3.so``: 51.9 MiB -> 16.4 MiB as xz)
 (H100, H200) can only run sm_90 cubins or JIT-compile PTX, so the zeroed entries are never loaded
 there. Refuses (exit 1) when no cubin of ``--keep-sm`` is found (the result would be useless).
 
-From the team's ``shared/tools/gpu_vllm/fatbin_prune.py``, with one fix: that version read the
-architecture at byte 32 of the entry header (always 0 in this library), so it zeroed *every* cubin,
-sm_90 included, leaving only the 28 PTX entries (most kernels would then have no code for an H100).
-The architecture is the u32 at byte 28.
+The architecture is the u32 at byte 28 of the entry header. Byte 32 (which the team's
+``shared/tools/gpu_vllm/fatbin_prune.py`` reads) is always 0 in this library: reading it would zero
+*every* cubin, sm_90 included, leaving only the 28 PTX entries (most kernels would then have no code
+for an H100).
 """
 
 from __future__ import annotations

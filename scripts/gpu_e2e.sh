@@ -15,7 +15,7 @@
 #
 # The calls (each <= 520 s of driver time; "python3 bench/vllm_e2e.py --call N --dry-run" prints the
 # plan and its estimate), in this order, 1 and 2 in a session's 15 minutes of device time, one after
-# the other on the warm machine (issue 35; "python3 bench/vllm_e2e.py session" prints the budget):
+# the other on the warm machine ("python3 bench/vllm_e2e.py session" prints the budget):
 #   call1  SFI under FULL CUDA graphs == eager, each row once; Qwen3-4B shape at 32K with the batch
 #          that fills the KV cache: SFI preset (dense rows on vLLM's pick) vs vLLM's default, each
 #          with a kernel table of a decode window

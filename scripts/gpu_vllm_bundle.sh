@@ -37,7 +37,7 @@ XZ_THREADS=${XZ_THREADS:-0}
 VLLM_VERSION=0.32.0
 WHEEL=vllm-$VLLM_VERSION-cp38-abi3-manylinux_2_28_x86_64.whl
 mkdir -p "$C/dl" "$C/whl" "$ONE" "$DEPS_DIR"
-# an earlier layout kept every archive in carry/ and the whole _C in carry_so_full/: move, not rebuild
+# a cache in the other layout (every archive in carry/, the whole _C in carry_so_full/): move, not rebuild
 for f in deps_site.tar.xz _vllm_fa3_C.abi3.so.xz; do
   if [ -f "$ONE/$f" ]; then mv "$ONE/$f" "$DEPS_DIR/$f"; fi
 done

@@ -2,7 +2,7 @@
 """Which Python modules would an offline vLLM run miss on the lent GPU machines? Checked here, on
 the CPU build, before spending device time.
 
-Each missing module cost one device call on 2026-11-23 (``flashinfer`` from the sampler, then
+A module missing there stops the engine and costs a device call (e.g. ``flashinfer`` from the sampler,
 ``compressed_tensors`` from the model loader). This script hides every installed distribution that
 is neither in the GPU image (the package list of the device tool's KINDS.md, copied below) nor
 carried by ``scripts/gpu_vllm_deps.txt``, then runs what ``bench/vllm_e2e.py`` runs: ``LLM(...)``

@@ -23,7 +23,7 @@ checked.
         --random-ids --lengths 4096,16384 --extra-tokens 256 --name load_h100_sfi
                           # attach to any server (a GPU node); RSS of that process tree
 
-Soak (``--soak``, issue 25): the same, plus every second the resident memory of each server process
+Soak (``--soak``): the same, plus every second the resident memory of each server process
 (API server, engine core, worker), vLLM's ``vllm:kv_cache_usage_perc`` / ``num_requests_running`` /
 ``waiting`` and SPEEDSFI's request, SFI and CritiPrefill slots (``/metrics``); after the traffic it
 waits until the server is idle and samples the end state for ``--end-sample-s``. ``--abort-fraction``
@@ -71,12 +71,12 @@ BUILTIN = {
     # SPEEDSFI with every method off
     "dense": ({}, ()),
     # a small SFI budget, so that prompts from 133 tokens on decode sparsely (sink 4 + k 64 + recent
-    # 64); select_span 4: the selector's quality fix (bench/QUALITY.md: 75 % vs 95 % dense at 2K)
+    # 64); select_span 4 keeps the selector's quality (bench/QUALITY.md: 75 % vs 95 % dense at 2K)
     "sfi": ({"sfi": {"enabled": True, "k": 64, "n_recent": 64, "select_span": 4}}, ()),
     # SPEED needs prefix caching off (and an eager model, as every server here, to skip the upper
     # layers' prompt compute); l_cut: 3/4 of the layers
     "speed": ({"speed": {"enabled": True}}, ("--no-enable-prefix-caching",)),
-    # the soak's configurations (issue 25): every method on (SPEED forces prefix caching off), and the
+    # the soak's configurations: every method on (SPEED forces prefix caching off), and the
     # methods that allow prefix caching with it on. CritiPrefill with a small segment so that it is
     # active from 256-token prompts (needs --max-num-batched-tokens > segment_size)
     "all_on": ({"sfi": {"enabled": True, "k": 64, "n_recent": 64, "select_span": 4},

@@ -263,7 +263,7 @@ def evaluate(model, lengths, per_cell, seed=10_000, fillers=("plain",)):
 
 def draw_filler(rng: random.Random, filler: str) -> str:
     """The haystack style of one document; ``mix`` draws (only then is ``rng`` used, so plain and prose
-    runs draw the same documents as before the option existed)."""
+    runs draw the same documents as a run that never draws a style)."""
     if filler != "mix":
         return filler
     return "prose" if rng.random() < 0.5 else "plain"

@@ -93,7 +93,7 @@ def first_hour() -> str:
         f"- `scripts/run_tests.sh` took **{_minutes(tests['wall_s'])}** ({tests['passed']} passed, "
         f"{tests['skipped']} skipped for want of a GPU, {tests['failed']} failed). "
         "`scripts/run_tests.sh -m \"not slow\"` runs the unit tests only (no engines).\n\n"
-        f"Machine: {d['machine']}; {d['date']}; commit {d['commit']} (issue 38's trial of a fresh clone); "
+        f"Machine: {d['machine']}; {d['date']}; commit {d['commit']} (a trial of a fresh clone); "
         f"{_source('first_hour.json')}.\n")
 
 
@@ -282,7 +282,7 @@ def soak() -> str:
 
 
 def soak_tight_kv() -> str:
-    """The soak with a KV cache small enough to preempt (issue 36)."""
+    """The soak with a KV cache small enough to preempt."""
     name = "soak_cpu_tight_kv.json"
     d = _load(name)
     lines = ["| config | requests | aborted by the client | failed | preemptions | at the end: slots / queue / KV usage |",
@@ -301,7 +301,7 @@ def soak_tight_kv() -> str:
 
 
 def concurrency_cpu() -> str:
-    """Requests at once under a KV cache that limits them, all off vs SFI on (issue 36)."""
+    """Requests at once under a KV cache that limits them, all off vs SFI on."""
     name = "concurrency_cpu.json"
     d = _load(name)
     lines = ["| | start-up \"Maximum concurrency\" | most requests in one step |", "|---|---|---|"]
@@ -313,7 +313,7 @@ def concurrency_cpu() -> str:
 
 
 def concurrency_critiprefill_cpu() -> str:
-    """CritiPrefill prompts in a sparse prefill at once under a small KV cache (issue 36)."""
+    """CritiPrefill prompts in a sparse prefill at once under a small KV cache."""
     name = "concurrency_critiprefill_cpu.json"
     d = _load(name)
     lines = ["| | start-up \"Maximum concurrency\" | most prompts prefilling sparsely in one step |",
@@ -464,7 +464,7 @@ _USER_NEEDLE_SETS += (("quality_cpu_smollm2_user_needles_heldout2_default", "hel
                       ("quality_cpu_smollm2_user_needles_heldout3_4k", "held out, third"),
                       ("quality_cpu_smollm2_user_needles_heldout3_8k", "held out, third"),
                       ("quality_cpu_smollm2_user_needles_heldout4_8k", "held out, fourth (8K only)"))
-# the held-out runs of the default as shipped, pooled per length (issue 37 item 3's resolution)
+# the held-out runs of the default as shipped, pooled per length
 _USER_NEEDLE_POOLED = ("quality_cpu_smollm2_user_needles_heldout2_default",
                        "quality_cpu_smollm2_user_needles_heldout3_4k",
                        "quality_cpu_smollm2_user_needles_heldout3_8k",
@@ -503,7 +503,7 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
 
 
 def quality_user_needles() -> str:
-    """Issue 37: user-written single needles (vllm_ext.quality.user_needles), dense vs the preset
+    """User-written single needles (vllm_ext.quality.user_needles), dense vs the preset
     and the copy trigger, per set and length: right answers, how many of dense's right ones it kept
     (with the exact 95 % interval of that share: the paired measure, since both run the same
     prompts), and what the fast steps read."""
@@ -577,7 +577,7 @@ def _user_needles_pooled() -> str:
 
 
 def long_answers() -> str:
-    """Issue 37 item 4: ROUGE-L F of the preset's 256-token answers against dense bf16's, and of dense
+    """ROUGE-L F of the preset's 256-token answers against dense bf16's, and of dense
     bf16's against dense fp32's (the precision noise floor)."""
     name = "long_answers_cpu_smollm2.json"
     d = _load(name)

@@ -226,7 +226,7 @@ def test_request_overrides_from_json_text():
 def test_dense_delegate_is_an_engine_wide_choice():
     from vllm_ext.config import ConfigError, SpeedSfiConfig, check_request_overrides
 
-    # "triton" stays the default until a GPU run has checked "auto" token for token (issue 35)
+    # "triton" stays the default until a GPU run has checked "auto" token for token
     assert SpeedSfiConfig.from_dict(None).dense_delegate == "triton"
     assert SpeedSfiConfig.from_dict({"dense_delegate": "auto"}).dense_delegate == "auto"
     cfg = SpeedSfiConfig.from_dict({"preset": "sfi", "dense_delegate": "flash_attn"})
@@ -238,7 +238,7 @@ def test_dense_delegate_is_an_engine_wide_choice():
 
 
 def test_the_copy_trigger_is_on_by_default_and_off_in_the_paper_presets():
-    """Issue 37: copy_ngram 2, copy_max_matches 1, copy_once by default (SfiConfig's and the `sfi`
+    """copy_ngram 2, copy_max_matches 1, copy_once by default (SfiConfig's and the `sfi`
     preset's); the presets that are the paper say copy_ngram 0."""
     s = SfiConfig()
     assert (s.copy_ngram, s.resolved_copy_ngram, s.copy_max_matches, s.copy_once) == (None, 2, 1, True)
@@ -256,7 +256,7 @@ def test_the_copy_trigger_is_on_by_default_and_off_in_the_paper_presets():
                                   "refresh": 1}])
 def test_the_default_copy_trigger_is_inert_where_every_step_is_slow(sfi):
     """Unset, copy_ngram resolves to 0 where every decode step is slow already (no history group, no
-    per-step launches); a configuration valid before the default changed stays valid, alone and on
+    per-step launches), so a configuration that leaves the copy trigger unset is valid, alone and on
     top of the `sfi` preset (whose copy_ngram 2 gives way like the default)."""
     for raw in ({"sfi": {"enabled": True, **sfi}}, {"preset": "sfi", "sfi": dict(sfi)}):
         if "selector" in sfi and "preset" in raw:

@@ -1,4 +1,4 @@
-"""Issue 35 item 1: ``speedsfi.dense_delegate = "auto"`` hands the dense rows to the backend vLLM's own
+"""``speedsfi.dense_delegate = "auto"`` hands the dense rows to the backend vLLM's own
 selector picks (what ``vllm serve MODEL`` runs), and says so at start-up."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """SPEEDSFI's environment variables start with ``SPEEDSFI_`` (vLLM warns about unknown ``VLLM_*``
-ones); the old ``VLLM_EXT_*`` names still work, with a note logged once; Ray copies ``SPEEDSFI_*``."""
+ones); the deprecated ``VLLM_EXT_*`` names work too, with a note logged once; Ray copies ``SPEEDSFI_*``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Numbers cannot drift (issue 38 item 3): every figure block of the README and ``docs/`` is what
+"""Numbers cannot drift: every figure block of the README and ``docs/`` is what
 ``scripts/write_figures.py`` writes from its committed result file, names the machine, the date, the
 commit and its source file; no page states a measured figure outside such a block, except in the few
 paragraphs marked ``not measured`` or ``historical`` that EXEMPTIONS lists (the README in none)."""

@@ -85,7 +85,7 @@ def bundle():
     env = dict(os.environ)
     if not built:
         # a fresh build (CI): xz -3 instead of -9e (2-core VM: the archives in 44 s, against about
-        # 3.5 min at -6); they are larger (the largest call 54 of 64 MiB with today's tree), so they fit
+        # 3.5 min at -6); they are larger (the largest call 54 of 64 MiB when measured), so they fit
         # the transfer limit a fortiori at the default level. An existing build is reused as it is
         # (same level, nothing rebuilt).
         env.setdefault("GPU_BUNDLE_XZ_LEVEL", "-3")

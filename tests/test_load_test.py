@@ -91,7 +91,7 @@ def test_configurations(lt):
 
 
 # ------------------------------------------------------------------------------------------------
-# Soak (issue 25): client drops, repeated prompts, the /metrics values sampled, the summary
+# Soak: client drops, repeated prompts, the /metrics values sampled, the summary
 # ------------------------------------------------------------------------------------------------
 def test_soak_traits_seeded_fraction_and_repeats(lt):
     base = lambda: lt.make_workload(400, [64, 256], extra=2, seed=0, random_ids=False)  # noqa: E731

@@ -1,4 +1,4 @@
-"""What a newcomer reads is there (issue 26 item 4, issue 38 item 1): the README is a short map whose
+"""What a newcomer reads is there: the README is a short map whose
 every page is reachable from it; every repository path the README and ``docs/`` cite (in backticks
 or as links) exists; and no file points outside the repository."""
 

@@ -170,7 +170,7 @@ def test_sfi_reads_its_kv_cache_group_rows_and_a_request_without_blocks_decodes_
     cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "k": 8, "k_min": 4, "n_sink": 4,
                                             "n_recent": 16}})
     t = EngineRequestTable(max_reqs=4, device="cpu", config=cfg, sfi_capacity=4, max_model_len=1024)
-    # the one door: the generic table hands each method the KV-cache groups its spec declares
+    # the one interface: the generic table hands each method the KV-cache groups its spec declares
     t.bind_kv_groups({"sfi": {1: (2, ["model.layers.0.attn.sfi_compact"])}, "other": {2: (1, ["x"])}})
     assert t.sfi.compact_table_of_layer["model.layers.0.attn"] is t.sfi.compact_tables[1]
     t.sync_membership([], {"a": (100, None), "b": (100, None)})

@@ -5,7 +5,7 @@ import numpy as np
 
 from vllm_ext.config import CritiPrefillConfig
 from vllm_ext.methods.critiprefill.chunking import is_critiprefill_chunk
-from vllm_ext.runner_hooks import move_critiprefill_rows_last
+from vllm_ext.methods.critiprefill.chunking import move_critiprefill_rows_last
 
 CFG = CritiPrefillConfig(enabled=True, segment_size=64, block_size=16, budget=32, min_len=100)
 

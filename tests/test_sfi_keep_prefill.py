@@ -126,7 +126,7 @@ def test_a_slot_without_kept_tokens_selects_the_whole_budget(use_twins):
 
 @pytest.mark.parametrize("use_twins", [False, True])
 def test_paged_state_matches_the_dense_tables(use_twins):
-    """Issue 36: the kept positions and compact segments in KV-cache pages (read and written through
+    """The kept positions and compact segments in KV-cache pages (read and written through
     the per-slot block table, pages holding another request's leftovers) give exactly the dense
     tables' selections, kept positions and compact entries."""
     p = Problem(LENS, 2, "cpu", seed=4)

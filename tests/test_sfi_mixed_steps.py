@@ -1,9 +1,9 @@
-"""Issue 24: a step with prefills computes every row once on the CUDA route, and side-stream work reads
+"""A step with prefills computes every row once on the CUDA route, and side-stream work reads
 no temporary. The CUDA branch of the impl (``SpeedSfiImpl._forward_sfi_cuda``) runs here on the CPU
 with a stand-in for vLLM's Triton delegate (dense attention over the rows its metadata names) and the
 PyTorch twins of our kernels: the delegate must see only the prefill rows (its metadata cut by the
 builder's ``_cut_delegate``), SFI computes every decode row (dense ones through ``paged_decode``), and
-the row counters (``vllm_ext.backend.row_counters``) add up to the rows of the layer call."""
+the row counters (``vllm_ext.row_counters``) add up to the rows of the layer call."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_ext.backend import row_counters
+from vllm_ext import row_counters
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import ConfigError, SfiConfig, SpeedSfiConfig
 from vllm_ext.kernels import paged_reference

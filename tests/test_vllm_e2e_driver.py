@@ -1,4 +1,4 @@
-"""bench/vllm_e2e.py in rooms (issue 26 item 3, issue 24's order): each module's CPU test, without vLLM
+"""bench/vllm_e2e.py and its modules: each module's CPU test, without vLLM
 or a GPU: every call of the documented invocation fits its deadline in --dry-run; call 1 proves SFI
 under FULL CUDA graphs before it measures, and SFI before its baselines; a hung job is killed at its
 own estimate x 1.5; the report is rebuilt from a recorded JSON; the derived checks compare what they
@@ -22,10 +22,10 @@ BENCH = ROOT / "bench"
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("speedsfi_vllm_e2e_rooms", BENCH / "vllm_e2e.py")
+    spec = importlib.util.spec_from_file_location("speedsfi_vllm_e2e_modules", BENCH / "vllm_e2e.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)            # puts bench/ on sys.path for the rooms
+    spec.loader.exec_module(mod)            # puts bench/ on sys.path for its modules
     return mod
 
 
@@ -81,7 +81,7 @@ def test_calls_cover_every_stage_once(e2e):
 
 
 def test_call_1_alone_answers_sfi_against_the_default_at_32k_with_the_batch_that_fills_the_cache(e2e):
-    """Issue 35 item 6: correctness under FULL graphs first, then SFI (dense rows on vLLM's pick) and
+    """Correctness under FULL graphs first, then SFI (dense rows on vLLM's pick) and
     what `vllm serve` gives by default, at 32K with the batch the default's KV cache holds, each with
     a kernel table of a decode window."""
     args, _ = e2e.parse(["--call", "1"])
@@ -95,8 +95,8 @@ def test_call_1_alone_answers_sfi_against_the_default_at_32k_with_the_batch_that
     # four prompts: the captured batch size 4 decodes without padded rows
     assert g[0]["groups"][0]["batch_cap"] == 4 == g[0]["max_num_seqs"]
     # a step budget below the prompts' total chunks them, so early requests decode beside later
-    # chunks: mixed steps, which the "every row once" check needs (H200, 2026-11-26: with vLLM's
-    # default budget all four prompts fit one step and the check failed for want of mixed steps)
+    # chunks: mixed steps, which the "every row once" check needs (with vLLM's default budget all
+    # four prompts fit one step, and the check would fail for want of mixed steps)
     for j in g:
         lengths = j["groups"][0]["lengths"]
         assert j["max_num_batched_tokens"] < sum(lengths) - min(lengths)

@@ -1,8 +1,8 @@
-"""SPEEDSFI's environment variables, and their names before issue 38.
+"""SPEEDSFI's environment variables, and their deprecated ``VLLM_EXT_*`` names.
 
 vLLM warns about every ``VLLM_*`` variable it does not know ("Unknown vLLM environment variable
-detected"), so ours start with ``SPEEDSFI_``. The old ``VLLM_EXT_*`` names still work, with a
-deprecation note logged once per process; the new name wins when both are set. vLLM's Ray executor
+detected"), so ours start with ``SPEEDSFI_``. The deprecated ``VLLM_EXT_*`` names work too, with a
+deprecation note logged once per process; the ``SPEEDSFI_`` name wins when both are set. vLLM's Ray executor
 copies only ``VLLM_*`` (and a few other) variables to its actors, so ``register()`` adds the
 ``SPEEDSFI_`` prefix to ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` (:func:`forward_to_ray`)."""
 

@@ -2,7 +2,7 @@
 ``docs/per_request_memory.md``): a KV-cache spec in the attention layer's page format that vLLM never
 prefix-caches, a manager that never finds, caches or imports blocks, and the registration. A method
 adds its own fields (how many pages, from when) and its allocation rule; it names itself in the
-spec's ``speedsfi_method`` (the one door, ``vllm_ext.method_slots``)."""
+spec's ``speedsfi_method`` (the one interface, ``vllm_ext.method_slots``)."""
 
 from __future__ import annotations
 

@@ -7,13 +7,14 @@ Four methods are wrapped, all inert unless the runner's config selects SPEEDSFI:
 - ``_update_states(scheduler_output)``: after vLLM has updated its persistent batch, slots follow the
   requests (finished / aborted / preempted ones give theirs back, resumed ones get fresh state; a
   request merely not scheduled in a step keeps its slot and state).
-- ``_may_reorder_batch(scheduler_output)`` (with CritiPrefill): after vLLM's own reordering (decode
-  rows first), CritiPrefill rows move behind every other row (:func:`move_critiprefill_rows_last`).
+- ``_may_reorder_batch(scheduler_output)``: after vLLM's own reordering (decode rows first), each
+  method may reorder the rows it needs together (``Method.order_rows``: CritiPrefill's sub-batch
+  last).
 - ``_build_attention_metadata(...)``: just before the builders run, the step's rows are staged. A real
   step is recognised by ``num_scheduled_tokens`` (``execute_model`` passes it; profiling, warm-up and
   CUDA-graph capture runs do not) and ``for_cudagraph_capture``.
-- ``_determine_batch_execution_and_padding(...)`` (with SFI): a step with a prompt row is not a
-  uniform decode batch, so it never replays a FULL CUDA graph (:func:`has_sfi_prompt_rows`).
+- ``_determine_batch_execution_and_padding(...)``: a step a method marks (``Method.breaks_uniform_decode``)
+  never replays a FULL CUDA graph (:func:`breaks_uniform_decode`).
 """
 
 from __future__ import annotations
@@ -76,42 +77,22 @@ def table_of(runner) -> EngineRequestTable | None:
 
 
 def _make_table(runner) -> EngineRequestTable:
-    from vllm_ext.backend.startup import resolve_config
+    from vllm_ext.backend.request_table import EngineRequestTable
+    from vllm_ext.backend.startup import engine_of
 
-    cfg = resolve_config(runner.vllm_config)
-    lut = None
-    if cfg.sfi.enabled:
-        from vllm_ext.methods.sfi.triggers import boundary_token_ids, trigger_lut
+    engine = engine_of(runner.vllm_config)
+    model_config = runner.vllm_config.model_config
 
-        model_config = runner.vllm_config.model_config
+    def tokenizer():
         from vllm.tokenizers import cached_tokenizer_from_config
 
-        tokenizer = cached_tokenizer_from_config(model_config)
-        ids, spaces = boundary_token_ids(tokenizer, cfg.sfi.trigger_chars)
-        lut = trigger_lut(ids, model_config.get_vocab_size(), runner.device, whitespace_ids=spaces)
-        import logging
+        return cached_tokenizer_from_config(model_config)
 
-        logging.getLogger("vllm_ext").info("vllm_ext: SFI trigger set: %d of %d vocabulary ids end in "
-                                           "%r (%d whitespace-only ids; refreshes fire at the %s)",
-                                           len(ids), model_config.get_vocab_size(),
-                                           "".join(cfg.sfi.trigger_chars), len(spaces),
-                                           cfg.sfi.fire_at.replace("_", " "))
-    from vllm_ext.backend.metadata import sfi_capacity
-    from vllm_ext.backend.request_table import EngineRequestTable
-
-    table = EngineRequestTable(runner.max_num_reqs, runner.device, config=cfg,
-                               sfi_capacity=sfi_capacity(runner.vllm_config), trigger_lut=lut,
-                               max_model_len=runner.vllm_config.model_config.max_model_len,
-                               paged_history=True)
-    if table.sfi is not None:
-        from vllm_ext import metrics
-
-        # device counters, read without synchronising (the latest completed copy)
-        metrics.add_provider("sfi", table.sfi.counter_values)
-    if table.critiprefill is not None:
-        from vllm_ext import metrics
-
-        metrics.add_provider("critiprefill", table.critiprefill.counter_values)
+    table = EngineRequestTable(runner.max_num_reqs, runner.device, config=engine.config,
+                               methods=engine.methods(), tokenizer=tokenizer,
+                               vocab_size=model_config.get_vocab_size(),
+                               max_model_len=model_config.max_model_len, paged_history=True)
+    table.add_metric_providers()
     return table
 
 
@@ -218,10 +199,11 @@ def install() -> None:
         @functools.wraps(reorder)
         def _may_reorder_batch(self, scheduler_output):
             result = reorder(self, scheduler_output)
-            table = table_of(self)
-            if table is not None and table.critiprefill is not None:
-                move_critiprefill_rows_last(self.input_batch, scheduler_output.num_scheduled_tokens,
-                                            table.critiprefill.cfg)
+            if table_of(self) is not None:
+                from vllm_ext.backend.startup import engine_of
+
+                for method in engine_of(self.vllm_config).methods():
+                    method.order_rows(self.input_batch, scheduler_output.num_scheduled_tokens)
             return result
 
         setattr(_may_reorder_batch, _PATCHED_ATTR, True)
@@ -243,7 +225,7 @@ def install() -> None:
     if not getattr(decide, _PATCHED_ATTR, False):
         @functools.wraps(decide)
         def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, *args, **kwargs):
-            if kwargs.get("force_uniform_decode") is None and has_sfi_prompt_rows(self, num_reqs):
+            if kwargs.get("force_uniform_decode") is None and breaks_uniform_decode(self, num_reqs):
                 kwargs["force_uniform_decode"] = False
             return decide(self, num_tokens, num_reqs, *args, **kwargs)
 
@@ -251,39 +233,11 @@ def install() -> None:
         GPUModelRunner._determine_batch_execution_and_padding = _determine_batch_execution_and_padding
 
 
-def has_sfi_prompt_rows(runner, num_reqs: int) -> bool:
-    """A real step with SFI whose batch has a prompt row (a prefill chunk, maybe of one token). Such
-    a step is never run as a uniform-decode FULL CUDA graph: a replayed graph would skip the
-    host-planned prompt-tail work of that row (``vllm_ext.methods.sfi.prompt_tail``), and whether a one-token
-    chunk lands in an otherwise all-decode step depends on the other requests."""
-    table = table_of(runner)
-    if table is None or table.sfi is None or num_reqs <= 0:
+def breaks_uniform_decode(runner, num_reqs: int) -> bool:
+    """Whether a method says this real step must not replay a FULL CUDA graph
+    (``Method.breaks_uniform_decode``: e.g. a prompt row with host-planned work)."""
+    if table_of(runner) is None or num_reqs <= 0:
         return False
-    batch = runner.input_batch
-    return bool((batch.num_computed_tokens_cpu[:num_reqs] < batch.num_prompt_tokens[:num_reqs]).any())
+    from vllm_ext.backend.startup import engine_of
 
-
-def move_critiprefill_rows_last(batch, num_scheduled_tokens, cfg) -> int:
-    """Move the rows that run CritiPrefill this step (``vllm_ext.methods.critiprefill.chunking.
-    is_critiprefill_chunk``) behind every other row of vLLM's persistent batch, so that the step's
-    CritiPrefill sub-batch holds them only: a row's kernel then depends on its own request, not on
-    whether a CritiPrefill row happened to come before it. Such rows have two tokens or more, so
-    vLLM's decode-like rows (one token) stay in front. Returns the number of swaps."""
-    from vllm_ext.methods.critiprefill.chunking import is_critiprefill_chunk
-
-    req_ids = batch.req_ids
-    n = len(req_ids)
-    computed, plen = batch.num_computed_tokens_cpu, batch.num_prompt_tokens
-    is_cp = [is_critiprefill_chunk(cfg, int(plen[i]), int(computed[i]),
-                                   num_scheduled_tokens.get(req_ids[i], 0)) for i in range(n)]
-    i, j, swaps = 0, n - 1, 0
-    while i < j:
-        if not is_cp[i]:
-            i += 1
-        elif is_cp[j]:
-            j -= 1
-        else:
-            batch.swap_states(i, j)
-            is_cp[i], is_cp[j] = False, True
-            swaps += 1
-    return swaps
+    return any(m.breaks_uniform_decode(runner, num_reqs) for m in engine_of(runner.vllm_config).methods())

@@ -232,12 +232,13 @@ def scheduler_policy_of(scheduler):
     if cached is False:
         cached = None
         if is_speedsfi_selected(scheduler.vllm_config):
-            from vllm_ext.backend.metadata import critiprefill_admission_cap, sfi_admission_cap
-            from vllm_ext.backend.startup import resolve_config
+            from vllm_ext.backend.startup import engine_of
             from vllm_ext.scheduler_policy import SchedulerPolicy
 
             vllm_config = scheduler.vllm_config
-            cfg = resolve_config(vllm_config)
+            engine = engine_of(vllm_config)
+            cfg = engine.config
+            caps = {m.name: m.admission_cap() for m in engine.methods()}
             sfi_limit = None
             # selector quest without keep_prefill reads no prompt-tail queries (its first decode
             # step selects, and its page tables cover a prefix hit): nothing to cut
@@ -245,8 +246,8 @@ def scheduler_policy_of(scheduler):
                 from vllm_ext.methods.sfi.prompt_tail import prefix_hit_limit
 
                 sfi_limit = functools.partial(prefix_hit_limit, cfg.sfi)
-            policy = SchedulerPolicy(cfg, sfi_capacity=sfi_admission_cap(vllm_config),
-                                     critiprefill_capacity=critiprefill_admission_cap(vllm_config),
+            policy = SchedulerPolicy(cfg, sfi_capacity=caps.get("sfi", 0),
+                                     critiprefill_capacity=caps.get("critiprefill", 0),
                                      sfi_prefix_limit=sfi_limit)
             cached = policy if policy.active else None
             if policy.sfi_capacity or policy.cp_capacity:

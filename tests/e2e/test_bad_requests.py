@@ -1,4 +1,4 @@
-"""Bad input against a running server (issue 25 item 2): every malformed or hostile request gets a
+"""Bad input against a running server: every malformed or hostile request gets a
 4xx that names the field, and the server keeps answering valid requests exactly as before. Real
 ``vllm serve --attention-backend speedsfi`` (CPU build) with every method on: SFI, SPEED and
 CritiPrefill, on a 4-layer tiny Qwen3."""

@@ -1,12 +1,12 @@
-"""As many requests at once as dense (issue 36): SFI's compact segments are blocks of vLLM's KV cache
+"""As many requests at once as dense: SFI's compact segments are blocks of vLLM's KV cache
 (``vllm_ext.methods.sfi.kv_spec``), so under a load the KV cache limits, SPEEDSFI with SFI on runs about as
 many requests at once as with every method off, less exactly its compact-group blocks (compact segment + prompt-tail queries); no pool of ours
-caps it (the old default capped SFI at 32 requests). Real vLLM, CPU build, a tiny Qwen3, a small KV
+caps it (more than 32 at once, a default-sized slot pool's cap). Real vLLM, CPU build, a tiny Qwen3, a small KV
 cache and 80 concurrent requests of mixed lengths, short ones included.
 
 - vLLM's start-up concurrency counts the compact blocks: ``blocks(L) / (blocks(L) + n_c)`` of dense's;
 - the most requests one step runs with SFI is at least dense's x ``ctx / (ctx + n_c * block_size)``
-  (``ctx``: the requests' mean length), and above the old cap of 32;
+  (``ctx``: the requests' mean length), and above 32 (a default-sized slot pool's cap);
 - only requests whose length reaches ``first_compact_len`` (earlier for a prompt long enough to select: ``vllm_ext.methods.sfi.state_pages.first_state_len``) get compact blocks (short ones never);
 - every request finishes with all its tokens, and request slots, compact slots and KV blocks all
   come back.
@@ -114,7 +114,7 @@ def test_sfi_runs_as_many_requests_at_once_as_dense_less_its_blocks(runs):
     assert dense["peak"] > 32, "the KV cache, not max_num_seqs, must limit dense here"
     assert dense["peak"] < NUM_REQUESTS
     assert sfi["peak"] >= dense["peak"] * ctx / (ctx + n_c * BLOCK), (sfi["peak"], dense["peak"])
-    assert sfi["peak"] > 32                               # the old pool's default cap
+    assert sfi["peak"] > 32                               # a default-sized slot pool's cap
     assert sfi["counts"].get("sched.sfi_admission_waits", 0) == 0
     assert sfi["counts"]["sfi.fast_steps"] > 0 and sfi["counts"]["sfi.slow_steps"] > 0
 

@@ -1,4 +1,4 @@
-"""SFI's copy-trigger token history is blocks of vLLM's KV cache (issue 36; ``vllm_ext.methods.sfi.
+"""SFI's copy-trigger token history is blocks of vLLM's KV cache (``vllm_ext.methods.sfi.
 history_kv_spec``), not a ``[max_num_seqs + 1, max_model_len]`` table of ours. Real vLLM, CPU build, a
 tiny Qwen3 (2 layers), a small KV cache and 24 requests of mixed lengths at once, with
 ``sfi.copy_ngram`` on and off:

@@ -1,5 +1,5 @@
-"""CritiPrefill's per-request state is blocks of vLLM's KV cache (issue 36; ``vllm_ext.methods.critiprefill.
-kv_spec``): no pool of ours caps the prompts in a sparse prefill (the old default was 4). Real vLLM,
+"""CritiPrefill's per-request state is blocks of vLLM's KV cache (``vllm_ext.methods.critiprefill.
+kv_spec``): no pool of ours caps the prompts in a sparse prefill (more than 4 at once, a default-sized slot pool's cap). Real vLLM,
 CPU build, a tiny Qwen3 (2 layers, both sparse), a small KV cache and 16 prompts at once, a quarter
 too short for CritiPrefill.
 
@@ -96,7 +96,7 @@ def test_startup_concurrency_counts_the_state_pages(runs):
 def test_more_than_four_prompts_prefill_sparsely_at_once(runs):
     _, cp = runs
     c = cp["counts"]
-    assert max(cp["steps"]) > 4, cp["steps"]                 # the old pool's default cap
+    assert max(cp["steps"]) > 4, cp["steps"]                 # a default-sized slot pool's cap
     assert c.get("sched.critiprefill_admission_waits", 0) == 0
     assert c.get("fallback.critiprefill_no_state_blocks", 0) == 0
     assert c["critiprefill.sparse_segments"] > 0 and c["critiprefill.key_blocks_skipped"] > 0

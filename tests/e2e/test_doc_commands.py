@@ -1,5 +1,5 @@
-"""Every block of the README and ``docs/`` marked runnable runs as written on the CPU build (issue 38
-item 2), after the README's environment block, against the real model that set-up builds (or a tiny
+"""Every block of the README and ``docs/`` marked runnable runs as written on the CPU build,
+after the README's environment block, against the real model that set-up builds (or a tiny
 checkpoint where the block says ``runnable: tiny``). A ``vllm serve`` block is started, waited for
 and then answers its client blocks (or one chat request when it has none); the only change made to
 what the reader types is the port (a free one instead of 8000, so parallel test runs do not collide).

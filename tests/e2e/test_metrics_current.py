@@ -1,4 +1,4 @@
-"""Metrics are current when the server is idle (issue 38 item 5): against a real ``vllm serve`` with
+"""Metrics are current when the server is idle: against a real ``vllm serve`` with
 SFI on and the counters' default write interval (1 s), a request's counters and gauges are on
 ``/metrics`` within about a second of its last token with no further request or step, and the SFI
 and request slots in use return to 0. Before, the counters a request bumped last (its slots'

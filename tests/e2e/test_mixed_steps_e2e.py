@@ -1,5 +1,5 @@
-"""Issue 24 inside the real engine (CPU build): on steps that mix decode rows and prefill chunks, every
-row of every layer call is computed by exactly one path (``vllm_ext.backend.row_counters``): the dense
+"""Mixed steps inside the real engine (CPU build): on steps that mix decode rows and prefill chunks, every
+row of every layer call is computed by exactly one path (``vllm_ext.row_counters``): the dense
 pass skips the rows whose output SFI writes, and the counts add up to the rows of the layer calls."""
 
 import pytest

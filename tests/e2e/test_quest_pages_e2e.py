@@ -1,4 +1,4 @@
-"""Quest's page bounds are blocks of vLLM's KV cache (issue 36; ``vllm_ext.methods.sfi.quest_kv_spec``): no
+"""Quest's page bounds are blocks of vLLM's KV cache (``vllm_ext.methods.sfi.quest_kv_spec``): no
 bounds table sized by the request capacity at start-up. Real vLLM, CPU build, a tiny Qwen3, a small
 KV cache and 40 requests at once, a third too short for SFI.
 

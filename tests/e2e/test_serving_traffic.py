@@ -1,4 +1,4 @@
-"""Traffic independence as users meet it (issue 13, item 1): a real ``vllm serve --attention-backend
+"""Traffic independence as users meet it: a real ``vllm serve --attention-backend
 speedsfi`` with SFI on (a small budget, so that most decode steps are fast) and an OpenAI client.
 
 40 mixed-length prompts (20-1,500 tokens) one at a time, then all 40 at once together with 8 streamed

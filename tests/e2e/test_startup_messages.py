@@ -1,4 +1,4 @@
-"""No warnings we cause (issue 38 item 5): ``vllm serve`` with SPEEDSFI (every method off, and SFI
+"""No warnings we cause: ``vllm serve`` with SPEEDSFI (every method off, and SFI
 on) logs no warning that the same server with vLLM's own ``CPU_ATTN`` does not log, and never vLLM's
 "Unknown vLLM environment variable" (our variables are ``SPEEDSFI_*``). Warnings are compared
 without their timestamps, process names and numbers."""

@@ -1,7 +1,7 @@
-"""An answer depends only on its request (DESIGN.md, 2026-11-23): the same prompt gives the same greedy
+"""An answer depends only on its request (DESIGN.md): the same prompt gives the same greedy
 tokens with SFI on however its prefill is split into chunks (the token budget decides here; under
 load the other requests do) and whatever an earlier request left in the prefix cache. Real vLLM,
-CPU build, fp32, the issue's SFI budget (``k`` 64, ``n_recent`` 64, ``w_prefill`` 16)."""
+CPU build, fp32, a small SFI budget (``k`` 64, ``n_recent`` 64, ``w_prefill`` 16)."""
 
 import pytest
 

@@ -163,7 +163,7 @@ def test_passage_copy_text_sample(tmp_path):
 # --------------------------------------------------------------------------------------------
 # Haystack styles: the default ("plain") is what the committed models were trained and measured on
 # --------------------------------------------------------------------------------------------
-# SHA-256 of the samples / training documents below, computed before the `filler` option existed
+# SHA-256 of the samples / training documents below in the plain style (the committed models' documents)
 PLAIN_SAMPLES_SHA = "d150562edc2f129de5941192b010fc902c0ef01ea213023ea36b4ae1e8ad543b"
 PLAIN_DOCS_SHA = "5d5623152d655f758e7ce436e4b52d6e0a22af4729f74faf0ad716fc77889d46"
 

@@ -88,7 +88,7 @@ def test_copy_once_is_slow_at_the_first_copying_step_only():
 
 
 def test_the_default_is_the_bigram_once():
-    """Unset, the copy trigger is on (issue 37): copy_ngram 2, copy_max_matches 1, copy_once; the
+    """Unset, the copy trigger is on: copy_ngram 2, copy_max_matches 1, copy_once; the
     value's 2nd token (902 after 901) is the first copying step, and only it is slow."""
     t, modes, _ = _run(None, ANSWER, copy_once=True)
     cfg = t.sfi.cfg

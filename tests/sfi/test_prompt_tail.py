@@ -108,7 +108,7 @@ class Prompt:
 
 def make_layer(capacity=3, max_len=256, paged=False):
     """``paged``: the compact segments and prompt-tail queries in KV-cache pages full of leftovers,
-    through a per-slot block table of scattered blocks (as inside vLLM: issue 36)."""
+    through a per-slot block table of scattered blocks (as inside vLLM)."""
     layer = SfiLayerBuffers(capacity, HKV, CFG, D, torch.float32, torch.device("cpu"), num_heads=HQ,
                             paged=paged)
     if paged:

@@ -80,7 +80,7 @@ def test_plan_kernel_equals_twin(schedule, gap, fire_at, cooldown, track, select
         state["refresh_gap"] = torch.randint(1, cfg.refresh + 1, (n_slots,), generator=gen, dtype=torch.int32)
     elif not track:
         del state["trigger_state"]
-        lut = lut & 1 != 0                 # today's bool LUT still works where no state is kept
+        lut = lut & 1 != 0                 # a plain bool LUT works too where no state is kept
     twin = {k: v.clone() for k, v in state.items()}
     kern = {k: v.clone().to(DEVICE) for k, v in twin.items()}
     # maintenance chunks of 4 entries: two chunks, the entries padded to 8

@@ -322,20 +322,20 @@ def test_sentence_start_fires_at_the_first_word():
     assert run_boundary([W, T, NL, W, W], fire_at="sentence_end", cooldown=2) == [0, 1, 0, 0, 0]
 
 
-def test_sentence_start_default_config_is_todays_schedule():
-    """fire_at sentence_end, cooldown 0 with a trigger_state = without one (the old rule)."""
+def test_sentence_start_default_config_is_the_stateless_schedule():
+    """fire_at sentence_end, cooldown 0 with a trigger_state = without one (the stateless rule)."""
     rng = random.Random(3)
     tokens = [rng.choice([W, 2, T, 9, NL, SP, -1]) for _ in range(80)]
     with_state = run_boundary(tokens, fire_at="sentence_end", cooldown=0, min_gap=3, refresh=6)
     # without a state: the bool LUT rule of run_stream (NL counts as a trigger there too)
     steps, has = torch.zeros(1, dtype=torch.int32), torch.tensor([True])
-    old = []
+    stateless = []
     for tok in tokens:
         slow = decide_slow(torch.tensor([tok]), torch.tensor([0]), torch.tensor([True]), steps, has,
                            bits_lut(), refresh=6, min_boundary_gap=3)
         mark_selected(steps, has, torch.tensor([0]), slow)
-        old.append(int(slow[0]))
-    assert with_state == old
+        stateless.append(int(slow[0]))
+    assert with_state == stateless
 
 
 def test_cooldown_blocks_rearming():

@@ -32,13 +32,6 @@ class SpeedSfiBackend(AttentionBackend):
 
     @staticmethod
     def get_impl_cls():
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            # vLLM's CPU_ATTN kernels on their own cache format for every dense row (cpu_dense)
-            from vllm_ext.backend.cpu_dense import SpeedSfiCpuImpl
-
-            return SpeedSfiCpuImpl
         from vllm_ext.backend.impl import SpeedSfiImpl
 
         return SpeedSfiImpl
@@ -61,7 +54,7 @@ class SpeedSfiBackend(AttentionBackend):
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         # CUDA: physical [blocks, tokens, heads, K|V], the layout vLLM's Triton kernels (our dense
         # delegate) assume. CPU build: head-major pages [blocks, heads, tokens, C] first, the pages
-        # vLLM's CPU_ATTN kernels pack (our dense rows and K/V writes, backend.cpu_dense; our twins
+        # vLLM's CPU_ATTN kernels pack (our dense rows and K/V writes, backend.dense_path; our twins
         # read them through kernels.packed_pages). Our own kernels read any layout through strides.
         from vllm.platforms import current_platform
 

@@ -21,35 +21,61 @@ IMPLEMENTED_METHODS: frozenset[str] = frozenset({"sfi", "speed", "critiprefill"}
 # ``Attention``, one per layer, named ``model.layers.N.self_attn.attn``)
 SPEED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
-_cache: dict[int, SpeedSfiConfig] = {}
-
-
 def is_speedsfi_selected(vllm_config) -> bool:
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     return backend is not None and getattr(backend, "name", None) == BACKEND_NAME
 
 
+class Engine:
+    """What one engine runs: its resolved configuration and the methods it enables (one object per
+    ``VllmConfig``; the impls, builders and runner hooks of the engine share it)."""
+
+    def __init__(self, vllm_config, config: SpeedSfiConfig):
+        from vllm_ext.methods.registry import enabled_methods
+
+        self.vllm_config = vllm_config
+        self.config = config
+        self._methods = None
+        self._enabled_methods = enabled_methods
+
+    def methods(self, row_counters=None) -> list:
+        if self._methods is None:
+            self._methods = self._enabled_methods(self.config, self.vllm_config, row_counters=row_counters)
+        return self._methods
+
+
+_engine: Engine | None = None
+
+
+def engine_of(vllm_config) -> Engine:
+    """The engine of ``vllm_config`` (made once: one engine per process at a time, so a new config
+    replaces the last)."""
+    global _engine
+    if _engine is None or _engine.vllm_config is not vllm_config:
+        _engine = Engine(vllm_config, _resolve(vllm_config))
+    return _engine
+
+
 def resolve_config(vllm_config) -> SpeedSfiConfig:
     """The validated configuration for this engine (parsed once per ``VllmConfig``)."""
-    key = id(vllm_config)
-    cfg = _cache.get(key)
-    if cfg is None:
-        cfg = SpeedSfiConfig.from_additional_config(vllm_config.additional_config)
-        if cfg.dense_delegate == "auto":
-            from vllm.platforms import current_platform
+    return engine_of(vllm_config).config
 
-            cfg = dataclasses.replace(cfg, dense_delegate=resolve_dense_delegate(
-                cfg, vllm_config, on_cpu=current_platform.is_cpu()))
-        if cfg.sfi.enabled and cfg.sfi.maintenance_rows is None:
-            from vllm.platforms import current_platform
 
-            cfg = dataclasses.replace(cfg, sfi=dataclasses.replace(
-                cfg.sfi, maintenance_rows=resolve_maintenance_rows(cfg, vllm_config,
-                                                                   on_cpu=current_platform.is_cpu())))
-        check_engine(cfg, vllm_config)
-        _cache.clear()                      # one engine per process at a time; keep no stale entries
-        _cache[key] = cfg
-        logger.info("vllm_ext: SPEEDSFI configuration: %s", _describe(cfg))
+def _resolve(vllm_config) -> SpeedSfiConfig:
+    cfg = SpeedSfiConfig.from_additional_config(vllm_config.additional_config)
+    if cfg.dense_delegate == "auto":
+        from vllm.platforms import current_platform
+
+        cfg = dataclasses.replace(cfg, dense_delegate=resolve_dense_delegate(
+            cfg, vllm_config, on_cpu=current_platform.is_cpu()))
+    if cfg.sfi.enabled and cfg.sfi.maintenance_rows is None:
+        from vllm.platforms import current_platform
+
+        cfg = dataclasses.replace(cfg, sfi=dataclasses.replace(
+            cfg.sfi, maintenance_rows=resolve_maintenance_rows(cfg, vllm_config,
+                                                               on_cpu=current_platform.is_cpu())))
+    check_engine(cfg, vllm_config)
+    logger.info("vllm_ext: SPEEDSFI configuration: %s", _describe(cfg))
     return cfg
 
 

@@ -1,55 +1,73 @@
-"""SFI's slow-step work on the CPU build as compiled code (``csrc/sfi_cpu.cpp``): the dense pass with
-evidence over ``CPU_ATTN``'s packed pages (the row's attention output, the evidence and the key
-norms from one set of scores) and the closed-form selector, one request at a time.
+"""SFI's slow-step work on the CPU build as compiled torch operators (``csrc/cpu/sfi_cpu.cpp``): the
+dense pass with evidence over ``CPU_ATTN``'s packed pages (the row's attention output, the evidence
+and the key norms from one set of scores) and the closed-form selector, one request at a time.
 
 Why: on the real model at 8K a slow step's PyTorch twins (about 150 small ops per layer: the fp32
 gather of K, two matmuls, the log-sum-exps, the selector's refinements) cost about 4x a dense step,
 and sparse decode lost to dense on the mean. The C++ reads bf16 K and V once, keeps the scores in
 cache and fuses the selector's passes.
 
-Built at first use, like FlashInfer's JIT kernels: ``g++ -O3 -march=native`` into a shared object
-under ``$SPEEDSFI_CPU_KERNEL_CACHE`` (default ``~/.cache/vllm_speedsfi/cpu_kernels``), named by a
-hash of the source, the flags, the compiler and this CPU's feature flags, written atomically (a
-second process waits for nothing: it builds its own temporary and the rename wins), loaded with
-``ctypes`` (no torch headers: about 1 s to build). No compiler, a failed build or
-``SPEEDSFI_CPU_NATIVE=0``: the PyTorch twins run instead, and the fallback is logged once and counted
-(``fallback.cpu_native``). Torch only; no vLLM import.
+The operators (``torch.ops.speedsfi``; each has a fake implementation registered here, so that
+``torch.compile`` traces past it):
+
+- ``sfi_evidence(Tensor(a!) evidence, Tensor(b!)? key_norms, Tensor(c!)? out, Tensor query,
+  Tensor k_pages, Tensor v_pages, Tensor blocks, int seq, int lo, int hi, int lim, float scale,
+  float alpha, bool amx) -> ()``
+- ``sfi_select_row(Tensor(a!) sel, Tensor evidence, Tensor key_norms, int lo, int hi, float[] cfg,
+  int nms_radius, int span, int span_back, int n_sel, Tensor? exclude) -> ()``
+
+Built once per machine, at the first :func:`library` call of a process (the CPU impl makes it at
+engine start): ``g++ -O3 -march=native`` against torch's headers into a shared object under
+``$SPEEDSFI_CPU_KERNEL_CACHE`` (default ``~/.cache/vllm_speedsfi/cpu_kernels``), named by a hash of
+the source, the flags, the compiler, the torch build and this CPU's feature flags; a second process
+building at once waits on a lock file and then loads the first one's library (the library itself is
+written to a temporary and renamed into place, so no reader ever sees a partial one); loaded with
+``torch.ops.load_library``. The source is found in the repository (``<repo>/csrc``): a checkout or
+its editable install (``pip install -e .``, as ``scripts/setup_env.sh`` installs). No compiler, no
+source, a failed build or ``SPEEDSFI_CPU_NATIVE=0``: :func:`library` is None,
+:func:`unavailable_reason` says why, and the PyTorch twins run instead; the engine's start-up logs
+and counts that (``fallback.cpu_native``, ``vllm_ext.backend.cpu_dense``). Torch only; no vLLM
+import.
 
 Callers give contiguous fp32 rows; the wrappers check what the C++ assumes (dtypes, strides,
-ranges) and return False where it does not hold, so the twin runs.
+ranges) and return False where it does not hold, so the twin runs (the operators check the same and
+raise).
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 
-from vllm_ext import metrics
 from vllm_ext.kernels.packed_pages import PageView
 
 ENV = "SPEEDSFI_CPU_NATIVE"
 CACHE_ENV = "SPEEDSFI_CPU_KERNEL_CACHE"
-SOURCE = Path(__file__).with_name("csrc") / "sfi_cpu.cpp"
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
+# <repository>/csrc/cpu/sfi_cpu.cpp (vllm_ext/kernels/ is two levels below the repository's root)
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "sfi_cpu.cpp"
+# torch's headers need C++20; the math flags are those of the kernels' tests and benchmarks
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-shared",
          "-fPIC")
+NAMESPACE = "speedsfi"
+OPS = ("sfi_evidence", "sfi_select_row")
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_lib = None                     # torch.ops.speedsfi once loaded
 _tried = False
-
-_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-_EVIDENCE_ARGS = [_ptr, _i64, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _f32,
-                  _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i32]
-_SELECT_ARGS = [_ptr, _i64, _ptr, _i64, _i32, _i64, _i64, _ptr, _i32, _i32, _i32, _i64, _ptr, _i64, _ptr,
-                _i64, _ptr]
+_reason: str | None = None
+_fakes_registered = False
+# the last build or cache look-up of this process: {"path", "built" (compiled here), "seconds"}
+_build_info: dict = {}
 
 
 def enabled() -> bool:
@@ -73,41 +91,106 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build() -> ctypes.CDLL:
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vllm_speedsfi" / "cpu_kernels")
+
+
+def _torch_build() -> str:
+    return f"{torch.__version__} {torch.version.git_version} abi{int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+
+
+def _compile_args(source: Path, target: str) -> list[str]:
+    from torch.utils import cpp_extension
+
+    lib_dirs = cpp_extension.library_paths()
+    return [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(a for p in cpp_extension.include_paths() for a in ("-isystem", p)), str(source), "-o", target,
+            *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs), "-lc10", "-ltorch_cpu"]
+
+
+def _build() -> Path:
+    """The library's path in the cache, compiled first when it is not there."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
+    if not SOURCE.is_file():
+        raise RuntimeError(f"the kernels' source {SOURCE} is not there (the package is not installed "
+                           "from a checkout: install it with pip install -e)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()])
-                         .encode()).hexdigest()[:20]
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vllm_speedsfi" / "cpu_kernels")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _torch_build(),
+                                    _cpu_flags()]).encode()).hexdigest()[:20]
+    cache = _cache_dir()
     target = cache / f"sfi_cpu_{key}.so"
+    t0 = time.perf_counter()
+    built = False
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=cache)
-        os.close(fd)
-        try:
-            res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                                 timeout=300)
-            if res.returncode != 0:
-                raise RuntimeError(f"{cxx} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
-    for name in ("sfi_evidence_bf16", "sfi_evidence_f32"):
-        getattr(lib, name).argtypes = _EVIDENCE_ARGS
-        getattr(lib, name).restype = None
-    lib.sfi_select_row.argtypes = _SELECT_ARGS
-    lib.sfi_select_row.restype = None
-    return lib
+        with open(cache / f"sfi_cpu_{key}.lock", "a") as lock:
+            try:
+                import fcntl
+
+                fcntl.flock(lock, fcntl.LOCK_EX)      # another process building it: wait, then reuse
+            except (ImportError, OSError):
+                pass                                  # no locks here: each builds its own, a rename wins
+            if not target.exists():
+                fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=cache)
+                os.close(fd)
+                try:
+                    res = subprocess.run([cxx, *_compile_args(SOURCE, tmp)], capture_output=True, text=True,
+                                         timeout=900)
+                    if res.returncode != 0:
+                        raise RuntimeError(f"{cxx} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+                    os.replace(tmp, target)
+                    built = True
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+    _build_info.clear()
+    _build_info.update(path=str(target), built=built, seconds=time.perf_counter() - t0)
+    return target
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built at the first call of the process; None when they cannot be had
-    (logged once; each call that falls back is counted by its caller)."""
-    global _lib, _tried
+def _ops_loaded() -> bool:
+    try:
+        return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", "CPU") for op in OPS)
+    except RuntimeError:                                      # "operator ... does not exist"
+        return False
+
+
+def _evidence_fake(evidence, key_norms, out, query, k_pages, v_pages, blocks, seq, lo, hi, lim, scale, alpha,
+                   amx) -> None:
+    """Writes ``evidence``, ``key_norms`` and ``out`` in place; returns nothing."""
+    return None
+
+
+def _select_row_fake(sel, evidence, key_norms, lo, hi, cfg, nms_radius, span, span_back, n_sel,
+                     exclude) -> None:
+    """Writes ``sel`` in place; returns nothing."""
+    return None
+
+
+def _register_fakes() -> None:
+    global _fakes_registered
+    if not _fakes_registered:
+        torch.library.register_fake(f"{NAMESPACE}::sfi_evidence", _evidence_fake)
+        torch.library.register_fake(f"{NAMESPACE}::sfi_select_row", _select_row_fake)
+        _fakes_registered = True
+
+
+def _load():
+    path = _build()
+    # one library per process: a later build (another cache directory) finds the operators there
+    if not _ops_loaded():
+        torch.ops.load_library(str(path))
+    _register_fakes()
+    return getattr(torch.ops, NAMESPACE)
+
+
+def library():
+    """``torch.ops.speedsfi`` with the kernels, built (or found in the cache) and loaded at the first
+    call of the process; None when they cannot be had (:func:`unavailable_reason` says why; the
+    caller logs and counts the fallback)."""
+    global _lib, _tried, _reason
     if not enabled():
         return None
     if _tried:
@@ -115,18 +198,27 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             try:
-                _lib = _build()
-                metrics.log_once("cpu_native", "vllm_ext: SFI's CPU slow-step kernels built (%s)", SOURCE.name)
+                _lib, _reason = _load(), None
+                logger.info("vllm_ext: SFI's CPU slow-step kernels %s (%s, %.1f s)",
+                            "built" if _build_info.get("built") else "loaded", _build_info.get("path"),
+                            _build_info.get("seconds", 0.0))
             except Exception as exc:                          # noqa: BLE001 - any failure: the twins run
-                _lib = None
-                metrics.fallback("cpu_native", "SFI's compiled CPU kernels are unavailable (%s); the "
-                                 "PyTorch twins run the slow steps (several times slower)", exc)
+                _lib, _reason = None, f"{type(exc).__name__}: {exc}"
             _tried = True
     return _lib
 
 
-def _p(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def unavailable_reason() -> str | None:
+    """Why :func:`library` is None, as a sentence; None while it is not (or before its first call)."""
+    if not enabled():
+        return f"switched off by {ENV}={os.environ.get(ENV)}"
+    return _reason if _tried and _lib is None else None
+
+
+def _rows_ok(t: torch.Tensor, rows: int, length: int, dtype: torch.dtype = torch.float32) -> bool:
+    """``t`` is ``[rows, >= length]`` of ``dtype`` on the CPU with unit-stride rows."""
+    return (t.dtype == dtype and t.device.type == "cpu" and t.dim() == 2 and t.shape[0] == rows
+            and t.shape[1] >= length and t.stride(-1) == 1)
 
 
 def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int, hi: int, lim: int,
@@ -140,44 +232,40 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     transposed per page, or the amx one, which the C++ unpacks a page at a time); ``table``: the
     request's block-table row. False (nothing written) where the kernel does not apply: no library,
     a KV dtype other than bf16 / fp32, another page layout, rows that are not fp32 and unit-stride."""
-    lib = library()
-    if lib is None:
-        metrics.bump("fallback.cpu_native")
+    ops = library()
+    if ops is None:
         return False
     layout = _page_layout(pages)
     if layout is None:
         return False
-    k_ptr, v_ptr, s_block, s_head, amx = layout
+    k_pages, v_pages, amx = layout
     nb_all, hkv, bs, d = pages.k.shape
     hq = query.shape[0]
-    fn = {torch.bfloat16: lib.sfi_evidence_bf16, torch.float32: lib.sfi_evidence_f32}.get(pages.k.dtype)
-    if (fn is None or hq % hkv
-            or ev.dtype != torch.float32 or ev.stride(-1) != 1 or not 0 < lim <= seq
-            or (kn is not None and (kn.dtype != torch.float32 or kn.stride(-1) != 1))
+    if (pages.k.dtype not in (torch.bfloat16, torch.float32) or k_pages.device.type != "cpu"
+            or query.dim() != 2 or hq == 0 or hq % hkv or query.shape[1] != d or not 0 < lim <= seq
+            or not (hi <= lo or 0 <= lo and hi <= lim) or not _rows_ok(ev, hkv, lim)
+            or (kn is not None and not _rows_ok(kn, hkv, lim))
             or (out is not None and tuple(out.shape) != (hq, d))):
         return False
-    g = hq // hkv
     n_blocks = -(-seq // bs)
     blocks = table[:n_blocks].to(torch.int32).contiguous()
     if blocks.numel() < n_blocks or int(blocks.min()) < 0 or int(blocks.max()) >= nb_all:
         return False
     q = query.float().contiguous()
-    from vllm_ext.kernels.paged_reference import _scratch_buffer
+    attn = out
+    if out is not None and not (out.dtype == torch.float32 and out.is_contiguous()):
+        from vllm_ext.kernels.paged_reference import _scratch_buffer
 
-    extra = 0 if out is None else g * seq + g * d
-    scratch = _scratch_buffer(g * seq + (g + 2) * bs + extra, torch.float32, query.device, tag="cpu_native_ev")
-    attn = None if out is None else _scratch_buffer(hq * d, torch.float32, query.device, tag="cpu_native_out")
-    fn(k_ptr, s_block, s_head, bs, d, hkv, g, blocks.data_ptr(), seq,
-       lo, hi, lim, q.data_ptr(), scale, alpha, ev.data_ptr(), ev.stride(0), _p(kn),
-       0 if kn is None else kn.stride(0), scratch.data_ptr(), None if out is None else v_ptr,
-       _p(attn), amx)
-    if out is not None:
-        out.copy_(attn.view(hq, d))
+        attn = _scratch_buffer(hq * d, torch.float32, query.device, tag="cpu_native_out").view(hq, d)
+    ops.sfi_evidence(ev, kn, attn, q, k_pages, v_pages, blocks, seq, lo, hi, lim, scale, alpha, amx)
+    if attn is not out:
+        out.copy_(attn)
     return True
 
 
-def _page_layout(pages) -> tuple[int, int, int, int, int] | None:
-    """``(K base, V base, block stride, head stride, amx)`` of pages the C++ reads, else None."""
+def _page_layout(pages) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """``(K pages, V pages, amx)`` as the operator reads them (the 6-d VNNI views with amx), else
+    None."""
     k, v = pages.k, pages.v
     if isinstance(k, PageView) and isinstance(v, PageView):
         ks, vs = k.t6.stride(), v.t6.stride()
@@ -186,14 +274,14 @@ def _page_layout(pages) -> tuple[int, int, int, int, int] | None:
         amx_v = (v.tok, v.elem) == (2, 16) and vs[2:] == (32, 1, 16 * bs, 2)
         if not (amx_k and amx_v and ks[:2] == vs[:2]):
             return None
-        return k.t6.data_ptr(), v.t6.data_ptr(), ks[0], ks[1], 1
+        return k.t6, v.t6, True
     if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return None
     bs, d = k.shape[2], k.shape[3]
     if (k.stride(2) != 1 or k.stride(3) != bs or v.stride(3) != 1 or v.stride(2) != d
-            or v.stride()[:2] != k.stride()[:2]):
+            or v.stride()[:2] != k.stride()[:2] or v.shape != k.shape or v.dtype != k.dtype):
         return None
-    return k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), 0
+    return k, v, False
 
 
 _CFG_FIELDS = ("alpha", "gamma_k", "pos_power", "pos_eta", "pos_beta", "w_k", "w_pos", "lambda_max", "mu",
@@ -206,25 +294,17 @@ def select_row(ev: torch.Tensor, kn: torch.Tensor, lo: int, hi: int, cfg, n_sel:
     ``ev``, ``kn`` ``[H, >= hi]`` fp32 rows, ``0 <= lo < hi``, ``n_sel <= hi - lo`` positions per
     head into ``sel [H, >= n_sel]`` (int32, ascending); ``exclude [H, E]`` absolute positions (any
     value) or None. False (nothing written) where the kernel does not apply."""
-    lib = library()
-    if lib is None:
-        metrics.bump("fallback.cpu_native")
+    ops = library()
+    if ops is None:
         return False
-    heads = ev.shape[0]
-    if (ev.dtype != torch.float32 or kn.dtype != torch.float32 or ev.stride(-1) != 1 or kn.stride(-1) != 1
-            or sel.dtype != torch.int32 or sel.stride(-1) != 1 or not 0 <= lo < hi or n_sel <= 0
-            or n_sel > hi - lo or kn.shape[0] != heads):
+    heads = ev.shape[0] if ev.dim() == 2 else -1
+    if (not 0 <= lo < hi or n_sel <= 0 or n_sel > hi - lo or not _rows_ok(ev, heads, hi)
+            or not _rows_ok(kn, heads, hi) or not _rows_ok(sel, heads, n_sel, torch.int32)):
         return False
     if exclude is not None:
         exclude = exclude.to(torch.int64).contiguous()
-    n = hi - lo
-    from vllm_ext.kernels.paged_reference import _scratch_buffer
-
-    scratch = _scratch_buffer(2 * heads * n + 2 * n, torch.float32, ev.device, tag="cpu_native_sel")
-    consts = (ctypes.c_float * len(_CFG_FIELDS))(*(float(getattr(cfg, f)) for f in _CFG_FIELDS))
-    lib.sfi_select_row(ev.data_ptr(), ev.stride(0), kn.data_ptr(), kn.stride(0), heads, lo, hi,
-                       ctypes.cast(consts, ctypes.c_void_p), int(cfg.nms_radius), int(cfg.select_span),
-                       int(cfg.select_span_back), n_sel, _p(exclude),
-                       0 if exclude is None else exclude.shape[-1], sel.data_ptr(), sel.stride(0),
-                       scratch.data_ptr())
+        if exclude.dim() != 2 or exclude.shape[0] != heads or exclude.device.type != "cpu":
+            return False
+    ops.sfi_select_row(sel, ev, kn, lo, hi, [float(getattr(cfg, f)) for f in _CFG_FIELDS], int(cfg.nms_radius),
+                       int(cfg.select_span), int(cfg.select_span_back), n_sel, exclude)
     return True

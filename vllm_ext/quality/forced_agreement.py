@@ -1,5 +1,5 @@
 """Teacher-forced top-1 agreement with a reference answer, and where the disagreements fall
-(issue 37, item 4; ``scripts/eval_forced_agreement.py`` runs the engines).
+(``scripts/eval_forced_agreement.py`` runs the engines).
 
 A configuration is run with a reference answer (dense bf16's greedy text) forced token by token
 (:mod:`vllm_ext.quality.forced_tokens`): at step t its greedy choice is recorded given the

@@ -1,5 +1,5 @@
 """A vLLM v1 logits processor that teacher-forces a reference answer and records what the engine
-would have chosen instead (issue 37, item 4: :mod:`vllm_ext.quality.forced_agreement` reads the
+would have chosen instead (:mod:`vllm_ext.quality.forced_agreement` reads the
 records).
 
 A request opts in with ``SamplingParams(extra_args={FORCE_KEY: {"tag": ..., "tokens": [...]}})``

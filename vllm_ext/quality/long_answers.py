@@ -1,4 +1,4 @@
-"""Long answers (issue 37, item 4): a 4K-8K document and a 256-token answer about it, to compare
+"""Long answers: a 4K-8K document and a 256-token answer about it, to compare
 the text one configuration writes with another's (ROUGE-L), not with a reference.
 
 Two kinds of prompt on the survey logbook of :mod:`.document`:

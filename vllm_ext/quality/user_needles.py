@@ -1,4 +1,4 @@
-"""Single-needle prompts as a user writes them, not in RULER's form (issue 37's reproduction).
+"""Single-needle prompts as a user writes them, not in RULER's form.
 
 The project's own needle prompts (:func:`vllm_ext.quality.tasks.make_text_sample`) put a needle
 sentence in RULER's repeated-noise haystack, and open the assistant's turn with an answer prefix

@@ -85,3 +85,27 @@ def prefix_hit_limit(cfg: CritiPrefillConfig, prompt_len: int, num_hit: int, blo
         if seg_start == limit or not lo <= seg_start < hi:
             return max(limit, 0)
         limit = seg_start - seg_start % block_size        # a block boundary, maybe in an earlier segment
+
+
+def move_critiprefill_rows_last(batch, num_scheduled_tokens, cfg) -> int:
+    """Move the rows that run CritiPrefill this step (``vllm_ext.methods.critiprefill.chunking.
+    is_critiprefill_chunk``) behind every other row of vLLM's persistent batch, so that the step's
+    CritiPrefill sub-batch holds them only: a row's kernel then depends on its own request, not on
+    whether a CritiPrefill row happened to come before it. Such rows have two tokens or more, so
+    vLLM's decode-like rows (one token) stay in front. Returns the number of swaps."""
+    req_ids = batch.req_ids
+    n = len(req_ids)
+    computed, plen = batch.num_computed_tokens_cpu, batch.num_prompt_tokens
+    is_cp = [is_critiprefill_chunk(cfg, int(plen[i]), int(computed[i]),
+                                   num_scheduled_tokens.get(req_ids[i], 0)) for i in range(n)]
+    i, j, swaps = 0, n - 1, 0
+    while i < j:
+        if not is_cp[i]:
+            i += 1
+        elif is_cp[j]:
+            j -= 1
+        else:
+            batch.swap_states(i, j)
+            is_cp[i], is_cp[j] = False, True
+            swaps += 1
+    return swaps

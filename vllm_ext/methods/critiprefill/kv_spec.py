@@ -40,7 +40,7 @@ class CritiPrefillStateSpec(GrowingPagesSpec):
     budget: int = 1024
     min_len: int = 0
 
-    # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds
+    # the one interface (``vllm_ext.method_slots``): the method whose per-request memory this group holds
     speedsfi_method = "critiprefill"
 
     def pages_for(self, num_tokens: int) -> int:

@@ -28,7 +28,7 @@ class SfiHistorySpec(GrowingPagesSpec):
     """One SPEEDSFI layer's share of the token history: pages of the layer's format, ``cdiv(t, E)``
     at length ``t``."""
 
-    # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds
+    # the one interface (``vllm_ext.method_slots``): the method whose per-request memory this group holds
     speedsfi_method = "sfi"
 
     @property

@@ -38,7 +38,7 @@ class SfiCompactSpec(MethodPagesSpec):
     # the blocks from the chunk that reaches its tail (``vllm_ext.methods.sfi.state_pages.first_state_len``)
     tail_window: int = 0
 
-    # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds
+    # the one interface (``vllm_ext.method_slots``): the method whose per-request memory this group holds
     speedsfi_method = "sfi"
 
     @property

@@ -37,7 +37,7 @@ class SfiQuestPagesSpec(GrowingPagesSpec):
     quest_page_size: int = 16       # sfi.page_size (tokens per Quest page)
     first_len: int = 1
 
-    # the one door (``vllm_ext.method_slots``): the method whose per-request memory this group holds
+    # the one interface (``vllm_ext.method_slots``): the method whose per-request memory this group holds
     speedsfi_method = "sfi"
 
     def pages_for(self, num_tokens: int) -> int:

@@ -41,7 +41,7 @@ from vllm_ext.config import MIN_MAINTENANCE_ROWS, SfiConfig
 from vllm_ext.methods.sfi.prompt_tail import SfiPrefillEnd  # noqa: F401  (the plan's prefill-end part)
 from vllm_ext.methods.sfi.schedule import allowed_range, decide_slow, mark_selected, needs_trigger_state
 
-# the plan's device counters: their layout is the plan kernel's (the lower room)
+# the plan's device counters: their layout is the plan kernel's (a lower layer of the imports)
 from vllm_ext.kernels.sfi_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_CONTEXT,  # noqa: E402,F401
                                        STAT_COPY, STAT_DENSE, STAT_FAST, STAT_PREFILL_END, STAT_RETAINED,
                                        STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, STAT_SLOW)

@@ -143,7 +143,7 @@ LUT_SPACE = 2       # bit 1: a whitespace-only token
 def trigger_lut(ids: Iterable[int], vocab_size: int, device: torch.device | str | None = None, *,
                 whitespace_ids: Iterable[int] = ()) -> torch.Tensor:
     """Look-up table ``[vocab_size]`` int8 of bits: ``LUT_ENDER`` (bit 0) for the trigger ``ids``,
-    ``LUT_SPACE`` (bit 1) for ``whitespace_ids``. ``lut != 0`` is no longer "is a trigger": test bit 0
+    ``LUT_SPACE`` (bit 1) for ``whitespace_ids``. ``lut != 0`` does not mean "is a trigger": test bit 0
     (:func:`vllm_ext.methods.sfi.schedule.is_trigger`).
 
     ``vocab_size`` is the model's (possibly padded) vocabulary; ids outside ``[0, vocab_size)`` are

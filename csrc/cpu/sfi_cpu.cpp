@@ -4,9 +4,12 @@
 // Twins: vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu and
 // vllm_ext.kernels.sfi_selector_cpu.select_rows; tests/kernels/test_cpu_native.py compares them.
 //
-// Built at first use by vllm_ext/kernels/cpu_native.py (g++ -O3 -march=native, no torch headers,
-// loaded with ctypes). Every loop over positions is written so that the compiler vectorises it:
-// exp and log are branch-free polynomials (Cephes' single-precision coefficients, about 1 ulp)
+// Registered as the torch operators torch.ops.speedsfi.sfi_evidence and
+// torch.ops.speedsfi.sfi_select_row (CPU kernels at the end of this file; their fake
+// implementations for torch.compile are registered in Python). Built once per machine by
+// vllm_ext/kernels/cpu_native.py (g++ -O3 -march=native against torch's headers, cached) and loaded
+// with torch.ops.load_library. Every loop over positions is written so that the compiler vectorises
+// it: exp and log are branch-free polynomials (Cephes' single-precision coefficients, about 1 ulp)
 // instead of libm calls, and conditions are selects.
 
 #include <algorithm>
@@ -14,7 +17,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 namespace {
 
@@ -495,9 +502,8 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
   }
 }
 
-}  // namespace
-
-extern "C" {
+// The entry points below take raw pointers and strides; the torch operators at the end of the
+// file check their tensors and call them.
 
 // The slow step's evidence and key norms of one request (ALGORITHMS.md §1, "Slow step"; the twin
 // writes the same), and with attn_out its dense attention. amx 0: K pages: element (d, t) of block b,
@@ -637,4 +643,137 @@ void sfi_select_row(const float* ev, int64_t ev_hs, const float* kn, int64_t kn_
   }
 }
 
-}  // extern "C"
+// The operators' own scratch (per thread, grown as needed): apart from scratch_floats and
+// scratch_of, which the passes above use while it is live.
+float* op_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+void check_row(const at::Tensor& t, const char* what, int64_t rows, int64_t len, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, what, ": ", dtype, " on the CPU expected, got ",
+              t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) >= len && t.stride(1) == 1, what, ": [", rows,
+              ", >= ", len, "] rows of unit stride expected, got ", t.sizes(), " strides ", t.strides());
+}
+
+// torch.ops.speedsfi.sfi_evidence: sfi_evidence_bf16 / sfi_evidence_f32 on tensors. k_pages / v_pages:
+// the KV cache's K and V views over the same storage, [blocks, Hkv, bs, D] with K transposed per page
+// (strides [s_block, s_head, 1, bs]; V: [s_block, s_head, D, 1]), or with amx the 6-d VNNI views
+// [blocks, Hkv, bs / 16, 16, D / 2, 2] (K) and [blocks, Hkv, bs / 2, 2, D / 16, 16] (V); bf16 or fp32.
+// blocks: the request's block ids, int32, >= ceil(seq / bs). query: [Hq, D] fp32 contiguous.
+// evidence / key_norms: [Hkv, >= lim] fp32 rows (key_norms may be None); out: [Hq, D] fp32 contiguous
+// or None (then V is not read).
+void evidence_op(const at::Tensor& evidence, const std::optional<at::Tensor>& key_norms,
+                 const std::optional<at::Tensor>& out, const at::Tensor& query, const at::Tensor& k_pages,
+                 const at::Tensor& v_pages, const at::Tensor& blocks, int64_t seq, int64_t lo, int64_t hi,
+                 int64_t lim, double scale, double alpha, bool amx) {
+  const at::ScalarType dt = k_pages.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "sfi_evidence: bf16 or fp32 pages expected, got ", dt);
+  TORCH_CHECK(k_pages.device().is_cpu() && v_pages.device().is_cpu() && v_pages.scalar_type() == dt,
+              "sfi_evidence: K and V pages of one dtype on the CPU expected");
+  TORCH_CHECK(k_pages.dim() == (amx ? 6 : 4) && v_pages.dim() == k_pages.dim(),
+              "sfi_evidence: ", amx ? "6" : "4", "-d page views expected, got ", k_pages.sizes());
+  const int64_t nb_all = k_pages.size(0), hkv = k_pages.size(1);
+  const int64_t bs = amx ? k_pages.size(2) * k_pages.size(3) : k_pages.size(2);
+  const int64_t d = amx ? k_pages.size(4) * k_pages.size(5) : k_pages.size(3);
+  const auto ks = k_pages.strides(), vs = v_pages.strides();
+  bool layout = ks[0] == vs[0] && ks[1] == vs[1] && v_pages.size(0) == nb_all && v_pages.size(1) == hkv;
+  if (amx) {
+    layout = layout && k_pages.size(3) == 16 && k_pages.size(5) == 2 && v_pages.size(3) == 2 &&
+             v_pages.size(5) == 16 && v_pages.size(2) * 2 == bs && v_pages.size(4) * 16 == d &&
+             ks[2] == 16 * d && ks[3] == 2 && ks[4] == 32 && ks[5] == 1 && vs[2] == 32 && vs[3] == 1 &&
+             vs[4] == 16 * bs && vs[5] == 2;
+  } else {
+    layout = layout && v_pages.size(2) == bs && v_pages.size(3) == d && ks[2] == 1 && ks[3] == bs &&
+             vs[2] == d && vs[3] == 1;
+  }
+  TORCH_CHECK(layout, "sfi_evidence: pages not in CPU_ATTN's ", amx ? "amx" : "vec", " packing (sizes ",
+              k_pages.sizes(), " / ", v_pages.sizes(), ", strides ", ks, " / ", vs, ")");
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.is_contiguous() &&
+                  query.dim() == 2 && query.size(1) == d && query.size(0) > 0 && query.size(0) % hkv == 0,
+              "sfi_evidence: query [Hq, ", d, "] fp32 contiguous with Hq a multiple of ", hkv, " expected, got ",
+              query.sizes());
+  const int64_t hq = query.size(0), g = hq / hkv;
+  TORCH_CHECK(0 < lim && lim <= seq, "sfi_evidence: 0 < lim <= seq expected, got lim ", lim, ", seq ", seq);
+  TORCH_CHECK(hi <= lo || (0 <= lo && hi <= lim), "sfi_evidence: 0 <= lo < hi <= lim expected, got ", lo, ", ",
+              hi, ", ", lim);
+  const int64_t nb = (seq + bs - 1) / bs;
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kInt && blocks.is_contiguous() &&
+                  blocks.numel() >= nb,
+              "sfi_evidence: >= ", nb, " int32 block ids expected, got ", blocks.numel(), " ", blocks.scalar_type());
+  const int32_t* bp = blocks.data_ptr<int32_t>();
+  for (int64_t j = 0; j < nb; ++j)
+    TORCH_CHECK(bp[j] >= 0 && bp[j] < nb_all, "sfi_evidence: block id ", bp[j], " outside [0, ", nb_all, ")");
+  check_row(evidence, "sfi_evidence: evidence", hkv, lim, at::kFloat);
+  if (key_norms.has_value()) check_row(*key_norms, "sfi_evidence: key_norms", hkv, lim, at::kFloat);
+  if (out.has_value())
+    TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == at::kFloat && out->is_contiguous() &&
+                    out->dim() == 2 && out->size(0) == hq && out->size(1) == d,
+                "sfi_evidence: out [", hq, ", ", d, "] fp32 contiguous expected, got ", out->sizes());
+  float* scratch = op_scratch(g * seq + (g + 2) * bs + (out.has_value() ? g * seq + g * d : 0));
+  float* kn = key_norms.has_value() ? key_norms->data_ptr<float>() : nullptr;
+  const int64_t kn_hs = key_norms.has_value() ? key_norms->stride(0) : 0;
+  float* attn = out.has_value() ? out->data_ptr<float>() : nullptr;
+  if (dt == at::kBFloat16) {
+    const auto* kb = static_cast<const uint16_t*>(k_pages.data_ptr());
+    const auto* vb = out.has_value() ? static_cast<const uint16_t*>(v_pages.data_ptr()) : nullptr;
+    sfi_evidence_bf16(kb, ks[0], ks[1], static_cast<int>(bs), static_cast<int>(d), static_cast<int>(hkv),
+                      static_cast<int>(g), bp, seq, lo, hi, lim, query.data_ptr<float>(), static_cast<float>(scale),
+                      static_cast<float>(alpha), evidence.data_ptr<float>(), evidence.stride(0), kn, kn_hs,
+                      scratch, vb, attn, amx ? 1 : 0);
+  } else {
+    const float* kb = k_pages.data_ptr<float>();
+    const float* vb = out.has_value() ? v_pages.data_ptr<float>() : nullptr;
+    sfi_evidence_f32(kb, ks[0], ks[1], static_cast<int>(bs), static_cast<int>(d), static_cast<int>(hkv),
+                     static_cast<int>(g), bp, seq, lo, hi, lim, query.data_ptr<float>(), static_cast<float>(scale),
+                     static_cast<float>(alpha), evidence.data_ptr<float>(), evidence.stride(0), kn, kn_hs,
+                     scratch, vb, attn, amx ? 1 : 0);
+  }
+}
+
+// torch.ops.speedsfi.sfi_select_row: sfi_select_row on tensors. sel: [H, >= n_sel] int32 rows of unit
+// stride; evidence / key_norms: [H, >= hi] fp32 rows of unit stride; cfg: the 12 constants in
+// sfi_select_row's order; exclude: [H, E] int64 contiguous or None.
+void select_row_op(const at::Tensor& sel, const at::Tensor& evidence, const at::Tensor& key_norms, int64_t lo,
+                   int64_t hi, at::ArrayRef<double> cfg, int64_t nms_radius, int64_t span, int64_t span_back,
+                   int64_t n_sel, const std::optional<at::Tensor>& exclude) {
+  const int64_t heads = evidence.dim() == 2 ? evidence.size(0) : -1;
+  TORCH_CHECK(0 <= lo && lo < hi && 0 < n_sel && n_sel <= hi - lo,
+              "sfi_select_row: 0 <= lo < hi and 0 < n_sel <= hi - lo expected, got ", lo, ", ", hi, ", ", n_sel);
+  TORCH_CHECK(cfg.size() == 12, "sfi_select_row: 12 constants expected, got ", cfg.size());
+  check_row(evidence, "sfi_select_row: evidence", heads, hi, at::kFloat);
+  check_row(key_norms, "sfi_select_row: key_norms", heads, hi, at::kFloat);
+  check_row(sel, "sfi_select_row: sel", heads, n_sel, at::kInt);
+  const int64_t* ex = nullptr;
+  int64_t n_ex = 0;
+  if (exclude.has_value()) {
+    TORCH_CHECK(exclude->device().is_cpu() && exclude->scalar_type() == at::kLong && exclude->is_contiguous() &&
+                    exclude->dim() == 2 && exclude->size(0) == heads,
+                "sfi_select_row: exclude [", heads, ", E] int64 contiguous expected, got ", exclude->sizes());
+    ex = exclude->data_ptr<int64_t>();
+    n_ex = exclude->size(1);
+  }
+  float consts[12];
+  for (int i = 0; i < 12; ++i) consts[i] = static_cast<float>(cfg[i]);
+  float* scratch = op_scratch((2 * heads + 2) * (hi - lo));
+  sfi_select_row(evidence.data_ptr<float>(), evidence.stride(0), key_norms.data_ptr<float>(), key_norms.stride(0),
+                 static_cast<int>(heads), lo, hi, consts, static_cast<int>(nms_radius), static_cast<int>(span),
+                 static_cast<int>(span_back), n_sel, ex, n_ex, sel.data_ptr<int32_t>(), sel.stride(0), scratch);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(speedsfi, m) {
+  m.set_python_module("vllm_ext.kernels.cpu_native");
+  m.def("sfi_evidence(Tensor(a!) evidence, Tensor(b!)? key_norms, Tensor(c!)? out, Tensor query, Tensor k_pages, "
+        "Tensor v_pages, Tensor blocks, int seq, int lo, int hi, int lim, float scale, float alpha, bool amx) -> ()");
+  m.def("sfi_select_row(Tensor(a!) sel, Tensor evidence, Tensor key_norms, int lo, int hi, float[] cfg, "
+        "int nms_radius, int span, int span_back, int n_sel, Tensor? exclude) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(speedsfi, CPU, m) {
+  m.impl("sfi_evidence", &evidence_op);
+  m.impl("sfi_select_row", &select_row_op);
+}

@@ -1,9 +1,9 @@
 """The package's imports run one way: every import of a ``vllm_ext`` module, at module
-level or inside a function, goes to the same room or to a lower one, and no group of modules imports
+level or inside a function, goes to the same layer or to a lower one, and no group of modules imports
 itself in a circle. A new upward import fails here with the two modules named.
 
-Rooms, lowest first:
-0. base: the configuration, metrics and small shared helpers every room uses (``method_kv_spec``,
+Layers, lowest first:
+0. base: the configuration, metrics and small shared helpers every layer uses (``method_kv_spec``,
    ``method_cache_layer``: what the methods' KV-cache specs and cache layers share);
 1. kernels: Triton kernels and their PyTorch twins; they know no method (shared constants live here);
 2. ``request_state``: the generic per-request slot table and the protocol (``method_slots``) through
@@ -12,7 +12,7 @@ Rooms, lowest first:
    (no method imports another, and none imports the backend);
 4. ``backend``: the attention backend, its builder, impl and dense path, and the engine's request
    table (``backend.request_table``: the methods' slot tables registered in the generic one);
-5. vLLM glue: ``vllm_patches`` opens the only door into ``runner_hooks`` and ``scheduler_policy``;
+5. vLLM glue: ``vllm_patches`` is the only way into ``runner_hooks`` and ``scheduler_policy``;
 6. the package entry point and the tools: ``vllm_ext`` (registration), ``quality``, ``tools``.
 """
 
@@ -23,22 +23,24 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_ext"
 
-ROOMS = [
+LAYERS = [
     ("base", {"vllm_ext.config", "vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging",
-              "vllm_ext.env_vars", "vllm_ext.method_kv_spec", "vllm_ext.method_cache_layer"}),
+              "vllm_ext.env_vars", "vllm_ext.method_kv_spec", "vllm_ext.method_cache_layer",
+              "vllm_ext.row_counters"}),
     ("kernels", {"vllm_ext.kernels"}),
     ("request_state", {"vllm_ext.request_state", "vllm_ext.method_slots", "vllm_ext.methods"}),
     ("sfi", {"vllm_ext.methods.sfi"}),
     ("speed", {"vllm_ext.methods.speed"}),
     ("critiprefill", {"vllm_ext.methods.critiprefill"}),
+    ("registry", {"vllm_ext.methods.registry"}),
     ("backend", {"vllm_ext.backend"}),
     ("glue", {"vllm_ext.vllm_patches", "vllm_ext.runner_hooks", "vllm_ext.scheduler_policy"}),
     ("top", {"vllm_ext", "vllm_ext.quality", "vllm_ext.tools"}),
 ]
 LEVEL = {"base": 0, "kernels": 1, "request_state": 2, "sfi": 3, "speed": 3, "critiprefill": 3,
-         "backend": 4, "glue": 5, "top": 6}
-# inside the glue room, the one door: vllm_patches -> the others
-GLUE_DOORS = {("vllm_ext.vllm_patches", "vllm_ext.runner_hooks"),
+         "registry": 4, "backend": 5, "glue": 6, "top": 7}
+# inside the glue layer, the only entry: vllm_patches -> the others
+GLUE_ENTRIES = {("vllm_ext.vllm_patches", "vllm_ext.runner_hooks"),
               ("vllm_ext.vllm_patches", "vllm_ext.scheduler_policy")}
 
 
@@ -78,13 +80,13 @@ def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
     return found
 
 
-def _room(name: str) -> str:
+def _layer(name: str) -> str:
     best = None
-    for room, prefixes in ROOMS:
+    for layer, prefixes in LAYERS:
         for p in prefixes:
             if (name == p or name.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
-                best = (room, p)
-    assert best is not None, f"{name} is in no room: add it to ROOMS"
+                best = (layer, p)
+    assert best is not None, f"{name} is in no layer: add it to LAYERS"
     return best[0]
 
 
@@ -93,23 +95,23 @@ def _graph():
     return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
-def test_every_module_has_a_room():
+def test_every_module_has_a_layer():
     for name in _graph():
-        _room(name)
+        _layer(name)
 
 
-def test_imports_go_to_the_same_room_or_down():
+def test_imports_go_to_the_same_layer_or_down():
     bad = []
     for a, targets in _graph().items():
-        ra = _room(a)
+        ra = _layer(a)
         for b in sorted(targets):
-            rb = _room(b)
+            rb = _layer(b)
             if LEVEL[rb] > LEVEL[ra]:
                 bad.append(f"{a} ({ra}) imports {b} ({rb}): upward")
             elif LEVEL[rb] == LEVEL[ra] and ra != rb:
-                bad.append(f"{a} ({ra}) imports {b} ({rb}): one method room into another")
-            elif ra == rb == "glue" and a != b and (a, b) not in GLUE_DOORS:
-                bad.append(f"{a} imports {b}: the glue's only doors are {sorted(GLUE_DOORS)}")
+                bad.append(f"{a} ({ra}) imports {b} ({rb}): one method layer into another")
+            elif ra == rb == "glue" and a != b and (a, b) not in GLUE_ENTRIES:
+                bad.append(f"{a} imports {b}: the glue's only entries are {sorted(GLUE_ENTRIES)}")
     assert not bad, "\n".join(bad)
 
 

@@ -1,0 +1,89 @@
+"""CritiPrefill as the engine runs it (:class:`~vllm_ext.methods.protocol.Method`): prefill chunks of
+long prompts (the step's trailing sub-batch, :mod:`vllm_ext.methods.critiprefill.slots`) attend
+block-sparsely in each sparse layer (:mod:`vllm_ext.methods.critiprefill.path`); every other row
+takes the dense path. Decode rows are never affected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ext.methods.protocol import DenseRows, LayerGeometry, Method, MethodLayer
+
+
+class CritiPrefillMethod(Method):
+    name = "critiprefill"
+
+    @staticmethod
+    def enabled(config) -> bool:
+        return config.critiprefill.enabled
+
+    def admission_cap(self) -> int:
+        """``critiprefill.max_requests`` when it is set below ``--max-num-seqs``, else 0 (each
+        prompt's state is KV-cache pages, and vLLM's block accounting decides)."""
+        cap = self.config.critiprefill.max_requests
+        return cap if cap and cap < self.vllm_config.scheduler_config.max_num_seqs else 0
+
+    def slot_tables(self, table, context):
+        from vllm_ext.methods.critiprefill.slots import CritiPrefillSlots
+
+        # no pool: the state of each prompt is pages of CritiPrefill's KV-cache groups
+        return CritiPrefillSlots(table.num_slots, table.max_reqs, self.config.critiprefill, table.device)
+
+    def tail_row(self, step) -> int | None:
+        plan = step.plans.get(self.name)
+        return None if plan is None else plan.first_row
+
+    def order_rows(self, batch, num_scheduled_tokens) -> None:
+        from vllm_ext.methods.critiprefill.chunking import move_critiprefill_rows_last
+
+        move_critiprefill_rows_last(batch, num_scheduled_tokens, self.config.critiprefill)
+
+    def warmup_gaps(self) -> list[str]:
+        return ["CritiPrefill's prefill kernels"]
+
+    def layer(self, geometry: LayerGeometry):
+        return CritiPrefillLayer(self, geometry)
+
+
+class CritiPrefillLayer(MethodLayer):
+    name = "critiprefill"
+
+    def __init__(self, method: CritiPrefillMethod, geometry: LayerGeometry):
+        self.cfg = method.config.critiprefill
+        self.g = geometry
+        self.rows = method.row_counters
+        self.state = None           # the state holder of a sparse layer
+
+    def prepare(self, forward_context: dict, act_dtype: torch.dtype) -> None:
+        """Every layer that has a share registers a state holder, its dense layers included (their
+        pages are never read): the state layers then match the attention layers (and SFI's compact
+        layers) one for one, so vLLM keeps one group pattern for all; fewer state layers would split
+        the attention layers into groups of their own block tables."""
+        from vllm_ext.methods.critiprefill.state_cache import register_state_layer
+
+        state = register_state_layer(forward_context, self.g.layer_name, self.cfg,
+                                     num_heads=self.g.num_heads, max_len=self.g.max_len)
+        if self.g.layer_index not in self.cfg.dense_layers:
+            self.state = state
+
+    def plan(self, md):
+        return md.step.plans.get(self.name) if self.state is not None else None
+
+    def claim_rows(self, rows: DenseRows, query, kv_cache, md, plan) -> None:
+        rows.end = min(rows.end, plan.first_row)
+
+    def attend_claimed(self, query, kv_cache, md, cp, output, rows: DenseRows) -> None:
+        from vllm_ext.methods.critiprefill.path import critiprefill_prefill
+
+        state_table = cp.state_table(self.g.layer_name)
+        if state_table is None:
+            raise RuntimeError(f"vllm_ext: no KV-cache group holds {self.g.layer_name}'s CritiPrefill "
+                               "state (vLLM did not page its state cache layer)")
+        critiprefill_prefill(query, kv_cache, md.block_table, cp, self.cfg, self.state.kv_cache, state_table,
+                             self.g.layer_index, self.g.scale, output,
+                             stats=md.step.table.method_tables[self.name].stats)
+        if self.rows is not None:
+            from vllm_ext import row_counters
+
+            self.rows.add(row_counters.CRITIPREFILL, md.num_reqs - cp.first_row)
