@@ -197,7 +197,7 @@ def worker_kernels(spec: dict, ev: Events) -> None:
     import torch
     from vllm.v1.attention.backends import triton_attn as ta
 
-    from vllm_ext.methods.sfi.runtime import shared_dense_workspace
+    from vllm_ext.backend.dense_path import paged_decode_workspace
     from vllm_ext.kernels.dense_decode_evidence import paged_decode
 
     hq, hkv, d = spec["heads"], spec["kv_heads"], spec["head_dim"]
@@ -216,7 +216,7 @@ def worker_kernels(spec: dict, ev: Events) -> None:
             seq = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
             q = torch.randn(batch, hq, d, dtype=dt, device=dev)
             out_a, out_b = torch.empty_like(q), torch.empty_like(q)
-            ws = shared_dense_workspace(max_rows=batch, num_heads=hq, num_kv_heads=hkv, head_size=d,
+            ws = paged_decode_workspace(max_rows=batch, num_heads=hq, num_kv_heads=hkv, head_size=d,
                                         max_len=ctx + 256, device=dev)
             qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
             thr = ta.MIN_LAUNCH_GRID_SIZE_2D // hkv

@@ -13,6 +13,8 @@ import pytest
 from vllm_ext import metrics
 from vllm_ext.config import SpeedSfiConfig
 from vllm_ext.methods.critiprefill.chunking import is_critiprefill_chunk, sparse_range
+from vllm_ext.methods.critiprefill.scheduling import CritiPrefillSchedulingRule
+from vllm_ext.methods.sfi.scheduling import SfiSchedulingRule
 from vllm_ext.scheduler_policy import SchedulerPolicy
 
 CP = {"enabled": True, "segment_size": 64, "block_size": 16, "budget": 32, "min_len": 100}
@@ -29,7 +31,9 @@ class Req:
 def _policy(sfi_cap=0, cp_cap=0, sfi=None, cp_on=None):
     cfg = SpeedSfiConfig.from_dict({"sfi": sfi or {"enabled": bool(sfi_cap), "k": 64},
                                     "critiprefill": dict(CP, enabled=bool(cp_cap) if cp_on is None else cp_on)})
-    return SchedulerPolicy(cfg, sfi_capacity=sfi_cap, critiprefill_capacity=cp_cap)
+    return SchedulerPolicy([SfiSchedulingRule(cfg, sfi_cap),
+                            CritiPrefillSchedulingRule(cfg.critiprefill, cp_cap) if cfg.critiprefill.enabled
+                            else None])
 
 
 def test_sfi_admission_waits_for_a_free_compact_slot():
@@ -48,12 +52,14 @@ def test_sfi_admission_waits_for_a_free_compact_slot():
 
 def test_sfi_admission_follows_per_request_overrides_into_an_sfi_off_engine():
     p = _policy(sfi_cap=0, cp_cap=1)
-    assert not p.wants_sfi(Req(10, {"sfi": {"enabled": True}}))     # the engine has no SFI slots
+    assert p.rule("sfi") is None                                     # no bound, no rule to apply
+    rule = SfiSchedulingRule(SpeedSfiConfig.from_dict({"critiprefill": dict(CP, enabled=True)}), 0)
+    assert not rule.wants_sfi(Req(10, {"sfi": {"enabled": True}}))   # the engine has no SFI slots
 
 
 def test_invalid_override_counts_as_the_engine_setting():
     p = _policy(sfi_cap=1)
-    assert p.wants_sfi(Req(10, {"sfi": {"k": -3}}))
+    assert p.rule("sfi").wants_sfi(Req(10, {"sfi": {"k": -3}}))
 
 
 def test_critiprefill_without_max_requests_holds_nothing_back_but_still_aligns_chunks():
@@ -61,7 +67,7 @@ def test_critiprefill_without_max_requests_holds_nothing_back_but_still_aligns_c
     so no sparse prefill waits for another; the chunk rules stay (answers never depend on chunking)."""
     metrics.reset()
     p = _policy(cp_on=True)
-    assert p.active and not p.cp_capacity
+    assert p.active and not p.rule("critiprefill").capacity
     running = [Req(1000) for _ in range(8)]
     for r in running:
         assert p.limit_chunk(r, 0, 128, admitted=False, running=running) == 128
@@ -96,7 +102,7 @@ def test_simulated_scheduler_never_overflows_and_always_finishes(seed):
     sparse range or outside it; every request finishes."""
     rng = random.Random(seed)
     p = _policy(sfi_cap=3, cp_cap=2, sfi={"enabled": True, "k": 64})
-    cfg = p.cfg.critiprefill
+    cfg = p.rule("critiprefill").cfg
     waiting = [Req(rng.choice([50, 300, 700, 1300]), {"sfi": {"enabled": False}} if rng.random() < 0.3 else None)
                for _ in range(30)]
     for r in waiting:
@@ -125,7 +131,7 @@ def test_simulated_scheduler_never_overflows_and_always_finishes(seed):
             scheduled[id(r)] = (r, n)
             budget -= n
         # the worker's view of this step
-        assert sum(p.wants_sfi(r) for r in running) <= p.sfi_capacity
+        assert sum(p.rule("sfi").wants_sfi(r) for r in running) <= p.rule("sfi").capacity
         for r, n in scheduled.values():
             c = r.num_computed_tokens
             if c < r.num_prompt_tokens:
@@ -135,7 +141,7 @@ def test_simulated_scheduler_never_overflows_and_always_finishes(seed):
                     or not lo <= end - end % cfg.segment_size < hi
                 if is_critiprefill_chunk(cfg, r.num_prompt_tokens, c, n):
                     cp_held.add(id(r))
-        assert len(cp_held) <= p.cp_capacity
+        assert len(cp_held) <= p.rule("critiprefill").capacity
         for r, n in scheduled.values():
             if r.num_computed_tokens >= r.num_prompt_tokens:
                 r.decode_left -= 1

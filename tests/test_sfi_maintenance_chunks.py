@@ -208,10 +208,10 @@ def test_the_ring_gives_each_chunk_the_next_slot_and_join_starts_over():
 
 
 def test_the_warm_up_batch_reaches_four_chunks_when_a_step_can():
-    """kernel_warmup.chunked_batch: chunk c's entry pointers sit c x B int32 past the list's start,
+    """methods.warmup.chunked_batch: chunk c's entry pointers sit c x B int32 past the list's start,
     so their 16-byte alignments repeat every four chunks; the warm-up's extra batch reaches chunks
     0..3 (or every chunk a step can have), and is skipped when a step never has two."""
-    from vllm_ext.backend.kernel_warmup import chunked_batch
+    from vllm_ext.methods.warmup import chunked_batch
 
     assert chunked_batch(256, 256, 16) == 49                 # 4 chunks of the default B
     assert chunked_batch(40, 4, 1) == 4                       # all 4 chunks S allows

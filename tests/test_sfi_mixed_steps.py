@@ -1,8 +1,8 @@
 """A step with prefills computes every row once on the CUDA route, and side-stream work reads
-no temporary. The CUDA branch of the impl (``SpeedSfiImpl._forward_sfi_cuda``) runs here on the CPU
+no temporary. The CUDA branch of the impl (with the CUDA dense path, ``DelegateDense``) runs here on the CPU
 with a stand-in for vLLM's Triton delegate (dense attention over the rows its metadata names) and the
 PyTorch twins of our kernels: the delegate must see only the prefill rows (its metadata cut by the
-builder's ``_cut_delegate``), SFI computes every decode row (dense ones through ``paged_decode``), and
+``delegate_rows.cut_delegate``), SFI computes every decode row (dense ones through ``paged_decode``), and
 the row counters (``vllm_ext.row_counters``) add up to the rows of the layer call."""
 
 from __future__ import annotations
@@ -70,8 +70,12 @@ def _setup(sfi_on: bool, *, cut: bool = True):
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 
+    from vllm_ext.backend.dense_path import DelegateDense
+    from vllm_ext.backend.delegate_rows import cut_delegate
     from vllm_ext.backend.impl import SpeedSfiImpl
-    from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
+    from vllm_ext.methods.protocol import LayerGeometry
+    from vllm_ext.methods.sfi.layer import SfiLayer
+    from vllm_ext.methods.sfi.method import SfiMethod
     from vllm_ext.methods.sfi.step_plan import write_plan
 
     gen = torch.Generator().manual_seed(3)
@@ -93,17 +97,23 @@ def _setup(sfi_on: bool, *, cut: bool = True):
         delegate.mm_prefix_range = {0: [(0, 1)]}  # a multimodal batch: the delegate is not cut
     sfi_step = None
     cfg = SpeedSfiConfig(sfi=CFG if sfi_on else SfiConfig(), dense_decode="auto" if sfi_on else "paged_decode")
+    cpu = torch.device("cpu")
+    rows = row_counters.RowCounters(cpu)
     impl = object.__new__(SpeedSfiImpl)
-    impl.config, impl.scale, impl._layer_index = cfg, scale, 0
-    impl._dense, impl._cp_state, impl._dense_ws = FakeDelegate(scale), None, None
-    impl._ours_decode = cfg.resolved_dense_decode == "paged_decode"
-    impl._rows = row_counters.RowCounters(torch.device("cpu"))
-    impl._sfi_layer = impl._sfi_rt = None
+    impl.config, impl.scale, impl._rows, impl.layers = cfg, scale, rows, []
+    impl.dense = DelegateDense(FakeDelegate(scale), paged_decode=not sfi_on, max_rows=8, max_len=256,
+                               device=cpu, num_heads=HQ, num_kv_heads=HKV, head_size=D, scale=scale,
+                               kv_cache_dtype="auto", rows=rows)
     if sfi_on:
-        impl._sfi_layer = SfiLayerBuffers(4, HKV, CFG, D, torch.float32, torch.device("cpu"))
-        impl._sfi_rt = SfiRuntime(CFG, capacity=4, max_rows=8, num_heads=HQ, num_kv_heads=HKV, head_size=D,
-                                  max_len=256, device=torch.device("cpu"))
-        buffers = SfiPlanBuffers(8, 4, torch.device("cpu"))
+        geometry = LayerGeometry(layer_name="layers.0.attn", layer_index=0, num_layers=1, num_heads=HQ,
+                                 num_kv_heads=HKV, head_size=D, scale=scale, max_rows=8, max_len=256,
+                                 max_batched_tokens=64, device=cpu)
+        share = SfiLayer(SfiMethod(cfg, None, row_counters=rows), geometry)
+        share.buffers = SfiLayerBuffers(4, HKV, CFG, D, torch.float32, cpu)
+        share.runtime = SfiRuntime(CFG, capacity=4, max_rows=8, num_heads=HQ, num_kv_heads=HKV, head_size=D,
+                                   max_len=256, device=cpu)
+        impl.layers = [share]
+        buffers = SfiPlanBuffers(8, 4, cpu)
         t = torch.tensor(DECODE_T + [0, 0], dtype=torch.int32)
         slow = torch.tensor([False, True, False, False, False])
         fast = torch.tensor([False, False, True, False, False])
@@ -113,13 +123,12 @@ def _setup(sfi_on: bool, *, cut: bool = True):
                               k=torch.full_like(t, CFG.k), recent_start=torch.clamp(t - CFG.n_recent, min=0),
                               lo=torch.full_like(t, CFG.n_sink), hi=torch.clamp(t - CFG.n_recent, min=CFG.n_sink),
                               t=t, block_table=bt)
-    step = SimpleNamespace(sfi=sfi_step, critiprefill=None)
+    step = SimpleNamespace(plans={"sfi": sfi_step})
     md = SimpleNamespace(num_decodes=nd, num_prefills=nreq - nd, num_reqs=nreq, num_actual_tokens=n_tok,
                          block_table=bt, seq_lens=seq, slot_mapping=cm.slot_mapping, step=step,
                          delegate=delegate, delegate_head=None, delegate_tail=None, delegate_first_row=0,
                          delegate_first_token=0)
-    builder = SimpleNamespace(_ours_decode=impl._ours_decode)
-    SpeedSfiMetadataBuilder._cut_delegate(builder, md, cm, delegate, step)
+    cut_delegate(md, cm, delegate, decodes_apart=True, tail_row=None)
     ref = torch.zeros_like(query)
     paged_reference.dense_paged_attention(query, kv, bt, qsl.tolist(), seq.tolist(), scale, ref)
     return impl, md, query, kv, ref
@@ -127,7 +136,8 @@ def _setup(sfi_on: bool, *, cut: bool = True):
 
 def _run(impl, md, query, kv):
     out = torch.full_like(query, 7.0)
-    impl._forward(None, query, query, query, kv, md, out, md.step.sfi)
+    active = [(share, plan) for share in impl.layers if (plan := share.plan(md)) is not None]
+    impl._forward(None, query, query, query, kv, md, out, active)
     return out, impl._rows.read()
 
 
@@ -135,7 +145,7 @@ def test_mixed_step_delegate_sees_only_the_prefill_rows_and_each_row_is_computed
     impl, md, query, kv, ref = _setup(sfi_on=True)
     assert md.delegate_first_row == 3 and md.delegate_first_token == 3 and md.delegate_tail is not None
     out, rows = _run(impl, md, query, kv)
-    (call,) = impl._dense.calls
+    (call,) = impl.dense.impl.calls
     assert call["rows"] == 2 and call["qsl"] == [0, 5, 12] and call["tokens"] == 12
     assert call["seq"] == [c + q for c, q in PREFILL]
     assert torch.equal(call["first_query"], query[3])          # its token 0 is the first prefill token
@@ -153,7 +163,7 @@ def test_uncuttable_delegate_falls_back_to_every_row_and_the_counters_show_it():
     impl, md, query, kv, ref = _setup(sfi_on=True, cut=False)
     assert md.delegate_first_row == 0 and md.delegate_tail is None
     out, rows = _run(impl, md, query, kv)
-    assert impl._dense.calls[0]["rows"] == 5
+    assert impl.dense.impl.calls[0]["rows"] == 5
     torch.testing.assert_close(out[:2], ref[:2], atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(out[3:], ref[3:], atol=2e-4, rtol=2e-4)
     # the sparse decode rows were computed twice (delegate, then SFI): the sum exceeds the rows
@@ -166,22 +176,22 @@ def test_with_a_critiprefill_sub_batch_both_cuts_are_built():
     layers every row from the first prefill row (``delegate_tail``)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_ext.backend.metadata import SpeedSfiMetadataBuilder
+    from vllm_ext.backend.delegate_rows import cut_delegate
 
     impl, md, query, kv, ref = _setup(sfi_on=True)
     qsl = torch.tensor([0, 1, 2, 3, 8, 15], dtype=torch.int32)
     cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=md.seq_lens, num_reqs=5,
                                  num_actual_tokens=15, max_query_len=7, max_seq_len=200,
                                  block_table_tensor=md.block_table, slot_mapping=torch.arange(15))
-    step = SimpleNamespace(sfi=md.step.sfi, critiprefill=SimpleNamespace(first_row=4))
-    SpeedSfiMetadataBuilder._cut_delegate(SimpleNamespace(_ours_decode=True), md, cm, md.delegate, step)
+    step = SimpleNamespace(plans=dict(md.step.plans, critiprefill=SimpleNamespace(first_row=4)))
+    cut_delegate(md, cm, md.delegate, decodes_apart=True, tail_row=4)
     assert md.delegate_first_row == 3
     assert md.delegate_head.query_start_loc.tolist() == [0, 5] and md.delegate_head.num_actual_tokens == 5
     assert md.delegate_tail.query_start_loc.tolist() == [0, 5, 12] and md.delegate_tail.num_actual_tokens == 12
     # a dense layer (no CritiPrefill tables): the delegate takes every prefill row
     md.step = step
     out, rows = _run(impl, md, query, kv)
-    assert impl._dense.calls[0]["rows"] == 2
+    assert impl.dense.impl.calls[0]["rows"] == 2
     torch.testing.assert_close(out[3:], ref[3:], atol=2e-4, rtol=2e-4)
 
 
@@ -189,7 +199,7 @@ def test_all_off_with_paged_decode_computes_decode_rows_with_our_kernel():
     impl, md, query, kv, ref = _setup(sfi_on=False)
     assert md.delegate_first_row == 3
     out, rows = _run(impl, md, query, kv)
-    assert impl._dense.calls[0]["rows"] == 2
+    assert impl.dense.impl.calls[0]["rows"] == 2
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
     assert rows["rows.paged_decode"] == 3 and rows["rows.delegate"] == 2 and rows["rows.layer"] == 5
 

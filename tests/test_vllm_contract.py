@@ -161,19 +161,19 @@ def test_a_step_with_an_sfi_prompt_row_is_not_a_uniform_decode_batch():
 
     import numpy as np
 
-    from vllm_ext import runner_hooks
-    from vllm_ext.backend.request_table import EngineRequestTable
     from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.methods.registry import enabled_methods
 
     batch = SimpleNamespace(num_computed_tokens_cpu=np.array([50, 99, 7]),
                             num_prompt_tokens=np.array([40, 100, 7]))
     runner = SimpleNamespace(input_batch=batch)
-    cfg = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}})
-    runner.__dict__["_speedsfi_request_table"] = EngineRequestTable(4, "cpu", config=cfg,
-                                                                    sfi_capacity=4, max_model_len=1024)
-    assert runner_hooks.has_sfi_prompt_rows(runner, 3)     # row 1 computes its last prompt token
+
+    def breaks(cfg):
+        return any(m.breaks_uniform_decode(runner, 3) for m in enabled_methods(cfg, None))
+
+    sfi = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}})
+    assert breaks(sfi)                                     # row 1 computes its last prompt token
     batch.num_computed_tokens_cpu[1] = 100
-    assert not runner_hooks.has_sfi_prompt_rows(runner, 3)
-    runner.__dict__["_speedsfi_request_table"] = EngineRequestTable(4, "cpu")     # SFI off
+    assert not breaks(sfi)
     batch.num_computed_tokens_cpu[1] = 99
-    assert not runner_hooks.has_sfi_prompt_rows(runner, 3)
+    assert not breaks(SpeedSfiConfig())                    # SFI off

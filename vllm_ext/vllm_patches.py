@@ -235,31 +235,14 @@ def scheduler_policy_of(scheduler):
             from vllm_ext.backend.startup import engine_of
             from vllm_ext.scheduler_policy import SchedulerPolicy
 
-            vllm_config = scheduler.vllm_config
-            engine = engine_of(vllm_config)
-            cfg = engine.config
-            caps = {m.name: m.admission_cap() for m in engine.methods()}
-            sfi_limit = None
-            # selector quest without keep_prefill reads no prompt-tail queries (its first decode
-            # step selects, and its page tables cover a prefix hit): nothing to cut
-            if cfg.sfi.enabled and cfg.sfi.prefill_end_selection:
-                from vllm_ext.methods.sfi.prompt_tail import prefix_hit_limit
-
-                sfi_limit = functools.partial(prefix_hit_limit, cfg.sfi)
-            policy = SchedulerPolicy(cfg, sfi_capacity=caps.get("sfi", 0),
-                                     critiprefill_capacity=caps.get("critiprefill", 0),
-                                     sfi_prefix_limit=sfi_limit)
+            policy = SchedulerPolicy([m.scheduler_rule() for m in engine_of(scheduler.vllm_config).methods()])
             cached = policy if policy.active else None
-            if policy.sfi_capacity or policy.cp_capacity:
+            if policy.bounds():
                 import logging
 
-                caps = ([f"{policy.sfi_capacity} requests with SFI (sfi.max_requests)"]
-                        if policy.sfi_capacity else []) + \
-                       ([f"{policy.cp_capacity} prompts in a CritiPrefill sparse prefill "
-                         f"(critiprefill.max_requests)"] if policy.cp_capacity else [])
                 logging.getLogger("vllm_ext").info(
                     "vllm_ext: the scheduler runs at most %s at once; others wait in the queue "
-                    "rather than run densely", " and ".join(caps))
+                    "rather than run densely", " and ".join(policy.bounds()))
         scheduler.__dict__["_speedsfi_policy"] = cached
     return cached
 

@@ -1,6 +1,6 @@
 """A method on, in bf16: SPEEDSFI keeps ``CPU_ATTN``'s page packing for the ISA vLLM picks on this CPU
 (``amx`` where the CPU has AMX tiles, ``vec`` otherwise), so its dense rows run ``CPU_ATTN``'s kernel
-and its own rows read the same pages (``vllm_ext.backend.cpu_dense``). Fp32 engines (the rest of the
+and its own rows read the same pages (``vllm_ext.backend.dense_path``). Fp32 engines (the rest of the
 e2e suite) never take the ``amx`` packing, which is bf16 only."""
 
 import pytest

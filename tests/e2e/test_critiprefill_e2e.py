@@ -113,7 +113,7 @@ def test_critiprefill_with_sfi(tiny_models):
         from vllm.model_executor.models.utils import extract_layer_index
 
         ctx = model_runner(llm).vllm_config.compilation_config.static_forward_context
-        has = {extract_layer_index(n): a.impl._cp_state is not None for n, a in ctx.items()
+        has = {extract_layer_index(n): any(s.name == "critiprefill" and s.state is not None for s in a.impl.layers) for n, a in ctx.items()
                if hasattr(a, "impl")}                   # not SFI's compact caches
         assert has == {0: False, 1: True}                 # dense_layers [0]: no state for layer 0
         # every layer has a state cache (one group pattern with the attention layers); layer 0's

@@ -1,11 +1,20 @@
-"""SFI's compiled CPU kernels (``vllm_ext/kernels/csrc/sfi_cpu.cpp`` via ``cpu_native``) against the
-PyTorch twins they stand for, and the build's fallbacks.
+"""SFI's compiled CPU kernels (``csrc/cpu/sfi_cpu.cpp``: the torch operators ``torch.ops.speedsfi``,
+built and loaded by ``cpu_native``) against the PyTorch twins they stand for, the operators' fake
+implementations, the build's cache and its fallbacks.
 
 The evidence pass: the twin's evidence and key norms over a grid (KV dtype, block size: multiples
 of 16 take the register-blocked path, others the generic one; GQA group sizes past the blocked
 path's 8; alpha, allowed sets that are empty, one position or the whole history; a shorter
 ``max_len`` than the history; fragmented block tables), the same entries written and the rest
 untouched. The selector: tests/sfi/test_sfi_selector_cpu.py runs its grid on both paths."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,34 +131,103 @@ def test_layouts_it_does_not_read_go_to_the_twin():
     assert (ev == SENTINEL).all()
 
 
-def test_no_compiler_falls_back_logged_and_counted(monkeypatch, tmp_path):
+def _failing_build(monkeypatch, tmp_path):
+    """A fresh process's first library() call, with a compiler that fails."""
     monkeypatch.setattr(cpu_native, "_tried", False)
     monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_reason", None)
     monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setattr(cpu_native, "SOURCE", tmp_path / "src.cpp")
     (tmp_path / "src.cpp").write_text("int x;\n")
-    before = metrics.snapshot().get("fallback.cpu_native", 0)
+
+
+def test_no_compiler_falls_back(monkeypatch, tmp_path):
+    """The kernels say why they are not there and decline (nothing written): the twins run."""
+    _failing_build(monkeypatch, tmp_path)
     assert cpu_native.library() is None
+    assert "/bin/false failed" in cpu_native.unavailable_reason()
     ev = torch.full((1, 8), SENTINEL)
-    assert not cpu_native.select_row(ev, ev, 0, 8, None, 2, None, torch.zeros(1, 2, dtype=torch.int32))
-    assert metrics.snapshot().get("fallback.cpu_native", 0) >= before + 2
+    sel = torch.full((1, 2), -7, dtype=torch.int32)
+    assert not cpu_native.select_row(ev, ev, 0, 8, None, 2, None, sel)
+    assert (sel == -7).all() and (ev == SENTINEL).all()
+    pages = _pages(2, 1, 16, 64, torch.bfloat16, torch.Generator().manual_seed(0))
+    assert not cpu_native.evidence(torch.randn(1, 64), pages, torch.arange(2, dtype=torch.int32), 20, 0, 8, 8,
+                                   0.125, 0.5, ev, None)
+    assert (ev == SENTINEL).all()
     assert not list(tmp_path.glob("*.so*"))                 # no partial library left behind
+
+
+def test_the_engine_start_logs_and_counts_the_fallback(monkeypatch, tmp_path, caplog):
+    """The kernels import no metrics: the engine's start-up (SFI's method, once per engine) counts
+    ``fallback.cpu_native`` and logs it once per process, with the reason."""
+    from vllm_ext.methods.sfi.method import SfiMethod
+
+    _failing_build(monkeypatch, tmp_path)
+    monkeypatch.setattr(metrics, "_logged_once", set())
+    before = metrics.snapshot().get("fallback.cpu_native", 0)
+    with caplog.at_level(logging.INFO, logger="vllm_ext"):
+        for _ in range(2):                                  # two engines in one process
+            method = SfiMethod(None, None)
+            method.load_cpu_kernels()
+            method.load_cpu_kernels()                       # every layer asks; the engine counts once
+    assert metrics.snapshot().get("fallback.cpu_native", 0) == before + 2
+    logged = [r.getMessage() for r in caplog.records if "cpu_native" in r.getMessage()]
+    assert len(logged) == 1 and "/bin/false failed" in logged[0], logged
 
 
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(cpu_native.ENV, "0")
     assert cpu_native.library() is None
+    assert cpu_native.ENV in cpu_native.unavailable_reason()
+
+
+@needs_native
+def test_the_operators_trace():
+    """Schemas (what each operator writes), fake implementations and ahead-of-time tracing, as
+    ``torch.compile`` needs them (``torch.library.opcheck``)."""
+    gen = torch.Generator().manual_seed(3)
+    ev, kn = torch.randn(2, 40, generator=gen), torch.rand(2, 40, generator=gen) + 0.1
+    sel = torch.zeros(2, 5, dtype=torch.int32)
+    cfg = [float(v) for v in range(1, 13)]
+    torch.library.opcheck(torch.ops.speedsfi.sfi_select_row.default, (sel, ev, kn, 3, 40, cfg, 2, 1, 0, 5, None))
+    pages = _pages(8, 2, 16, 32, torch.bfloat16, gen)
+    args = (torch.zeros(2, 60), torch.zeros(2, 60), torch.zeros(4, 32), torch.randn(4, 32, generator=gen),
+            pages.k, pages.v, torch.arange(4, dtype=torch.int32), 60, 2, 50, 60, 0.2, 0.5, False)
+    torch.library.opcheck(torch.ops.speedsfi.sfi_evidence.default, args)
+    with pytest.raises(RuntimeError, match="block id"):     # the operator checks what the C++ reads
+        torch.ops.speedsfi.sfi_evidence(*args[:6], torch.tensor([0, 1, 2, 8], dtype=torch.int32), *args[7:])
+
+
+_BUILD = """
+import json
+from vllm_ext.kernels import cpu_native
+ok = cpu_native.library() is not None
+print(json.dumps({"ok": ok, "reason": cpu_native.unavailable_reason(), **cpu_native._build_info}))
+"""
 
 
 @needs_native
 def test_the_library_is_built_once_per_source_and_machine(monkeypatch, tmp_path):
+    """Two processes starting at once into an empty cache: one builds, the other waits for it and
+    loads the same library; a later start (here: this process) reuses it."""
+    root = str(Path(cpu_native.__file__).resolve().parents[2])
+    env = {**os.environ, cpu_native.CACHE_ENV: str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    got = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
+    print(f"cold build in two processes at once: {time.perf_counter() - t0:.1f} s")
+    assert all(g["ok"] for g in got), got
+    assert sorted(g["built"] for g in got) == [False, True], got           # one compiled, one waited
+    built = list(tmp_path.glob("sfi_cpu_*.so"))
+    assert len(built) == 1 and got[0]["path"] == got[1]["path"] == str(built[0])
+    assert not list(tmp_path.glob("*.tmp"))
+    stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(cpu_native, "_tried", False)
     monkeypatch.setattr(cpu_native, "_lib", None)
     monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
-    assert cpu_native.library() is not None
-    built = list(tmp_path.glob("sfi_cpu_*.so"))
-    assert len(built) == 1 and not list(tmp_path.glob("*.tmp"))
-    stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(cpu_native, "_tried", False)
-    assert cpu_native.library() is not None and built[0].stat().st_mtime_ns == stamp   # reused
+    assert cpu_native.library() is torch.ops.speedsfi
+    assert cpu_native._build_info["path"] == str(built[0]) and not cpu_native._build_info["built"]
+    assert built[0].stat().st_mtime_ns == stamp                                       # reused

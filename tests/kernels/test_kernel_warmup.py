@@ -15,10 +15,11 @@ import re
 import pytest
 import torch
 
-from vllm_ext.backend.kernel_warmup import (DECODE_BATCHES, WarmupShape, synthetic_decode_plan,
-                                            warm_up_paged_decode, warm_up_sfi_layer)
+from vllm_ext.methods.sfi.warmup import synthetic_decode_plan, warm_up_sfi_layer
+from vllm_ext.methods.warmup import DECODE_BATCHES, WarmupShape, warm_up_paged_decode
 from vllm_ext.methods.sfi.path import sfi_decode, sfi_prefill_end
-from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime, shared_dense_workspace
+from vllm_ext.backend.dense_path import paged_decode_workspace
+from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import launch_log
 from vllm_ext.kernels.dense_decode_evidence import paged_decode
@@ -186,7 +187,7 @@ def test_warmup_reaches_every_compile_key_of_real_sfi_steps(cfg, paged):
 def test_warmup_reaches_paged_decode_keys_with_every_method_off():
     gen = torch.Generator().manual_seed(1)
     kv, bt = _kv(gen), _block_table(gen)
-    ws = shared_dense_workspace(max_rows=MAX_ROWS, num_heads=HQ, num_kv_heads=HKV, head_size=D,
+    ws = paged_decode_workspace(max_rows=MAX_ROWS, num_heads=HQ, num_kv_heads=HKV, head_size=D,
                                 max_len=MAX_LEN, device=DEV)
     with launch_log.record() as log:
         warm_up_paged_decode(kv_cache=kv, workspace=ws, num_heads=HQ, head_size=D, scale=SCALE,
@@ -271,7 +272,7 @@ def test_a_step_with_more_rows_than_a_chunk_launches_the_chunk_rule(chunk):
 
 
 def test_warmup_reaches_speed_upper_layer_keys():
-    from vllm_ext.backend.kernel_warmup import warm_up_speed_layer
+    from vllm_ext.methods.speed.warmup import warm_up_speed_layer
     from vllm_ext.kernels.speed_attention import speed_attention
 
     gen = torch.Generator().manual_seed(4)
@@ -411,7 +412,7 @@ def test_warmup_reaches_every_compile_key_of_the_copy_trigger(copy_once):
     """The copy trigger is on by default, so its kernels are warmed too: a grid of real steps through
     the engine's request table (paged history, the runner's buffers) launches no record or match key
     that :func:`warm_up_copy_trigger` did not, given only what the engine knows at start-up."""
-    from vllm_ext.backend.kernel_warmup import warm_up_copy_trigger
+    from vllm_ext.methods.sfi.warmup import warm_up_copy_trigger
 
     t, pages, _ = _copy_table(copy_once)
     before = pages.clone()
@@ -428,7 +429,7 @@ def test_warmup_reaches_every_compile_key_of_the_copy_trigger(copy_once):
 
 def test_the_copy_warm_up_follows_the_configuration():
     """The check can fail: a warm-up for the other copy_once misses the match key of real steps."""
-    from vllm_ext.backend.kernel_warmup import warm_up_copy_trigger
+    from vllm_ext.methods.sfi.warmup import warm_up_copy_trigger
 
     t, pages, width = _copy_table(True)
     other = dataclasses.replace(t.sfi.cfg, copy_once=False)

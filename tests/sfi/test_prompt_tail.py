@@ -222,14 +222,12 @@ def test_requests_sharing_steps_keep_their_own_windows(name, paged):
 
 
 def test_prefix_hit_limit_and_cut():
-    import functools
-
     from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.methods.sfi.scheduling import SfiSchedulingRule
     from vllm_ext.scheduler_policy import SchedulerPolicy
     from vllm_ext.vllm_patches import limit_prefix_hit
 
-    policy = SchedulerPolicy(SpeedSfiConfig(sfi=CFG), sfi_capacity=4, critiprefill_capacity=0,
-                             sfi_prefix_limit=functools.partial(prefix_hit_limit, CFG))
+    policy = SchedulerPolicy([SfiSchedulingRule(SpeedSfiConfig(sfi=CFG), 4)])
     assert prefix_hit_limit(CFG, 645, 32) == 608           # (645 - 16) // 32 * 32
     assert prefix_hit_limit(CFG, 10, 32) == 0
     Blocks = type("Blocks", (), {"__init__": lambda self, blocks: setattr(self, "blocks", blocks)})

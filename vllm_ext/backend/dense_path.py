@@ -319,14 +319,9 @@ class DelegateDense(DensePath):
     def allocate(self) -> None:
         """``paged_decode``'s split-K scratch (allocated while the weights load: out of vLLM's budget)."""
         if self.paged_decode and self.workspace is None:
-            from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
-            from vllm_ext.kernels.two_segment_decode import dense_num_splits, max_row_splits
-
-            hkv, n, dev = self.num_kv_heads, self._max_len, self._device
-            rs = max_row_splits(self._max_rows, lambda r: dense_num_splits(r, hkv, n, dev))
-            self.workspace = dense_decode_workspace(1, self.num_heads, self.head_size,
-                                                    max(dense_num_splits(1, hkv, n, dev), 1), dev,
-                                                    row_splits=rs)
+            self.workspace = paged_decode_workspace(max_rows=self._max_rows, num_heads=self.num_heads,
+                                                    num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                                                    max_len=self._max_len, device=self._device)
 
     def owns_decode_kernel(self) -> bool:
         return self.paged_decode
@@ -380,6 +375,19 @@ class DelegateDense(DensePath):
         warm_up_paged_decode(kv_cache=kv_cache, workspace=self.workspace, num_heads=self.num_heads,
                              head_size=self.head_size, scale=self.scale, dtype=dtype, shape=shape)
         return True
+
+
+def paged_decode_workspace(*, max_rows: int, num_heads: int, num_kv_heads: int, head_size: int,
+                           max_len: int, device: torch.device):
+    """``paged_decode``'s split-K scratch for any batch up to ``max_rows`` rows of up to ``max_len``
+    tokens."""
+    from vllm_ext.kernels.dense_decode_evidence import dense_decode_workspace
+    from vllm_ext.kernels.two_segment_decode import dense_num_splits, max_row_splits
+
+    rs = max_row_splits(max_rows, lambda r: dense_num_splits(r, num_kv_heads, max_len, device))
+    return dense_decode_workspace(1, num_heads, head_size,
+                                  max(dense_num_splits(1, num_kv_heads, max_len, device), 1), device,
+                                  row_splits=rs)
 
 
 def dense_path_for(config, *, on_cpu: bool, num_heads: int, num_kv_heads: int, head_size: int,

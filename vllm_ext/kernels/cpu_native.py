@@ -26,7 +26,7 @@ written to a temporary and renamed into place, so no reader ever sees a partial 
 its editable install (``pip install -e .``, as ``scripts/setup_env.sh`` installs). No compiler, no
 source, a failed build or ``SPEEDSFI_CPU_NATIVE=0``: :func:`library` is None,
 :func:`unavailable_reason` says why, and the PyTorch twins run instead; the engine's start-up logs
-and counts that (``fallback.cpu_native``, ``vllm_ext.backend.cpu_dense``). Torch only; no vLLM
+and counts that (``fallback.cpu_native``, ``vllm_ext.backend.dense_path``). Torch only; no vLLM
 import.
 
 Callers give contiguous fp32 rows; the wrappers check what the C++ assumes (dtypes, strides,

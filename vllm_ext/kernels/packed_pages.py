@@ -20,7 +20,7 @@ the logical cache (``shape``, ``dtype``, ``device``, entry indexing, ``index_sel
 blocks); :mod:`vllm_ext.kernels.paged_reference` reads it through :func:`split_kv`-style views.
 Anything else raises (``AttributeError``, ``IndexError``), never reads the wrong bytes. The backend
 checks the packing against vLLM's own write at start-up (:func:`layout_matches`) before it uses
-this format (``vllm_ext.backend.cpu_dense``). The AMX layout was read off vLLM 0.32's write op
+this format (``vllm_ext.backend.dense_path``). The AMX layout was read off vLLM 0.32's write op
 (every block size 32-128 and head size 32-256 the check covers): a later vLLM that packs otherwise
 fails the check and runs the counted fallback.
 

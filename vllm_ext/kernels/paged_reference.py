@@ -9,7 +9,7 @@ On the CPU build the cache can also be a :class:`~vllm_ext.kernels.packed_pages.
 K and V views, so the twins above them read either format.
 
 This is the CPU build's dense path where ``CPU_ATTN``'s kernel cannot run (the dense rows of a
-method-on step run ``CPU_ATTN`` on packed pages: ``vllm_ext.backend.cpu_dense``) and the
+method-on step run ``CPU_ATTN`` on packed pages: ``vllm_ext.backend.dense_path``) and the
 reference every kernel test compares with. It runs a Python loop over requests (CPU only; the CUDA
 path never runs it on a hot path).
 """

@@ -4,7 +4,7 @@ the runner hooks and the scheduler policy call only what is declared here, and n
 
 Engine level (:class:`Method`, one per engine and enabled method):
 - start-up: :meth:`Method.check_engine` (refuse a configuration, at start-up, naming the field);
-- the scheduler: :meth:`Method.admission_cap`, :meth:`Method.order_rows`;
+- the scheduler and the runner's batch: :meth:`Method.scheduler_rule`, :meth:`Method.order_rows`;
 - per request: :meth:`Method.slot_tables` (the method's own per-request tables, driven by the generic
   request table through :class:`vllm_ext.method_slots.MethodSlots`: they plan each step on the
   device);
@@ -167,6 +167,11 @@ class Method:
     def breaks_uniform_decode(self, runner, num_reqs: int) -> bool:
         """Whether this step (host facts of the runner) must not replay a FULL CUDA graph."""
         return False
+
+    def scheduler_rule(self):
+        """The method's rules for vLLM's scheduler (admission bound, chunk ends, prefix-hit cut:
+        ``limit_chunk``, ``limit_prefix_hit``, ``active``, ``describe_bound``), or ``None``."""
+        return None
 
     def order_rows(self, batch, num_scheduled_tokens) -> None:
         """Reorder the runner's persistent batch after vLLM's own reordering (decode rows first)."""

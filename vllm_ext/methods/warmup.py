@@ -32,7 +32,7 @@ def chunked_batch(max_rows: int, capacity: int, chunk: int) -> int | None:
     return min(reach, 3 * chunk + 1)
 
 
-def syntheticsynthetic_block_table(shape: WarmupShape, rows: int, num_blocks: int, device) -> torch.Tensor:
+def synthetic_block_table(shape: WarmupShape, rows: int, num_blocks: int, device) -> torch.Tensor:
     """Rows of a block table as wide as the runner's (its row stride is part of the compile key),
     pointing at blocks 1.. of the cache (read only)."""
     bt = torch.zeros(max(shape.max_rows, rows), shape.block_table_width, dtype=torch.int32,

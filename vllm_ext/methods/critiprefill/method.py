@@ -24,6 +24,11 @@ class CritiPrefillMethod(Method):
         cap = self.config.critiprefill.max_requests
         return cap if cap and cap < self.vllm_config.scheduler_config.max_num_seqs else 0
 
+    def scheduler_rule(self):
+        from vllm_ext.methods.critiprefill.scheduling import CritiPrefillSchedulingRule
+
+        return CritiPrefillSchedulingRule(self.config.critiprefill, self.admission_cap())
+
     def slot_tables(self, table, context):
         from vllm_ext.methods.critiprefill.slots import CritiPrefillSlots
 

@@ -38,6 +38,11 @@ class SfiMethod(Method):
         cap = self.capacity
         return cap if cap < self.vllm_config.scheduler_config.max_num_seqs else 0
 
+    def scheduler_rule(self):
+        from vllm_ext.methods.sfi.scheduling import SfiSchedulingRule
+
+        return SfiSchedulingRule(self.config, self.admission_cap())
+
     def owns_decode_rows(self) -> bool:
         return True
 
