@@ -66,8 +66,9 @@ def main(argv=None) -> dict:
         os.environ["SPEEDSFI_FORCE_TORCH_KERNELS"] = "1"      # the PyTorch twins (read at call time)
     import torch
 
-    from vllm_ext.config import CritiPrefillConfig
-    from vllm_ext.methods.critiprefill import LayerFusion, build_plan, dense_plan
+    from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
+    from vllm_ext.methods.critiprefill.criticality import LayerFusion
+    from vllm_ext.methods.critiprefill.plan import build_plan, dense_plan
     from vllm_ext.kernels import block_sparse_prefill as bsp
 
     smoke = args.smoke

@@ -152,9 +152,11 @@ def main(argv=None):
     sh = shapes(args.smoke)
     env = env_info(dev)
     try:
-        from vllm_ext.config import SfiConfig
+        from vllm_ext.methods.sfi.config import SfiConfig
         from vllm_ext.kernels.sfi_selector import select as select_fn
-        sfi_cfg, sel_note = SfiConfig(k=sh["budget"]["k"], k_min=min(32, sh["budget"]["k"])), None
+        from vllm_ext.methods.sfi.selector_params import selector_params
+        sfi_cfg = selector_params(SfiConfig(k=sh["budget"]["k"], k_min=min(32, sh["budget"]["k"])))
+        sel_note = None
     except Exception as exc:
         select_fn, sfi_cfg = None, None
         sel_note = f"selector not available ({type(exc).__name__}: {exc}); slow step = evidence + gather"

@@ -63,7 +63,7 @@ def shapes(smoke: bool) -> dict:
 
 def load_selector():
     try:
-        from vllm_ext.config import SfiConfig
+        from vllm_ext.methods.sfi.config import SfiConfig
         from vllm_ext.kernels import sfi_selector
     except Exception as exc:
         return None, None, f"vllm_ext.kernels.sfi_selector not importable: {type(exc).__name__}: {exc}"
@@ -77,7 +77,9 @@ def model_bytes(mod, cfg, heads: int, sizes: list[int]) -> int:
     """Bytes the selector's kernels move by design for allowed sets of ``sizes`` positions: evidence +
     key norms twice (statistics, then scores, the latter with its halo), the score written once and
     read by the histogram, compaction and write steps."""
-    halo_l, halo_r, _ = mod._halos(cfg, int(cfg.select_span))
+    from vllm_ext.methods.sfi.selector_params import selector_params
+
+    halo_l, halo_r, _ = mod._halos(selector_params(cfg), int(cfg.select_span))
     t2 = mod._tile_t2(heads, halo_l, halo_r, mod.TILES)
     per_pos = 8 + 8 * t2 / (t2 - halo_l - halo_r) + 4 + 3 * 4
     return int(sum(sizes) * heads * per_pos)
@@ -85,8 +87,10 @@ def model_bytes(mod, cfg, heads: int, sizes: list[int]) -> int:
 
 def time_selector(mod, SfiConfig, sh, ev, kn, lo, hi, kt, dev, span: int, back: int = 0,
                   exclude: torch.Tensor | None = None) -> dict:
-    cfg = SfiConfig(k=sh["k"], select_span=span, select_span_back=back,
-                    k_min=0 if exclude is not None else SfiConfig.k_min)
+    from vllm_ext.methods.sfi.selector_params import selector_params
+
+    cfg = selector_params(SfiConfig(k=sh["k"], select_span=span, select_span_back=back,
+                                    k_min=0 if exclude is not None else SfiConfig.k_min))
     b, hkv, ctx = kn.shape
     out: dict = {}
     ws = mod.selector_workspace(b, hkv, ctx, sh["k"], dev, cfg)
@@ -130,12 +134,13 @@ def time_quest_selection(mod, SfiConfig, sh, prob, reps, ent, lo, hi, kt, ev, de
     """A whole Quest selection of the batch (page scores + the selector's top-K), and the same with
     ``quest_rerank`` (page scores, the candidates' top-K, their group attention mass from K, the
     top-K of the candidates)."""
-    from vllm_ext.kernels.quest_pages import quest_page_evidence, quest_selector_config
+    from vllm_ext.kernels.quest_pages import quest_page_evidence, quest_selector_params
     from vllm_ext.kernels.quest_rerank import quest_candidate_evidence, quest_rerank_workspace
+    from vllm_ext.methods.sfi.selector_params import selector_params
 
     b, hkv, ctx = ev.shape
     k, r, page = sh["k"], QUEST_RERANK, QUEST_RERANK_PAGE
-    qcfg = quest_selector_config(SfiConfig(k=k, k_min=0))
+    qcfg = quest_selector_params(selector_params(SfiConfig(k=k, k_min=0)))
     ones = torch.ones(b, hkv, ctx, dtype=torch.float32, device=dev)
     final_ws = mod.selector_workspace(b, hkv, ctx, k, dev, qcfg)
     cand_ws = mod.selector_workspace(b, hkv, ctx, r * k, dev, qcfg)
@@ -204,7 +209,7 @@ def run_config(ctx: int, batch: int, sh: dict, dev: torch.device, mod, SfiConfig
                     raise
                 # a Triton build whose tl.gather fails: the global-scratch fallback
                 state["gather_fallback"] = f"{type(exc).__name__}: {exc}"[:400]
-                mod.TILES = dataclasses.replace(mod.TILES, gather=False)
+                mod.set_tiles(dataclasses.replace(mod.TILES, gather=False))
                 t = time_selector(mod, SfiConfig, sh, ev, kn, lo, hi, kt, dev, 0)
             row["selector_ms"] = t["ms"]
             row["selector_ms_eager"] = t["ms_eager"]
@@ -220,7 +225,10 @@ def run_config(ctx: int, batch: int, sh: dict, dev: torch.device, mod, SfiConfig
             row["selector_gbps"] = gbps(row["selector_model_bytes"], row["selector_ms"])
             row["selector_input_gbps"] = gbps(sum(sizes) * hkv * 8, row["selector_ms"])
             if b <= 4 and ctx <= 8192:     # spot check against the twin (exact up to near-ties)
-                ref, ref_n = mod.select_torch(ev, kn, lo, hi, SfiConfig(k=sh["k"]), kt, k_cap=sh["k"])
+                from vllm_ext.methods.sfi.selector_params import selector_params
+
+                ref, ref_n = mod.select_torch(ev, kn, lo, hi, selector_params(SfiConfig(k=sh["k"])), kt,
+                                              k_cap=sh["k"])
                 row["twin_n_sel_equal"] = bool(torch.equal(ref_n, s_n))
                 row["twin_rows_heads_equal"] = float((ref == s_out).all(-1).float().mean())
         except Exception as exc:   # report, keep the rest of the bench

@@ -325,7 +325,7 @@ class PathLoop:
 QUEST_MODES = ("quest", "quest_keep", "quest_rerank")
 
 def shapes(smoke: bool) -> dict:
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
 
     if smoke:
         return dict(models=SMOKE_MODELS, batches=[2], ctxs=[160], steps=8, dtype=torch.float32,

@@ -446,7 +446,7 @@ def fast_step_read_all(c, length: str | None = None) -> float:
     """Bytes a fast step reads over a dense step's, counting all of it: the retained KV, and with
     selector quest the page table (max and min of K per page: 1/page_size of the KV bytes per
     selection) and with quest_rerank r the K half of r x (k - keep_prefill) candidates."""
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
 
     pl = c["per_length"] if length is None else {length: c["per_length"].get(length, {})}
     counters = c["counters"] if length is None else {length: c["counters"].get(length, {})}
@@ -470,7 +470,7 @@ def page_table_note(c) -> str | None:
     """Selector quest: the page-table read as a fraction of the fast steps' context (selections /
     fast steps / page_size; in quest mode every sparse row is a fast row), and with
     quest_rerank the candidates' K."""
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
 
     sfi = c.get("speedsfi", {}).get("sfi", {})
     if sfi.get("selector") != "quest":

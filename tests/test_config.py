@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from vllm_ext.config import (ConfigError, SfiConfig, SpeedSfiConfig, check_request_overrides, load_preset, preset_names,
-                             request_overrides)
+from vllm_ext.config import ConfigError, SpeedSfiConfig, check_request_overrides, load_preset, preset_names, request_overrides
+from vllm_ext.methods.sfi.config import SfiConfig
 
 
 def test_defaults_match_algorithms_md():
@@ -30,7 +30,7 @@ def test_explicit_fields_override_preset():
 
 
 def test_boundary_schedule_fields():
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
 
     # the defaults keep our schedule: fire at the step after a trigger, no cooldown, no gap
     s = SpeedSfiConfig.from_dict(None).sfi
@@ -160,7 +160,7 @@ def test_sfi_enabled_alone_is_the_sfi_preset():
     alone = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}}).sfi
     preset = SpeedSfiConfig.from_dict({"preset": "sfi"}).sfi
     assert alone == preset and alone.enabled
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
 
     paper = SpeedSfiConfig.from_dict({"sfi": {"enabled": True, "n_sink": 4}}).sfi
     assert paper == dataclasses.replace(SfiConfig(), enabled=True)

@@ -26,7 +26,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_ext"
 LAYERS = [
     ("base", {"vllm_ext.config", "vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging",
               "vllm_ext.env_vars", "vllm_ext.method_kv_spec", "vllm_ext.method_cache_layer",
-              "vllm_ext.row_counters"}),
+              "vllm_ext.row_counters", "vllm_ext.config_fields",
+              # each method's configuration section: its own, read by the configuration object
+              "vllm_ext.methods.sfi.config", "vllm_ext.methods.speed.config",
+              "vllm_ext.methods.critiprefill.config"}),
     ("kernels", {"vllm_ext.kernels"}),
     ("request_state", {"vllm_ext.request_state", "vllm_ext.method_slots", "vllm_ext.methods"}),
     ("sfi", {"vllm_ext.methods.sfi"}),

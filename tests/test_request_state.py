@@ -34,23 +34,23 @@ def test_slots_are_stable_while_rows_move():
     assert s2.row_last_token.tolist() == [5, 6]
 
 
-def test_steps_since_slow_counts_decode_steps_and_resets_on_reuse():
+def test_decode_steps_count_and_reset_on_reuse():
     t = EngineRequestTable(max_reqs=2, device="cpu")
     t.sync_membership([], {"a": (3, None)})
     _step(t, ["a"], [3], [1], [False])                     # prefill: not counted
     for _ in range(5):
         _step(t, ["a"], [1], [1], [True])
     slot = t.slot_of["a"]
-    assert int(t.steps_since_slow[slot]) == 5 and int(t.decode_steps[slot]) == 5
+    assert int(t.decode_steps[slot]) == 5
     gen = int(t.generation[slot])
     t.sync_membership(["a"], {})                            # finished
     assert "a" not in t.slot_of
     t.sync_membership([], {"c": (9, None)})                 # slot handed out again
     assert t.slot_of["c"] == slot
     s = _step(t, ["c"], [9], [2], [False])
-    assert int(t.steps_since_slow[slot]) == 0 and int(t.generation[slot]) == gen + 1
+    assert int(t.decode_steps[slot]) == 0 and int(t.generation[slot]) == gen + 1
     assert s.row_prompt_len.tolist() == [9]
-    assert t.has_selection is None            # selections are SFI's table, absent without SFI
+    assert t.sfi is None                      # no method's tables without a method
 
 
 def test_resumed_request_gets_fresh_state():
@@ -61,7 +61,7 @@ def test_resumed_request_gets_fresh_state():
     t.sync_membership(["a"], {"a": (4, None)})              # preempted and resumed in one step
     assert t.counters.reset_on_resume == 1
     _step(t, ["a"], [6], [1], [False])
-    assert int(t.steps_since_slow[t.slot_of["a"]]) == 0
+    assert int(t.decode_steps[t.slot_of["a"]]) == 0
 
 
 def test_leaving_the_batch_frees_the_slot_and_padding_uses_scratch():
@@ -81,10 +81,10 @@ def test_leaving_the_batch_frees_the_slot_and_padding_uses_scratch():
 def test_dummy_step_touches_no_request():
     t = EngineRequestTable(max_reqs=2, device="cpu")
     t.sync_membership([], {"a": (4, None)})
-    before = t.steps_since_slow.clone()
+    before = t.decode_steps.clone()
     s = t.begin_step([], 0, 2, None, None, None)
     assert not s.is_real and s.row_slot.tolist() == [t.scratch_slot] * 2
-    assert torch.equal(before, t.steps_since_slow)
+    assert torch.equal(before, t.decode_steps)
 
 
 def test_overrides_are_kept_per_slot():

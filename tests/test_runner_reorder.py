@@ -3,7 +3,7 @@ move_critiprefill_rows_last), so the CritiPrefill sub-batch holds them only."""
 
 import numpy as np
 
-from vllm_ext.config import CritiPrefillConfig
+from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 from vllm_ext.methods.critiprefill.chunking import is_critiprefill_chunk
 from vllm_ext.methods.critiprefill.chunking import move_critiprefill_rows_last
 

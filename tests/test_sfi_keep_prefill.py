@@ -15,9 +15,11 @@ from tests.kernel_choice import torch_kernels
 from tests.test_sfi_path import BS, D, HKV, Problem
 from vllm_ext.methods.sfi.path import _prefill_end_select, sfi_decode
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import ConfigError, SfiConfig
+from vllm_ext.config import ConfigError
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.paged_reference import gather_kv
 from vllm_ext.kernels import sfi_selector_torch as S
+from vllm_ext.methods.sfi.selector_params import selector_params
 from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 
 CFG = SfiConfig(enabled=True, k=24, k_min=4, n_sink=4, n_recent=16, keep_prefill=10,
@@ -178,8 +180,8 @@ def test_kept_tokens_stay_and_decode_selects_the_rest():
         torch.testing.assert_close(ckv1[s, :, :ns + CFG.k], tckv1[s, :, :ns + CFG.k])
         # prefill end: the kept tokens are the reference's top-P, kept + rest its top-k
         cfg0 = dataclasses.replace(CFG, k_min=0)
-        top_p, _ = S.select(ev[r:r + 1], norms[r:r + 1], lo[r:r + 1], hi[r:r + 1], cfg0, P)
-        top_k, _ = S.select(ev[r:r + 1], norms[r:r + 1], lo[r:r + 1], hi[r:r + 1], cfg0, CFG.k)
+        top_p, _ = S.select(ev[r:r + 1], norms[r:r + 1], lo[r:r + 1], hi[r:r + 1], selector_params(cfg0), P)
+        top_k, _ = S.select(ev[r:r + 1], norms[r:r + 1], lo[r:r + 1], hi[r:r + 1], selector_params(cfg0), CFG.k)
         pos0 = positions_of(p, r, ckv0[s], ns + CFG.k)
         pos1 = positions_of(p, r, ckv1[s], ns + CFG.k)
         for h in range(HKV):

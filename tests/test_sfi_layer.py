@@ -8,9 +8,10 @@ import torch
 
 from vllm_ext.methods.sfi.path import sfi_decode
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.kernels import sfi_selector_torch as ref_selector
+from vllm_ext.methods.sfi.selector_params import selector_params
 from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 
 HAS_CUDA = torch.cuda.is_available()
@@ -83,7 +84,7 @@ def test_slow_then_fast_equals_restricted_dense(device, dual, g):
         norms = torch.ones(1, hkv, 256, device=device)
         norms[0, :, :t] = k.float().norm(dim=-1)
         sel, n_sel = ref_selector.select(evidence, norms, torch.tensor([lo], device=device),
-                                         torch.tensor([hi], device=device), cfg, cfg.k)
+                                         torch.tensor([hi], device=device), selector_params(cfg), cfg.k)
         expected_sel.append([sorted(sel[0, h, : int(n_sel[0])].tolist()) for h in range(hkv)])
         # the compact segment holds sink + exactly those entries
         n = int(layer.compact_len[slots[r]])

@@ -18,7 +18,7 @@ import torch
 from tests.kernel_choice import torch_kernels
 from vllm_ext.methods.sfi.path import sfi_decode
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.triton_utils import use_triton
 from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 

@@ -17,7 +17,7 @@ from tests.kernel_choice import torch_kernels
 from vllm_ext.methods.sfi import path as sfi_path
 from vllm_ext.methods.sfi.path import sfi_decode, sfi_prefill_end
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.triton_utils import use_triton
 from vllm_ext.methods.sfi.prompt_tail import TailRow, plan_prompt_tail
 from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan

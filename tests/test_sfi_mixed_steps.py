@@ -14,7 +14,8 @@ import torch
 
 from vllm_ext import row_counters
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import ConfigError, SfiConfig, SpeedSfiConfig
+from vllm_ext.config import ConfigError, SpeedSfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels import paged_reference
 from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
 

@@ -33,24 +33,11 @@ def register() -> None:
     from vllm_ext import metrics, vllm_patches
 
     vllm_patches.install()
-    from vllm_ext.methods.speed.kv_spec import register_speed_kv_spec
-
-    register_speed_kv_spec()
     from vllm_ext import env_vars
+    from vllm_ext.methods import registry
 
+    registry.register_kv_specs()
     env_vars.forward_to_ray()
-    from vllm_ext.methods.sfi.kv_spec import register_sfi_kv_spec
-
-    register_sfi_kv_spec()
-    from vllm_ext.methods.sfi.history_kv_spec import register_history_kv_spec
-
-    register_history_kv_spec()
-    from vllm_ext.methods.sfi.quest_kv_spec import register_quest_kv_spec
-
-    register_quest_kv_spec()
-    from vllm_ext.methods.critiprefill.kv_spec import register_critiprefill_kv_spec
-
-    register_critiprefill_kv_spec()
     metrics.ensure_trace_dir()
     metrics.register_prometheus_collector()
     _registered = True

@@ -23,6 +23,9 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 class _NothingToBuild(AttentionMetadataBuilder):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         return None
 

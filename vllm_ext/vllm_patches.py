@@ -40,7 +40,7 @@ PATCHES: tuple[Patch, ...] = (
           "(with vLLM's own log line saying why)",
           "tests/test_vllm_contract.py::test_speedsfi_forces_the_v1_runner"),
     Patch("vllm.model_executor.layers.attention.attention.Attention.get_kv_cache_spec",
-          "vllm/model_executor/layers/attention/attention.py", "vllm_ext.vllm_patches._patch_speed_kv_spec",
+          "vllm/model_executor/layers/attention/attention.py", "vllm_ext.vllm_patches._patch_method_kv_specs",
           "with SPEED on, layers >= l_cut report SpeedUpperSpec (their own KV-cache group holding no "
           "interior prompt blocks); the layer hard-codes FullAttentionSpec and a backend's "
           "customize_spec does not know the layer",
@@ -77,11 +77,11 @@ PATCHES: tuple[Patch, ...] = (
           "a step with an SFI prompt row is never replayed as a uniform-decode FULL CUDA graph",
           "tests/test_vllm_contract.py::test_prefix_hit_and_batch_execution_hooks"),
     Patch("vllm.model_executor.models.llama.LlamaModel.forward", "vllm/model_executor/models/llama.py",
-          "vllm_ext.methods.speed.upper_stack.install",
+          "vllm_ext.methods.speed.method.SpeedMethod.install_patches",
           "with SPEED on an eager model, prompt tokens skip the upper layers",
           "tests/speed/test_speed_vllm_contract.py::test_model_forward_shape_we_replace"),
     Patch("vllm.model_executor.models.qwen2.Qwen2Model.forward", "vllm/model_executor/models/qwen2.py",
-          "vllm_ext.methods.speed.upper_stack.install",
+          "vllm_ext.methods.speed.method.SpeedMethod.install_patches",
           "with SPEED on an eager model, prompt tokens skip the upper layers",
           "tests/speed/test_speed_vllm_contract.py::test_model_forward_shape_we_replace"),
     Patch("vllm.v1.attention.backends.registry.AttentionBackendEnum.SPEEDSFI.__reduce_ex__",
@@ -97,10 +97,10 @@ def install() -> None:
     _patch_v2_runner_opt_out()
     _patch_prefix_hit_limit()
     _patch_chunk_admission()
-    _patch_speed_kv_spec()
-    from vllm_ext.methods.speed import upper_stack
+    _patch_method_kv_specs()
+    from vllm_ext.methods import registry
 
-    upper_stack.install()
+    registry.install_patches()
     _patch_request_validation()
     from vllm_ext import runner_hooks
 
@@ -159,7 +159,7 @@ def _patch_v2_runner_opt_out() -> None:
     VllmConfig._get_v2_model_runner_unsupported_features = _get_v2_model_runner_unsupported_features
 
 
-def _patch_speed_kv_spec() -> None:
+def _patch_method_kv_specs() -> None:
     from vllm.model_executor.layers.attention.attention import Attention
 
     original = Attention.get_kv_cache_spec
@@ -171,10 +171,11 @@ def _patch_speed_kv_spec() -> None:
         spec = original(self, vllm_config)
         if not is_speedsfi_selected(vllm_config):
             return spec
-        from vllm_ext.backend.startup import resolve_config
-        from vllm_ext.methods.speed.kv_spec import speed_spec_for_layer
+        from vllm_ext.backend.startup import engine_of
 
-        return speed_spec_for_layer(spec, self.layer_name, vllm_config, resolve_config(vllm_config))
+        for method in engine_of(vllm_config).methods():
+            spec = method.attention_kv_spec(spec, self.layer_name)
+        return spec
 
     setattr(get_kv_cache_spec, _PATCHED_ATTR, True)
     Attention.get_kv_cache_spec = get_kv_cache_spec

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from vllm_ext.config import CritiPrefillConfig
+from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 
 

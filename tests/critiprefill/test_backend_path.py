@@ -19,7 +19,7 @@ from helpers import cfg as make_cfg
 from types import SimpleNamespace
 
 from vllm_ext.methods.critiprefill.path import critiprefill_prefill
-from vllm_ext.methods.critiprefill import LayerFusion, select_for_sequence
+from vllm_ext.methods.critiprefill.criticality import LayerFusion, select_for_sequence
 from vllm_ext.methods.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
                                          STAT_SPARSE_SEGMENTS, CritiPrefillSlots, first_sparse_segment,
                                          sparse_range)

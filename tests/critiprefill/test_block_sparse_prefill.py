@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import cfg, make_batch, reference_output
-from vllm_ext.methods.critiprefill import build_plan, dense_plan
+from vllm_ext.methods.critiprefill.plan import build_plan, dense_plan
 from vllm_ext.kernels.block_sparse_prefill import (
     block_sparse_prefill,
     block_sparse_prefill_torch,

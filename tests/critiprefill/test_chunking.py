@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vllm_ext.config import CritiPrefillConfig
+from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 from vllm_ext.methods.critiprefill.chunking import (aligned_chunk, is_critiprefill_chunk, is_critiprefill_prompt,
                                             prefix_hit_limit, sparse_range)
 

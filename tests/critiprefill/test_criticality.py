@@ -6,16 +6,7 @@ import pytest
 import torch
 
 from helpers import cfg
-from vllm_ext.methods.critiprefill import (
-    LayerFusion,
-    candidate_mask,
-    criticality_scores,
-    fuse_scores,
-    is_dense_layer,
-    segment_representatives,
-    select_blocks,
-    select_for_sequence,
-)
+from vllm_ext.methods.critiprefill.criticality import LayerFusion, candidate_mask, criticality_scores, fuse_scores, is_dense_layer, segment_representatives, select_blocks, select_for_sequence
 from vllm_ext.methods.critiprefill.criticality import check_sizes
 
 

@@ -4,13 +4,8 @@ import pytest
 import torch
 
 from helpers import cfg, make_batch
-from vllm_ext.methods.critiprefill import (
-    LayerFusion,
-    build_plan,
-    dense_plan,
-    segment_query_representatives,
-    select_for_sequence,
-)
+from vllm_ext.methods.critiprefill.criticality import LayerFusion, select_for_sequence
+from vllm_ext.methods.critiprefill.plan import build_plan, dense_plan, segment_query_representatives
 
 # (seq_len, q_len): single chunks at segment / block boundaries +-1, and chunks with a cached prefix
 # starting mid-segment, mid-block, on a segment boundary, and a single-token chunk.

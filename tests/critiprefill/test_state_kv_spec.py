@@ -17,7 +17,7 @@ def _spec(max_len=4096):
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_ext.config import CritiPrefillConfig
+    from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
     from vllm_ext.methods.critiprefill.kv_spec import state_spec_for
 
     cfg = CritiPrefillConfig(enabled=True, segment_size=64, block_size=16, budget=64, min_len=256)

@@ -80,7 +80,7 @@ def state_blocks() -> int:
     fp32): the compact segment and the prompt-tail queries (``vllm_ext.methods.sfi.state_pages``)."""
     import torch
 
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
     from vllm_ext.methods.sfi.state_pages import sfi_state_pages
 
     pages = sfi_state_pages(SfiConfig(**SFI), block_size=BLOCK, num_kv_heads=2, head_size=32, num_heads=4,
@@ -120,7 +120,7 @@ def test_sfi_runs_as_many_requests_at_once_as_dense_less_its_blocks(runs):
 
 
 def test_only_requests_that_can_go_sparse_get_compact_blocks(runs):
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
     from vllm_ext.methods.sfi.state_pages import first_compact_len, first_state_len, tail_window
 
     _, sfi = runs

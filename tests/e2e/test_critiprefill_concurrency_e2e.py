@@ -103,7 +103,7 @@ def test_more_than_four_prompts_prefill_sparsely_at_once(runs):
 
 
 def test_only_critiprefill_prompts_get_state_pages_and_give_them_back(runs):
-    from vllm_ext.config import CritiPrefillConfig
+    from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
     from vllm_ext.methods.critiprefill.chunking import is_critiprefill_prompt
 
     _, cp = runs

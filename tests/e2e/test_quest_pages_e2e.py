@@ -100,7 +100,7 @@ def test_quest_decodes_sparsely_holding_its_bound_pages(run):
 
 
 def test_only_requests_reaching_the_first_length_get_bound_pages(run):
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
     from vllm_ext.methods.sfi.state_pages import first_compact_len
 
     c = run["counts"]

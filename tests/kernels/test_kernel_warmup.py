@@ -20,7 +20,7 @@ from vllm_ext.methods.warmup import DECODE_BATCHES, WarmupShape, warm_up_paged_d
 from vllm_ext.methods.sfi.path import sfi_decode, sfi_prefill_end
 from vllm_ext.backend.dense_path import paged_decode_workspace
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels import launch_log
 from vllm_ext.kernels.dense_decode_evidence import paged_decode
 from vllm_ext.kernels.triton_utils import use_triton

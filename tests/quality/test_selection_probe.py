@@ -19,7 +19,7 @@ def model():
 
 
 def test_rows_per_needle_and_a_covering_budget(model):
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
     from vllm_ext.quality import tasks as T
     from vllm_ext.quality.selection_probe import probe
 
@@ -43,7 +43,7 @@ def test_rows_per_needle_and_a_covering_budget(model):
 def test_summary_counts_samples(model, capsys):
     from types import SimpleNamespace
 
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
     from vllm_ext.quality import selection_probe
 
     args = SimpleNamespace(task="niah_single", length=512, seeds=1, needles="first")

@@ -17,7 +17,7 @@ def _specs(k=60, n_sink=4, block=16):
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
     from vllm_ext.methods.sfi.kv_spec import compact_spec_for
 
     cfg = SfiConfig(enabled=True, k=k, n_sink=n_sink, n_recent=32, k_min=8)
@@ -101,7 +101,7 @@ def test_state_pages_of_the_preset():
 
     import torch
 
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
     from vllm_ext.methods.sfi.state_pages import first_compact_len, first_state_len, sfi_state_pages, tail_window
 
     preset = dataclasses.replace(SfiConfig(), enabled=True, k=1024, n_sink=4, n_recent=128,

@@ -106,7 +106,7 @@ def test_its_own_group_beside_the_attention_and_compact_layers_and_its_share_of_
                                              get_max_concurrency_for_kv_cache_config)
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
     from vllm_ext.methods.sfi.kv_spec import compact_spec_for
 
     max_len, layers = 4096, 4

@@ -14,7 +14,7 @@ import torch
 
 from vllm_ext.methods.sfi.path import sfi_prefill_end
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.dense_decode_evidence import prefill_evidence
 from vllm_ext.methods.sfi.prompt_tail import TailRow, plan_prompt_tail, prefix_hit_limit
 

@@ -21,13 +21,14 @@ import torch
 from tests.kernel_choice import torch_kernels
 from vllm_ext.methods.sfi.path import quest_page_update, quest_prefill_pages, sfi_decode
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.block_representatives import block_representatives_torch
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.kernels.quest_pages import (quest_page_evidence_torch, quest_page_evidence_triton,
-                                          quest_selector_config, read_page_bounds)
+                                          quest_selector_params, read_page_bounds)
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
 from vllm_ext.kernels import sfi_selector_torch as torch_selector
+from vllm_ext.methods.sfi.selector_params import selector_params
 from vllm_ext.methods.sfi.slot_tables import QuestPrefillPages
 from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
 
@@ -140,7 +141,7 @@ def test_twin_selection_equals_brute_force(case):
                               lo, hi, page, ev)
     assert torch.all(ev[2] == 5.0), "an unused entry was written"
     sel, n_sel = torch_selector.select(ev[:2], torch.ones(2, HKV, length), lo[:2], hi[:2],
-                                       quest_selector_config(cfg), k)
+                                       quest_selector_params(selector_params(cfg)), k)
     for r in range(2):
         _, ref = brute_quest(q[r], kv, bt[r], lens[r], cfg, scale, k)
         for h in range(HKV):
@@ -385,7 +386,8 @@ def test_kept_prefill_tokens_stay_and_pages_fill_the_rest(kernels):
         k = torch.full((2,), cfg.k, dtype=torch.int32)
         _prefill_end_select(rt, cfg, layer, kv, bt, torch.tensor(slots, dtype=torch.int32), plen, ev, norms,
                             lo, hi, k)
-        kept_ref, _ = torch_selector.select(ev, norms, lo, hi, dataclasses.replace(cfg, k_min=0), keep)
+        kept_ref, _ = torch_selector.select(ev, norms, lo, hi, dataclasses.replace(selector_params(cfg), k_min=0),
+                                            keep)
         kept = [[sorted(layer.kept_pos[slots[r], h].tolist()) for h in range(HKV)] for r in range(2)]
         for r in range(2):
             for h in range(HKV):

@@ -15,7 +15,7 @@ BLOCK = 16
 
 
 def _cfg(**kw):
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
 
     return SfiConfig(enabled=True, selector="quest", page_size=8, k=32, k_min=8, n_sink=4, n_recent=16, **kw)
 

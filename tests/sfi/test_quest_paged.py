@@ -24,7 +24,7 @@ from tests.sfi.test_quest import (D, DENSE, FAST, HKV, PAD, SLOW, bound_pages, m
                                   quest_plan)
 from vllm_ext.methods.sfi.path import quest_page_update, quest_prefill_pages, sfi_decode
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels import sfi_selector_torch as torch_selector
 from vllm_ext.kernels.block_representatives import block_representatives_torch
 from vllm_ext.kernels.paged_state import (update_block_representatives_paged_from_torch,
@@ -32,9 +32,10 @@ from vllm_ext.kernels.paged_state import (update_block_representatives_paged_fro
                                           update_block_representatives_paged_torch,
                                           update_block_representatives_paged_triton)
 from vllm_ext.kernels.quest_pages import (quest_page_evidence_torch, quest_page_evidence_triton,
-                                          quest_selector_config, read_page_bounds)
+                                          quest_selector_params, read_page_bounds)
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
 from vllm_ext.methods.sfi.quest_tables import QuestPrefillPages, quest_blocks
+from vllm_ext.methods.sfi.selector_params import selector_params
 from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
 
 TRITON = HAS_TRITON and use_triton(torch.device("cpu"))
@@ -89,7 +90,8 @@ def test_paged_evidence_and_selection_equal_the_contiguous_layout(kernel, g, pag
         fn(q, pages, table, 0.5, rows, slot, lo, hi, page, ev)
         evs.append(ev)
     assert torch.equal(evs[0], evs[1])
-    cfg = quest_selector_config(SfiConfig(enabled=True, selector="quest", page_size=page, k=4 * page, k_min=4))
+    cfg = quest_selector_params(selector_params(SfiConfig(enabled=True, selector="quest", page_size=page,
+                                                          k=4 * page, k_min=4)))
     live = torch.tensor([0, 2, 3])
     sels = [torch_selector.select(ev[live], torch.ones(3, 2, length), lo[live], hi[live], cfg, 4 * page)
             for ev in evs]

@@ -25,7 +25,8 @@ from tests.kernel_choice import torch_kernels
 from tests.sfi.test_quest import D, DENSE, FAST, HKV, PAD, SLOW, brute_quest, make_cache, quest_plan
 from vllm_ext.methods.sfi.path import quest_prefill_pages, sfi_decode
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import ConfigError, SfiConfig
+from vllm_ext.config import ConfigError
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.kernels.quest_rerank import quest_candidate_evidence_torch, quest_candidate_evidence_triton
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton

@@ -5,7 +5,7 @@ sum (in ppm) is the sum of the fractions, all recomputed here from the plan's ow
 
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.methods.sfi.step_plan import (NUM_STATS, RETAINED_FRACTION_BOUNDS_PCT, STAT_FAST,
                                     STAT_RETAINED_FRACTION_PPM, STAT_RETAINED_HIST, plan_step)
 

@@ -6,7 +6,7 @@ rows without a compact slot."""
 import pytest
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.sfi_plan import plan_step_triton
 from vllm_ext.kernels.triton_utils import HAS_TRITON, use_triton
 from vllm_ext.methods.sfi.step_plan import NUM_STATS, SfiPlanBuffers, plan_step

@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels import sfi_selector_torch as S
+from vllm_ext.methods.sfi.selector_params import selector_params
 
 NEG = float("-inf")
-CFG = SfiConfig()
+CFG = selector_params(SfiConfig())
 
 
 def mask_of(lo, hi, length):
@@ -154,7 +155,7 @@ def test_select_span_brings_the_tokens_after_a_peak():
     ev[..., 30] = 4.0
     norms = torch.ones(1, 2, length)
     lo, hi = torch.tensor([4]), torch.tensor([180])
-    cfg = dataclasses.replace(SfiConfig(), k=5, k_min=1, w_k=0.0, w_pos=0.0, mu=0.0, lam_x=0.0)
+    cfg = dataclasses.replace(selector_params(SfiConfig()), k=5, k_min=1, w_k=0.0, w_pos=0.0, mu=0.0, lam_x=0.0)
     sel, _ = S.select(ev, norms, lo, hi, cfg, 5)
     assert sel[0, 0].tolist() == [4, 5, 6, 30, peak]                  # the rest: ties, lowest first
     sel, _ = S.select(ev, norms, lo, hi, dataclasses.replace(cfg, select_span=4), 5)
@@ -177,7 +178,7 @@ def test_select_span_back_brings_the_tokens_before_a_peak():
     ev[..., peak] = 5.0
     norms = torch.ones(1, 2, length)
     lo, hi = torch.tensor([4]), torch.tensor([180])
-    cfg = dataclasses.replace(SfiConfig(), k=7, k_min=1, w_k=0.0, w_pos=0.0, mu=0.0, lam_x=0.0,
+    cfg = dataclasses.replace(selector_params(SfiConfig()), k=7, k_min=1, w_k=0.0, w_pos=0.0, mu=0.0, lam_x=0.0,
                               select_span=2, select_span_back=4)
     sel, _ = S.select(ev, norms, lo, hi, cfg, 7)
     assert sel[0, 0].tolist() == list(range(peak - 4, peak + 3))
@@ -188,7 +189,7 @@ def test_exclude_positions_are_not_selected_again():
     ev = torch.randn(2, 2, 3, 300, generator=g) * 2
     norms = torch.rand(2, 2, 300, generator=g) + 0.1
     lo, hi = torch.tensor([4, 4]), torch.tensor([236, 120])
-    cfg = dataclasses.replace(SfiConfig(), k=40, k_min=0, select_span=3)
+    cfg = dataclasses.replace(selector_params(SfiConfig()), k=40, k_min=0, select_span=3)
     top, n_top = S.select(ev, norms, lo, hi, cfg, 40)
     kept, n_kept = S.select(ev, norms, lo, hi, cfg, 16, k_cap=40)
     kept = kept[:, :, :16]

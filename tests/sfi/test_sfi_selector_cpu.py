@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels import sfi_selector as K
 from vllm_ext.kernels import sfi_selector_cpu as C
 from vllm_ext.kernels import sfi_selector_torch as S
 from vllm_ext.kernels.paged_rows import PagedRows
+from vllm_ext.methods.sfi.selector_params import selector_params
 
-CFG = dataclasses.replace(SfiConfig(), k=24, k_min=4)
+CFG = dataclasses.replace(selector_params(SfiConfig()), k=24, k_min=4)
 
 
 def make(rows, heads, length, *, seed=0):

@@ -16,9 +16,10 @@ import dataclasses
 import pytest
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels import sfi_selector as K
 from vllm_ext.kernels import sfi_selector_torch as S
+from vllm_ext.methods.sfi.selector_params import selector_params
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available() or not K.HAS_TRITON, reason="needs CUDA and triton")]
@@ -69,7 +70,7 @@ def test_serving_sizes(rows, heads, n_rows, length, k, span):
     seq = torch.randint(length // 2, length + 1, (rows,), device="cuda")
     lo = torch.full((rows,), 4, device="cuda")
     hi = (seq - 256).clamp_min(4)
-    cfg = dataclasses.replace(SfiConfig(), k=k, select_span=span)
+    cfg = dataclasses.replace(selector_params(SfiConfig()), k=k, select_span=span)
     check_against_twin(ev, norms, lo, hi, cfg, k)
     # deterministic although the candidate lists are filled by atomics
     a = K.select_triton(ev, norms, lo, hi, cfg, k)
@@ -81,7 +82,7 @@ def test_decode_call_shape_with_workspace():
     """The decode path's call: a fixed-capacity list of rows (inactive ones lo = hi = 0), pooled fp32
     log-evidence [S, Hkv, L] with garbage outside A, a per-row budget tensor, k_cap = cfg.k."""
     cap_rows, heads, length, k = 8, 8, 40000, 1024
-    cfg = dataclasses.replace(SfiConfig(), k=k)
+    cfg = dataclasses.replace(selector_params(SfiConfig()), k=k)
     ev, norms = inputs(cap_rows, heads, 0, length, seed=7, dtype=torch.float32)
     lo = torch.tensor([4, 0, 4, 0, 4, 0, 4, 4], device="cuda", dtype=torch.int32)
     hi = torch.tensor([39000, 0, 12000, 0, 900, 0, 25000, 30001], device="cuda", dtype=torch.int32)
@@ -106,7 +107,7 @@ def test_decode_call_shape_with_workspace():
 
 def test_cuda_graph_capture_and_replay_flips_rows():
     rows, heads, length, k = 4, 8, 8192, 1024
-    cfg = dataclasses.replace(SfiConfig(), k=k)
+    cfg = dataclasses.replace(selector_params(SfiConfig()), k=k)
     ev, norms = inputs(rows, heads, 0, length, seed=1, dtype=torch.float32)
     lo = torch.full((rows,), 4, device="cuda")
     hi = torch.tensor([8000, 100, 5000, 4], device="cuda")

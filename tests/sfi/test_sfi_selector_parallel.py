@@ -16,19 +16,22 @@ import dataclasses
 import pytest
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels import sfi_selector as K
+from vllm_ext.kernels import sfi_selector_kernels as SK
+from vllm_ext.kernels import sfi_selector_workspace as W
 from vllm_ext.kernels import sfi_selector_torch as S
+from vllm_ext.methods.sfi.selector_params import selector_params
 
 pytestmark = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
 
 SMALL = K.Tiles(elems_stats=256, elems_score=128, chunk=48, block=32, block_finish=64)
-CFG = dataclasses.replace(SfiConfig(), k=24, k_min=4)
+CFG = dataclasses.replace(selector_params(SfiConfig()), k=24, k_min=4)
 
 
 @pytest.fixture
 def small(monkeypatch):
-    monkeypatch.setattr(K, "TILES", SMALL)
+    monkeypatch.setattr(W, "TILES", SMALL)
     return SMALL
 
 
@@ -79,7 +82,7 @@ def test_window_max_paths(span, radius, small, device):
 
 def test_gather_fallback_scratch(small, monkeypatch, device):
     """Tiles.gather off: shifted tiles through the global scratch give the same selection."""
-    monkeypatch.setattr(K, "TILES", dataclasses.replace(SMALL, gather=False))
+    monkeypatch.setattr(W, "TILES", dataclasses.replace(SMALL, gather=False))
     ev, norms = make(6, 4, 1, 160, device, seed=3, pooled=True)
     lo, hi = bounds(160, device)
     check(ev, norms, lo, hi, dataclasses.replace(CFG, select_span=3, nms_radius=5), 24)
@@ -89,7 +92,7 @@ def test_gather_fallback_scratch(small, monkeypatch, device):
 @pytest.mark.parametrize("cap", [1, 3])
 def test_candidate_overflow_scans_the_row(cap, small, monkeypatch, device):
     """A candidate list too small for the threshold bucket: the finish step scans all of A."""
-    monkeypatch.setattr(K, "TILES", dataclasses.replace(SMALL, cap=cap))
+    monkeypatch.setattr(W, "TILES", dataclasses.replace(SMALL, cap=cap))
     ev, norms = make(6, 3, 2, 140, device, seed=cap)
     lo, hi = bounds(140, device)
     check(ev, norms, lo, hi, CFG, 24)
@@ -98,7 +101,7 @@ def test_candidate_overflow_scans_the_row(cap, small, monkeypatch, device):
 
 @pytest.mark.parametrize("cap", [0, 2])
 def test_ties_lower_position_wins(cap, small, monkeypatch, device):
-    monkeypatch.setattr(K, "TILES", dataclasses.replace(SMALL, cap=cap))
+    monkeypatch.setattr(W, "TILES", dataclasses.replace(SMALL, cap=cap))
     length = 100
     ev = torch.zeros(3, 4, 2, length, device=device)
     norms = torch.ones(3, 4, length, device=device)
@@ -201,7 +204,7 @@ def test_bucket_is_monotone_in_the_score(device):
     @triton.jit
     def buckets(s_ptr, out_ptr, m_up, N: tl.constexpr):
         i = tl.arange(0, N)
-        tl.store(out_ptr + i, K._bucket(tl.load(s_ptr + i), m_up))
+        tl.store(out_ptr + i, SK._bucket(tl.load(s_ptr + i), m_up))
 
     finite = torch.cat([torch.tensor([3e38, 1e4, 100.0, 1.0, 1e-30, 0.0, -0.0, -1e-30, -1e-3]),
                         -torch.logspace(-8, 4, 200), torch.tensor([-3e38])])

@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels import sfi_selector as K
 from vllm_ext.kernels import sfi_selector_torch as S
 from vllm_ext.kernels.paged_rows import PagedRows
+from vllm_ext.methods.sfi.selector_params import selector_params
 
 pytestmark = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
 
 KSEL = 64
-CFG = dataclasses.replace(SfiConfig(), k=KSEL)
+CFG = dataclasses.replace(selector_params(SfiConfig()), k=KSEL)
 
 
 def make(rows, heads, n_rows, length, device, *, seed=0, dtype=torch.float32):

@@ -8,7 +8,7 @@ import torch
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from vllm_ext.config import SfiConfig  # noqa: E402
+from vllm_ext.methods.sfi.config import SfiConfig  # noqa: E402
 from vllm_ext.methods.sfi.schedule import is_trigger, lut_bits  # noqa: E402
 from vllm_ext.methods.sfi.triggers import (LUT_ENDER, LUT_SPACE, boundary_token_ids, ends_in_trigger,  # noqa: E402
                                    is_whitespace_only, trigger_lut, trigger_token_ids)

@@ -9,17 +9,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from vllm_ext.config import (BACKEND_NAME, MAINTENANCE_BUDGET_BYTES, ConfigError, SpeedSfiConfig,
-                             auto_maintenance_rows)
+from vllm_ext.methods.registry import METHODS, enabled_methods
+from vllm_ext.config import BACKEND_NAME, ConfigError, SpeedSfiConfig
+from vllm_ext.methods.sfi.config import MAINTENANCE_BUDGET_BYTES, auto_maintenance_rows
 
 logger = logging.getLogger("vllm_ext")
 
 # Methods whose implementation is present in this build. Enabling one that is not stops start-up:
 # an enabled method never silently runs densely.
-IMPLEMENTED_METHODS: frozenset[str] = frozenset({"sfi", "speed", "critiprefill"})
-# model families whose decoder layers SPEED is tested on (their attention modules are vLLM's
-# ``Attention``, one per layer, named ``model.layers.N.self_attn.attn``)
-SPEED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+METHOD_NAMES: frozenset[str] = frozenset(cls.name for cls in METHODS)
 
 def is_speedsfi_selected(vllm_config) -> bool:
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
@@ -31,16 +29,15 @@ class Engine:
     ``VllmConfig``; the impls, builders and runner hooks of the engine share it)."""
 
     def __init__(self, vllm_config, config: SpeedSfiConfig):
-        from vllm_ext.methods.registry import enabled_methods
-
         self.vllm_config = vllm_config
         self.config = config
-        self._methods = None
-        self._enabled_methods = enabled_methods
+        self._methods = enabled_methods(config, vllm_config)
 
     def methods(self, row_counters=None) -> list:
-        if self._methods is None:
-            self._methods = self._enabled_methods(self.config, self.vllm_config, row_counters=row_counters)
+        """The enabled methods (``row_counters``: this process's row counters, handed to each)."""
+        if row_counters is not None:
+            for m in self._methods:
+                m.row_counters = row_counters
         return self._methods
 
 
@@ -175,9 +172,9 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
     num_layers = model_config.get_total_num_hidden_layers()
     cfg.validate_for_model(num_layers=num_layers, max_model_len=model_config.max_model_len)
 
-    for name in ("sfi", "speed", "critiprefill"):
-        if getattr(cfg, name).enabled and name not in IMPLEMENTED_METHODS:
-            raise ConfigError(f"speedsfi.{name}.enabled: {name} is not available in vllm-speedsfi "
+    for f in dataclasses.fields(cfg):
+        if getattr(getattr(cfg, f.name), "enabled", False) and f.name not in METHOD_NAMES:
+            raise ConfigError(f"speedsfi.{f.name}.enabled: {f.name} is not available in vllm-speedsfi "
                               f"yet; remove it or set it to false")
 
     if cfg.dense_delegate == "flash_attn":
@@ -199,38 +196,7 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
             getattr(parallel, "prefill_context_parallel_size", 1) > 1:
         raise ConfigError("SPEEDSFI does not support decode/prefill context parallelism")
     if cfg.any_enabled and vllm_config.speculative_config is not None:
-        raise ConfigError("speedsfi: SFI, SPEED and CritiPrefill do not support speculative decoding")
-    if cfg.critiprefill.enabled:
-        # the scheduler ends CritiPrefill chunks on segment boundaries and never leaves a one-token
-        # chunk (vllm_ext.methods.critiprefill.chunking): a step must have room for a segment and one
-        # token more, or a prefill could stop moving
-        sched = vllm_config.scheduler_config
-        seg = cfg.critiprefill.segment_size
-        for flag, value in (("--max-num-batched-tokens", sched.max_num_batched_tokens),
-                            ("--long-prefill-token-threshold",
-                             getattr(sched, "long_prefill_token_threshold", 0) or None)):
-            if value is not None and value <= seg:
-                raise ConfigError(f"speedsfi.critiprefill.segment_size ({seg}) needs "
-                                  f"{flag} > {seg} (it is {value}): a prefill chunk holds whole "
-                                  f"segments of the sparse range; raise {flag} or lower the "
-                                  f"segment size")
-    if cfg.speed.enabled:
-        if vllm_config.cache_config.enable_prefix_caching:
-            raise ConfigError("speedsfi.speed.enabled: SPEED needs --no-enable-prefix-caching (the "
-                              "upper layers hold no prompt KV that a cache hit could reuse)")
-        if parallel.pipeline_parallel_size > 1:
-            raise ConfigError("speedsfi.speed.enabled: SPEED does not support pipeline parallelism")
-        from vllm.config import CompilationMode
-
-        if vllm_config.compilation_config.mode != CompilationMode.NONE:
-            from vllm_ext import metrics
-
-            metrics.fallback("speed_compute_compiled", "vllm_ext: SPEED with a compiled model: "
-                             "prompt tokens still run the upper layers (masked, same outputs; KV "
-                             "memory is saved, prefill compute is not); --enforce-eager enables "
-                             "the skip (vllm_ext.methods.speed.upper_stack)")
-        archs = set(getattr(model_config.hf_config, "architectures", None) or [])
-        if not archs & SPEED_ARCHITECTURES:
-            raise ConfigError(f"speedsfi.speed.enabled: SPEED supports the "
-                              f"{', '.join(sorted(SPEED_ARCHITECTURES))} families; this model is "
-                              f"{', '.join(sorted(archs)) or 'of an unknown architecture'}")
+        raise ConfigError(f"speedsfi: the methods ({', '.join(sorted(METHOD_NAMES))}) do not support "
+                          "speculative decoding")
+    for method in enabled_methods(cfg, vllm_config):
+        method.check_engine()

@@ -54,7 +54,7 @@ ENV = "SPEEDSFI_CPU_NATIVE"
 CACHE_ENV = "SPEEDSFI_CPU_KERNEL_CACHE"
 # <repository>/csrc/cpu/sfi_cpu.cpp (vllm_ext/kernels/ is two levels below the repository's root)
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "sfi_cpu.cpp"
-# torch's headers need C++20; the math flags are those of the kernels' tests and benchmarks
+# -O3 -march=native and the math flags the kernels' results are checked with; torch's headers need C++20
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-shared",
          "-fPIC")
 NAMESPACE = "speedsfi"

@@ -28,7 +28,7 @@ signature):
     nothing. Fixed grid (``S x Hkv x cdiv(L, pages per program * page_size)``), no host sync, no
     allocation: a CUDA graph can capture it.
 
-:func:`quest_selector_config` gives the ``SfiConfig`` the selector runs with in this mode (prior,
+:func:`quest_selector_params` gives the constants the selector runs with in this mode (prior,
 fusion, Soft-NMS, cross-head exclusivity and span made neutral); :func:`read_page_bounds` reads a
 slot's bounds back (tests, CPU checks). Imports neither vLLM nor CUDA.
 """
@@ -39,7 +39,7 @@ import dataclasses
 
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.kernels.selector_params import SelectorParams
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
 
 if HAS_TRITON:
@@ -96,12 +96,12 @@ if HAS_TRITON:
                      val, mask=wm)
 
 
-def quest_selector_config(cfg: SfiConfig) -> SfiConfig:
-    """The selector's configuration in quest mode: the evidence is the page bound, and nothing may
+def quest_selector_params(params: SelectorParams) -> SelectorParams:
+    """The selector's constants in quest mode: the evidence is the page bound, and nothing may
     move a token away from its page's score (no prior, no fusion, no Soft-NMS, no cross-head
     exclusivity, no span), so the top-K keeps pages whole (ties: the lower position first)."""
-    return dataclasses.replace(cfg, w_k=0.0, w_pos=0.0, lambda_max=0.0, mu=0.0, lam_x=0.0,
-                               select_span=0, select_span_back=0, keep_prefill=0)
+    return dataclasses.replace(params, w_k=0.0, w_pos=0.0, lambda_max=0.0, mu=0.0, lam_x=0.0,
+                               select_span=0, select_span_back=0)
 
 
 def _check(query, pages, table, rows, out) -> None:

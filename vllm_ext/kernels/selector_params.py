@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 
 @dataclasses.dataclass(frozen=True)
 class SelectorParams:
@@ -28,3 +30,11 @@ class SelectorParams:
     eps: float
     select_span: int                # span dilation: [j - select_span, j + select_span_back]
     select_span_back: int
+
+
+def output_width(k: int | torch.Tensor, params: SelectorParams, k_cap: int | None = None) -> int:
+    """The output width of a selection with budget ``k``: ``max(k_cap or params.k, k_min)`` for a
+    tensor ``k`` (per-row budgets), ``max(k, k_min)`` for an int."""
+    if isinstance(k, torch.Tensor):
+        return max(int(k_cap if k_cap is not None else params.k), int(params.k_min))
+    return max(int(k), int(params.k_min))

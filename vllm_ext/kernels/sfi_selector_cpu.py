@@ -20,9 +20,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from vllm_ext.config import SfiConfig
 from vllm_ext.kernels import cpu_native
 from vllm_ext.kernels import sfi_selector_torch as _ref
+from vllm_ext.kernels.selector_params import SelectorParams
 
 NEG_INF = float("-inf")
 
@@ -60,48 +60,48 @@ def _window_max(x: torch.Tensor, left: int, right: int) -> torch.Tensor:
     return y[..., :n]
 
 
-def _log_delta(n: int, cfg: SfiConfig) -> torch.Tensor:
+def _log_delta(n: int, params: SelectorParams) -> torch.Tensor:
     """The position factor ``log delta [n]`` over ``A`` (``u = i / max(n - 1, 1)``, ``1 - u`` from integers)."""
     den = max(n - 1, 1)
     rel = torch.arange(n, dtype=torch.float32)
     u = rel / den
     one_minus_u = (den - rel) / den
-    return (-cfg.pos_beta * u.pow(cfg.pos_power)
-            + cfg.pos_eta * torch.log(one_minus_u.clamp_min(cfg.eps)))
+    return (-params.pos_beta * u.pow(params.pos_power)
+            + params.pos_eta * torch.log(one_minus_u.clamp_min(params.eps)))
 
 
-def _scores(ev: torch.Tensor, kn: torch.Tensor, cfg: SfiConfig) -> torch.Tensor:
+def _scores(ev: torch.Tensor, kn: torch.Tensor, params: SelectorParams) -> torch.Tensor:
     """Steps 1-4 of one row over its allowed set: pooled log evidence ``ev [H, n]`` and key norms
     ``kn [H, n]`` -> the refined score ``[H, n]`` (twin: :func:`_ref.selector_scores`). A score that
     is ``-inf`` stays ``-inf`` (the twin's ``keep`` masks); the masks are applied only when such a
     score exists (with the prior mixed in, none does)."""
     heads, n = ev.shape
     log_f = _normalize(ev.float())
-    if cfg.lambda_max == 0.0:
+    if params.lambda_max == 0.0:
         log_s = log_f
     else:
-        log_pi = torch.log(kn.float().clamp_min(cfg.eps)).mul_(-cfg.gamma_k * cfg.w_k)
-        log_r = _normalize(log_pi.add_(_log_delta(n, cfg), alpha=cfg.w_pos))
-        lam = _ref.fusion_lambda(log_f, log_r, cfg.lambda_max, cfg.eps)[:, None]
+        log_pi = torch.log(kn.float().clamp_min(params.eps)).mul_(-params.gamma_k * params.w_k)
+        log_r = _normalize(log_pi.add_(_log_delta(n, params), alpha=params.w_pos))
+        lam = _ref.fusion_lambda(log_f, log_r, params.lambda_max, params.eps)[:, None]
         log_s = torch.logaddexp(torch.log1p(-lam) + log_f, torch.log(lam) + log_r)
     finite = bool((log_s > NEG_INF).all())
-    if cfg.nms_radius > 0 and cfg.mu != 0.0:
-        r = cfg.nms_radius
+    if params.nms_radius > 0 and params.mu != 0.0:
+        r = params.nms_radius
         gap = (_window_max(log_s, r, r) - log_s).clamp_min_(0.0)
         if finite:
-            log_s = log_s - cfg.mu * gap
+            log_s = log_s - params.mu * gap
         else:
             keep = log_s > NEG_INF
-            log_s = torch.where(keep, log_s - cfg.mu * torch.where(keep, gap, 0.0), NEG_INF)
-    if heads > 2 and cfg.lam_x != 0.0:
-        z = log_s / cfg.cross_head_temperature
+            log_s = torch.where(keep, log_s - params.mu * torch.where(keep, gap, 0.0), NEG_INF)
+    if heads > 2 and params.lam_x != 0.0:
+        z = log_s / params.cross_head_temperature
         if finite:
-            log_rho = (z - _lse(z, 0)).clamp_min_(math.log(cfg.eps))
-            log_s = log_s + cfg.lam_x * log_rho
+            log_rho = (z - _lse(z, 0)).clamp_min_(math.log(params.eps))
+            log_s = log_s + params.lam_x * log_rho
         else:
             keep = log_s > NEG_INF
             log_rho = torch.where(keep, z - _lse(z, 0), 0.0)
-            log_s = torch.where(keep, log_s + cfg.lam_x * log_rho.clamp_min(math.log(cfg.eps)), NEG_INF)
+            log_s = torch.where(keep, log_s + params.lam_x * log_rho.clamp_min(math.log(params.eps)), NEG_INF)
     return log_s
 
 
@@ -115,14 +115,14 @@ def _dilate(score: torch.Tensor, span: int, back: int) -> torch.Tensor:
 
 
 def select_rows(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                cfg: SfiConfig, k, k_cap, count, exclude=None, exclude_slot=None, exclude_count=None,
+                params: SelectorParams, k, k_cap, count, exclude=None, exclude_slot=None, exclude_count=None,
                 *, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`vllm_ext.kernels.sfi_selector_torch.select` for pooled evidence ``[rows, Hkv, L]`` on the
     CPU, per live row (``count``; every row without it) over its allowed set. ``native`` (the CPU
     build's dispatch): each row through the compiled kernel
     (:func:`vllm_ext.kernels.cpu_native.select_row`) when it applies."""
     rows, heads, length = evidence.shape
-    width, k_eff = _ref.resolve_k(k, cfg, rows, evidence.device, k_cap)
+    width, k_eff = _ref.resolve_k(k, params, rows, evidence.device, k_cap)
     live = rows if count is None else max(0, min(rows, int(count.reshape(-1)[0])))
     sel = torch.full((rows, heads, width), -1, dtype=torch.int32)
     n_sel = torch.zeros(rows, dtype=torch.int32)
@@ -137,11 +137,11 @@ def select_rows(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tenso
         n = min(int(k_l[r]), b - a, width)
         if n <= 0:
             continue
-        if native and cpu_native.select_row(evidence[r], key_norms[r], a, b, cfg, n,
+        if native and cpu_native.select_row(evidence[r], key_norms[r], a, b, params, n,
                                             None if excl is None else excl[r], sel[r]):
             continue
-        score = _dilate(_scores(evidence[r, :, a:b], key_norms[r, :, a:b], cfg), cfg.select_span,
-                        cfg.select_span_back)
+        score = _dilate(_scores(evidence[r, :, a:b], key_norms[r, :, a:b], params), params.select_span,
+                        params.select_span_back)
         if excl is not None:
             score = _exclude(score, excl[r], a, b)
         key = _ref.score_key32(score).long() * (2 ** 32) + (2 ** 31 - 1 - torch.arange(a, b))

@@ -34,7 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.kernels.selector_params import SelectorParams, output_width
 
 NEG_INF = float("-inf")
 _INT32_MIN = -(2 ** 31)
@@ -101,13 +101,13 @@ def position_u(lo: torch.Tensor, hi: torch.Tensor, length: int) -> tuple[torch.T
 
 
 def log_prior(key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, mask: torch.Tensor,
-              cfg: SfiConfig) -> torch.Tensor:
+              params: SelectorParams) -> torch.Tensor:
     """Prior ``log r [rows, Hkv, L]`` (normalised over ``A``) from key norms ``[rows, Hkv, L]`` and position."""
-    eps = cfg.eps
+    eps = params.eps
     u, one_minus_u = position_u(lo, hi, key_norms.shape[-1])
-    log_pi = -cfg.gamma_k * torch.log(key_norms.float().clamp_min(eps))
-    log_delta = -cfg.pos_beta * u.pow(cfg.pos_power) + cfg.pos_eta * torch.log(one_minus_u.clamp_min(eps))
-    return normalize_log(cfg.w_k * log_pi + cfg.w_pos * log_delta, mask)
+    log_pi = -params.gamma_k * torch.log(key_norms.float().clamp_min(eps))
+    log_delta = -params.pos_beta * u.pow(params.pos_power) + params.pos_eta * torch.log(one_minus_u.clamp_min(eps))
+    return normalize_log(params.w_k * log_pi + params.w_pos * log_delta, mask)
 
 
 # --------------------------------------------------------------------------------- 3. fusion
@@ -162,20 +162,20 @@ def cross_head_exclusivity(log_s: torch.Tensor, mask: torch.Tensor, temperature:
 
 
 def selector_scores(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                    cfg: SfiConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                    params: SelectorParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1-4: the refined score ``l'' [rows, Hkv, L]`` fp32 (``-inf`` outside ``A``) and ``lam [rows, Hkv]``."""
     length = key_norms.shape[-1]
     mask = allowed_mask(lo, hi, length)
-    log_f = pool_evidence(evidence, mask, cfg.alpha)
-    if cfg.lambda_max == 0.0:
+    log_f = pool_evidence(evidence, mask, params.alpha)
+    if params.lambda_max == 0.0:
         # lam = clamp(., 0, 0) = 0 and fuse() gives logaddexp(log f + 0, -inf) = log f exactly: the
         # prior cannot enter (selector "quest" runs so), so it is not computed
         log_s, lam = log_f, torch.zeros(log_f.shape[:2], dtype=log_f.dtype, device=log_f.device)
     else:
-        log_r = log_prior(key_norms, lo, hi, mask, cfg)
-        log_s, lam = fuse(log_f, log_r, mask, cfg.lambda_max, cfg.eps)
-    log_s = soft_nms(log_s, mask, cfg.nms_radius, cfg.mu)
-    log_s = cross_head_exclusivity(log_s, mask, cfg.cross_head_temperature, cfg.lam_x, cfg.eps)
+        log_r = log_prior(key_norms, lo, hi, mask, params)
+        log_s, lam = fuse(log_f, log_r, mask, params.lambda_max, params.eps)
+    log_s = soft_nms(log_s, mask, params.nms_radius, params.mu)
+    log_s = cross_head_exclusivity(log_s, mask, params.cross_head_temperature, params.lam_x, params.eps)
     return log_s, lam
 
 
@@ -226,17 +226,16 @@ def score_key32(score: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
-def resolve_k(k: int | torch.Tensor, cfg: SfiConfig, rows: int, device: torch.device,
+def resolve_k(k: int | torch.Tensor, params: SelectorParams, rows: int, device: torch.device,
               k_cap: int | None = None) -> tuple[int, torch.Tensor]:
     """Output width and per-row effective budget ``k_eff [rows]`` int32 (at least ``k_min``).
 
     ``k`` an int: width = ``k_eff`` = ``max(k, k_min)``. ``k`` a tensor ``[rows]`` (per-request budgets,
-    no sync): width = ``max(k_cap or cfg.k, k_min)``, ``k_eff = clamp(k, k_min, width)``."""
+    no sync): width = ``max(k_cap or params.k, k_min)``, ``k_eff = clamp(k, k_min, width)``."""
+    width = output_width(k, params, k_cap)
     if isinstance(k, torch.Tensor):
-        width = max(int(k_cap if k_cap is not None else cfg.k), int(cfg.k_min))
-        k_eff = k.to(device=device, dtype=torch.int32).clamp(int(cfg.k_min), width).expand(rows)
+        k_eff = k.to(device=device, dtype=torch.int32).clamp(int(params.k_min), width).expand(rows)
         return width, k_eff.contiguous()
-    width = max(int(k), int(cfg.k_min))
     return width, torch.full((rows,), width, dtype=torch.int32, device=device)
 
 
@@ -266,7 +265,7 @@ def topk_positions(score: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_ef
 
 
 def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-           cfg: SfiConfig, k: int | torch.Tensor, *, k_cap: int | None = None,
+           params: SelectorParams, k: int | torch.Tensor, *, k_cap: int | None = None,
            exclude: torch.Tensor | None = None, exclude_slot: torch.Tensor | None = None,
            exclude_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The selected memory ``M_h`` of every (row, KV head) (ALGORITHMS.md §1 steps 1-5).
@@ -276,9 +275,9 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
         pooled log-evidence; see :func:`pool_evidence`. Any float dtype (computed in fp32).
       key_norms: ``[rows, Hkv, L]`` ``||k_j||`` per position and KV head (any float dtype).
       lo, hi: ``[rows]`` int, the allowed set ``A = [lo, hi)`` of each row (``hi <= lo``: empty).
-      cfg: the ``SfiConfig`` (constants and ``k_min``).
+      params: the constants and ``k_min`` (:class:`vllm_ext.kernels.selector_params.SelectorParams`).
       k: budget per KV head, an int or an int tensor ``[rows]`` (see :func:`resolve_k`).
-      k_cap: output width when ``k`` is a tensor (default ``cfg.k``).
+      k_cap: output width when ``k`` is a tensor (default ``params.k``).
       exclude: ``[rows, Hkv, E]`` int positions per (row, head) whose final score is set to ``-inf``
         before the top-K (:func:`exclude_positions`; ``-1`` pads). They still count in ``|A|``: the
         caller lowers ``k`` by their number so that only finite scores are chosen.
@@ -290,8 +289,8 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     (all of ``A`` when ``|A| <= k_eff``).
     """
     rows = key_norms.shape[0]
-    width, k_eff = resolve_k(k, cfg, rows, key_norms.device, k_cap)
-    score, _ = selector_scores(evidence, key_norms, lo, hi, cfg)
-    score = span_dilate(score, lo, hi, cfg.select_span, cfg.select_span_back)
+    width, k_eff = resolve_k(k, params, rows, key_norms.device, k_cap)
+    score, _ = selector_scores(evidence, key_norms, lo, hi, params)
+    score = span_dilate(score, lo, hi, params.select_span, params.select_span_back)
     score = exclude_positions(score, exclude, exclude_slot, exclude_count)
     return topk_positions(score, lo, hi, k_eff, width)

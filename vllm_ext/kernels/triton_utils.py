@@ -132,6 +132,11 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def with_strides(t: torch.Tensor, dims: int | None = None) -> tuple:
+    """``(t, *t.stride())``: a tensor argument of a launch followed by its strides (the first ``dims``)."""
+    return (t, *t.stride()[:dims])
+
+
 def num_sms(device: torch.device | None) -> int:
     """Streaming multiprocessors of a CUDA device (cached); a fixed small number elsewhere."""
     if device is not None and torch.device(device).type == "cuda":

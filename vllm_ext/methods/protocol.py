@@ -122,6 +122,20 @@ class Method:
     def enabled(config) -> bool:
         raise NotImplementedError
 
+    @staticmethod
+    def register_kv_specs() -> None:
+        """Register the method's KV-cache spec classes with vLLM (once per process, at plugin load:
+        spawned processes unpickle specs before any engine exists)."""
+
+    @staticmethod
+    def install_patches() -> None:
+        """Install the method's patches of vLLM's code (listed in ``vllm_ext.vllm_patches.PATCHES``;
+        inert unless an engine runs the method)."""
+
+    def attention_kv_spec(self, spec, layer_name: str):
+        """The KV-cache spec an attention layer reports with the method on (default: vLLM's)."""
+        return spec
+
     def check_engine(self) -> None:
         """Refuse, at start-up, what this method cannot serve (``ConfigError`` naming the field)."""
 

@@ -13,3 +13,13 @@ METHODS = (SpeedMethod, SfiMethod, CritiPrefillMethod)
 def enabled_methods(config, vllm_config, *, row_counters=None) -> list:
     """One object per method ``config`` enables."""
     return [cls(config, vllm_config, row_counters=row_counters) for cls in METHODS if cls.enabled(config)]
+
+
+def register_kv_specs() -> None:
+    for cls in METHODS:
+        cls.register_kv_specs()
+
+
+def install_patches() -> None:
+    for cls in METHODS:
+        cls.install_patches()

@@ -109,6 +109,7 @@ def trace(model, tokenizer, prompt_ids: list[int], answer_ids: list[int], wrong:
     ``value_pos``: the value's token positions in the prompt; ``written``: its tokens already
     copied right (the next one to copy is ``value_pos[written]``)."""
     from vllm_ext.kernels.sfi_selector_torch import select
+    from vllm_ext.methods.sfi.selector_params import selector_params
 
     p = len(prompt_ids)
     ids = prompt_ids + answer_ids[:wrong]                 # inputs up to the query of step `wrong`
@@ -131,7 +132,8 @@ def trace(model, tokenizer, prompt_ids: list[int], answer_ids: list[int], wrong:
         # prefill end: allowed [n_sink, p - n_recent), the kept best keep_prefill and the rest
         lo0, hi0 = torch.tensor([cfg.n_sink]), torch.tensor([p - cfg.n_recent])
         ev0 = _evidence(probs[:, :w, :p], hkv)
-        kept, n_kept = select(ev0, knorm[..., :p], lo0, hi0, kept_cfg, min(cfg.keep_prefill or cfg.k, cfg.k))
+        kept, n_kept = select(ev0, knorm[..., :p], lo0, hi0, selector_params(kept_cfg),
+                              min(cfg.keep_prefill or cfg.k, cfg.k))
         kept = kept[:, :, :cfg.keep_prefill] if cfg.keep_prefill else kept
         if last_slow:
             t = p + last_slow
@@ -141,10 +143,10 @@ def trace(model, tokenizer, prompt_ids: list[int], answer_ids: list[int], wrong:
         else:
             t, ev, lo, hi, norms = p, ev0, lo0, hi0, knorm[..., :p]
         if cfg.keep_prefill:
-            rest, _ = select(ev, norms, lo, hi, kept_cfg, cfg.k - int(n_kept[0]), exclude=kept)
+            rest, _ = select(ev, norms, lo, hi, selector_params(kept_cfg), cfg.k - int(n_kept[0]), exclude=kept)
             chosen = torch.cat([kept, rest], -1)
         else:
-            chosen, _ = select(ev, norms, lo, hi, cfg, cfg.k)
+            chosen, _ = select(ev, norms, lo, hi, selector_params(cfg), cfg.k)
         dense = probs[:, -1, :t_miss]                      # the miss step's dense attention [Hq, T]
         g = dense.shape[0] // hkv
         heads = []

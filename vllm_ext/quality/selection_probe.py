@@ -24,6 +24,7 @@ def probe(model, sample, sfi_cfg, needles: str = "first") -> list[dict]:
     import torch
 
     from vllm_ext.kernels.sfi_selector_torch import select, selector_scores
+    from vllm_ext.methods.sfi.selector_params import selector_params
 
     ids = torch.tensor([sample.prompt_ids])
     t = ids.shape[1]
@@ -47,8 +48,8 @@ def probe(model, sample, sfi_cfg, needles: str = "first") -> list[dict]:
         probs = att[0, :, t - w:, :]                                   # [Hq, W, T]
         ev = torch.log(probs.clamp_min(0)).reshape(hk, g * w, t)[None]  # q heads of a group together
         k = sfi_cfg.keep_prefill or sfi_cfg.k       # with keep_prefill: the set kept for the decode
-        sel, _ = select(ev, knorm, lo, hi, sfi_cfg, k)
-        score, _ = selector_scores(ev, knorm, lo, hi, sfi_cfg)
+        sel, _ = select(ev, knorm, lo, hi, selector_params(sfi_cfg), k)
+        score, _ = selector_scores(ev, knorm, lo, hi, selector_params(sfi_cfg))
         for h_ in range(hk):
             chosen = set(sel[0, h_].tolist())
             s = score[0, h_]
@@ -115,7 +116,7 @@ def main(argv=None):
     import torch
     from transformers import LlamaForCausalLM
 
-    from vllm_ext.config import SfiConfig
+    from vllm_ext.methods.sfi.config import SfiConfig
     from vllm_ext.quality import tasks as T
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -14,7 +14,7 @@ Pure functions of the prompt and the configuration (no vLLM, no torch).
 
 from __future__ import annotations
 
-from vllm_ext.config import CritiPrefillConfig
+from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 
 
 def first_sparse_segment(cfg: CritiPrefillConfig) -> int:

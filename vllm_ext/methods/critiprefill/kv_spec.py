@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ext import metrics
 from vllm_ext.method_kv_spec import GrowingPagesManager, GrowingPagesSpec, page_format, register_method_spec
-from vllm_ext.config import CritiPrefillConfig
+from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 from vllm_ext.methods.critiprefill.chunking import is_critiprefill_prompt
 from vllm_ext.methods.critiprefill.state_layout import state_pages
 

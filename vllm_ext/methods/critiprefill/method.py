@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ext.config import ConfigError
 from vllm_ext.methods.protocol import DenseRows, LayerGeometry, Method, MethodLayer
 
 
@@ -17,6 +18,27 @@ class CritiPrefillMethod(Method):
     @staticmethod
     def enabled(config) -> bool:
         return config.critiprefill.enabled
+
+    @staticmethod
+    def register_kv_specs() -> None:
+        from vllm_ext.methods.critiprefill.kv_spec import register_critiprefill_kv_spec
+
+        register_critiprefill_kv_spec()
+
+    def check_engine(self) -> None:
+        # the scheduler ends CritiPrefill chunks on segment boundaries and never leaves a one-token
+        # chunk (vllm_ext.methods.critiprefill.chunking): a step must have room for a segment and one
+        # token more, or a prefill could stop moving
+        sched = self.vllm_config.scheduler_config
+        seg = self.config.critiprefill.segment_size
+        for flag, value in (("--max-num-batched-tokens", sched.max_num_batched_tokens),
+                            ("--long-prefill-token-threshold",
+                             getattr(sched, "long_prefill_token_threshold", 0) or None)):
+            if value is not None and value <= seg:
+                raise ConfigError(f"speedsfi.critiprefill.segment_size ({seg}) needs "
+                                  f"{flag} > {seg} (it is {value}): a prefill chunk holds whole "
+                                  f"segments of the sparse range; raise {flag} or lower the "
+                                  f"segment size")
 
     def admission_cap(self) -> int:
         """``critiprefill.max_requests`` when it is set below ``--max-num-seqs``, else 0 (each

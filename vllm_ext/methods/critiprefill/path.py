@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.config import CritiPrefillConfig
+from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 from vllm_ext.methods.critiprefill.criticality import fuse_scores
 from vllm_ext.methods.critiprefill.plan import build_plan, max_segments_bound
 from vllm_ext.methods.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from vllm_ext import metrics
-from vllm_ext.config import CritiPrefillConfig
+from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 from vllm_ext.methods.critiprefill.chunking import first_sparse_segment, is_critiprefill_prompt, sparse_range  # noqa: F401
 from vllm_ext.methods.critiprefill.state_layout import STATE_SUFFIX, state_pages
 from vllm_ext.device_counters import DeviceCounters

@@ -1,14 +1,11 @@
-"""SFI method logic (ALGORITHMS.md §1): trigger sets, the device-side slow/fast schedule and the
-Selector. Pure PyTorch; imports neither vLLM nor Triton (the Triton selector is
-:mod:`vllm_ext.kernels.sfi_selector`, with :func:`vllm_ext.kernels.sfi_selector_torch.select` as its twin)."""
+"""SFI, sparse decode (ALGORITHMS.md §1): the sink, a selected set and the recent tokens' KV on fast
+steps; dense slow steps at sentence boundaries choose the selection again.
 
-from vllm_ext.methods.sfi.schedule import (SCHEDULES, allowed_range, decide_slow, dense_threshold, is_exactly_dense,
-                                   is_trigger, mark_selected, reset_slots)
-from vllm_ext.kernels.sfi_selector_torch import select, selector_scores
-from vllm_ext.methods.sfi.triggers import boundary_token_ids, ends_in_trigger, trigger_lut, trigger_token_ids
-
-__all__ = [
-    "SCHEDULES", "allowed_range", "boundary_token_ids", "decide_slow", "dense_threshold",
-    "ends_in_trigger", "is_exactly_dense", "is_trigger", "mark_selected", "reset_slots", "select",
-    "selector_scores", "trigger_lut", "trigger_token_ids",
-]
+- :mod:`.method`, :mod:`.layer`: what the backend calls (the method and its share of a layer);
+- :mod:`.config`: its configuration section;
+- :mod:`.slot_tables` and its parts, :mod:`.step_plan`, :mod:`.schedule`, :mod:`.triggers`: the
+  per-request tables and the device-side slow/fast schedule of each step;
+- :mod:`.path`, :mod:`.runtime`: one layer's decode and prefill-end work over the kernels;
+- :mod:`.kv_spec`, :mod:`.caches` and the other ``*_kv_spec`` modules: its pages of vLLM's KV cache;
+- :mod:`.scheduling`, :mod:`.warmup`: its scheduler rules and start-up warm-up.
+"""

@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ext import metrics
 from vllm_ext.method_kv_spec import MethodPagesManager, MethodPagesSpec, page_format, register_method_spec
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.methods.sfi.state_pages import first_compact_len, first_state_len, sfi_state_pages, tail_window
 
 

@@ -27,6 +27,16 @@ class SfiMethod(Method):
     def enabled(config) -> bool:
         return config.sfi.enabled
 
+    @staticmethod
+    def register_kv_specs() -> None:
+        from vllm_ext.methods.sfi.history_kv_spec import register_history_kv_spec
+        from vllm_ext.methods.sfi.kv_spec import register_sfi_kv_spec
+        from vllm_ext.methods.sfi.quest_kv_spec import register_quest_kv_spec
+
+        register_sfi_kv_spec()
+        register_history_kv_spec()
+        register_quest_kv_spec()
+
     @property
     def capacity(self) -> int:
         """Requests that can hold SFI state at once: every request the engine runs
@@ -103,7 +113,7 @@ class SfiMethod(Method):
         from vllm_ext.kernels import cpu_native
 
         if cpu_native.library() is None:
-            reason = getattr(cpu_native, "unavailable_reason", lambda: "not built")()
+            reason = cpu_native.unavailable_reason()
             metrics.fallback("cpu_native", "vllm_ext: SFI's compiled CPU kernels are unavailable (%s): "
                              "the PyTorch twins run SFI's slow steps (slower, same selections)", reason)
 
@@ -130,8 +140,8 @@ class SfiMethod(Method):
                                "smaller speedsfi.sfi.maintenance_rows shrinks it (more, smaller chunks "
                                "per step: docs/sfi.md)", rt.nbytes / 2**30, rt.maintenance_rows, g.max_len)
             self._runtime = rt
-        elif (self._runtime.num_heads, self._runtime.num_kv_heads, self._runtime.head_size) != \
-                (g.num_heads, g.num_kv_heads, g.head_size):
+            self._runtime_heads = (g.num_heads, g.num_kv_heads, g.head_size)
+        elif self._runtime_heads != (g.num_heads, g.num_kv_heads, g.head_size):
             raise ConfigError("SPEEDSFI: SFI needs every attention layer of the model to have the same "
                               "head geometry")
         return self._runtime

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence, paged_decode,
                                                     prefill_evidence)
 from vllm_ext.kernels.paged_state import (update_block_representatives_paged,

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from vllm_ext import metrics
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.methods.sfi.compact_slots import CompactSlots
 from vllm_ext.methods.sfi.prompt_tail import (SfiPrefillEnd, TailRow, kept_count, makes_prefill_selection,
                                               plan_prompt_tail, tail_window)

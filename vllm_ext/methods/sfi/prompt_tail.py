@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 
 
 class PromptTailQueries:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ext import metrics
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.method_kv_spec import GrowingPagesManager, GrowingPagesSpec, page_format, register_method_spec
 from vllm_ext.methods.sfi.quest_tables import quest_blocks
 from vllm_ext.methods.sfi.state_pages import first_compact_len

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.methods.sfi.quest_tables import QuestPageTables, QuestPrefillPages
 from vllm_ext.methods.sfi.state_pages import first_compact_len
 from vllm_ext.methods.sfi.step_plan import SfiStep

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 
 logger = logging.getLogger("vllm_ext")
 
@@ -274,6 +274,7 @@ class SfiRuntime:
                                                          two_segment_num_splits,
                                                          two_segment_workspace)
 
+        from vllm_ext.methods.sfi.selector_params import selector_params
         from vllm_ext.methods.sfi.step_plan import maintenance_chunk
 
         self.cfg = cfg
@@ -286,17 +287,17 @@ class SfiRuntime:
         self.quest = cfg.selector == "quest"
         if self.quest:
             # quest mode selects synchronously on the main stream: one scratch slot, no side stream
-            from vllm_ext.kernels.quest_pages import quest_selector_config
+            from vllm_ext.kernels.quest_pages import quest_selector_params
 
             dual, n = False, 1
-            self.select_cfg = quest_selector_config(cfg)
+            self.select_cfg = quest_selector_params(selector_params(cfg))
         else:
-            self.select_cfg = cfg
+            self.select_cfg = selector_params(cfg)
         # sfi.keep_prefill: the kept and the decode-time selections take exact budgets (their sum is
         # the request's k; k_min applies to that sum through the config's validation). The
         # prefill-end selection is SFI's in either mode (quest with keep_prefill: its pages select
         # the rest at decode time)
-        self.kept_select_cfg = dataclasses.replace(cfg, k_min=0)
+        self.kept_select_cfg = dataclasses.replace(selector_params(cfg), k_min=0)
         self.rest_select_cfg = dataclasses.replace(self.select_cfg, k_min=0)
         # a chunk's slow rows, clamped to valid rows (main stream only: a layer of another KV-cache
         # group gathers its own block-table rows with them, sfi_path._slow_tables)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.methods.sfi.schedule import mark_selected
 
 

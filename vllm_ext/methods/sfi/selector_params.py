@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.selector_params import SelectorParams
 
 

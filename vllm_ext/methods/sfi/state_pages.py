@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.paged_rows import state_pages
 
 

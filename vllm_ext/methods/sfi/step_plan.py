@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ext.config import MIN_MAINTENANCE_ROWS, SfiConfig
+from vllm_ext.methods.sfi.config import MIN_MAINTENANCE_ROWS, SfiConfig
 from vllm_ext.methods.sfi.prompt_tail import SfiPrefillEnd  # noqa: F401  (the plan's prefill-end part)
 from vllm_ext.methods.sfi.schedule import allowed_range, decide_slow, mark_selected, needs_trigger_state
 

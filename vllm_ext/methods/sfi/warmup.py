@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.config import SfiConfig
+from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.methods.warmup import DECODE_BATCHES, WarmupShape, chunked_batch, synthetic_block_table
 
 def _cases(cfg: SfiConfig, rows: int) -> tuple[list[str], list[int]]:

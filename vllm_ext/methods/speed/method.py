@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ext.config import ConfigError
 from vllm_ext.methods.protocol import LayerGeometry, Method, MethodLayer
+
+# model families whose decoder layers SPEED is tested on (their attention modules are vLLM's
+# ``Attention``, one per layer, named ``model.layers.N.self_attn.attn``)
+SPEED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 
 class SpeedMethod(Method):
@@ -18,6 +23,46 @@ class SpeedMethod(Method):
     @staticmethod
     def enabled(config) -> bool:
         return config.speed.enabled
+
+    @staticmethod
+    def register_kv_specs() -> None:
+        from vllm_ext.methods.speed.kv_spec import register_speed_kv_spec
+
+        register_speed_kv_spec()
+
+    @staticmethod
+    def install_patches() -> None:
+        from vllm_ext.methods.speed import upper_stack
+
+        upper_stack.install()
+
+    def check_engine(self) -> None:
+        vllm_config = self.vllm_config
+        model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise ConfigError("speedsfi.speed.enabled: SPEED needs --no-enable-prefix-caching (the "
+                              "upper layers hold no prompt KV that a cache hit could reuse)")
+        if parallel.pipeline_parallel_size > 1:
+            raise ConfigError("speedsfi.speed.enabled: SPEED does not support pipeline parallelism")
+        from vllm.config import CompilationMode
+
+        if vllm_config.compilation_config.mode != CompilationMode.NONE:
+            from vllm_ext import metrics
+
+            metrics.fallback("speed_compute_compiled", "vllm_ext: SPEED with a compiled model: "
+                             "prompt tokens still run the upper layers (masked, same outputs; KV "
+                             "memory is saved, prefill compute is not); --enforce-eager enables "
+                             "the skip (vllm_ext.methods.speed.upper_stack)")
+        archs = set(getattr(model_config.hf_config, "architectures", None) or [])
+        if not archs & SPEED_ARCHITECTURES:
+            raise ConfigError(f"speedsfi.speed.enabled: SPEED supports the "
+                              f"{', '.join(sorted(SPEED_ARCHITECTURES))} families; this model is "
+                              f"{', '.join(sorted(archs)) or 'of an unknown architecture'}")
+
+    def attention_kv_spec(self, spec, layer_name: str):
+        from vllm_ext.methods.speed.kv_spec import speed_spec_for_layer
+
+        return speed_spec_for_layer(spec, layer_name, self.vllm_config, self.config)
 
     def keeps_full_cuda_graphs(self) -> bool:
         return False
