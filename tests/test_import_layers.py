@@ -1,19 +1,25 @@
-"""The package's imports run one way: every import of a ``vllm_ext`` module, at module
-level or inside a function, goes to the same layer or to a lower one, and no group of modules imports
-itself in a circle. A new upward import fails here with the two modules named.
+"""The package's imports run one way: every import of a ``vllm_ext`` module, at module level or
+inside a function, goes to the same layer or to a lower one, and no group of modules imports itself in
+a circle. A new upward import fails here with the two modules named. Generic code names no method:
+only the registry and the methods' own packages import a method's modules.
 
 Layers, lowest first:
-0. base: the configuration, metrics and small shared helpers every layer uses (``method_kv_spec``,
-   ``method_cache_layer``: what the methods' KV-cache specs and cache layers share);
-1. kernels: Triton kernels and their PyTorch twins; they know no method (shared constants live here);
-2. ``request_state``: the generic per-request slot table and the protocol (``method_slots``) through
-   which it drives the methods' own slot tables; it knows no method;
+0. base: metrics, counters and small shared helpers every layer uses (``method_kv_spec``,
+   ``method_cache_layer``: what the methods' KV-cache specs and cache holders share;
+   ``config_fields``: what every configuration section shares), and each method's configuration
+   section (``methods.<method>.config``: the method owns it, the configuration reads it);
+1. kernels: Triton kernels and their PyTorch twins, on tensors and scalars; they know no method;
+2. ``request_state``, ``method_slots`` and ``methods.protocol``: the generic per-request slot table
+   and what the backend asks of a method; they know no method;
 3. methods: ``methods.sfi``, ``methods.speed``, ``methods.critiprefill``, each a package on its own
    (no method imports another, and none imports the backend);
-4. ``backend``: the attention backend, its builder, impl and dense path, and the engine's request
-   table (``backend.request_table``: the methods' slot tables registered in the generic one);
-5. vLLM glue: ``vllm_patches`` is the only way into ``runner_hooks`` and ``scheduler_policy``;
-6. the package entry point and the tools: ``vllm_ext`` (registration), ``quality``, ``tools``.
+4. the registry (``methods.registry``: which methods there are) and the configuration object that
+   composes their sections (``config``);
+5. ``backend``: the attention backend, its builder, impl and dense path, and the engine's request
+   table;
+6. vLLM glue: ``vllm_patches`` (the list of vLLM's internals SPEEDSFI changes) is the only way into
+   ``runner_hooks`` and ``scheduler_policy``;
+7. the package entry point and the tools: ``vllm_ext`` (registration), ``quality``, ``tools``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "vllm_ext"
 
 LAYERS = [
-    ("base", {"vllm_ext.config", "vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging",
+    ("base", {"vllm_ext.metrics", "vllm_ext.device_counters", "vllm_ext.host_staging",
               "vllm_ext.env_vars", "vllm_ext.method_kv_spec", "vllm_ext.method_cache_layer",
               "vllm_ext.row_counters", "vllm_ext.config_fields",
               # each method's configuration section: its own, read by the configuration object
@@ -35,7 +41,7 @@ LAYERS = [
     ("sfi", {"vllm_ext.methods.sfi"}),
     ("speed", {"vllm_ext.methods.speed"}),
     ("critiprefill", {"vllm_ext.methods.critiprefill"}),
-    ("registry", {"vllm_ext.methods.registry"}),
+    ("registry", {"vllm_ext.methods.registry", "vllm_ext.config"}),
     ("backend", {"vllm_ext.backend"}),
     ("glue", {"vllm_ext.vllm_patches", "vllm_ext.runner_hooks", "vllm_ext.scheduler_policy"}),
     ("top", {"vllm_ext", "vllm_ext.quality", "vllm_ext.tools"}),
@@ -153,3 +159,20 @@ def test_no_circles():
 def test_the_walker_sees_function_level_imports():
     graph = _graph()
     assert "vllm_ext.kernels.sfi_plan" in graph["vllm_ext.methods.sfi.step_plan"]     # imported inside a function
+
+
+# the only modules outside a method's package that may import it: the registry lists the methods,
+# the configuration composes their sections, and the patch list names each vLLM patch with its owner
+MAY_NAME_METHODS = {"vllm_ext.methods.registry", "vllm_ext.config", "vllm_ext.vllm_patches"}
+METHOD_PACKAGES = ("vllm_ext.methods.sfi", "vllm_ext.methods.speed", "vllm_ext.methods.critiprefill")
+
+
+def test_generic_code_names_no_method():
+    bad = []
+    for a, targets in _graph().items():
+        if a in MAY_NAME_METHODS or a.startswith(METHOD_PACKAGES) or _layer(a) == "top":
+            continue
+        for b in sorted(targets):
+            if b.startswith(METHOD_PACKAGES):
+                bad.append(f"{a} imports {b}")
+    assert not bad, "\n".join(bad)

@@ -10,8 +10,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_ext.backend.startup import resolve_maintenance_rows  # noqa: E402
-from vllm_ext.methods.sfi.config import MAINTENANCE_BUDGET_BYTES, MIN_MAINTENANCE_ROWS, SfiConfig, auto_maintenance_rows, maintenance_row_bytes
+from vllm_ext.methods.sfi.method import resolve_maintenance_rows  # noqa: E402
+from vllm_ext.config import SpeedSfiConfig  # noqa: E402
+from vllm_ext.methods.sfi.config import (MAINTENANCE_BUDGET_BYTES, MIN_MAINTENANCE_ROWS, SfiConfig,  # noqa: E402
+                                         auto_maintenance_rows, maintenance_row_bytes)
 from vllm_ext.methods.sfi.step_plan import maintenance_chunk  # noqa: E402
 
 QWEN3_4B = dict(num_heads=32, num_kv_heads=8)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import os
 import types
@@ -21,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from vllm_ext.config_fields import ConfigError, in_unit, non_negative, positive  # noqa: F401 (re-exported)
+from vllm_ext.config_fields import (CONFIG_KEY, ConfigError, changed_fields,  # noqa: F401 (re-exported)
+                                    request_overrides)
 from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.methods.speed.config import SpeedConfig
 
-CONFIG_KEY = "speedsfi"
 BACKEND_NAME = "SPEEDSFI"            # the registered attention backend (--attention-backend speedsfi)
 PRESET_DIRS = (
     Path(__file__).resolve().parent / "presets",      # installed package (symlink to configs/ in the repo)
@@ -146,35 +145,6 @@ class SpeedSfiConfig:
 
 # the fields a request may set for itself (SamplingParams.extra_args["speedsfi"]); every other field
 # sizes buffers or plans the batch, so it is the engine's
-PER_REQUEST_FIELDS = frozenset({"sfi.enabled", "sfi.k"})
-
-
-def request_overrides(extra_args: Any) -> Mapping[str, Any] | None:
-    """A request's ``speedsfi`` overrides: ``extra_args["speedsfi"]`` as a mapping (offline ``LLM``)
-    or as its JSON text (the OpenAI server's ``vllm_xargs`` carries strings and numbers only:
-    ``"vllm_xargs": {"speedsfi": "{\"sfi\": {\"k\": 256}}"}``). Raises ``ConfigError``."""
-    raw = extra_args.get(CONFIG_KEY) if isinstance(extra_args, Mapping) else None
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError as e:
-            raise ConfigError(f"speedsfi: the per-request overrides are not valid JSON ({e})") from None
-    if raw is not None and not isinstance(raw, Mapping):
-        raise ConfigError(f"speedsfi: the per-request overrides must be a mapping such as "
-                          f"{{\"sfi\": {{\"k\": 256}}}}, got {type(raw).__name__}")
-    return raw
-
-
-def changed_fields(base: "SpeedSfiConfig", other: "SpeedSfiConfig") -> set[str]:
-    """``section.field`` names whose values differ (the method sections; top-level scalars such as
-    ``preset``, ``dense_decode`` and ``dense_delegate`` are not sections)."""
-    changed = set()
-    for section in (f.name for f in dataclasses.fields(base)):
-        a, b = getattr(base, section), getattr(other, section)
-        if dataclasses.is_dataclass(a):
-            changed.update(f"{section}.{f.name}" for f in dataclasses.fields(a)
-                           if getattr(a, f.name) != getattr(b, f.name))
-    return changed
 
 
 def check_request_overrides(engine: "SpeedSfiConfig", overrides: Mapping[str, Any] | None) -> "SpeedSfiConfig":
@@ -327,3 +297,11 @@ def _build(cls: type, raw: Any, where: str):
             raise ConfigError(f"{where}.{key}: unknown field{hint}")
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
     return cls(**kwargs)
+
+
+# ``section.field`` names a request may set (each section's ``PER_REQUEST``); every other field is
+# engine-wide
+PER_REQUEST_FIELDS = frozenset(f"{f.name}.{name}" for f in dataclasses.fields(SpeedSfiConfig)
+                               if isinstance(f.default_factory, type)
+                               for name in getattr(f.default_factory, "PER_REQUEST", ()))
+SpeedSfiConfig.per_request_fields = PER_REQUEST_FIELDS

@@ -67,7 +67,7 @@ def shared_engine(model: str, backend: str, **kwargs):
 
     One in-process engine at a time: ``engine()``, or a shared engine of other arguments, closes it
     first; ``tests/e2e/conftest.py`` closes it at the end of each module. It is not fresh: a caller
-    that reads cumulative state (``table.sfi_stats``, the metrics providers, the prefix cache,
+    that reads cumulative state (``table.sfi.stats``, the metrics providers, the prefix cache,
     ``table.recorder``) takes differences or resets it (``llm.reset_prefix_cache()``)."""
     import json
 
@@ -125,13 +125,13 @@ def _recorded(llm, prompts, max_tokens, params, difference=False):
 
     table = table_of(model_runner(llm))
     table.recorder = []
-    before = table.sfi_stats.tolist() if difference and table.sfi is not None else None
+    before = table.sfi.stats.tolist() if difference and table.sfi is not None else None
     if params is None:
         tokens = greedy(llm, prompts, max_tokens=max_tokens)
     else:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-    stats = table.sfi_stats.tolist() if table.sfi is not None else None
+    stats = table.sfi.stats.tolist() if table.sfi is not None else None
     if before is not None:
         stats = [a - b for a, b in zip(stats, before)]
     records = table.recorder

@@ -87,7 +87,7 @@ def test_quest_prefix_cache_hit_gives_the_same_tokens(tiny_models, sfi):
         first = greedy(llm, PROMPTS[:1], max_tokens=24)
         greedy(llm, PROMPTS[2:], max_tokens=4)         # reuses the compact slot: its pages now differ
         again = greedy(llm, PROMPTS[:1], max_tokens=24)
-        stats = table_of(model_runner(llm)).sfi_stats.tolist()
+        stats = table_of(model_runner(llm)).sfi.stats.tolist()
     assert first == again
     assert stats[STAT_SLOW] > 0
 

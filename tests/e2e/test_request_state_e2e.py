@@ -63,7 +63,7 @@ def test_abort_releases_the_slot_and_reuse_starts_clean(tiny_models):
         table = table_of(runner)
         (victim_id, slot), = table.slot_of.items()       # vLLM suffixes request ids internally
         assert victim_id.startswith("victim")
-        assert int(table.steps_since_slow[slot]) >= 5
+        assert int(table.decode_steps[slot]) >= 5
         eng.abort_request([victim_id], internal=True)
         table.recorder = []
         short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -108,7 +108,7 @@ def test_prefix_cache_hit_does_not_change_sfi_results(tiny_models):
                     additional_config=extra) as llm:
             cold = [greedy(llm, [p], max_tokens=40)[0] for p in prompts[:1]]
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-            stats = table_of(model_runner(llm)).sfi_stats.tolist()
+            stats = table_of(model_runner(llm)).sfi.stats.tolist()
         return cold, outs, stats
 
     cold, outs, stats = cold_then_warm()
@@ -128,7 +128,7 @@ def test_preemption_with_sfi_resets_state(tiny_models):
         table = table_of(model_runner(llm))
         table.recorder = []
         tokens = greedy(llm, prompts, max_tokens=120)
-        stats = table.sfi_stats.tolist() if table.sfi is not None else None
+        stats = table.sfi.stats.tolist() if table.sfi is not None else None
         records = table.recorder
         released = table.counters.released
     assert all(len(t) == 120 for t in tokens)

@@ -166,7 +166,7 @@ def test_speed_with_sfi_runs_sfi_in_the_lower_layers(speed_models):
 
         table = table_of(model_runner(llm))
         tokens = greedy(llm, PROMPTS, max_tokens=24)
-        fast = table.sfi_stats.tolist()[STAT_FAST]
+        fast = table.sfi.stats.tolist()[STAT_FAST]
     assert fast > 0
     assert tokens != speed_greedy(model, PROMPTS, 24, L_CUT)        # SFI changed the lower layers
 

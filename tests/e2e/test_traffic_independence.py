@@ -25,7 +25,7 @@ def _run(model, budget, sfi):
         table = table_of(model_runner(llm))
         table.recorder = []
         tokens = greedy(llm, [PROMPT], max_tokens=MAX_TOKENS)[0]
-        stats = table.sfi_stats.tolist() if table.sfi is not None else None
+        stats = table.sfi.stats.tolist() if table.sfi is not None else None
         chunks = sum(1 for step in table.recorder for v in step.values() if not v["is_decode"])
     return tokens, stats, chunks
 
@@ -67,7 +67,7 @@ def test_prefix_cache_hit_reaching_into_the_prompt_tail(tiny_models):
         cold = greedy(llm, [a], max_tokens=MAX_TOKENS)[0]
         greedy(llm, [b], max_tokens=MAX_TOKENS)
         warm = llm.generate([{"prompt_token_ids": a}], sp, use_tqdm=False)[0]
-        stats = table.sfi_stats.tolist()
+        stats = table.sfi.stats.tolist()
     assert warm.num_cached_tokens == 608
     assert list(warm.outputs[0].token_ids) == cold
     assert stats[STAT_PREFILL_END] == 3 and stats[STAT_FAST] > 0

@@ -11,7 +11,6 @@ import logging
 
 from vllm_ext.methods.registry import METHODS, enabled_methods
 from vllm_ext.config import BACKEND_NAME, ConfigError, SpeedSfiConfig
-from vllm_ext.methods.sfi.config import MAINTENANCE_BUDGET_BYTES, auto_maintenance_rows
 
 logger = logging.getLogger("vllm_ext")
 
@@ -65,34 +64,16 @@ def _resolve(vllm_config) -> SpeedSfiConfig:
 
         cfg = dataclasses.replace(cfg, dense_delegate=resolve_dense_delegate(
             cfg, vllm_config, on_cpu=current_platform.is_cpu()))
-    if cfg.sfi.enabled and cfg.sfi.maintenance_rows is None:
-        from vllm.platforms import current_platform
-
-        cfg = dataclasses.replace(cfg, sfi=dataclasses.replace(
-            cfg.sfi, maintenance_rows=resolve_maintenance_rows(cfg, vllm_config,
-                                                               on_cpu=current_platform.is_cpu())))
+    for cls in METHODS:
+        if cls.enabled(cfg):
+            cfg = cls.resolve(cfg, vllm_config)
     check_engine(cfg, vllm_config)
     logger.info("vllm_ext: SPEEDSFI configuration: %s", _describe(cfg))
     return cfg
 
 
-def resolve_maintenance_rows(cfg: SpeedSfiConfig, vllm_config, *, on_cpu: bool) -> int:
-    """``sfi.maintenance_rows`` left unset: the rows a 1 GiB slow-step scratch holds for this model's
-    heads (per GPU) at ``max_model_len``, at least 16 (``config.auto_maintenance_rows``; docs/sfi.md).
-    The ring has ``side_stream_slots`` slots with the side stream (CUDA), one otherwise."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    ring = cfg.sfi.side_stream_slots if (cfg.sfi.dual_stream and not on_cpu) else 1
-    rows = auto_maintenance_rows(num_heads=model.get_num_attention_heads(parallel),
-                                 num_kv_heads=model.get_num_kv_heads(parallel),
-                                 max_len=model.max_model_len, ring_slots=ring)
-    logger.info("vllm_ext: speedsfi.sfi.maintenance_rows unset: %d slow rows per maintenance chunk "
-                "(a %d MiB budget at max_model_len %d; docs/sfi.md)", rows,
-                MAINTENANCE_BUDGET_BYTES >> 20, model.max_model_len)
-    return rows
-
-
 def _describe(cfg: SpeedSfiConfig) -> str:
-    parts = [name for name in ("sfi", "speed", "critiprefill") if getattr(cfg, name).enabled]
+    parts = [cls.name for cls in METHODS if cls.enabled(cfg)]
     return (f"methods on: {', '.join(parts)}" if parts else "all methods off (dense)") + \
         (f" (preset {cfg.preset})" if cfg.preset else "")
 

@@ -223,10 +223,7 @@ def block_representatives_triton(kv_cache: torch.Tensor, block_table: torch.Tens
     hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
     grid = (num_blocks, num_reqs, hkv)
     _block_reps_kernel[grid](
-        kv_cache, block_table, seq_lens, out,
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0), block_table.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+        kv_cache, block_table, seq_lens, out, *kv_cache.stride(), *block_table.stride(), *out.stride()[:4],
         D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)), PAGE=page,
     )
     return out
@@ -297,26 +294,31 @@ def update_block_representatives_torch(kv_cache: torch.Tensor, block_table: torc
     return reps
 
 
+def update_launch(kv_cache: torch.Tensor, rows: int, block_size: int,
+                  max_blocks: int | None) -> tuple[tuple[int, ...], dict] | None:
+    """Grid and meta-parameters of an update of ``rows`` rows' representatives: one program per
+    (block, row, KV head) up to the host bound ``max_blocks``, or, with None, one per (row, KV head)
+    looping over the row's blocks. None when there is nothing to update."""
+    if rows == 0 or (max_blocks is not None and max_blocks <= 0):
+        return None
+    hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
+    grid = (rows, hkv) if max_blocks is None else (max_blocks, rows, hkv)
+    return grid, dict(D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)),
+                      PAGE=page, LOOP=max_blocks is None)
+
+
 def _launch_update(kv_cache, block_table, seq_lens, first_block, block_size, reps, rep_slot,
                    max_blocks: int | None) -> torch.Tensor:
-    """One program per (block, row, KV head) up to the host bound ``max_blocks``, or, with None, one
-    per (row, KV head) looping over the row's blocks."""
     _check_update(kv_cache, reps)
-    r = seq_lens.shape[0]
     if max_blocks is not None:
         max_blocks = min(max_blocks, reps.shape[2])
-    if r == 0 or (max_blocks is not None and max_blocks <= 0):
+    launch = update_launch(kv_cache, seq_lens.shape[0], block_size, max_blocks)
+    if launch is None:
         return reps
-    hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
-    grid = (r, hkv) if max_blocks is None else (max_blocks, r, hkv)
+    grid, meta = launch
     _block_reps_update_kernel[grid](
         kv_cache, block_table, seq_lens, first_block, rep_slot, reps,
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0), block_table.stride(1),
-        reps.stride(0), reps.stride(1), reps.stride(2), reps.stride(3),
-        D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)), PAGE=page,
-        LOOP=max_blocks is None,
-    )
+        *kv_cache.stride(), *block_table.stride(), *reps.stride()[:4], **meta)
     return reps
 
 
@@ -460,9 +462,7 @@ def query_segment_representatives_triton(query: torch.Tensor, query_start_loc: t
         return out
     grid = (r * max_segments, hq)
     _query_reps_kernel[grid](
-        query, query_start_loc, seq_lens, out,
-        query.stride(0), query.stride(1), query.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+        query, query_start_loc, seq_lens, out, *query.stride(), *out.stride()[:4],
         max_segments, segment_size,
         D=d, D_PAD=max(16, next_pow2(d)), TOK=32,
     )

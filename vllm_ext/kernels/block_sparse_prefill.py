@@ -43,6 +43,34 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _attend_keys(q, m_i, l_i, acc, kv_head, bt_row, kpos, kok, vis, offs_d, dmask, s_bt_p, s_kv_p, s_kv_n,
+                     s_kv_d, qk_scale, D: tl.constexpr, PAGE: tl.constexpr, F32_DOT: tl.constexpr):
+        """One online-softmax step of the tile's query rows over the keys at ``kpos`` (``kok``: the key
+        exists; ``vis``: which rows see it) of a paged cache."""
+        page = tl.load(bt_row + (kpos // PAGE) * s_bt_p, mask=kok, other=0).to(tl.int64)
+        kv_off = page * s_kv_p + (kpos % PAGE) * s_kv_n
+        kptr = kv_head + kv_off[:, None] + offs_d[None, :] * s_kv_d
+        lm = kok[:, None] & dmask[None, :]
+        k = tl.load(kptr, mask=lm, other=0.0)
+        v = tl.load(kptr + D * s_kv_d, mask=lm, other=0.0)
+        if F32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(vis, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _bsp_prefill_kernel(
             Q, KV, BT, QSL, SEQ, TILE_REQ, TILE_POS, SEL, NSEL, DENSE, O,
             s_q_t, s_q_h, s_q_d,
@@ -118,28 +146,8 @@ if HAS_TRITON:
                 blk = tl.load(sel_row + slot * s_sel_w, mask=sok, other=0).to(tl.int64)
                 kpos = blk * BK + within
                 kok = sok & (within < BK)
-            page = tl.load(bt_row + (kpos // PAGE) * s_bt_p, mask=kok, other=0).to(tl.int64)
-            kv_off = page * s_kv_p + (kpos % PAGE) * s_kv_n
-            kptr = kv_head + kv_off[:, None] + offs_d[None, :] * s_kv_d
-            lm = kok[:, None] & dmask[None, :]
-            k = tl.load(kptr, mask=lm, other=0.0)
-            v = tl.load(kptr + D * s_kv_d, mask=lm, other=0.0)
-            if F32_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(kok[None, :], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if F32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, kv_head, bt_row, kpos, kok, kok[None, :], offs_d, dmask,
+                                         s_bt_p, s_kv_p, s_kv_n, s_kv_d, qk_scale, D, PAGE, F32_DOT)
 
         # ---- the segment's own keys: seg_start .. end of the tile, exact causal mask
         k_end = tl.minimum(p0 + BLOCK_Q, seq)
@@ -147,29 +155,9 @@ if HAS_TRITON:
         for j in range(0, n_diag):
             kpos = seg_start + j * BLOCK_N + offs_n
             kok = kpos < k_end
-            page = tl.load(bt_row + (kpos // PAGE) * s_bt_p, mask=kok, other=0).to(tl.int64)
-            kv_off = page * s_kv_p + (kpos % PAGE) * s_kv_n
-            kptr = kv_head + kv_off[:, None] + offs_d[None, :] * s_kv_d
-            lm = kok[:, None] & dmask[None, :]
-            k = tl.load(kptr, mask=lm, other=0.0)
-            v = tl.load(kptr + D * s_kv_d, mask=lm, other=0.0)
-            if F32_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
             vis = kok[None, :] & (kpos[None, :] <= qpos[:, None])
-            qk = tl.where(vis, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if F32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, kv_head, bt_row, kpos, kok, vis, offs_d, dmask,
+                                         s_bt_p, s_kv_p, s_kv_n, s_kv_d, qk_scale, D, PAGE, F32_DOT)
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -260,13 +248,8 @@ def block_sparse_prefill_triton(query: torch.Tensor, kv_cache: torch.Tensor, blo
     grid = (tile_req.shape[0], hkv)
     _bsp_prefill_kernel[grid](
         query, kv_cache, block_table, query_start_loc, seq_lens, tile_req, tile_pos, sel, nsel, dense, output,
-        query.stride(0), query.stride(1), query.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0), block_table.stride(1),
-        sel.stride(0), sel.stride(1), sel.stride(2), sel.stride(3),
-        nsel.stride(0), nsel.stride(1), nsel.stride(2),
-        dense.stride(0), dense.stride(1),
-        output.stride(0), output.stride(1), output.stride(2),
+        *query.stride(), *kv_cache.stride(), *block_table.stride(), *sel.stride(), *nsel.stride(),
+        *dense.stride(), *output.stride(),
         float(scale) * math.log2(math.e),
         G=g, G_PAD=g_pad, BLOCK_Q=bq, D=d, D_PAD=d_pad,
         PAGE=kv_cache.shape[2], BK=bk, BK_PAD=bk_pad, NPI=npi, SEG=plan.segment_size,

@@ -59,8 +59,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm_ext.kernels.two_segment_decode import (_load_group_q, _load_kv_rows,
-                                                     _online_update, _paged_row_offsets, _scores,
+    from vllm_ext.kernels.program_rows import program_row
+    from vllm_ext.kernels.two_segment_decode import (_load_group_q, _online_update, _paged_kv_scores,
                                                      _store_state)
 
     @triton.jit
@@ -103,11 +103,8 @@ if HAS_TRITON:
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
             valid = pos < end
-            rowoff = _paged_row_offsets(BT, row, pos, valid, s_bt_r, s_bt_b, h,
-                                        s_kv_b, s_kv_h, s_kv_n, PAGE)
-            k, v = _load_kv_rows(KV, rowoff, valid, s_kv_c, D, BLOCK_D)
-            s = _scores(q, k, qk_scale, F32_DOT)
-            s = tl.where(valid[None, :], s, float("-inf"))
+            k, v, s = _paged_kv_scores(q, KV, BT, row, h, pos, valid, s_bt_r, s_bt_b, s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+                                       qk_scale, D, BLOCK_D, PAGE, F32_DOT)
             if EVIDENCE:
                 keep = valid & (pos < MAX_LEN)
                 tl.store(sc_base + pos[None, :].to(tl.int64) * s_sc_j, s,
@@ -156,21 +153,11 @@ if HAS_TRITON:
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
         COMPACT: tl.constexpr, NORMS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        # program row e: batch row ROWS[e] in compact mode (the slow-row list; -1 = unused entry),
-        # else row e
+        # program row e: batch row ROWS[e] in compact mode (the slow-row list), else row e
         e = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
-        if COMPACT:
-            row = tl.load(ROWS + e)
-            if row < 0:
-                return
-        else:
-            row = e
-        if HAS_MASK:
-            if tl.load(MASK + row).to(tl.int32) == 0:
-                return
-        seq_len = tl.load(SEQ + row)
+        row, seq_len = program_row(e, ROWS, MASK, SEQ, COMPACT, HAS_MASK, True)
         if seq_len <= 0:
             return
         _dense_split_body(
@@ -233,16 +220,7 @@ if HAS_TRITON:
         slot = tl.program_id(0)
         h = tl.program_id(1)
         lane = tl.program_id(2)
-        if COMPACT:
-            row = tl.load(ROWS + slot)
-            if row < 0:
-                return
-        else:
-            row = slot
-        if HAS_MASK:
-            if tl.load(MASK + row).to(tl.int32) == 0:
-                return
-        seq_len = tl.load(SEQ + row)
+        row, seq_len = program_row(slot, ROWS, MASK, SEQ, COMPACT, HAS_MASK, True)
         if seq_len <= 0:
             return
         lim = tl.minimum(seq_len, MAX_LEN)

@@ -44,6 +44,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from vllm_ext.kernels.program_rows import program_row
+
     @triton.jit
     def _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ, OFF, CTAB,
                       s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b, s_sel_r, s_sel_h, s_sel_k,
@@ -103,18 +105,12 @@ if HAS_TRITON:
         HAS_MASK: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_OFF: tl.constexpr, BLOCK_E: tl.constexpr,
         HAS_CTAB: tl.constexpr, CPAGE: tl.constexpr,
     ):
-        row = tl.program_id(0)
         h = tl.program_id(1)
         eb = tl.program_id(2)
-        if HAS_MASK:
-            if tl.load(MASK + row).to(tl.int32) == 0:
-                return
+        row, live = program_row(tl.program_id(0), MASK, MASK, SEQ, False, HAS_MASK, HAS_SEQ)
         slot = tl.load(SLOT + row)
-        if slot < 0:
+        if (live <= 0) | (slot < 0):
             return
-        if HAS_SEQ:
-            if tl.load(SEQ + row) <= 0:
-                return
         _gather_block(row, h, eb, slot, KV, BT, SEL, NSEL, CKV, CLEN, SEQ, OFF, CTAB,
                       s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b, s_sel_r, s_sel_h, s_sel_k,
                       s_ckv_s, s_ckv_h, s_ckv_n, s_ckv_c, s_ct_s, s_ct_b, N_SINK, K, CAP,

@@ -26,7 +26,7 @@ from vllm_ext.kernels.triton_utils import HAS_TRITON
 # every module of vllm_ext.kernels that defines Triton kernels
 KERNEL_MODULES = (
     "block_representatives", "block_sparse_prefill", "copy_match", "dense_decode_evidence", "gather_compact",
-    "merge_state", "paged_state", "prefill_evidence", "quest_pages", "quest_rerank", "sfi_plan",
+    "merge_state", "paged_state", "prefill_evidence", "program_rows", "quest_pages", "quest_rerank", "sfi_plan",
     "sfi_selector_kernels", "speed_attention", "two_segment_decode",
 )
 

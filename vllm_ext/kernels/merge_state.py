@@ -33,6 +33,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from vllm_ext.kernels.program_rows import program_row
+
     @triton.jit
     def _merge_two_kernel(VA, SA, VB, SB, VO, SO, MASK,
                           s_va_n, s_va_h, s_va_d, s_sa_n, s_sa_h,
@@ -73,20 +75,11 @@ if HAS_TRITON:
                            HAS_OUT_ROWS: tl.constexpr):
         n = tl.program_id(0)
         h = tl.program_id(1)
-        # state row n merges into output row o (OUT_ROWS: compacted rows, -1 = unused entry);
-        # MASK and LENS are indexed by the output row
-        if HAS_OUT_ROWS:
-            o = tl.load(OUT_ROWS + n)
-            if o < 0:
-                return
-        else:
-            o = n
-        if HAS_MASK:
-            if tl.load(MASK + o).to(tl.int32) == 0:
-                return
-        if HAS_LENS:
-            if tl.load(LENS + o) <= 0:
-                return
+        # state row n merges into output row o (OUT_ROWS: compacted rows); MASK and LENS are
+        # indexed by the output row
+        o, live = program_row(n, OUT_ROWS, MASK, LENS, HAS_OUT_ROWS, HAS_MASK, HAS_LENS)
+        if live <= 0:
+            return
         offs_d = tl.arange(0, BLOCK_D)
         dm = offs_d < D
         offs_s = tl.arange(0, BLOCK_S)

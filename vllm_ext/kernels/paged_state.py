@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.kernels.block_representatives import key_block_bounds
+from vllm_ext.kernels.block_representatives import key_block_bounds, update_launch
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
 
 if HAS_TRITON:
@@ -169,24 +169,16 @@ def update_block_representatives_paged_torch(kv_cache: torch.Tensor, block_table
 
 def _launch_paged(kv_cache, block_table, seq_lens, first_block, block_size, state_cache, state_table,
                   entry_offset, state_slot, max_blocks: int | None) -> torch.Tensor:
-    """One program per (block, row, KV head) up to the host bound ``max_blocks``, or, with None, one
-    per (row, KV head) looping over the row's blocks."""
     _check_state(kv_cache, state_cache)
-    r = seq_lens.shape[0]
-    if r == 0 or (max_blocks is not None and max_blocks <= 0):
+    launch = update_launch(kv_cache, seq_lens.shape[0], block_size, max_blocks)
+    if launch is None:
         return state_cache
-    hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
-    grid = (r, hkv) if max_blocks is None else (max_blocks, r, hkv)
+    grid, meta = launch
     _paged_reps_kernel[grid](
         kv_cache, block_table, seq_lens, first_block, state_cache, state_table,
         state_slot if state_slot is not None else seq_lens, int(entry_offset),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0), block_table.stride(1),
-        state_cache.stride(0), state_cache.stride(1), state_cache.stride(2), state_cache.stride(3),
-        state_table.stride(0), state_table.stride(1),
-        D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)), PAGE=page,
-        SPAGE=state_cache.shape[2], HAS_SROW=state_slot is not None, LOOP=max_blocks is None,
-    )
+        *kv_cache.stride(), *block_table.stride(), *state_cache.stride(), *state_table.stride(),
+        SPAGE=state_cache.shape[2], HAS_SROW=state_slot is not None, **meta)
     return state_cache
 
 
@@ -278,9 +270,7 @@ def write_state_entries_triton(state_cache: torch.Tensor, state_table: torch.Ten
         return state_cache
     _write_entries_kernel[(n, r, hkv)](
         state_cache, state_table, first_entry, num_entries, values,
-        state_cache.stride(0), state_cache.stride(1), state_cache.stride(2), state_cache.stride(3),
-        state_table.stride(0), state_table.stride(1),
-        values.stride(0), values.stride(1), values.stride(2), values.stride(3),
+        *state_cache.stride(), *state_table.stride(), *values.stride(),
         W=w, W_PAD=max(16, next_pow2(w)), SPAGE=state_cache.shape[2],
     )
     return state_cache

@@ -196,11 +196,8 @@ def prefill_evidence_triton(query_rows, kv_cache, block_table, seq_lens, allowed
     kn = key_norms if key_norms is not None else log_evidence
     f32 = dot_in_fp32(kv_cache.dtype)
     pos = query_positions
-    common = (query_rows.stride(0), query_rows.stride(1), query_rows.stride(2), query_rows.stride(3),
-              pos.stride(0), pos.stride(1),
-              kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-              block_table.stride(0), block_table.stride(1),
-              partial.stride(0), partial.stride(1), partial.stride(2))
+    common = (*query_rows.stride(), *pos.stride(), *kv_cache.stride(), *block_table.stride(),
+              *partial.stride()[:3])
     qk_scale = scale * LOG2E
     _prefill_lse_kernel[(r, hkv, num_splits)](
         query_rows, pos, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, mask, partial,
@@ -210,8 +207,7 @@ def prefill_evidence_triton(query_rows, kv_cache, block_table, seq_lens, allowed
     _prefill_evidence_kernel[(r, hkv, triton.cdiv(span, block_n))](
         query_rows, pos, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, mask, partial,
         log_evidence, kn, *common,
-        log_evidence.stride(0), log_evidence.stride(1), log_evidence.stride(2),
-        kn.stride(0), kn.stride(1), kn.stride(2),
+        *log_evidence.stride(), *kn.stride(),
         max_len, span, qk_scale, float(alpha), num_splits,
         W=w, G=g, BLOCK_M=block_m, D=d, BLOCK_D=block_d, PAGE=page,
         HAS_MASK=row_mask is not None, F32_DOT=f32, GEOMETRIC=float(alpha) == 0.0,

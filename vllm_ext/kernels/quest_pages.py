@@ -241,10 +241,7 @@ def quest_page_evidence_triton(query: torch.Tensor, pages: torch.Tensor, table: 
     n_tiles = triton.cdiv(triton.cdiv(length, page_size), block_pg)
     _quest_kernel[(s, hkv, n_tiles)](
         query, pages, table, rows, rep_slot, lo, hi, count if count is not None else rows, out,
-        query.stride(0), query.stride(1), query.stride(2),
-        pages.stride(0), pages.stride(1), pages.stride(2), pages.stride(3),
-        table.stride(0), table.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
+        *query.stride(), *pages.stride(), *table.stride(), *out.stride(),
         float(scale), length, nb,
         G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, PAGE=page_size, PAGE_PAD=max(2, next_pow2(page_size)),
         BLOCK_PG=block_pg, SPAGE=pages.shape[2], HAS_COUNT=count is not None,

@@ -339,7 +339,7 @@ def quest_candidate_evidence_triton(query: torch.Tensor, kv_cache: torch.Tensor,
     cnt = count if has_count else rows
     fill_block = 1024
     _fill_kernel[(s, hkv, triton.cdiv(max(length, 1), fill_block))](
-        rows, hi, cnt, out, out.stride(0), out.stride(1), out.stride(2), length,
+        rows, hi, cnt, out, *out.stride(), length,
         BLOCK=fill_block, HAS_COUNT=has_count)
     g_pad, d_pad = max(1, next_pow2(g)), max(16, next_pow2(d))
     block_c = ws.tile
@@ -347,22 +347,15 @@ def quest_candidate_evidence_triton(query: torch.Tensor, kv_cache: torch.Tensor,
     lg, part = ws.logits, ws.partials
     _logits_kernel[(s, hkv, n_tiles)](
         query, kv_cache, block_table, rows, cand, n_cand, cnt, lg, part,
-        query.stride(0), query.stride(1), query.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0), block_table.stride(1),
-        cand.stride(0), cand.stride(1), cand.stride(2),
-        lg.stride(0), lg.stride(1), lg.stride(2),
-        part.stride(0), part.stride(1), part.stride(2),
+        *query.stride(), *kv_cache.stride(), *block_table.stride(), *cand.stride(), *lg.stride(),
+        *part.stride()[:3],
         float(scale), length, w,
         G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, PAGE=kv_cache.shape[2], BLOCK_C=block_c,
         HAS_COUNT=has_count,
     )
     _mass_kernel[(s, hkv, n_tiles)](
         rows, cand, n_cand, cnt, lg, part, out,
-        cand.stride(0), cand.stride(1), cand.stride(2),
-        lg.stride(0), lg.stride(1), lg.stride(2),
-        part.stride(0), part.stride(1), part.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        *cand.stride(), *lg.stride(), *part.stride()[:3], *out.stride(),
         length, w,
         G=g, G_PAD=g_pad, T_PAD=max(2, next_pow2(n_tiles)), BLOCK_C=block_c, HAS_COUNT=has_count,
     )

@@ -54,6 +54,10 @@ if HAS_TRITON:
         return k
 
     @triton.jit
+    def _head_base(ptr, row, h, s_b, s_h):
+        return ptr + row.to(tl.int64) * s_b + h.to(tl.int64) * s_h
+
+    @triton.jit
     def _row_item(it, N, lo_ptr, s_lo, hi_ptr, s_hi, L):
         """Item ``it`` of a launch with ``N`` items per row: the row, the item's index in it, A = [lo, hi)."""
         row = _i32(it) // N
@@ -61,11 +65,11 @@ if HAS_TRITON:
         return row, _i32(it) % N, lo, hi
 
     @triton.jit
-    def _head_chunk_item(it, NC, H, CHUNK, lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, L,
-                         K_TENSOR: tl.constexpr):
+    def _head_chunk_item(it, NC, H, CHUNK, score_ptr, s_sc_b, s_sc_h, lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k,
+                         k_val, k_min, width, L, K_TENSOR: tl.constexpr):
         """Item ``it`` of a launch over (row x head, chunk of ``CHUNK`` positions): ``pid = row * H + h``,
-        the chunk ``c``, the row and head, A = [lo, hi), ``n_sel = min(k_eff, |A|)`` and the chunk's
-        part of A, ``[c0, c1)``."""
+        the chunk ``c``, the (row, head)'s scores, A = [lo, hi), ``n_sel = min(k_eff, |A|)`` and the
+        chunk's part of A, ``[c0, c1)``."""
         pid = _i32(it) // NC
         c = _i32(it) % NC
         row = pid // H
@@ -73,7 +77,7 @@ if HAS_TRITON:
         n_sel = tl.minimum(_keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR), hi - lo)
         c0 = tl.maximum(c * CHUNK, lo)
         c1 = tl.minimum(c * CHUNK + CHUNK, hi)
-        return pid, c, row, pid % H, lo, hi, n_sel, c0, c1
+        return pid, c, _head_base(score_ptr, row, pid % H, s_sc_b, s_sc_h), lo, hi, n_sel, c0, c1
 
     @triton.jit
     def _needs_scores(active, row, lo, hi, k_ptr, s_k, k_val, k_min, width, K_TENSOR: tl.constexpr,
@@ -83,10 +87,6 @@ if HAS_TRITON:
             k_eff = _keff(row, k_ptr, s_k, k_val, k_min, width, K_TENSOR)
             active = active & (k_eff > 0) & (k_eff < hi - lo)
         return active
-
-    @triton.jit
-    def _head_base(ptr, row, h, s_b, s_h):
-        return ptr + row.to(tl.int64) * s_b + h.to(tl.int64) * s_h
 
     @triton.jit
     def _pos_prior(offs, lo, den, w_pos, pos_power, pos_eta, pos_beta, eps):
@@ -425,10 +425,10 @@ if HAS_TRITON:
                      s_hi, k_ptr, s_k, k_val, k_min, width, H, L, CHUNK,
                      NB: tl.constexpr, BLOCK: tl.constexpr, K_TENSOR: tl.constexpr, HAS_COUNT: tl.constexpr):
         for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * (H * NC), tl.num_programs(0)):
-            pid, c, row, h, lo, hi, n_sel, c0, c1 = _head_chunk_item(it, NC, H, CHUNK, lo_ptr, s_lo, hi_ptr, s_hi,
-                                                                      k_ptr, s_k, k_val, k_min, width, L, K_TENSOR)
+            pid, c, sc, lo, hi, n_sel, c0, c1 = _head_chunk_item(it, NC, H, CHUNK, score_ptr, s_sc_b, s_sc_h, lo_ptr,
+                                                                  s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width,
+                                                                  L, K_TENSOR)
             if (c0 < c1) & (n_sel > 0) & (n_sel < hi - lo):
-                sc = _head_base(score_ptr, row, h, s_sc_b, s_sc_h)
                 m_up = tl.load(consts_ptr + pid.to(tl.int64) * 4 + 2)
                 ar = tl.arange(0, BLOCK)
                 acc = tl.zeros([NB], dtype=tl.int32)
@@ -446,10 +446,10 @@ if HAS_TRITON:
                         above_ptr, lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, H, L, CHUNK, CW_WS,
                         CAP, NB: tl.constexpr, BLOCK: tl.constexpr, K_TENSOR: tl.constexpr, HAS_COUNT: tl.constexpr):
         for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * (H * NC), tl.num_programs(0)):
-            pid, c, row, h, lo, hi, n_sel, c0, c1 = _head_chunk_item(it, NC, H, CHUNK, lo_ptr, s_lo, hi_ptr, s_hi,
-                                                                      k_ptr, s_k, k_val, k_min, width, L, K_TENSOR)
+            pid, c, sc, lo, hi, n_sel, c0, c1 = _head_chunk_item(it, NC, H, CHUNK, score_ptr, s_sc_b, s_sc_h, lo_ptr,
+                                                                  s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width,
+                                                                  L, K_TENSOR)
             if (c0 < c1) & (n_sel > 0) & (n_sel < hi - lo):
-                sc = _head_base(score_ptr, row, h, s_sc_b, s_sc_h)
                 m_up = tl.load(consts_ptr + pid.to(tl.int64) * 4 + 2)
                 bstar, n_above = _threshold_bucket(hist_ptr + pid.to(tl.int64) * NB, n_sel, NB)
                 cand_base = cand_ptr + pid.to(tl.int64) * CAP
@@ -569,8 +569,9 @@ if HAS_TRITON:
                       lo_ptr, s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width, H, L, CHUNK, CW_WS,
                       BLOCK: tl.constexpr, K_TENSOR: tl.constexpr, HAS_COUNT: tl.constexpr):
         for it in range(tl.program_id(0), _n_live(COUNT, ROWS, HAS_COUNT) * (H * NC), tl.num_programs(0)):
-            pid, c, row, h, lo, hi, n_sel, c0, c1 = _head_chunk_item(it, NC, H, CHUNK, lo_ptr, s_lo, hi_ptr, s_hi,
-                                                                      k_ptr, s_k, k_val, k_min, width, L, K_TENSOR)
+            pid, c, sc, lo, hi, n_sel, c0, c1 = _head_chunk_item(it, NC, H, CHUNK, score_ptr, s_sc_b, s_sc_h, lo_ptr,
+                                                                  s_lo, hi_ptr, s_hi, k_ptr, s_k, k_val, k_min, width,
+                                                                  L, K_TENSOR)
             if (c0 < c1) & (n_sel > 0):
                 ob = sel_ptr + pid.to(tl.int64) * width
                 ar = tl.arange(0, BLOCK)
@@ -579,7 +580,6 @@ if HAS_TRITON:
                         offs = j0 + ar
                         tl.store(ob + (offs - lo), offs, mask=offs < c1)
                 else:
-                    sc = _head_base(score_ptr, row, h, s_sc_b, s_sc_h)
                     t_key = tl.load(thresh_ptr + pid.to(tl.int64) * 2).to(tl.uint32, bitcast=True)
                     p_tie = tl.load(thresh_ptr + pid.to(tl.int64) * 2 + 1)
                     dst0 = tl.load(prefix_ptr + pid.to(tl.int64) * CW_WS + c)

@@ -27,8 +27,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from vllm_ext.kernels.two_segment_decode import (_load_group_q, _load_kv_rows, _online_update,
-                                                     _paged_row_offsets, _scores, _store_state)
+    from vllm_ext.kernels.two_segment_decode import (_load_group_q, _online_update, _paged_kv_scores,
+                                                     _store_state)
 
     @triton.jit
     def _speed_range(q, m_i, l_i, acc, KV, BT, row, h, lo, hi,
@@ -39,11 +39,8 @@ if HAS_TRITON:
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + offs_n
             valid = pos < hi
-            rowoff = _paged_row_offsets(BT, row, pos, valid, s_bt_r, s_bt_b, h,
-                                        s_kv_b, s_kv_h, s_kv_n, PAGE)
-            k, v = _load_kv_rows(KV, rowoff, valid, s_kv_c, D, BLOCK_D)
-            s = _scores(q, k, qk_scale, F32_DOT)
-            s = tl.where(valid[None, :], s, float("-inf"))
+            _, v, s = _paged_kv_scores(q, KV, BT, row, h, pos, valid, s_bt_r, s_bt_b, s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+                                       qk_scale, D, BLOCK_D, PAGE, F32_DOT)
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
         return m_i, l_i, acc
 

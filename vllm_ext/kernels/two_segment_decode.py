@@ -56,6 +56,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from vllm_ext.kernels.program_rows import program_row
+
     @triton.jit
     def _load_group_q(Q, row, h, s_q_r, s_q_h, s_q_d,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
@@ -128,6 +130,23 @@ if HAS_TRITON:
         v = tl.load(KV + rowoff[:, None] + (offs_d[None, :] + D) * s_kv_c, mask=lm, other=0.0)
         return k, v
 
+    @triton.jit
+    def _kv_scores(q, KV, rowoff, valid, s_kv_c, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   F32_DOT: tl.constexpr):
+        """K and V of the cache entries at ``rowoff`` and the group's scores on them (``-inf`` where
+        not ``valid``)."""
+        k, v = _load_kv_rows(KV, rowoff, valid, s_kv_c, D, BLOCK_D)
+        s = _scores(q, k, qk_scale, F32_DOT)
+        return k, v, tl.where(valid[None, :], s, float("-inf"))
+
+    @triton.jit
+    def _paged_kv_scores(q, KV, BT, row, h, pos, valid, s_bt_r, s_bt_b, s_kv_b, s_kv_h, s_kv_n, s_kv_c, qk_scale,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, F32_DOT: tl.constexpr):
+        """:func:`_kv_scores` of the keys at positions ``pos`` of a row's paged cache."""
+        rowoff = _paged_row_offsets(BT, row, pos, valid, s_bt_r, s_bt_b, h, s_kv_b, s_kv_h, s_kv_n, PAGE)
+        k, v, s = _kv_scores(q, KV, rowoff, valid, s_kv_c, qk_scale, D, BLOCK_D, F32_DOT)
+        return k, v, s
+
     @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT"])
     @triton.jit
     def _two_segment_kernel(
@@ -145,13 +164,9 @@ if HAS_TRITON:
         PAGE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_CTAB: tl.constexpr, CPAGE: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        row = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
-        if HAS_MASK:
-            if tl.load(MASK + row).to(tl.int32) == 0:
-                return
-        seq_len = tl.load(SEQ + row)
+        row, seq_len = program_row(tl.program_id(0), MASK, MASK, SEQ, False, HAS_MASK, True)
         if seq_len <= 0:
             return
         slot = tl.load(SLOT + row)
@@ -184,9 +199,7 @@ if HAS_TRITON:
                           + (idx % CPAGE).to(tl.int64) * s_ckv_n)
             else:
                 rowoff = cbase + idx.to(tl.int64) * s_ckv_n
-            k, v = _load_kv_rows(CKV, rowoff, valid, s_ckv_c, D, BLOCK_D)
-            s = _scores(q, k, qk_scale, F32_DOT)
-            s = tl.where(valid[None, :], s, float("-inf"))
+            _, v, s = _kv_scores(q, CKV, rowoff, valid, s_ckv_c, qk_scale, D, BLOCK_D, F32_DOT)
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
 
         # segment 2: recent window, virtual indices [max(start, clen), end) -> positions
@@ -195,11 +208,8 @@ if HAS_TRITON:
             idx = n0 + offs_n
             valid = idx < end
             pos = rstart + (idx - clen)
-            rowoff = _paged_row_offsets(BT, row, pos, valid, s_bt_r, s_bt_b, h,
-                                        s_kv_b, s_kv_h, s_kv_n, PAGE)
-            k, v = _load_kv_rows(KV, rowoff, valid, s_kv_c, D, BLOCK_D)
-            s = _scores(q, k, qk_scale, F32_DOT)
-            s = tl.where(valid[None, :], s, float("-inf"))
+            _, v, s = _paged_kv_scores(q, KV, BT, row, h, pos, valid, s_bt_r, s_bt_b, s_kv_b, s_kv_h, s_kv_n, s_kv_c,
+                                       qk_scale, D, BLOCK_D, PAGE, F32_DOT)
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
 
         _store_state(acc, m_i, l_i, row, row, h, split, PO, PLSE, OUT,
@@ -401,22 +411,6 @@ def gather_paged_rows(kv_cache: torch.Tensor, block_table: torch.Tensor,
     blocks = torch.gather(block_table.long(), 1, bidx).clamp(0, max(nb - 1, 0))   # [R, N]
     ent = kv_cache[blocks, :, pos % bs]                                          # [R, N, H, 2D]
     ent = ent.permute(0, 2, 1, 3)                                                # [R, H, N, 2D]
-    return ent[..., :d], ent[..., d:]
-
-
-def gather_paged_per_head(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of every row and KV head at its own ``positions [R, Hkv, N]`` (out-of-range ones are
-    clamped, the caller masks them) -> ``[R, Hkv, N, D]`` each. No host sync."""
-    bs = kv_cache.shape[2]
-    d = kv_cache.shape[-1] // 2
-    r, h, n = positions.shape
-    pos = positions.long().clamp_min(0)
-    bidx = (pos // bs).clamp_max(max(block_table.shape[1] - 1, 0))
-    blocks = torch.gather(block_table.long(), 1, bidx.reshape(r, h * n)).reshape(r, h, n)
-    blocks = blocks.clamp(0, max(kv_cache.shape[0] - 1, 0))
-    heads = torch.arange(h, device=kv_cache.device)[None, :, None]
-    ent = kv_cache[blocks, heads, pos % bs]                                      # [R, H, N, 2D]
     return ent[..., :d], ent[..., d:]
 
 

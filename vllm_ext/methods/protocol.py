@@ -123,6 +123,12 @@ class Method:
         raise NotImplementedError
 
     @staticmethod
+    def resolve(config, vllm_config):
+        """The engine's configuration with this method's unset fields resolved for the served model
+        (start-up, before the checks); default: as given."""
+        return config
+
+    @staticmethod
     def register_kv_specs() -> None:
         """Register the method's KV-cache spec classes with vLLM (once per process, at plugin load:
         spawned processes unpickle specs before any engine exists)."""

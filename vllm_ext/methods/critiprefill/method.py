@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.config import ConfigError
+from vllm_ext.config_fields import ConfigError
 from vllm_ext.methods.protocol import DenseRows, LayerGeometry, Method, MethodLayer
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from vllm_ext import metrics
-from vllm_ext.config import PER_REQUEST_FIELDS, ConfigError, SpeedSfiConfig, changed_fields
+from vllm_ext.config_fields import ConfigError, changed_fields
 from vllm_ext.host_staging import PinnedStaging
 
 # the name of an attention layer's compact cache layer (``vllm_ext.methods.sfi.caches``)
@@ -30,7 +30,7 @@ class CompactSlots:
     slots and each assigned slot's compact slot and ``k`` (host); the fresh values of newly assigned
     slots, staged on the host until the next build."""
 
-    def __init__(self, n_slots: int, capacity: int, config: SpeedSfiConfig, device: torch.device):
+    def __init__(self, n_slots: int, capacity: int, config, device: torch.device):
         self.config = config
         self.capacity = capacity
         i32 = dict(dtype=torch.int32, device=device)
@@ -55,11 +55,11 @@ class CompactSlots:
             except ConfigError as e:
                 metrics.fallback("request_override_invalid", "ignoring a request's speedsfi override: %s", e)
                 cfg = self.config
-            engine_wide = changed_fields(self.config, cfg) - PER_REQUEST_FIELDS
+            engine_wide = changed_fields(self.config, cfg) - self.config.per_request_fields
             if engine_wide:
                 metrics.fallback("request_override_engine_wide", "a request's speedsfi override sets %s, which "
                                  "only the engine's configuration can change (a request can set %s); ignored",
-                                 ", ".join(sorted(engine_wide)), ", ".join(sorted(PER_REQUEST_FIELDS)))
+                                 ", ".join(sorted(engine_wide)), ", ".join(sorted(self.config.per_request_fields)))
         if not cfg.sfi.enabled:
             return -1, False, 0
         k, k_max = cfg.sfi.k, self.config.sfi.k

@@ -4,8 +4,8 @@ set on it. Imports neither vLLM nor torch."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from vllm_ext.config_fields import ConfigError, in_unit, non_negative, positive
 
@@ -43,6 +43,8 @@ def auto_maintenance_rows(*, num_heads: int, num_kv_heads: int, max_len: int, ri
 @dataclass(frozen=True)
 class SfiConfig:
     """SFI, slow-fast inference (ALGORITHMS.md §1)."""
+
+    PER_REQUEST: ClassVar[tuple[str, ...]] = ("enabled", "k")      # what a request may set for itself
 
     enabled: bool = False
     k: int = 2048                      # selected tokens per KV head

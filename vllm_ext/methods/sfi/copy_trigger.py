@@ -11,7 +11,7 @@ from typing import Mapping
 
 import torch
 
-from vllm_ext.config import ConfigError
+from vllm_ext.config_fields import ConfigError
 from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.copy_match import copy_match, record_tokens
 from vllm_ext.kernels.token_history import TokenHistory

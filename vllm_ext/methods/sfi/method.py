@@ -6,10 +6,12 @@ sparsely.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from vllm_ext import metrics
-from vllm_ext.config import ConfigError
+from vllm_ext.config_fields import ConfigError
+from vllm_ext.methods.sfi.config import MAINTENANCE_BUDGET_BYTES, auto_maintenance_rows
 from vllm_ext.methods.protocol import LayerGeometry, Method
 
 logger = logging.getLogger("vllm_ext")
@@ -26,6 +28,15 @@ class SfiMethod(Method):
     @staticmethod
     def enabled(config) -> bool:
         return config.sfi.enabled
+
+    @staticmethod
+    def resolve(config, vllm_config):
+        if config.sfi.maintenance_rows is not None:
+            return config
+        from vllm.platforms import current_platform
+
+        rows = resolve_maintenance_rows(config, vllm_config, on_cpu=current_platform.is_cpu())
+        return dataclasses.replace(config, sfi=dataclasses.replace(config.sfi, maintenance_rows=rows))
 
     @staticmethod
     def register_kv_specs() -> None:
@@ -168,3 +179,18 @@ def sfi_capacity(config, vllm_config) -> int:
         return 0
     max_seqs = vllm_config.scheduler_config.max_num_seqs
     return min(config.sfi.max_requests or max_seqs, max_seqs)
+
+
+def resolve_maintenance_rows(cfg, vllm_config, *, on_cpu: bool) -> int:
+    """``sfi.maintenance_rows`` left unset: the rows a 1 GiB slow-step scratch holds for this model's
+    heads (per GPU) at ``max_model_len``, at least 16 (:func:`~vllm_ext.methods.sfi.config.auto_maintenance_rows`; docs/sfi.md).
+    The ring has ``side_stream_slots`` slots with the side stream (CUDA), one otherwise."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    ring = cfg.sfi.side_stream_slots if (cfg.sfi.dual_stream and not on_cpu) else 1
+    rows = auto_maintenance_rows(num_heads=model.get_num_attention_heads(parallel),
+                                 num_kv_heads=model.get_num_kv_heads(parallel),
+                                 max_len=model.max_model_len, ring_slots=ring)
+    logger.info("vllm_ext: speedsfi.sfi.maintenance_rows unset: %d slow rows per maintenance chunk "
+                "(a %d MiB budget at max_model_len %d; docs/sfi.md)", rows,
+                MAINTENANCE_BUDGET_BYTES >> 20, model.max_model_len)
+    return rows

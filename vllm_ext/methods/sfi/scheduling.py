@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from vllm_ext import metrics
-from vllm_ext.config import ConfigError, SpeedSfiConfig, request_overrides
+from vllm_ext.config_fields import ConfigError, request_overrides
 
 _WANTS_SFI = "_speedsfi_wants_sfi"       # kept on a vLLM Request
 
@@ -23,7 +23,7 @@ _WANTS_SFI = "_speedsfi_wants_sfi"       # kept on a vLLM Request
 class SfiSchedulingRule:
     name = "sfi"
 
-    def __init__(self, cfg: SpeedSfiConfig, capacity: int):
+    def __init__(self, cfg, capacity: int):
         self.cfg = cfg
         self.capacity = capacity                     # 0: no bound of ours
         self._prefix_limit = None

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from vllm_ext import metrics
-from vllm_ext.config import SpeedSfiConfig
 from vllm_ext.device_counters import DeviceCounters
 from vllm_ext.method_slots import MethodSlots
 from vllm_ext.request_state import StepState
@@ -65,7 +64,7 @@ def _copy_part(name: str) -> property:
 class SfiSlotTables(MethodSlots):
     name = "sfi"
 
-    def __init__(self, n_slots: int, capacity: int, max_rows: int, config: SpeedSfiConfig,
+    def __init__(self, n_slots: int, capacity: int, max_rows: int, config,
                  trigger_lut: torch.Tensor | None, device: torch.device, *, max_model_len: int = 0,
                  paged_history: bool = False):
         self.config = config

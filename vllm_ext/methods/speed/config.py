@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from vllm_ext.config_fields import ConfigError, in_unit, non_negative, positive
+from vllm_ext.config_fields import positive
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.config import ConfigError
+from vllm_ext.config_fields import ConfigError
 from vllm_ext.methods.protocol import LayerGeometry, Method, MethodLayer
 
 # model families whose decoder layers SPEED is tested on (their attention modules are vLLM's
