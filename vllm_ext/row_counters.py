@@ -76,19 +76,13 @@ class RowCounters:
         return dict(zip(KEYS, self.counters.read()))
 
 
-_shared: dict[torch.device, RowCounters] = {}
-
-
-def shared(device: torch.device) -> RowCounters | None:
-    """The process's counters on ``device`` when ``SPEEDSFI_ROW_COUNTERS`` is on, else None. Merged
-    into ``vllm_ext.metrics.snapshot()`` (registered again on each call: tests reset the metrics)."""
+def counters_if_enabled(device: torch.device) -> RowCounters | None:
+    """New counters on ``device`` when ``SPEEDSFI_ROW_COUNTERS`` is on, else None. Merged into
+    ``vllm_ext.metrics.snapshot()``."""
     if not enabled():
         return None
-    device = torch.device(device)
-    rc = _shared.get(device)
-    if rc is None:
-        rc = _shared[device] = RowCounters(device)
+    rc = RowCounters(torch.device(device))
     from vllm_ext import metrics
 
-    metrics.add_provider(f"row_counters:{device}", rc.read)
+    metrics.add_provider(f"row_counters:{torch.device(device)}", rc.read)
     return rc

@@ -59,8 +59,8 @@ class SpeedSfiImpl(AttentionImpl):
         self.engine = engine_of(vllm_config)
         self.config = self.engine.config
         device = _device()
-        self._rows = row_counters.shared(device)
-        self._methods = self.engine.methods(self._rows)
+        self._rows = self.engine.row_counters(device)
+        self._methods = self.engine.methods()
         self._forward_context = vllm_config.compilation_config.static_forward_context
         self.dense = dense_path_for(
             self.config, on_cpu=current_platform.is_cpu(), num_heads=num_heads, num_kv_heads=self.num_kv_heads,

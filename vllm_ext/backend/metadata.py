@@ -97,9 +97,7 @@ class SpeedSfiMetadataBuilder(AttentionMetadataBuilder[SpeedSfiMetadata]):
         # CUDA: our kernels compute the decode rows when the dense path decodes with paged_decode
         # or a method owns them
         self._paged_decode = self.config.resolved_dense_decode == "paged_decode"
-        from vllm_ext import row_counters
-
-        self._rows = row_counters.shared(torch.device(device))
+        self._rows = engine.row_counters(torch.device(device))
         self._state: RequestStateTable | None = None
         self.method_state: dict[str, Any] = {}       # a method's persistent buffers for plan_group
         self._delegate = None

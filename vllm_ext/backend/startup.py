@@ -31,13 +31,21 @@ class Engine:
         self.vllm_config = vllm_config
         self.config = config
         self._methods = enabled_methods(config, vllm_config)
+        self._row_counters = None
 
-    def methods(self, row_counters=None) -> list:
-        """The enabled methods (``row_counters``: this process's row counters, handed to each)."""
-        if row_counters is not None:
-            for m in self._methods:
-                m.row_counters = row_counters
+    def methods(self) -> list:
         return self._methods
+
+    def row_counters(self, device):
+        """The engine's row counters on ``device`` (``SPEEDSFI_ROW_COUNTERS``; None when off), which
+        the builders, the dense path and the methods share."""
+        if self._row_counters is None:
+            from vllm_ext import row_counters
+
+            self._row_counters = row_counters.counters_if_enabled(device) or False
+            for m in self._methods:
+                m.row_counters = self._row_counters or None
+        return self._row_counters or None
 
 
 _engine: Engine | None = None

@@ -12,8 +12,7 @@ With ``count`` (a one-element device tensor; the decode path's compacted slow li
 ``count = 0`` costs one small wave per launch, one live row at 128K keeps its chunk parallelism. Each
 kernel is written as that loop (``item`` from ``program_id`` to ``n_live x items per row`` by
 ``num_programs``); without ``count`` the grid has one program per item of every row, so the loop
-runs once. Launches, in order (kernels: :mod:`vllm_ext.kernels.sfi_selector_kernels`; launches:
-:mod:`vllm_ext.kernels.sfi_selector_launch`; tiles and workspace: :mod:`vllm_ext.kernels.sfi_selector_workspace`):
+runs once. Launches, in order:
 
 0. (4-D evidence only) ``_pool_kernel``, one program per (row, KV head): per evidence row the
    log-sum-exp over ``A``, then the power-mean pooling -> an unnormalised pooled ``log f`` in the
@@ -54,6 +53,10 @@ read and 4 B written in step 3, 4 B read in each of steps 4, 5 and 7: about 32 B
 the dense attention that produced the evidence (bf16 K + V, head 128). Step 6 touches only the
 candidates (typically a few hundred per head at 128K). The 4-D path allocates ``pooled`` in the
 workspace on first use (call it once before a CUDA-graph capture).
+
+Modules: this one is the public API (:func:`select` and its dispatch); the kernels are in
+:mod:`vllm_ext.kernels.sfi_selector_kernels`, their launches in :mod:`vllm_ext.kernels.sfi_selector_launch`,
+the tile geometry and the persistent workspace in :mod:`vllm_ext.kernels.sfi_selector_workspace`.
 
 Dispatch: :func:`select` follows :func:`vllm_ext.kernels.triton_utils.use_triton` (Triton for CUDA
 tensors or under ``TRITON_INTERPRET=1``, the twin with ``SPEEDSFI_FORCE_TORCH_KERNELS=1``).
