@@ -27,7 +27,7 @@ def _batch(n_tokens: int):
 def test_delegate_head_cuts_the_triton_metadata_to_the_first_rows():
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
 
-    from vllm_ext.backend.delegate_rows import delegate_head
+    from vllm_ext.backend.dense_delegate import delegate_head
 
     qsl, seq, bt, slots, cm = _batch(64)
     scratch = torch.zeros(1)
@@ -64,7 +64,7 @@ def _fa_metadata(qsl, seq, bt, slots, **kw):
 def test_delegate_rows_cut_the_flash_attn_metadata_and_drop_its_batch_schedule():
     """``speedsfi.dense_delegate = "flash_attn"``: the same cut for FLASH_ATTN's metadata, whose
     ahead-of-time FA3 schedule describes the whole batch and must not reach the cut."""
-    from vllm_ext.backend.delegate_rows import can_cut_rows, delegate_rows
+    from vllm_ext.backend.dense_delegate import can_cut_rows, delegate_rows
 
     qsl, seq, bt, slots, cm = _batch(54)
     md = _fa_metadata(qsl, seq, bt, slots, scheduler_metadata=torch.zeros(8, dtype=torch.int32),

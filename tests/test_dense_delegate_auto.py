@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm_ext import metrics  # noqa: E402
-from vllm_ext.backend.startup import resolve_dense_delegate, vllm_default_backend  # noqa: E402
+from vllm_ext.backend.dense_delegate import resolve_dense_delegate, vllm_default_backend  # noqa: E402
 from vllm_ext.config import SpeedSfiConfig  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def test_vllm_default_backend_asks_the_platform_for_this_model_with_no_backend_n
 
 
 def test_an_unresolved_auto_never_reaches_the_delegate_classes():
-    from vllm_ext.backend.delegate_rows import dense_delegate_impl_cls
+    from vllm_ext.backend.dense_delegate import dense_delegate_impl_cls
 
     with pytest.raises(RuntimeError, match="not resolved"):
         dense_delegate_impl_cls("auto")

@@ -95,7 +95,7 @@ def test_flash_attn_delegate_is_refused_where_fa_cannot_run():
     says on the CPU build that it does not apply there."""
     from types import SimpleNamespace
 
-    from vllm_ext.backend.startup import check_flash_attn_delegate
+    from vllm_ext.backend.dense_delegate import check_flash_attn_delegate
     from vllm_ext.config import ConfigError
 
     def cfg(head=128, cache="auto"):

@@ -2,7 +2,7 @@
 no temporary. The CUDA branch of the impl (with the CUDA dense path, ``DelegateDense``) runs here on the CPU
 with a stand-in for vLLM's Triton delegate (dense attention over the rows its metadata names) and the
 PyTorch twins of our kernels: the delegate must see only the prefill rows (its metadata cut by the
-``delegate_rows.cut_delegate``), SFI computes every decode row (dense ones through ``paged_decode``), and
+``dense_delegate.cut_delegate``), SFI computes every decode row (dense ones through ``paged_decode``), and
 the row counters (``vllm_ext.row_counters``) add up to the rows of the layer call."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _setup(sfi_on: bool, *, cut: bool = True):
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 
     from vllm_ext.backend.dense_path import DelegateDense
-    from vllm_ext.backend.delegate_rows import cut_delegate
+    from vllm_ext.backend.dense_delegate import cut_delegate
     from vllm_ext.backend.impl import SpeedSfiImpl
     from vllm_ext.methods.protocol import LayerGeometry
     from vllm_ext.methods.sfi.layer import SfiLayer
@@ -177,7 +177,7 @@ def test_with_a_critiprefill_sub_batch_both_cuts_are_built():
     layers every row from the first prefill row (``delegate_tail``)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_ext.backend.delegate_rows import cut_delegate
+    from vllm_ext.backend.dense_delegate import cut_delegate
 
     impl, md, query, kv, ref = _setup(sfi_on=True)
     qsl = torch.tensor([0, 1, 2, 3, 8, 15], dtype=torch.int32)

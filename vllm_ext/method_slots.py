@@ -1,5 +1,5 @@
 """What the generic per-request slot table (:class:`vllm_ext.request_state.RequestStateTable`) asks
-of a method's own per-request tables, which live in the method's room and are indexed by the same
+of a method's own per-request tables, which live in the method's package and are indexed by the same
 request slot. The table calls every registered method table, in registration order:
 
 - host, when a request takes a slot: ``slot_assigned`` (stage the slot's fresh state; nothing on the

@@ -4,7 +4,7 @@ vLLM's V1 model runner moves requests between batch rows (condense, swap, decode
 the row of a request says nothing across steps. This table gives each request a *slot* for as long
 as the runner holds it, and keeps per slot on the device the prompt length, the
 decode steps run and a generation stamp that changes whenever the slot is (re)assigned. Methods keep
-their own per-slot tables in their own rooms, indexed by the same slot, and register them here
+their own per-slot tables in their own packages, indexed by the same slot, and register them here
 (:class:`vllm_ext.method_slots.MethodSlots`); the table knows no method. The engine's table, with
 its methods registered: :class:`vllm_ext.backend.request_table.EngineRequestTable`.
 

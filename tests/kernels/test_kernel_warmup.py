@@ -1,4 +1,4 @@
-"""Issue 35 items 3 and 4: the start-up warm-up reaches every compile key a real step launches, and a
+"""The start-up warm-up reaches every compile key a real step launches, and a
 pure-decode step launches a fixed, budgeted number of kernels per layer.
 
 Both read the launches our kernels make (``vllm_ext.kernels.launch_log``: a pre-run hook on every
@@ -58,7 +58,7 @@ NUM_BLOCKS = 80
 #     compaction, threshold, write; each a grid-wide step) and the gather                  8
 # The last two phases are empty launches when no row is slow (their kernels exit on the device
 # count). Removing them from the fast step needs the host to know which steps have slow rows, or
-# conditional graph nodes: the closing note of issue 35 says why neither is done yet.
+# conditional graph nodes; neither is done.
 # The copy trigger (sfi.copy_ngram, on by default) is not in this count: its record and match kernels
 # run once per step in the step plan (SfiSlotTables.copy_rows), not in a layer's forward.
 FAST_STEP_BUDGET = 13

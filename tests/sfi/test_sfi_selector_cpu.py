@@ -122,7 +122,7 @@ def test_exclude_forms():
     check(ev, norms, lo, hi, cfg, k_rest, k_cap=24, exclude=table, exclude_slot=slot)
     n_ex = torch.tensor([5, 0, 0, 24], dtype=torch.int32)
     dense = check(ev, norms, lo, hi, cfg, k_rest, k_cap=24, exclude=table, exclude_slot=slot, exclude_count=n_ex)
-    # the table in KV-cache pages, read through a block table (issue 36)
+    # the table in KV-cache pages, read through a block table
     kv = torch.randn(30, 3, 16, 8, generator=torch.Generator().manual_seed(5))
     bt = torch.tensor([[0, 7], [0, 3], [0, 12], [0, 9], [0, 21]], dtype=torch.int32)
     paged = PagedRows(kv, bt, 1, (4, 24), torch.int32)

@@ -158,8 +158,8 @@ def test_exclude_matches_twin(device):
         twin, n_twin = K.select(ev, norms, lo, hi, cfg, k_cnt, k_cap=KSEL, exclude=stale, exclude_slot=slot,
                                 exclude_count=n_ex)
     assert torch.equal(n_twin, n_ref3) and torch.equal(twin, ref3)
-    # the same table kept in KV-cache pages (issue 36: the kept positions are blocks of the compact
-    # group), read through the per-slot block table
+    # the same table kept in KV-cache pages (the kept positions are blocks of the compact group),
+    # read through the per-slot block table
     paged = paged_copy(stale, device)
     for fn in (K.select_triton, K.select):
         got, n_got = fn(ev, norms, lo, hi, cfg, k_cnt, k_cap=KSEL, exclude=paged, exclude_slot=slot,

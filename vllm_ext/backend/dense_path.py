@@ -3,7 +3,7 @@
 
 - :class:`DelegateDense` (CUDA): vLLM's own attention impl (``TritonAttentionImpl`` or
   ``FlashAttentionImpl``, ``speedsfi.dense_delegate``) writes K/V and attends its rows, from metadata
-  the builder cut to them (:mod:`vllm_ext.backend.delegate_rows`); with ``dense_decode =
+  the builder cut to them (:mod:`vllm_ext.backend.dense_delegate`); with ``dense_decode =
   "paged_decode"`` and no method owning the decode rows, our ``paged_decode`` attends them.
   Nothing here reads the device plan on the host.
 - :class:`CpuAttnDense` (the CPU build): ``CPU_ATTN``'s C++ ops on their own packed page format for
@@ -307,21 +307,27 @@ class DelegateDense(DensePath):
     """vLLM's own CUDA attention impl for the K/V write and the rows its (cut) metadata names."""
 
     def __init__(self, delegate_impl, *, paged_decode: bool, max_rows: int, max_len: int,
-                 device: torch.device, **kw):
+                 device: torch.device, shared: dict | None = None, **kw):
         super().__init__(**kw)
         self.impl = delegate_impl
         self.paged_decode = paged_decode
         self._max_rows = max_rows
         self._max_len = max_len
         self._device = device
+        self._shared = {} if shared is None else shared
         self.workspace = None
 
     def allocate(self) -> None:
-        """``paged_decode``'s split-K scratch (allocated while the weights load: out of vLLM's budget)."""
+        """``paged_decode``'s split-K scratch, one for every layer of the same shape (allocated while
+        the weights load: out of vLLM's budget)."""
         if self.paged_decode and self.workspace is None:
-            self.workspace = paged_decode_workspace(max_rows=self._max_rows, num_heads=self.num_heads,
-                                                    num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                                                    max_len=self._max_len, device=self._device)
+            key = ("paged_decode", self._max_rows, self.num_heads, self.num_kv_heads, self.head_size,
+                   self._max_len, self._device)
+            if key not in self._shared:
+                self._shared[key] = paged_decode_workspace(
+                    max_rows=self._max_rows, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                    head_size=self.head_size, max_len=self._max_len, device=self._device)
+            self.workspace = self._shared[key]
 
     def owns_decode_kernel(self) -> bool:
         return self.paged_decode
@@ -392,15 +398,17 @@ def paged_decode_workspace(*, max_rows: int, num_heads: int, num_kv_heads: int, 
 
 def dense_path_for(config, *, on_cpu: bool, num_heads: int, num_kv_heads: int, head_size: int,
                    scale: float, kv_cache_dtype: str, attn_type, max_rows: int, max_len: int,
-                   device: torch.device, rows, owns_decode: bool) -> DensePath:
-    """The engine's dense path (its choice never changes while the engine runs)."""
+                   device: torch.device, rows, owns_decode: bool, shared: dict | None = None) -> DensePath:
+    """The engine's dense path (its choice never changes while the engine runs). ``shared``: the
+    engine's buffers that layers of one shape share."""
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
               kv_cache_dtype=kv_cache_dtype, rows=rows)
     if on_cpu:
         return CpuAttnDense(all_off=not config.any_enabled, **kw)
-    from vllm_ext.backend.delegate_rows import dense_delegate_impl_cls
+    from vllm_ext.backend.dense_delegate import dense_delegate_impl_cls
 
     impl = dense_delegate_impl_cls(config.dense_delegate)(
         num_heads, head_size, scale, num_kv_heads, None, None, kv_cache_dtype, None, attn_type, None)
     paged = config.resolved_dense_decode == "paged_decode" and not owns_decode
-    return DelegateDense(impl, paged_decode=paged, max_rows=max_rows, max_len=max_len, device=device, **kw)
+    return DelegateDense(impl, paged_decode=paged, max_rows=max_rows, max_len=max_len, device=device,
+                         shared=shared, **kw)

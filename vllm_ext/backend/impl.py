@@ -67,7 +67,7 @@ class SpeedSfiImpl(AttentionImpl):
             head_size=head_size, scale=self.scale, kv_cache_dtype=kv_cache_dtype, attn_type=attn_type,
             max_rows=vllm_config.scheduler_config.max_num_seqs,
             max_len=vllm_config.model_config.max_model_len, device=device, rows=self._rows,
-            owns_decode=any(m.owns_decode_rows() for m in self._methods))
+            owns_decode=any(m.owns_decode_rows() for m in self._methods), shared=self.engine.buffers)
         self.layers = []                             # the methods' shares of this layer
         if not current_platform.is_cpu():
             # our Triton kernels compile while the engine starts (vLLM's JIT warm-up registry)

@@ -8,7 +8,7 @@ capture produce a real plan too, so a captured decode step records the real SFI 
 
 One metadata object per KV-cache group and step. On CUDA the dense path delegates to vLLM's own
 backend, so its builder runs too and its metadata rides along (``delegate``, cut to the rows it
-computes: :mod:`vllm_ext.backend.delegate_rows`). A method that plans per group (its plan depends on
+computes: :mod:`vllm_ext.backend.dense_delegate`). A method that plans per group (its plan depends on
 the group's own metadata) does so here (``Method.plan_group``, into ``plans``).
 """
 
@@ -25,7 +25,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_ext import metrics
 from vllm_ext.backend.startup import engine_of
-from vllm_ext.backend.delegate_rows import cut_delegate, dense_delegate_builder_cls
+from vllm_ext.backend.dense_delegate import cut_delegate, dense_delegate_builder_cls
 from vllm_ext.request_state import RequestStateTable, StepState
 
 

@@ -32,6 +32,7 @@ class Engine:
         self.config = config
         self._methods = enabled_methods(config, vllm_config)
         self._row_counters = None
+        self.buffers: dict = {}          # persistent buffers the engine's layers share, by shape
 
     def methods(self) -> list:
         return self._methods
@@ -70,6 +71,8 @@ def _resolve(vllm_config) -> SpeedSfiConfig:
     if cfg.dense_delegate == "auto":
         from vllm.platforms import current_platform
 
+        from vllm_ext.backend.dense_delegate import resolve_dense_delegate
+
         cfg = dataclasses.replace(cfg, dense_delegate=resolve_dense_delegate(
             cfg, vllm_config, on_cpu=current_platform.is_cpu()))
     for cls in METHODS:
@@ -86,75 +89,6 @@ def _describe(cfg: SpeedSfiConfig) -> str:
         (f" (preset {cfg.preset})" if cfg.preset else "")
 
 
-def check_flash_attn_delegate(vllm_config, *, on_cpu: bool, capability) -> None:
-    """``speedsfi.dense_delegate = "flash_attn"``: FLASH_ATTN must take this model, cache and GPU,
-    or start-up stops naming what it refuses (never a silent switch back to TRITON_ATTN)."""
-    if on_cpu:
-        logger.info("vllm_ext: speedsfi.dense_delegate = 'flash_attn' applies to CUDA; the CPU build "
-                    "attends dense rows with CPU_ATTN")
-        return
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-
-    head = vllm_config.model_config.get_head_size()
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    why = None
-    if not FlashAttentionBackend.supports_head_size(head):
-        why = f"head size {head}"
-    elif not FlashAttentionBackend.supports_kv_cache_dtype(cache_dtype):
-        why = f"KV cache dtype {cache_dtype}"
-    elif capability is not None and not FlashAttentionBackend.supports_compute_capability(capability):
-        why = f"compute capability {capability}"
-    if why is not None:
-        raise ConfigError(f"speedsfi.dense_delegate = 'flash_attn': vLLM's FLASH_ATTN does not support "
-                          f"this {why}; use 'triton'")
-
-
-# vLLM backends SPEEDSFI can hand its dense rows to, by vLLM's backend name
-DELEGATES = {"FLASH_ATTN": "flash_attn", "TRITON_ATTN": "triton"}
-
-
-def vllm_default_backend(vllm_config) -> str:
-    """The name of the attention backend vLLM's own selector picks for this model, dtype, cache and
-    device when no backend is named (what ``vllm serve MODEL`` runs)."""
-    from vllm.platforms import current_platform
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-    from vllm.v1.attention.selector import AttentionSelectorConfig
-
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    selector = AttentionSelectorConfig(
-        head_size=model.get_head_size(), dtype=model.dtype, kv_cache_dtype=cache.cache_dtype,
-        block_size=cache.block_size if getattr(cache, "user_specified_block_size", False) else None,
-        use_mla=bool(getattr(model, "use_mla", False)))
-    path = current_platform.get_attn_backend_cls(
-        None, attn_selector_config=selector,
-        num_heads=model.get_num_attention_heads(vllm_config.parallel_config))
-    return resolve_obj_by_qualname(path).get_name()
-
-
-def resolve_dense_delegate(cfg: SpeedSfiConfig, vllm_config, *, on_cpu: bool, pick=None) -> str:
-    """``speedsfi.dense_delegate`` as it runs: ``"auto"`` becomes the delegate of vLLM's own pick
-    (``pick``: a callable returning that backend's name, default :func:`vllm_default_backend`).
-    The CPU build's dense rows run ``CPU_ATTN`` whatever the field says: ``"auto"`` stays."""
-    if cfg.dense_delegate != "auto":
-        return cfg.dense_delegate
-    if on_cpu:
-        logger.info("vllm_ext: speedsfi.dense_delegate = 'auto': the CPU build's dense rows run CPU_ATTN")
-        return "auto"
-    name = (pick or vllm_default_backend)(vllm_config)
-    delegate = DELEGATES.get(name)
-    if delegate is None:
-        from vllm_ext import metrics
-
-        metrics.fallback("dense_delegate_auto", "vllm_ext: speedsfi.dense_delegate = 'auto': vLLM would "
-                         "pick %s, which SPEEDSFI cannot hand dense rows to (it delegates to %s); "
-                         "using TRITON_ATTN", name, " or ".join(sorted(DELEGATES)))
-        return "triton"
-    logger.info("vllm_ext: speedsfi.dense_delegate = 'auto': %s (vLLM's pick for head size %s, %s, "
-                "KV cache %s) attends the dense rows", name, vllm_config.model_config.get_head_size(),
-                vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype)
-    return delegate
-
-
 def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -168,6 +102,8 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
 
     if cfg.dense_delegate == "flash_attn":
         from vllm.platforms import current_platform
+
+        from vllm_ext.backend.dense_delegate import check_flash_attn_delegate
 
         check_flash_attn_delegate(vllm_config, on_cpu=current_platform.is_cpu(),
                                   capability=None if current_platform.is_cpu()

@@ -149,7 +149,7 @@ class SfiConfig:
     page_size: int = 16                # Quest page in tokens (selector quest)
     # not in Quest (ours): with selector "quest", a selection row takes the tokens of its best pages by
     # bound, `quest_rerank` times its budget, as candidates, reads their K and keeps the candidates
-    # with the largest exact share of the GQA group's attention: token granular, and no longer
+    # with the largest exact share of the GQA group's attention: token granular, and not
     # misled by a loose bound (bench/QUALITY.md, "Exact scores of the Quest candidates"). Costs K of
     # `quest_rerank * budget` tokens per selection besides the page scan. 0 = Quest's page selection.
     quest_rerank: int = 0

@@ -222,8 +222,7 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         evidence, norms = scratch.log_evidence[:c1 - c0], scratch.key_norms[:c1 - c0]
         # one request at a time: the shapes (and so the reduction orders) of a request's evidence
         # never depend on how many other prefills end in the same step; the work covers its prompt
-        # only (it covered max_model_len on the GPU until 2026-11-26: at 131K an 8K prompt's end cost
-        # ~1 s, in the PyTorch twin's ~5,000 small ops per layer; the GPU now runs two Triton launches)
+        # only (covering max_model_len would cost ~1 s for an 8K prompt's end at 131K)
         for i in range(c0, c1):
             p, e = slice(i, i + 1), slice(i - c0, i - c0 + 1)
             prefill_evidence(queries[p], kv_cache, tables[e], plan.seq_lens[p], plan.allowed_lo[p],

@@ -1,13 +1,19 @@
-"""The dense delegate's side of the metadata (CUDA): vLLM's own backend classes for
-``speedsfi.dense_delegate``, and its metadata cut to the rows it computes in a step (the rows before
-a method's trailing sub-batch; the prefill rows when a method computes the decode rows)."""
+"""The dense delegate (CUDA): which of vLLM's own backends attends the dense rows
+(``speedsfi.dense_delegate``, resolved at start-up: ``auto`` is vLLM's own pick), its classes, and its
+metadata cut to the rows it computes in a step (the rows before a method's trailing sub-batch; the
+prefill rows when our kernels compute the decode rows)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_ext.config import ConfigError
+
+logger = logging.getLogger("vllm_ext")
 
 
 def delegate_rows(delegate, cm: CommonAttentionMetadata, start: int, end: int):
@@ -59,7 +65,7 @@ def delegate_head(delegate, cm: CommonAttentionMetadata, rows: int):
 def _check_resolved(delegate: str) -> None:
     if delegate not in ("triton", "flash_attn"):
         raise RuntimeError(f"SPEEDSFI: dense delegate {delegate!r} was not resolved at start-up "
-                           "(vllm_ext.backend.startup.resolve_dense_delegate)")
+                           "(vllm_ext.backend.dense_delegate.resolve_dense_delegate)")
 
 
 def dense_delegate_builder_cls(delegate: str = "triton"):
@@ -101,3 +107,72 @@ def cut_delegate(md, cm: CommonAttentionMetadata, delegate, *, decodes_apart: bo
     if start:
         # every row from ``start`` (layers where the tail's method does not act)
         md.delegate_tail = delegate_rows(delegate, cm, start, cm.num_reqs)
+
+
+def check_flash_attn_delegate(vllm_config, *, on_cpu: bool, capability) -> None:
+    """``speedsfi.dense_delegate = "flash_attn"``: FLASH_ATTN must take this model, cache and GPU,
+    or start-up stops naming what it refuses (never a silent switch back to TRITON_ATTN)."""
+    if on_cpu:
+        logger.info("vllm_ext: speedsfi.dense_delegate = 'flash_attn' applies to CUDA; the CPU build "
+                    "attends dense rows with CPU_ATTN")
+        return
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    head = vllm_config.model_config.get_head_size()
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    why = None
+    if not FlashAttentionBackend.supports_head_size(head):
+        why = f"head size {head}"
+    elif not FlashAttentionBackend.supports_kv_cache_dtype(cache_dtype):
+        why = f"KV cache dtype {cache_dtype}"
+    elif capability is not None and not FlashAttentionBackend.supports_compute_capability(capability):
+        why = f"compute capability {capability}"
+    if why is not None:
+        raise ConfigError(f"speedsfi.dense_delegate = 'flash_attn': vLLM's FLASH_ATTN does not support "
+                          f"this {why}; use 'triton'")
+
+
+# vLLM backends SPEEDSFI can hand its dense rows to, by vLLM's backend name
+DELEGATES = {"FLASH_ATTN": "flash_attn", "TRITON_ATTN": "triton"}
+
+
+def vllm_default_backend(vllm_config) -> str:
+    """The name of the attention backend vLLM's own selector picks for this model, dtype, cache and
+    device when no backend is named (what ``vllm serve MODEL`` runs)."""
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    selector = AttentionSelectorConfig(
+        head_size=model.get_head_size(), dtype=model.dtype, kv_cache_dtype=cache.cache_dtype,
+        block_size=cache.block_size if getattr(cache, "user_specified_block_size", False) else None,
+        use_mla=bool(getattr(model, "use_mla", False)))
+    path = current_platform.get_attn_backend_cls(
+        None, attn_selector_config=selector,
+        num_heads=model.get_num_attention_heads(vllm_config.parallel_config))
+    return resolve_obj_by_qualname(path).get_name()
+
+
+def resolve_dense_delegate(cfg, vllm_config, *, on_cpu: bool, pick=None) -> str:
+    """``speedsfi.dense_delegate`` as it runs: ``"auto"`` becomes the delegate of vLLM's own pick
+    (``pick``: a callable returning that backend's name, default :func:`vllm_default_backend`).
+    The CPU build's dense rows run ``CPU_ATTN`` whatever the field says: ``"auto"`` stays."""
+    if cfg.dense_delegate != "auto":
+        return cfg.dense_delegate
+    if on_cpu:
+        logger.info("vllm_ext: speedsfi.dense_delegate = 'auto': the CPU build's dense rows run CPU_ATTN")
+        return "auto"
+    name = (pick or vllm_default_backend)(vllm_config)
+    delegate = DELEGATES.get(name)
+    if delegate is None:
+        from vllm_ext import metrics
+
+        metrics.fallback("dense_delegate_auto", "vllm_ext: speedsfi.dense_delegate = 'auto': vLLM would "
+                         "pick %s, which SPEEDSFI cannot hand dense rows to (it delegates to %s); "
+                         "using TRITON_ATTN", name, " or ".join(sorted(DELEGATES)))
+        return "triton"
+    logger.info("vllm_ext: speedsfi.dense_delegate = 'auto': %s (vLLM's pick for head size %s, %s, "
+                "KV cache %s) attends the dense rows", name, vllm_config.model_config.get_head_size(),
+                vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype)
+    return delegate
