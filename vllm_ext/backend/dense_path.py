@@ -59,6 +59,11 @@ class DensePath:
     def write_kv(self, layer, key, value, pages, slot_mapping) -> None:
         raise NotImplementedError
 
+    def write_kv_outside_forward(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """K/V into ``kv_cache`` for a caller outside the forward (test harnesses: vLLM does not
+        call it, the forward writes K/V itself)."""
+        self.write_kv(layer, key, value, kv_cache, slot_mapping)
+
     def attend(self, layer, query, key, value, pages, md, output, rows: DenseRows) -> None:
         raise NotImplementedError
 
@@ -223,6 +228,11 @@ class CpuAttnDense(DensePath):
         ops.cpu_attn_reshape_and_cache(key[:n], value[:n], pages.key_cache, pages.value_cache,
                                        slot_mapping, self._isa, k_scale=layer._k_scale_float,
                                        v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+
+    def write_kv_outside_forward(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.all_off and kv_cache.is_contiguous():
+            raise NotImplementedError("SPEEDSFI (CPU, every method off) writes K/V in forward")
+        self.reference.write_kv(layer, key, value, kv_cache, slot_mapping)
 
     def attend(self, layer, query, key, value, pages, md, output, rows: DenseRows) -> None:
         if not isinstance(pages, PackedPages):

@@ -159,7 +159,7 @@ class SpeedSfiImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         # vLLM does not call this (forward_includes_kv_cache_update); kept for test harnesses.
-        self.dense.write_kv(layer, key, value, kv_cache, slot_mapping)
+        self.dense.write_kv_outside_forward(layer, key, value, kv_cache, slot_mapping)
 
 
 def _device() -> torch.device:

@@ -85,7 +85,7 @@ def register_with_vllm(vllm_config) -> None:
     from vllm_ext.backend.startup import engine_of
 
     engine = engine_of(vllm_config)
-    entry = getattr(engine, "warmup_entry", None)
+    entry = engine.warmup_entry
     if entry is None:
         class SpeedSfiWarmup(VllmJitKernel):
             """The backend's kernels as one entry of vLLM's registry (one key per engine)."""

@@ -33,6 +33,7 @@ class Engine:
         self._methods = enabled_methods(config, vllm_config)
         self._row_counters = None
         self.buffers: dict = {}          # persistent buffers the engine's layers share, by shape
+        self.warmup_entry = None         # the engine's entry in vLLM's JIT warm-up registry
 
     def methods(self) -> list:
         return self._methods
