@@ -294,17 +294,21 @@ def update_block_representatives_torch(kv_cache: torch.Tensor, block_table: torc
     return reps
 
 
-def update_launch(kv_cache: torch.Tensor, rows: int, block_size: int,
-                  max_blocks: int | None) -> tuple[tuple[int, ...], dict] | None:
-    """Grid and meta-parameters of an update of ``rows`` rows' representatives: one program per
-    (block, row, KV head) up to the host bound ``max_blocks``, or, with None, one per (row, KV head)
-    looping over the row's blocks. None when there is nothing to update."""
+def launch_update(kernel, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  first_block: torch.Tensor, block_size: int, max_blocks: int | None, outputs: tuple,
+                  out_strides: tuple, **meta) -> None:
+    """Launch an update of the rows' block representatives: one program per (block, row, KV head) up
+    to the host bound ``max_blocks``, or, with None, one per (row, KV head) looping over the row's
+    blocks. The kernel takes the cache, table, lengths and first blocks, then ``outputs``, the
+    strides of the cache and the table, then ``out_strides``."""
+    rows = seq_lens.shape[0]
     if rows == 0 or (max_blocks is not None and max_blocks <= 0):
-        return None
+        return
     hkv, page, d = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[-1] // 2
     grid = (rows, hkv) if max_blocks is None else (max_blocks, rows, hkv)
-    return grid, dict(D=d, D_PAD=max(16, next_pow2(d)), BK=block_size, BK_PAD=max(16, next_pow2(block_size)),
-                      PAGE=page, LOOP=max_blocks is None)
+    kernel[grid](kv_cache, block_table, seq_lens, first_block, *outputs, *kv_cache.stride(), *block_table.stride(),
+                 *out_strides, D=d, D_PAD=max(16, next_pow2(d)), BK=block_size,
+                 BK_PAD=max(16, next_pow2(block_size)), PAGE=page, LOOP=max_blocks is None, **meta)
 
 
 def _launch_update(kv_cache, block_table, seq_lens, first_block, block_size, reps, rep_slot,
@@ -312,13 +316,8 @@ def _launch_update(kv_cache, block_table, seq_lens, first_block, block_size, rep
     _check_update(kv_cache, reps)
     if max_blocks is not None:
         max_blocks = min(max_blocks, reps.shape[2])
-    launch = update_launch(kv_cache, seq_lens.shape[0], block_size, max_blocks)
-    if launch is None:
-        return reps
-    grid, meta = launch
-    _block_reps_update_kernel[grid](
-        kv_cache, block_table, seq_lens, first_block, rep_slot, reps,
-        *kv_cache.stride(), *block_table.stride(), *reps.stride()[:4], **meta)
+    launch_update(_block_reps_update_kernel, kv_cache, block_table, seq_lens, first_block, block_size, max_blocks,
+                  (rep_slot, reps), reps.stride()[:4])
     return reps
 
 

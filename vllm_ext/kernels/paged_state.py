@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.kernels.block_representatives import key_block_bounds, update_launch
+from vllm_ext.kernels.block_representatives import key_block_bounds, launch_update
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
 
 if HAS_TRITON:
@@ -170,15 +170,10 @@ def update_block_representatives_paged_torch(kv_cache: torch.Tensor, block_table
 def _launch_paged(kv_cache, block_table, seq_lens, first_block, block_size, state_cache, state_table,
                   entry_offset, state_slot, max_blocks: int | None) -> torch.Tensor:
     _check_state(kv_cache, state_cache)
-    launch = update_launch(kv_cache, seq_lens.shape[0], block_size, max_blocks)
-    if launch is None:
-        return state_cache
-    grid, meta = launch
-    _paged_reps_kernel[grid](
-        kv_cache, block_table, seq_lens, first_block, state_cache, state_table,
-        state_slot if state_slot is not None else seq_lens, int(entry_offset),
-        *kv_cache.stride(), *block_table.stride(), *state_cache.stride(), *state_table.stride(),
-        SPAGE=state_cache.shape[2], HAS_SROW=state_slot is not None, **meta)
+    launch_update(_paged_reps_kernel, kv_cache, block_table, seq_lens, first_block, block_size, max_blocks,
+                  (state_cache, state_table, state_slot if state_slot is not None else seq_lens, int(entry_offset)),
+                  (*state_cache.stride(), *state_table.stride()), SPAGE=state_cache.shape[2],
+                  HAS_SROW=state_slot is not None)
     return state_cache
 
 

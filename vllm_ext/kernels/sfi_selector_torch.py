@@ -91,7 +91,7 @@ def pool_evidence(evidence: torch.Tensor, mask: torch.Tensor, alpha: float) -> t
 def position_u(lo: torch.Tensor, hi: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``u(j) = (j - lo) / (hi - lo - 1)`` clamped to ``[0, 1]`` (denominator at least 1, so ``u = 0``
     when ``|A| = 1``) and ``1 - u``, both ``[rows, 1, L]`` fp32. ``1 - u`` is computed from integers, so it
-    is exactly 0 at the last position of ``A`` (the tail brake's ``eps`` floor applies there)."""
+    is exactly 0 at the last position of ``A`` (the tail brake's ``eps`` clamp applies there)."""
     lo, hi = clamp_bounds(lo, hi, length)
     den = (hi - lo - 1).clamp_min(1)[:, None]
     pos = torch.arange(length, device=lo.device)

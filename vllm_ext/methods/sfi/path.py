@@ -36,6 +36,7 @@ from vllm_ext.kernels.paged_state import (update_block_representatives_paged,
 from vllm_ext.kernels.gather_compact import gather_compact
 from vllm_ext.kernels.quest_pages import quest_page_evidence
 from vllm_ext.kernels.quest_rerank import quest_candidate_evidence
+from vllm_ext.kernels.selector_params import SelectorParams
 from vllm_ext.kernels.sfi_selector import select
 from vllm_ext.kernels.two_segment_decode import two_segment_decode
 from vllm_ext.methods.sfi.step_plan import SfiPrefillEnd, SfiStep
@@ -89,7 +90,7 @@ def _slow_tables(step: SfiStep, block_table: torch.Tensor, e: slice, scratch, rt
 
 def _maintain(rt: SfiRuntime, cfg: SfiConfig, layer: SfiLayerBuffers, kv_cache, block_table,
               sfi_slot, seq_lens, evidence, norms, lo, hi, k, count=None, kept=None,
-              rest_cfg: SfiConfig | None = None) -> None:
+              rest_cfg: SelectorParams | None = None) -> None:
     """Selector + gather of the rows ``[0, count)``. ``kept`` (``sfi.keep_prefill``, int32 per row):
     the tokens each row's prefill-end selection keeps (compact entries after the sink, positions in
     ``layer.kept_pos`` of its slot); the row then selects ``k`` more among the other positions (``k``
