@@ -16,7 +16,7 @@ logger = logging.getLogger("vllm_ext")
 
 # Methods whose implementation is present in this build. Enabling one that is not stops start-up:
 # an enabled method never silently runs densely.
-METHOD_NAMES: frozenset[str] = frozenset(cls.name for cls in METHODS)
+IMPLEMENTED_METHODS: frozenset[str] = frozenset(cls.name for cls in METHODS)
 
 def is_speedsfi_selected(vllm_config) -> bool:
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
@@ -97,7 +97,7 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
     cfg.validate_for_model(num_layers=num_layers, max_model_len=model_config.max_model_len)
 
     for f in dataclasses.fields(cfg):
-        if getattr(getattr(cfg, f.name), "enabled", False) and f.name not in METHOD_NAMES:
+        if getattr(getattr(cfg, f.name), "enabled", False) and f.name not in IMPLEMENTED_METHODS:
             raise ConfigError(f"speedsfi.{f.name}.enabled: {f.name} is not available in vllm-speedsfi "
                               f"yet; remove it or set it to false")
 
@@ -122,7 +122,7 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
             getattr(parallel, "prefill_context_parallel_size", 1) > 1:
         raise ConfigError("SPEEDSFI does not support decode/prefill context parallelism")
     if cfg.any_enabled and vllm_config.speculative_config is not None:
-        raise ConfigError(f"speedsfi: the methods ({', '.join(sorted(METHOD_NAMES))}) do not support "
+        raise ConfigError(f"speedsfi: the methods ({', '.join(sorted(IMPLEMENTED_METHODS))}) do not support "
                           "speculative decoding")
     for method in enabled_methods(cfg, vllm_config):
         method.check_engine()

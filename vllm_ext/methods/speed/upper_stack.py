@@ -39,7 +39,7 @@ def _current_plan():
     if not isinstance(md, dict):
         return None
     for m in md.values():
-        plan = getattr(m, "speed", None)
+        plan = getattr(m, "plans", {}).get("speed")
         if plan is not None:
             return plan
     return None
