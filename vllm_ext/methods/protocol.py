@@ -3,7 +3,9 @@
 the runner hooks and the scheduler policy call only what is declared here, and name no method.
 
 Engine level (:class:`Method`, one per engine and enabled method):
-- start-up: :meth:`Method.check_engine` (refuse a configuration, at start-up, naming the field);
+- start-up: :meth:`Method.resolve` (its unset fields for the served model), :meth:`Method.check_engine`
+  (refuse a configuration, at start-up, naming the field), :meth:`Method.register_kv_specs`,
+  :meth:`Method.install_patches`, :meth:`Method.attention_kv_spec`, :meth:`Method.warm_up`;
 - the scheduler and the runner's batch: :meth:`Method.scheduler_rule`, :meth:`Method.order_rows`;
 - per request: :meth:`Method.slot_tables` (the method's own per-request tables, driven by the generic
   request table through :class:`vllm_ext.method_slots.MethodSlots`: they plan each step on the
@@ -14,7 +16,9 @@ Engine level (:class:`Method`, one per engine and enabled method):
 
 Layer level (:class:`MethodLayer`): declare its caches and buffers while the weights load, then per
 step either take the whole layer, or take some rows (a trailing sub-batch of prefill rows, the
-decode rows) and leave the rest to the dense path; warm up its kernels at start-up; release.
+decode rows) and leave the rest to the dense path, and end the layer (e.g. join side-stream work);
+warm up its kernels at start-up. A request's state is released through the method's per-request
+tables (``MethodSlots.slot_released``).
 Nothing on the hot path synchronises with the host unless the dense path says the host may read the
 plan (:attr:`DenseRows.host_plan`), and nothing is allocated per step beyond what the kernels need.
 """
