@@ -342,9 +342,6 @@ class DelegateDense(DensePath):
     def owns_decode_kernel(self) -> bool:
         return self.paged_decode
 
-    def forward_all(self, layer, query, key, value, kv_cache, md, output):
-        return None
-
     def write_kv(self, layer, key, value, pages, slot_mapping) -> None:
         self.impl.do_kv_cache_update(layer, key, value, pages, slot_mapping)
 

@@ -149,10 +149,6 @@ class Method:
     def check_engine(self) -> None:
         """Refuse, at start-up, what this method cannot serve (``ConfigError`` naming the field)."""
 
-    def admission_cap(self) -> int:
-        """How many requests using the method the scheduler admits at once (0: no cap of ours)."""
-        return 0
-
     def slot_tables(self, table, context: Mapping[str, Any]):
         """The method's per-request tables (a ``MethodSlots``) for the engine's request ``table``, or
         ``None``. ``context``: what the runner knows (``tokenizer``, ``vocab_size``, ``max_model_len``)."""
@@ -199,9 +195,3 @@ class Method:
 
     def order_rows(self, batch, num_scheduled_tokens) -> None:
         """Reorder the runner's persistent batch after vLLM's own reordering (decode rows first)."""
-
-    def counter_values(self) -> Mapping[str, int] | None:
-        return None
-
-    def describe(self) -> str:
-        return self.name
