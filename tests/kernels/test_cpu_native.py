@@ -139,7 +139,8 @@ def _failing_build(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_native.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.delenv(cpu_native.ENV, raising=False)
-    monkeypatch.setattr(cpu_native, "SOURCE", tmp_path / "src.cpp")
+    monkeypatch.setattr(cpu_native, "SOURCES", (tmp_path / "src.cpp",))
+    monkeypatch.setattr(cpu_native, "HEADERS", ())
     (tmp_path / "src.cpp").write_text("int x;\n")
 
 

@@ -216,7 +216,7 @@ def test_dense_paged_attention_is_the_same_on_both_formats(isa):
 def test_sfi_cpu_twins_are_the_same_on_both_formats(dtype, isa):
     from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence_cpu
     from vllm_ext.kernels.gather_compact import gather_compact_cpu
-    from vllm_ext.kernels.two_segment_decode import two_segment_decode_torch
+    from vllm_ext.kernels.two_segment_decode import two_segment_decode_cpu
 
     rows = make_sfi_rows(seq_lens=[70, 33, 120, 0], active=[True, True, False, True], g=3, hkv=2,
                          d=64, bs=16, dtype=dtype, layout="LBHNC", n_recent=20, k=12, seed=3)
@@ -224,9 +224,9 @@ def test_sfi_cpu_twins_are_the_same_on_both_formats(dtype, isa):
     results = []
     for cache in (rows.kv_cache, pages):
         out = torch.zeros_like(rows.query)
-        two_segment_decode_torch(rows.query, cache, rows.block_table, rows.seq_lens, rows.recent_start,
-                                 rows.compact_kv, rows.compact_len, rows.slot_idx, rows.scale, out,
-                                 rows.row_mask, max_recent=20)
+        two_segment_decode_cpu(rows.query, cache, rows.block_table, rows.seq_lens, rows.recent_start,
+                               rows.compact_kv, rows.compact_len, rows.slot_idx, rows.scale, out,
+                               rows.row_mask, max_recent=20)        # the twin (the compiled pass: its own test)
         ckv = torch.zeros_like(rows.compact_kv)
         clen = torch.zeros_like(rows.compact_len)
         gather_compact_cpu(cache, rows.block_table, rows.slot_idx, rows.selected, rows.n_sel, rows.n_sink,

@@ -1,6 +1,7 @@
-"""SFI's slow-step work on the CPU build as compiled torch operators (``csrc/cpu/sfi_cpu.cpp``): the
+"""SFI's decode work on the CPU build as compiled torch operators (``csrc/cpu/``): the slow step's
 dense pass with evidence over ``CPU_ATTN``'s packed pages (the row's attention output, the evidence
-and the key norms from one set of scores) and the closed-form selector, one request at a time.
+and the key norms from one set of scores) and the closed-form selector, one request at a time
+(``sfi_cpu.cpp``), and the fast step over every fast row of a layer at once (``two_segment_cpu.cpp``).
 
 Why: on the real model at 8K a slow step's PyTorch twins (about 150 small ops per layer: the fp32
 gather of K, two matmuls, the log-sum-exps, the selector's refinements) cost about 4x a dense step,
@@ -15,11 +16,15 @@ The operators (``torch.ops.speedsfi``; each has a fake implementation registered
   float alpha, bool amx) -> ()``
 - ``sfi_select_row(Tensor(a!) sel, Tensor evidence, Tensor key_norms, int lo, int hi, float[] cfg,
   int nms_radius, int span, int span_back, int n_sel, Tensor? exclude) -> ()``
+- ``two_segment_decode(Tensor(a!) out, Tensor query, Tensor k_pages, Tensor v_pages, Tensor block_table,
+  Tensor seq_lens, Tensor recent_start, Tensor compact_kv, Tensor compact_table, int cap,
+  Tensor compact_len, Tensor slot_idx, Tensor? row_mask, int window, float scale, bool amx) -> ()``
 
 Built once per machine, at the first :func:`library` call of a process (the CPU impl makes it at
-engine start): ``g++ -O3 -march=native`` against torch's headers into a shared object under
+engine start): ``g++ -O3 -march=native`` against torch's headers (one compiler per source, side by
+side, then one link) into a shared object under
 ``$SPEEDSFI_CPU_KERNEL_CACHE`` (default ``~/.cache/vllm_speedsfi/cpu_kernels``), named by a hash of
-the source, the flags, the compiler, the torch build and this CPU's feature flags; a second process
+the sources, the flags, the compiler, the torch build and this CPU's feature flags; a second process
 building at once waits on a lock file and then loads the first one's library (the library itself is
 written to a temporary and renamed into place, so no reader ever sees a partial one); loaded with
 ``torch.ops.load_library``. The source is found in the repository (``<repo>/csrc``): a checkout or
@@ -52,13 +57,16 @@ from vllm_ext.kernels.packed_pages import PageView
 
 ENV = "SPEEDSFI_CPU_NATIVE"
 CACHE_ENV = "SPEEDSFI_CPU_KERNEL_CACHE"
-# <repository>/csrc/cpu/sfi_cpu.cpp (vllm_ext/kernels/ is two levels below the repository's root)
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "sfi_cpu.cpp"
+# <repository>/csrc/cpu/ (vllm_ext/kernels/ is two levels below the repository's root): the sources
+# compiled into the one library, and the header they share
+CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
+SOURCE = CSRC / "sfi_cpu.cpp"
+SOURCES = (SOURCE, CSRC / "two_segment_cpu.cpp")
+HEADERS = (CSRC / "cpu_vec.h",)
 # -O3 -march=native and the math flags the kernels' results are checked with; torch's headers need C++20
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-shared",
-         "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-fPIC")
 NAMESPACE = "speedsfi"
-OPS = ("sfi_evidence", "sfi_select_row")
+OPS = ("sfi_evidence", "sfi_select_row", "two_segment_decode")
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -99,13 +107,42 @@ def _torch_build() -> str:
     return f"{torch.__version__} {torch.version.git_version} abi{int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 
 
-def _compile_args(source: Path, target: str) -> list[str]:
+def _compile_args(source: Path, obj: str) -> list[str]:
+    from torch.utils import cpp_extension
+
+    return [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(a for p in cpp_extension.include_paths() for a in ("-isystem", p)), "-c", str(source), "-o", obj]
+
+
+def _link_args(objs: list[str], target: str) -> list[str]:
     from torch.utils import cpp_extension
 
     lib_dirs = cpp_extension.library_paths()
-    return [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(a for p in cpp_extension.include_paths() for a in ("-isystem", p)), str(source), "-o", target,
-            *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs), "-lc10", "-ltorch_cpu"]
+    return ["-shared", *objs, "-o", target, *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
+            "-lc10", "-ltorch_cpu"]
+
+
+def _compile(cxx: str, tmp: str) -> None:
+    """The sources compiled side by side (one compiler per source: torch's headers make each take
+    tens of seconds), then linked into ``tmp``."""
+    objs = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
+    try:
+        procs = [subprocess.Popen([cxx, *_compile_args(src, obj)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True) for src, obj in zip(SOURCES, objs)]
+        errors = []
+        for src, proc in zip(SOURCES, procs):
+            _, err = proc.communicate(timeout=900)
+            if proc.returncode != 0:
+                errors.append(f"{cxx} failed ({proc.returncode}) on {src.name}: {err.strip()[-2000:]}")
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        res = subprocess.run([cxx, *_link_args(objs, tmp)], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cxx} failed ({res.returncode}) linking: {res.stderr.strip()[-2000:]}")
+    finally:
+        for obj in objs:
+            if os.path.exists(obj):
+                os.unlink(obj)
 
 
 def _build() -> Path:
@@ -113,11 +150,13 @@ def _build() -> Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
-    if not SOURCE.is_file():
-        raise RuntimeError(f"the kernels' source {SOURCE} is not there (the package is not installed "
-                           "from a checkout: install it with pip install -e)")
+    missing = [str(p) for p in (*SOURCES, *HEADERS) if not p.is_file()]
+    if missing:
+        raise RuntimeError(f"the kernels' sources {', '.join(missing)} are not there (the package is not "
+                           "installed from a checkout: install it with pip install -e)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _torch_build(),
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in (*SOURCES, *HEADERS)), " ".join(FLAGS), version,
+                                    _torch_build(),
                                     _cpu_flags()]).encode()).hexdigest()[:20]
     cache = _cache_dir()
     target = cache / f"sfi_cpu_{key}.so"
@@ -136,10 +175,7 @@ def _build() -> Path:
                 fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=cache)
                 os.close(fd)
                 try:
-                    res = subprocess.run([cxx, *_compile_args(SOURCE, tmp)], capture_output=True, text=True,
-                                         timeout=900)
-                    if res.returncode != 0:
-                        raise RuntimeError(f"{cxx} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+                    _compile(cxx, tmp)
                     os.replace(tmp, target)
                     built = True
                 finally:
@@ -169,11 +205,18 @@ def _select_row_fake(sel, evidence, key_norms, lo, hi, cfg, nms_radius, span, sp
     return None
 
 
+def _two_segment_fake(out, query, k_pages, v_pages, block_table, seq_lens, recent_start, compact_kv,
+                      compact_table, cap, compact_len, slot_idx, row_mask, window, scale, amx) -> None:
+    """Writes ``out`` in place; returns nothing."""
+    return None
+
+
 def _register_fakes() -> None:
     global _fakes_registered
     if not _fakes_registered:
         torch.library.register_fake(f"{NAMESPACE}::sfi_evidence", _evidence_fake)
         torch.library.register_fake(f"{NAMESPACE}::sfi_select_row", _select_row_fake)
+        torch.library.register_fake(f"{NAMESPACE}::two_segment_decode", _two_segment_fake)
         _fakes_registered = True
 
 
@@ -307,4 +350,53 @@ def select_row(ev: torch.Tensor, kn: torch.Tensor, lo: int, hi: int, cfg, n_sel:
             return False
     ops.sfi_select_row(sel, ev, kn, lo, hi, [float(getattr(cfg, f)) for f in _CFG_FIELDS], int(cfg.nms_radius),
                        int(cfg.select_span), int(cfg.select_span_back), n_sel, exclude)
+    return True
+
+
+def _two_segment_pages(pages) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """``(K pages, V pages, amx)`` of the recent window as the operator reads them: ``CPU_ATTN``'s
+    packings (:func:`_page_layout`) or the logical cache ``[blocks, Hkv, bs, 2D]`` (K and V as views
+    of its rows)."""
+    if isinstance(pages, torch.Tensor):
+        if pages.dim() != 4 or pages.stride(-1) != 1 or pages.shape[-1] % 2:
+            return None
+        d = pages.shape[-1] // 2
+        return pages[..., :d], pages[..., d:], False
+    return _page_layout(pages)
+
+
+def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                recent_start: torch.Tensor, compact_kv: torch.Tensor, compact_table: torch.Tensor | None,
+                cap: int, compact_len: torch.Tensor, slot_idx: torch.Tensor, scale: float, out: torch.Tensor,
+                row_mask: torch.Tensor | None, window: int) -> bool:
+    """Every active row's fast-step attention (compact segment + recent window, one softmax) into
+    ``out [R, Hq, D]``: what :func:`vllm_ext.kernels.two_segment_decode.two_segment_decode_cpu`
+    writes, in one pass over the rows and KV heads (torch's intra-op threads). ``pages``: the KV
+    cache (the logical layout) or :class:`vllm_ext.kernels.packed_pages.PackedPages`;
+    ``compact_table`` None: the contiguous layout ``[slots, Hkv, cap, 2D]``. False (nothing
+    written) where the kernel does not apply: no library, dtypes other than bf16 / fp32, another
+    page layout."""
+    ops = library()
+    if ops is None or query.dim() != 3 or out.shape != query.shape or out.dtype != query.dtype:
+        return False
+    layout = _two_segment_pages(pages)
+    if layout is None:
+        return False
+    k_pages, v_pages, amx = layout
+    ok = (query.dtype in (torch.bfloat16, torch.float32) and k_pages.dtype in (torch.bfloat16, torch.float32)
+          and compact_kv.dtype == k_pages.dtype and query.device.type == "cpu" and query.stride(-1) == 1
+          and out.stride(-1) == 1 and compact_kv.stride(-1) == 1 and query.shape[-1] <= 256)
+    if not ok:
+        return False
+    if compact_table is None:                  # one block of ``cap`` entries per slot, the slot's own
+        compact_table = torch.arange(compact_kv.shape[0], dtype=torch.int32).view(-1, 1)
+    i32 = (block_table, seq_lens, recent_start, compact_table, compact_len, slot_idx)
+    block_table, seq_lens, recent_start, compact_table, compact_len, slot_idx = (
+        t if t.dtype == torch.int32 and t.stride(-1) == 1 else t.to(torch.int32).contiguous() for t in i32)
+    if row_mask is not None and row_mask.dtype != torch.bool:
+        row_mask = row_mask != 0
+    ops.two_segment_decode(out, query, k_pages, v_pages, block_table, seq_lens.contiguous(),
+                           recent_start.contiguous(), compact_kv, compact_table, int(cap), compact_len.contiguous(),
+                           slot_idx.contiguous(), None if row_mask is None else row_mask.contiguous(), int(window),
+                           float(scale), amx)
     return True

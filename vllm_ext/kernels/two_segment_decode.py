@@ -480,7 +480,7 @@ def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_star
     if query.device.type == "cpu":
         return two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
                                       compact_len, slot_idx, scale, out, row_mask, max_recent=max_recent,
-                                      compact_table=compact_table)
+                                      compact_table=compact_table, native=True)
     dev = query.device
     cap = compact_capacity(compact_kv, compact_table)
     seq = seq_lens.long()
@@ -513,12 +513,17 @@ def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_star
 
 
 def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len,
-                           slot_idx, scale, out, row_mask=None, *, max_recent=None, compact_table=None):
+                           slot_idx, scale, out, row_mask=None, *, max_recent=None, compact_table=None,
+                           native=False):
     """The twin on the CPU, where reading lengths costs nothing and the vectorised form's padding
     to the widest row dominates: per active row, the compact segment and the recent window's blocks
     (gathered once) copied, converted to fp32 in the same pass, into a persistent buffer, then one
     fused attention (``scaled_dot_product_attention``) with the GQA group's query heads as query
-    rows of their KV head (each KV head's keys read once)."""
+    rows of their KV head (each KV head's keys read once).
+
+    ``native`` (the backend's call): the compiled pass (:func:`vllm_ext.kernels.cpu_native.two_segment`:
+    every row and KV head at once, the pages read in place) where it applies; this loop is its
+    twin and runs where it does not."""
     import torch.nn.functional as F
 
     from vllm_ext.kernels.paged_reference import _scratch_buffer
@@ -529,6 +534,12 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
     cap = compact_capacity(compact_kv, compact_table)
     n_slots = compact_kv.shape[0] if compact_table is None else compact_table.shape[0]
     w = _est_recent(kv_cache, block_table, max_recent)
+    if native:
+        from vllm_ext.kernels import cpu_native
+
+        if cpu_native.two_segment(query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_table,
+                                  cap, compact_len, slot_idx, scale, out, row_mask, w):
+            return out
     act = active_rows(seq_lens, row_mask).tolist()
     seqs, starts, slots = seq_lens.tolist(), recent_start.tolist(), slot_idx.tolist()
     lens = compact_len.tolist()

@@ -1,0 +1,170 @@
+// Shared by the CPU build's compiled passes (sfi_cpu.cpp, two_segment_cpu.cpp): fp32 math on
+// bf16 / fp32 elements in GCC's vector extensions (16 lanes: AVX-512, or two AVX2 halves), exp and
+// log as branch-free polynomials, per-thread scratch, and CPU_ATTN's amx page packing unpacked.
+// Everything has internal linkage (an unnamed namespace): each translation unit keeps its own copy.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float from_bits(int32_t i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int32_t to_bits(float f) { int32_t i; std::memcpy(&i, &f, 4); return i; }
+
+// exp(x): 0 below -103.97 (and for -inf), clamped above 88.38 (never reached: arguments are <= 0).
+inline float vexp(float x) {
+  const float lo = -103.972084045410f, hi = 88.3762626647949f;
+  float xc = x < lo ? lo : (x > hi ? hi : x);
+  float k = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  float y = p * r * r + r + 1.0f;
+  int32_t ki = static_cast<int32_t>(k);
+  int32_t k1 = ki >> 1, k2 = ki - k1;          // 2^k in two factors: no exponent overflow
+  float res = y * from_bits((k1 + 127) << 23) * from_bits((k2 + 127) << 23);
+  return x < lo ? 0.0f : res;
+}
+
+// log(x): -inf at 0, +inf at +inf, NaN below 0 or at NaN; subnormals scaled first.
+inline float vlog(float x) {
+  bool sub = x < 1.17549435e-38f;
+  float xs = sub ? x * 8388608.0f : x;                   // 2^23
+  int32_t ix = to_bits(xs);
+  float e = static_cast<float>(((ix >> 23) & 0xff) - 126) - (sub ? 23.0f : 0.0f);
+  float m = from_bits((ix & 0x007fffff) | 0x3f000000);   // [0.5, 1)
+  bool low = m < 0.707106781186547524f;
+  e = low ? e - 1.0f : e;
+  float f = low ? m + m - 1.0f : m - 1.0f;
+  float z = f * f;
+  float y = 7.0376836292E-2f;
+  y = y * f - 1.1514610310E-1f;
+  y = y * f + 1.1676998740E-1f;
+  y = y * f - 1.2420140846E-1f;
+  y = y * f + 1.4249322787E-1f;
+  y = y * f - 1.6668057665E-1f;
+  y = y * f + 2.0000714765E-1f;
+  y = y * f - 2.4999993993E-1f;
+  y = y * f + 3.3333331174E-1f;
+  y = y * f * z;
+  y += -2.12194440e-4f * e;
+  y += -0.5f * z;
+  float res = f + y + 0.693359375f * e;
+  res = x == 0.0f ? kNegInf : res;
+  res = x == std::numeric_limits<float>::infinity() ? x : res;
+  return (x < 0.0f || x != x) ? std::numeric_limits<float>::quiet_NaN() : res;
+}
+
+inline float load(const uint16_t* p) { return from_bits(static_cast<int32_t>(*p) << 16); }   // bf16
+inline float load(const float* p) { return *p; }
+
+// Reductions in vector registers (GCC's vector extensions): without -ffast-math the compiler keeps
+// a float sum or maximum in its serial order, one element at a time. The order here is fixed too
+// (16 partial results, then the tail), so results do not depend on the machine.
+typedef float v16f __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline v16f load16(const float* p) { v16f f; std::memcpy(&f, p, sizeof(f)); return f; }
+
+inline float hsum(v16f v) { float t[kLanes]; std::memcpy(t, &v, sizeof(t)); float s = 0.0f; for (float x : t) s += x; return s; }
+
+float sum_v(const float* x, int64_t n) {
+  v16f acc = v16f{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load16(x + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += x[i];
+  return s;
+}
+
+float dot_v(const float* a, const float* b, int64_t n) {
+  v16f acc = v16f{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load16(a + i) * load16(b + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+float max_v(const float* x, int64_t n) {                     // NaN entries are skipped
+  v16f m = v16f{} + kNegInf;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) { const v16f v = load16(x + i); m = v > m ? v : m; }
+  float t[kLanes];
+  std::memcpy(t, &m, sizeof(t));
+  float r = kNegInf;
+  for (float v : t) r = v > r ? v : r;
+  for (; i < n; ++i) r = x[i] > r ? x[i] : r;
+  return r;
+}
+
+float* scratch_floats(int64_t n) {                            // per thread, grown as needed
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+inline v16f load16(const uint16_t* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  v16i i = __builtin_convertvector(h, v16i) << 16;
+  v16f f;
+  std::memcpy(&f, &i, sizeof(f));
+  return f;
+}
+
+// CPU_ATTN's amx packing (VNNI pairs for its tile multiplies) of one page, unpacked into the vec
+// packing the passes above read. K: element (t, i) at (t / 16) * 16D + (i / 2) * 32 + (t % 16) * 2
+// + i % 2 -> K^T [D, bs]. V: element (t, i) at (i / 16) * 16bs + (t / 2) * 32 + (i % 16) * 2 + t % 2
+// -> [bs, D]. A page is a few KB: unpacked in cache, next to the pass that reads it.
+// r0[j] = src[2j], r1[j] = src[2j + 1] for j < 16: one run of VNNI pairs split into its two rows
+template <typename T>
+inline void split_pairs16(const T* src, T* r0, T* r1) {
+  for (int j = 0; j < 16; ++j) {
+    r0[j] = src[2 * j];
+    r1[j] = src[2 * j + 1];
+  }
+}
+
+template <typename T>
+void unpack_amx_k(const T* page, int bs, int d, T* kt) {
+  for (int t0 = 0; t0 < bs; t0 += 16)
+    for (int i2 = 0; i2 < d / 2; ++i2) {
+      T* r0 = kt + static_cast<int64_t>(2 * i2) * bs + t0;          // dims 2 i2 and 2 i2 + 1
+      split_pairs16(page + static_cast<int64_t>(t0) * d + i2 * 32, r0, r0 + bs);
+    }
+}
+
+template <typename T>
+void unpack_amx_v(const T* page, int bs, int d, T* v) {
+  for (int i0 = 0; i0 < d; i0 += 16)
+    for (int t2 = 0; t2 < bs / 2; ++t2) {
+      T* r0 = v + static_cast<int64_t>(2 * t2) * d + i0;            // tokens 2 t2 and 2 t2 + 1
+      split_pairs16(page + static_cast<int64_t>(i0) * bs + t2 * 32, r0, r0 + d);
+    }
+}
+
+template <typename T>
+T* scratch_of(int64_t n) {                                    // per thread and type, grown as needed
+  thread_local std::vector<T> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+}  // namespace
