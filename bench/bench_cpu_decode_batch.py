@@ -129,9 +129,13 @@ def run_point(eng, ids: list[list[int]], steps: int, threads: int, profile: bool
     from vllm import SamplingParams
 
     all_cores = os.cpu_count() or 1
-    sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for i, p in enumerate(ids):
-        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, sp)
+    # rows that finish their prefill first decode while the others prefill: room for those tokens too
+    budget = eng.vllm_config.scheduler_config.max_num_batched_tokens
+    sp = SamplingParams(temperature=0, max_tokens=steps + 8 + sum(len(p) for p in ids) // budget + len(ids),
+                        ignore_eos=True)
+    names = [f"{tag}-{i}" for i in range(len(ids))]
+    for name, p in zip(names, ids):
+        eng.add_request(name, {"prompt_token_ids": p}, sp)
     set_threads(all_cores)
     started: set[str] = set()
     t0 = time.perf_counter()
@@ -170,6 +174,7 @@ def run_point(eng, ids: list[list[int]], steps: int, threads: int, profile: bool
         if any(o.finished for o in outs):
             raise RuntimeError("a request finished inside the timed steps")
     after = counters()
+    eng.abort_request(names)
     while eng.has_unfinished_requests():
         eng.step()
     set_threads(all_cores)
@@ -180,6 +185,7 @@ def run_point(eng, ids: list[list[int]], steps: int, threads: int, profile: bool
             if prof.get(kind + "_done"):
                 print(f"--- profile of one {kind} step ({tag}) ---", flush=True)
                 pstats.Stats(prof[kind]).sort_stats("tottime").print_stats(25)
+                pstats.Stats(prof[kind]).sort_stats("cumulative").print_stats(45)
     return dict(prefill_wall_s=round(prefill_wall, 2), cpu_ms=[round(1e3 * x, 2) for x in cpu],
                 wall_ms=[round(1e3 * x, 2) for x in wall], slow_rows=slow_rows,
                 fast_row_steps=delta(before, after, "sfi.fast_steps"),
@@ -253,6 +259,16 @@ def run_config(args, name: str, lengths: list[int], batches: list[int], weights:
     return rows
 
 
+def commit() -> str:
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if git("status", "--porcelain", "--",
+                                                                                      "vllm_ext", "csrc") else "")
+
+
 def plot(rows: list[dict], path: Path, unit: str) -> None:
     import matplotlib
 
@@ -306,7 +322,7 @@ def main(argv=None) -> None:
         env={"gpu": "none (CPU build)", "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
              "isa": torch.backends.cpu.get_cpu_capability(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ")},
         command="python bench/bench_cpu_decode_batch.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        note=args.note, dtype=args.dtype, unit=unit, threads=args.threads, kv_cache_dtype=args.kv_dtype,
+        note=args.note, commit=commit(), dtype=args.dtype, unit=unit, threads=args.threads, kv_cache_dtype=args.kv_dtype,
         weights_bytes=weights, kv_bytes_per_token=per_token, read_rate=rates, rows=rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -318,8 +318,9 @@ void check_cpu(const at::Tensor& t, const char* what, at::ScalarType dtype, int6
 // strides [.., .., 1, bs]; V [.., .., D, 1]) or with amx its 6-d VNNI views (sfi_evidence's); one dtype,
 // the compact segment's. block_table: [R, >= ceil(seq / bs)] int32; seq_lens, recent_start, slot_idx:
 // [R] int32; compact_kv: [blocks, Hkv, cbs, 2D] (K in [..., :D], V in [..., D:], unit stride in the last
-// axis); compact_table: [slots, >= cap / cbs] int32 (cap: the entries a slot holds); compact_len:
-// [slots] int32; row_mask: [R] bool or None. window: the recent window's length.
+// axis); compact_table: [>= slots, >= cap / cbs] int32 (cap: the entries a slot holds); compact_len:
+// [>= slots] int32 (a row's slot outside both: no compact segment); row_mask: [R] bool or None.
+// window: the recent window's length.
 void two_segment_decode_op(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_pages,
                            const at::Tensor& v_pages, const at::Tensor& block_table, const at::Tensor& seq_lens,
                            const at::Tensor& recent_start, const at::Tensor& compact_kv,
@@ -373,9 +374,9 @@ void two_segment_decode_op(const at::Tensor& out, const at::Tensor& query, const
   check_cpu(compact_table, "compact_table", at::kInt, 2);
   check_cpu(compact_len, "compact_len", at::kInt, 1);
   const int64_t cbs = compact_kv.size(2);
-  TORCH_CHECK(compact_table.stride(1) == 1 && compact_table.size(1) * cbs >= cap && compact_len.is_contiguous() &&
-                  compact_len.size(0) >= compact_table.size(0),
-              "two_segment_decode: compact_table [slots, >= ", cap, " / ", cbs, "] and compact_len [slots]");
+  TORCH_CHECK(compact_table.stride(1) == 1 && compact_table.size(1) * cbs >= cap && compact_len.is_contiguous(),
+              "two_segment_decode: compact_table [slots, >= ", cap, " / ", cbs, "] with unit stride and a "
+              "contiguous compact_len expected, got ", compact_table.sizes(), " / ", compact_len.sizes());
   if (row_mask.has_value()) {
     check_cpu(*row_mask, "row_mask", at::kBool, 1);
     TORCH_CHECK(row_mask->size(0) >= rows && row_mask->is_contiguous(), "two_segment_decode: row_mask [R]");
@@ -389,7 +390,9 @@ void two_segment_decode_op(const at::Tensor& out, const at::Tensor& query, const
   const int32_t* cl = compact_len.data_ptr<int32_t>();
   const int32_t* ct = compact_table.data_ptr<int32_t>();
   const bool* mask = row_mask.has_value() ? row_mask->data_ptr<bool>() : nullptr;
-  const int64_t nb_all = k_pages.size(0), cb_all = compact_kv.size(0), slots = compact_table.size(0);
+  // a slot has a table row and a length (vLLM's paged table has one row more: a scratch slot)
+  const int64_t nb_all = k_pages.size(0), cb_all = compact_kv.size(0),
+                slots = std::min(compact_table.size(0), compact_len.size(0));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t seq = sl[r];
     if (seq <= 0 || (mask != nullptr && !mask[r])) continue;

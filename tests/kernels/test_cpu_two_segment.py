@@ -42,13 +42,16 @@ def _problem(layout, dtype, bs, g, d, paged_compact, gen, qdtype=None):
     slots, cap, cbs = 5, 3 * 16 + 5, 16
     if paged_compact:
         n_blocks = -(-cap // cbs)
-        compact = torch.randn(slots * n_blocks + 3, hkv, cbs, 2 * d, generator=gen).to(dtype)
-        table = torch.randperm(compact.shape[0], generator=gen)[:slots * n_blocks].view(slots, n_blocks).to(torch.int32)
+        compact = torch.randn((slots + 1) * n_blocks + 3, hkv, cbs, 2 * d, generator=gen).to(dtype)
+        # one row more than there are lengths: vLLM's paged table ends with a scratch slot
+        table = torch.randperm(compact.shape[0], generator=gen)[:(slots + 1) * n_blocks].view(slots + 1, n_blocks)
+        table = table.to(torch.int32)
     else:
         compact = torch.randn(slots, hkv, cap, 2 * d, generator=gen).to(dtype)
         table = None
     clen = torch.tensor([cap, 0, 17, 1, 30], dtype=torch.int32)
-    slot = torch.tensor([0, 1, 2, 3, 1, -1, 4], dtype=torch.int32)       # row 5: no slot (recent only)
+    # row 5: no compact segment (no slot; paged: the scratch slot, a table row without a length)
+    slot = torch.tensor([0, 1, 2, 3, 1, slots if paged_compact else -1, 4], dtype=torch.int32)
     q = (torch.randn(len(lens), hkv * g, d, generator=gen) * 2).to(qdtype or dtype)
     return dict(query=q, kv_cache=pages, block_table=bt, seq_lens=seq, recent_start=recent, compact_kv=compact,
                 compact_len=clen, slot_idx=slot, compact_table=table, max_recent=window)

@@ -532,7 +532,7 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
     bs, hkv = kv_cache.shape[2], kv_cache.shape[1]
     g = hq // hkv
     cap = compact_capacity(compact_kv, compact_table)
-    n_slots = compact_kv.shape[0] if compact_table is None else compact_table.shape[0]
+    n_slots = compact_kv.shape[0] if compact_table is None else min(compact_table.shape[0], compact_len.shape[0])
     w = _est_recent(kv_cache, block_table, max_recent)
     if native:
         from vllm_ext.kernels import cpu_native
