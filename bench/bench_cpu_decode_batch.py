@@ -51,6 +51,10 @@ def parse(argv=None):
     p.add_argument("--lengths", default="2048,4096,8000")
     p.add_argument("--batches", default="1,4,8,16")
     p.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per point")
+    p.add_argument("--steady-after", type=int, default=0,
+                   help="also report the timed steps from this one on apart (SFI's refresh warm-up puts "
+                        "slow steps at a request's decode steps 1, 3, 7, 15, 31: the later steps show a "
+                        "long generation's steady state)")
     p.add_argument("--threads", type=int, default=1,
                    help="OpenMP threads while decoding (0: every core); prefill always uses every core")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -122,6 +126,18 @@ def set_threads(n: int) -> None:
     import torch
 
     torch._C.set_num_threads(n)
+
+
+def steady(raw: dict, after: int, batch: int) -> dict:
+    """Mean and median of the timed steps from ``after`` on, and their slow row-steps."""
+    out = {}
+    for unit in ("cpu", "wall"):
+        xs = raw[f"{unit}_ms"][after:]
+        out[f"{unit}_ms_mean"] = round(statistics.mean(xs), 2)
+        out[f"{unit}_ms_median"] = round(statistics.median(xs), 2)
+    out.update(after=after, steps=len(raw["cpu_ms"]) - after, slow_row_steps=sum(raw["slow_rows"][after:]),
+               row_steps=(len(raw["cpu_ms"]) - after) * batch)
+    return out
 
 
 def run_point(eng, ids: list[list[int]], steps: int, threads: int, profile: bool, tag: str) -> dict:
@@ -247,6 +263,8 @@ def run_config(args, name: str, lengths: list[int], batches: list[int], weights:
                                 f"{name}-{length}-{batch}")
                 row = dict(config=name, **summarise(raw, batch, length, weights, per_token, kv_elem,
                                                          quest=name.startswith("quest")))
+                if 0 < args.steady_after < args.decode_steps:
+                    row["steady"] = steady(raw, args.steady_after, batch)
                 print(f"[bench] {name:13s} L={length:5d} B={batch:2d}  cpu mean {row['cpu_ms_mean']:7.1f} ms "
                       f"median {row['cpu_ms_median']:7.1f}  wall mean {row['wall_ms_mean']:7.1f}  "
                       f"slow row-steps {row['slow_row_steps']:4.0f}  {row['achieved_gbps_cpu']:.2f} GB/s "

@@ -644,7 +644,40 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
     return stray, exempt
 
 
-FIGURES = {"first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
+def cpu_decode_batch(name: str = "cpu_decode_batch_float32_1thread.json") -> str:
+    """B requests of L prompt tokens decoding together on the CPU build: mean step, SFI's speed-up and
+    how close each config's step comes to the bytes it reads."""
+    d = _load(name)
+    unit = d["unit"]
+    rows = {(r["config"], r["length"], r["batch"]): r for r in d["rows"]}
+    points = sorted({(r["length"], r["batch"]) for r in d["rows"]})
+    names = {"cpu_attn": "`CPU_ATTN`", "all_off": "all off", "sfi": "`sfi` preset", "quest_rerank": "Quest"}
+    configs = [c for c in names if any(k[0] == c for k in rows)]
+    lines = ["| prompt x batch | " + " | ".join(f"{names[c]} ms" for c in configs) + " | `sfi` speed-up | "
+             "`sfi` median ms | `sfi` slow row-steps | GB/s read: `CPU_ATTN` / `sfi` |",
+             "|" + " --- |" * (len(configs) + 5)]
+    for length, batch in points:
+        got = {c: rows.get((c, length, batch)) for c in configs}
+        base, sfi = got.get("cpu_attn"), got.get("sfi")
+        cells = [f"{got[c][unit + '_ms_mean']:.0f}" if got[c] else "-" for c in configs]
+        speed = f"{base[unit + '_ms_mean'] / sfi[unit + '_ms_mean']:.2f}x" if base and sfi else "-"
+        rate = (f"{base['achieved_gbps_' + unit]:.1f} / {sfi['achieved_gbps_' + unit]:.1f}"
+                if base and sfi else "-")
+        med = f"{sfi[unit + '_ms_median']:.0f}" if sfi else "-"
+        slow = f"{sfi['slow_row_steps']:.0f} of {len(sfi['cpu_ms']) * batch}" if sfi else "-"
+        lines.append(f"| {length} x {batch} | " + " | ".join(cells) + f" | {speed} | {med} | {slow} | {rate} |")
+    env, reads = d["env"], {r["threads"]: r["copy_read_gbps"] for r in d["read_rate"]}
+    timing = ("thread CPU time, one OpenMP thread" if unit == "cpu"
+              else f"wall time, {env['cores']} threads")
+    return ("\n".join(lines) + "\n\n"
+            f"{env['cpu']} ({env['cores']} cores, {env['isa']}), vLLM 0.32.0 CPU build, torch {env['torch']}; "
+            f"SmolLM2-135M-Instruct, {d['dtype']}; whole engine steps in which every row decodes, {timing}, mean of "
+            f"{len(d['rows'][0]['cpu_ms'])} steps (slow steps included); the machine reads "
+            f"{reads.get(1, float('nan')):.1f} GB/s on one thread (a 256 MiB copy); {d['note']}; "
+            f"{env['time_utc'][:10]}; commit {d['commit']}; `{d['command']}`; {_source(name)}.\n")
+
+
+FIGURES = {"cpu_decode_batch": cpu_decode_batch, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,

@@ -1,7 +1,8 @@
 """SFI's decode work on the CPU build as compiled torch operators (``csrc/cpu/``): the slow step's
 dense pass with evidence over ``CPU_ATTN``'s packed pages (the row's attention output, the evidence
 and the key norms from one set of scores) and the closed-form selector, one request at a time
-(``sfi_cpu.cpp``), and the fast step over every fast row of a layer at once (``two_segment_cpu.cpp``).
+(``sfi_cpu.cpp``), the gather of the selection into the compact segment (``gather_compact_cpu.cpp``)
+and the fast step over every fast row of a layer at once (``two_segment_cpu.cpp``).
 
 Why: on the real model at 8K a slow step's PyTorch twins (about 150 small ops per layer: the fp32
 gather of K, two matmuls, the log-sum-exps, the selector's refinements) cost about 4x a dense step,
@@ -19,6 +20,9 @@ The operators (``torch.ops.speedsfi``; each has a fake implementation registered
 - ``two_segment_decode(Tensor(a!) out, Tensor query, Tensor k_pages, Tensor v_pages, Tensor block_table,
   Tensor seq_lens, Tensor recent_start, Tensor compact_kv, Tensor compact_table, int cap,
   Tensor compact_len, Tensor slot_idx, Tensor? row_mask, int window, float scale, bool amx) -> ()``
+- ``gather_compact(Tensor(a!) compact_kv, Tensor compact_table, int cap, Tensor(b!) compact_len,
+  Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor slot_idx, Tensor selected, Tensor n_sel,
+  Tensor? seq_lens, Tensor? offset, Tensor? row_mask, int n_sink, bool amx) -> ()``
 
 Built once per machine, at the first :func:`library` call of a process (the CPU impl makes it at
 engine start): ``g++ -O3 -march=native`` against torch's headers (one compiler per source, side by
@@ -61,12 +65,12 @@ CACHE_ENV = "SPEEDSFI_CPU_KERNEL_CACHE"
 # compiled into the one library, and the header they share
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 SOURCE = CSRC / "sfi_cpu.cpp"
-SOURCES = (SOURCE, CSRC / "two_segment_cpu.cpp")
+SOURCES = (SOURCE, CSRC / "two_segment_cpu.cpp", CSRC / "gather_compact_cpu.cpp")
 HEADERS = (CSRC / "cpu_vec.h",)
 # -O3 -march=native and the math flags the kernels' results are checked with; torch's headers need C++20
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-fPIC")
 NAMESPACE = "speedsfi"
-OPS = ("sfi_evidence", "sfi_select_row", "two_segment_decode")
+OPS = ("sfi_evidence", "sfi_select_row", "two_segment_decode", "gather_compact")
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -211,12 +215,19 @@ def _two_segment_fake(out, query, k_pages, v_pages, block_table, seq_lens, recen
     return None
 
 
+def _gather_compact_fake(compact_kv, compact_table, cap, compact_len, k_pages, v_pages, block_table, slot_idx,
+                         selected, n_sel, seq_lens, offset, row_mask, n_sink, amx) -> None:
+    """Writes ``compact_kv`` and ``compact_len`` in place; returns nothing."""
+    return None
+
+
 def _register_fakes() -> None:
     global _fakes_registered
     if not _fakes_registered:
         torch.library.register_fake(f"{NAMESPACE}::sfi_evidence", _evidence_fake)
         torch.library.register_fake(f"{NAMESPACE}::sfi_select_row", _select_row_fake)
         torch.library.register_fake(f"{NAMESPACE}::two_segment_decode", _two_segment_fake)
+        torch.library.register_fake(f"{NAMESPACE}::gather_compact", _gather_compact_fake)
         _fakes_registered = True
 
 
@@ -399,4 +410,39 @@ def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens:
                            recent_start.contiguous(), compact_kv, compact_table, int(cap), compact_len.contiguous(),
                            slot_idx.contiguous(), None if row_mask is None else row_mask.contiguous(), int(window),
                            float(scale), amx)
+    return True
+
+
+def _int32(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def gather_compact(pages, block_table: torch.Tensor, slot_idx: torch.Tensor, selected: torch.Tensor,
+                   n_sel: torch.Tensor, n_sink: int, compact_kv: torch.Tensor, compact_len: torch.Tensor,
+                   compact_table: torch.Tensor | None, cap: int, row_mask: torch.Tensor | None,
+                   seq_lens: torch.Tensor | None, offset: torch.Tensor | None) -> bool:
+    """Each active row's sink and selected tokens copied from ``pages`` into its compact slot and
+    its length set: what :func:`vllm_ext.kernels.gather_compact.gather_compact_cpu` writes. False
+    (nothing written) where the kernel does not apply: no library, another page layout, a compact
+    segment of another dtype than the pages."""
+    ops = library()
+    if ops is None:
+        return False
+    layout = _two_segment_pages(pages)
+    if layout is None:
+        return False
+    k_pages, v_pages, amx = layout
+    if (k_pages.dtype not in (torch.bfloat16, torch.float16, torch.float32) or compact_kv.dtype != k_pages.dtype
+            or compact_kv.stride(-1) != 1 or k_pages.device.type != "cpu" or selected.dim() != 3):
+        return False
+    if compact_table is None:
+        compact_table = torch.arange(compact_kv.shape[0], dtype=torch.int32).view(-1, 1)
+    if row_mask is not None:
+        row_mask = (row_mask if row_mask.dtype == torch.bool else row_mask != 0).contiguous()
+    sel = selected if selected.dtype == torch.int32 and selected.stride(-1) == 1 else selected.to(torch.int32)
+    ops.gather_compact(compact_kv, _int32(compact_table), int(cap), compact_len, k_pages, v_pages,
+                       _int32(block_table), _int32(slot_idx), sel, _int32(n_sel), _int32(seq_lens), _int32(offset),
+                       row_mask, int(n_sink), amx)
     return True

@@ -164,7 +164,7 @@ def gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, com
         if kv_cache.device.type == "cpu":
             return gather_compact_cpu(kv_cache, block_table, slot_idx, selected, n_sel, n_sink,
                                       compact_kv, compact_len, row_mask, seq_lens=seq_lens, offset=offset,
-                                      compact_table=compact_table)
+                                      compact_table=compact_table, native=True)
         return gather_compact_torch(kv_cache, block_table, slot_idx, selected, n_sel, n_sink,
                                     compact_kv, compact_len, row_mask, seq_lens=seq_lens, offset=offset,
                                     compact_table=compact_table)
@@ -310,10 +310,13 @@ def _gather_compact_paged_torch(kv_cache, block_table, slot_idx, selected, n_sel
 
 
 def gather_compact_cpu(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, compact_kv,
-                       compact_len, row_mask=None, *, seq_lens=None, offset=None, compact_table=None):
+                       compact_len, row_mask=None, *, seq_lens=None, offset=None, compact_table=None,
+                       native=False):
     """The twin on the CPU, where reading the rows' lengths costs nothing: per active row one gather
     of its sink + selected entries (every KV head at once) written straight into its slot; the same
-    result as :func:`gather_compact_torch` (rows sharing a slot: the last active one writes)."""
+    result as :func:`gather_compact_torch` (rows sharing a slot: the last active one writes).
+    ``native`` (the backend's call): the compiled copy (:func:`vllm_ext.kernels.cpu_native.gather_compact`,
+    the pages read in place) where it applies; this loop is its twin."""
     from vllm_ext.kernels.paged_reference import gather_entries
 
     num_rows = slot_idx.shape[0]
@@ -321,6 +324,12 @@ def gather_compact_cpu(kv_cache, block_table, slot_idx, selected, n_sel, n_sink,
         return compact_kv
     hkv, bs = kv_cache.shape[1], kv_cache.shape[2]
     cap, k = compact_capacity(compact_kv, compact_table), selected.shape[2]
+    if native:
+        from vllm_ext.kernels import cpu_native
+
+        if cpu_native.gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, compact_kv,
+                                     compact_len, compact_table, cap, row_mask, seq_lens, offset):
+            return compact_kv
     slots = slot_idx.tolist()
     masks = (row_mask != 0).tolist() if row_mask is not None else None
     seqs = seq_lens.tolist() if seq_lens is not None else None

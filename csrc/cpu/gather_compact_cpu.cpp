@@ -1,0 +1,190 @@
+// SFI's gather into the compact segment on the CPU build: each slow row's sink and selected tokens
+// copied from vLLM's pages (read in place: the logical layout, CPU_ATTN's vec or amx packing) into
+// its compact slot (SFI's own pages, [blocks, Hkv, cbs, 2D]: K then V per entry), the length set
+// (ALGORITHMS.md §1, "Slow step"). Elements are copied as they are stored (the compact segment has
+// the cache's dtype). Twin: vllm_ext.kernels.gather_compact.gather_compact_cpu;
+// tests/kernels/test_cpu_gather_compact.py compares them.
+//
+// Registered as torch.ops.speedsfi.gather_compact (the library is defined in sfi_cpu.cpp).
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+namespace {
+
+enum Layout { LAYOUT_ROWS = 0, LAYOUT_VEC = 1, LAYOUT_AMX = 2 };
+
+struct Source {                                   // K and V of one KV-cache tensor
+  int64_t s_block, s_head, k_ts, v_ts;
+  int64_t bs, d;
+  Layout layout;
+};
+
+// K element i of token t in the page at k (vLLM's layout of that page)
+template <typename T>
+inline T k_at(const T* k, const Source& s, int64_t t, int64_t i) {
+  switch (s.layout) {
+    case LAYOUT_ROWS: return k[t * s.k_ts + i];
+    case LAYOUT_VEC: return k[i * s.bs + t];
+    default: return k[(t / 16) * 16 * s.d + (i / 2) * 32 + (t % 16) * 2 + i % 2];
+  }
+}
+
+template <typename T>
+inline T v_at(const T* v, const Source& s, int64_t t, int64_t i) {
+  if (s.layout == LAYOUT_AMX) return v[(i / 16) * 16 * s.bs + (t / 2) * 32 + (i % 16) * 2 + t % 2];
+  return v[t * s.v_ts + i];
+}
+
+template <typename T>
+void gather_rows(const T* kb, const T* vb, const Source& src, const int32_t* table, int64_t t_rs, T* cb,
+                 int64_t c_sblock, int64_t c_shead, int64_t c_ts, int64_t cbs, const int32_t* ctab, int64_t ct_rs,
+                 int32_t* clen, int64_t slots, int64_t cap, const int32_t* slot_idx, const int32_t* sel, int64_t sel_rs,
+                 int64_t sel_hs, int64_t k, const int32_t* n_sel, const int32_t* seq_lens, const int32_t* offset,
+                 const bool* mask, int64_t rows, int64_t hkv, int64_t n_sink) {
+  const int64_t d = src.d, bs = src.bs;
+  for (int64_t r = 0; r < rows; ++r) {           // in order: rows sharing a slot, the last one writes
+    const int64_t slot = slot_idx[r];
+    if (slot < 0 || slot >= slots || (mask != nullptr && !mask[r])) continue;
+    const int64_t seq = seq_lens != nullptr ? seq_lens[r] : -1;
+    if (seq_lens != nullptr && seq <= 0) continue;
+    const int64_t ns = std::min<int64_t>(seq_lens != nullptr ? std::min<int64_t>(n_sink, seq) : n_sink, cap);
+    const int64_t off = offset != nullptr ? std::clamp<int64_t>(offset[r], 0, cap - ns) : 0;
+    const int64_t nsel = std::clamp<int64_t>(n_sel[r], 0, std::min<int64_t>(k, cap - ns - off));
+    const int32_t* blocks = table + r * t_rs;
+    const int32_t* dst_blocks = ctab + slot * ct_rs;
+    for (int64_t h = 0; h < hkv; ++h) {
+      const int32_t* hs = sel + r * sel_rs + h * sel_hs;
+      for (int64_t e = 0; e < ns + nsel; ++e) {
+        const int64_t pos = e < ns ? e : hs[e - ns];
+        if (pos < 0 || (seq_lens != nullptr && pos >= seq)) continue;   // a caller error: left as it was
+        const int64_t de = e < ns ? e : ns + off + (e - ns);
+        T* dst = cb + static_cast<int64_t>(dst_blocks[de / cbs]) * c_sblock + h * c_shead + (de % cbs) * c_ts;
+        const int64_t page = static_cast<int64_t>(blocks[pos / bs]) * src.s_block + h * src.s_head;
+        const int64_t t = pos % bs;
+        for (int64_t i = 0; i < d; ++i) dst[i] = k_at(kb + page, src, t, i);
+        for (int64_t i = 0; i < d; ++i) dst[d + i] = v_at(vb + page, src, t, i);
+      }
+    }
+    clen[slot] = static_cast<int32_t>(ns + off + nsel);
+  }
+}
+
+void check_i32(const at::Tensor& t, const char* what, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == dim, "gather_compact: ", what,
+              ": a ", dim, "-d int32 tensor on the CPU expected, got ", t.scalar_type(), " ", t.sizes());
+}
+
+// torch.ops.speedsfi.gather_compact. k_pages / v_pages: as two_segment_decode reads them (logical,
+// vec, or amx 6-d views); compact_kv [blocks, Hkv, cbs, 2D] of the same dtype (unit stride in the last
+// axis); compact_table [>= slots, >= cap / cbs] int32; compact_len [>= slots] int32 (written);
+// block_table [R, W] int32; slot_idx, n_sel [R] int32; selected [R, Hkv, K] int32 (absolute positions,
+// ascending or not); seq_lens, offset [R] int32 or None; row_mask [R] bool or None.
+void gather_compact_op(const at::Tensor& compact_kv, const at::Tensor& compact_table, int64_t cap,
+                       const at::Tensor& compact_len, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                       const at::Tensor& block_table, const at::Tensor& slot_idx, const at::Tensor& selected,
+                       const at::Tensor& n_sel, const std::optional<at::Tensor>& seq_lens,
+                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& row_mask,
+                       int64_t n_sink, bool amx) {
+  const at::ScalarType dt = k_pages.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kHalf,
+              "gather_compact: bf16, fp16 or fp32 pages expected, got ", dt);
+  TORCH_CHECK(v_pages.scalar_type() == dt && compact_kv.scalar_type() == dt && k_pages.device().is_cpu(),
+              "gather_compact: pages and compact segment of one dtype on the CPU expected");
+  TORCH_CHECK(k_pages.dim() == (amx ? 6 : 4) && v_pages.dim() == k_pages.dim(), "gather_compact: page views");
+  const int64_t hkv = k_pages.size(1);
+  const int64_t bs = amx ? k_pages.size(2) * k_pages.size(3) : k_pages.size(2);
+  const int64_t d = amx ? k_pages.size(4) * k_pages.size(5) : k_pages.size(3);
+  const auto ks = k_pages.strides(), vs = v_pages.strides();
+  Source src{ks[0], ks[1], 0, 0, bs, d, LAYOUT_ROWS};
+  bool layout = ks[0] == vs[0] && ks[1] == vs[1];
+  if (amx) {
+    src.layout = LAYOUT_AMX;
+    layout = layout && ks[2] == 16 * d && ks[3] == 2 && ks[4] == 32 && ks[5] == 1 && vs[2] == 32 && vs[3] == 1 &&
+             vs[4] == 16 * bs && vs[5] == 2;
+  } else if (ks[3] == 1) {
+    src.k_ts = ks[2];
+    src.v_ts = vs[2];
+    layout = layout && vs[3] == 1;
+  } else {
+    src.layout = LAYOUT_VEC;
+    src.v_ts = vs[2];
+    layout = layout && ks[2] == 1 && ks[3] == bs && vs[3] == 1 && vs[2] == d;
+  }
+  TORCH_CHECK(layout, "gather_compact: K / V pages in no layout it reads (strides ", ks, " / ", vs, ")");
+  TORCH_CHECK(compact_kv.dim() == 4 && compact_kv.size(1) == hkv && compact_kv.size(3) == 2 * d &&
+                  compact_kv.stride(3) == 1,
+              "gather_compact: compact_kv [blocks, ", hkv, ", cbs, ", 2 * d, "] expected, got ", compact_kv.sizes());
+  check_i32(compact_table, "compact_table", 2);
+  check_i32(compact_len, "compact_len", 1);
+  check_i32(block_table, "block_table", 2);
+  check_i32(slot_idx, "slot_idx", 1);
+  check_i32(selected, "selected", 3);
+  check_i32(n_sel, "n_sel", 1);
+  const int64_t rows = slot_idx.size(0), k = selected.size(2), cbs = compact_kv.size(2);
+  TORCH_CHECK(slot_idx.is_contiguous() && n_sel.is_contiguous() && n_sel.size(0) >= rows &&
+                  block_table.size(0) >= rows && block_table.stride(1) == 1 && selected.size(0) >= rows &&
+                  selected.size(1) == hkv && selected.stride(2) == 1 && compact_len.is_contiguous() &&
+                  compact_table.stride(1) == 1 && compact_table.size(1) * cbs >= cap,
+              "gather_compact: rows, tables or selections of unexpected shapes");
+  for (const auto* t : {&seq_lens, &offset}) {
+    if (!t->has_value()) continue;
+    check_i32(**t, "seq_lens / offset", 1);
+    TORCH_CHECK((*t)->size(0) >= rows && (*t)->is_contiguous(), "gather_compact: [R] int32 rows expected");
+  }
+  if (row_mask.has_value())
+    TORCH_CHECK(row_mask->scalar_type() == at::kBool && row_mask->size(0) >= rows && row_mask->is_contiguous(),
+                "gather_compact: row_mask [R] bool");
+  const int64_t slots = std::min(compact_table.size(0), compact_len.size(0));
+  const int32_t* sid = slot_idx.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* ct = compact_table.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.has_value() ? seq_lens->data_ptr<int32_t>() : nullptr;
+  const int32_t* sp = selected.data_ptr<int32_t>();
+  const int32_t* nsp = n_sel.data_ptr<int32_t>();
+  // every block id the copies can touch, checked before any is written
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t slot = sid[r];
+    if (slot < 0 || slot >= slots) continue;
+    for (int64_t j = 0; j * cbs < cap; ++j) {
+      const int32_t b = ct[slot * compact_table.stride(0) + j];
+      TORCH_CHECK(b >= 0 && b < compact_kv.size(0), "gather_compact: compact block id ", b, " out of range");
+    }
+    const int64_t seq = sl != nullptr ? sl[r] : block_table.size(1) * bs;
+    const int64_t nsel = std::clamp<int64_t>(nsp[r], 0, k);
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t e = -std::min<int64_t>(n_sink, seq); e < nsel; ++e) {
+        const int64_t pos = e < 0 ? e + std::min<int64_t>(n_sink, seq) : sp[r * selected.stride(0) + h * selected.stride(1) + e];
+        if (pos < 0 || pos >= seq) continue;
+        TORCH_CHECK(pos / bs < block_table.size(1), "gather_compact: position ", pos, " past row ", r, "'s table");
+        const int32_t b = bt[r * block_table.stride(0) + pos / bs];
+        TORCH_CHECK(b >= 0 && b < k_pages.size(0), "gather_compact: block id ", b, " out of range");
+      }
+  }
+#define SFI_GATHER(T)                                                                                          \
+  gather_rows<T>(static_cast<const T*>(k_pages.data_ptr()), static_cast<const T*>(v_pages.data_ptr()), src, bt, \
+                 block_table.stride(0), static_cast<T*>(compact_kv.data_ptr()), compact_kv.stride(0),          \
+                 compact_kv.stride(1), compact_kv.stride(2), cbs, ct, compact_table.stride(0),                 \
+                 compact_len.data_ptr<int32_t>(), slots, cap, sid, sp, selected.stride(0), selected.stride(1), \
+                 k, nsp, sl, offset.has_value() ? offset->data_ptr<int32_t>() : nullptr,                       \
+                 row_mask.has_value() ? row_mask->data_ptr<bool>() : nullptr, rows, hkv, n_sink)
+  if (dt == at::kFloat) SFI_GATHER(float);
+  else SFI_GATHER(uint16_t);
+#undef SFI_GATHER
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(speedsfi, m) {
+  m.def("gather_compact(Tensor(a!) compact_kv, Tensor compact_table, int cap, Tensor(b!) compact_len, "
+        "Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor slot_idx, Tensor selected, Tensor n_sel, "
+        "Tensor? seq_lens, Tensor? offset, Tensor? row_mask, int n_sink, bool amx) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(speedsfi, CPU, m) {
+  m.impl("gather_compact", &gather_compact_op);
+}
