@@ -50,7 +50,7 @@ def _parse(argv):
     p.add_argument("--segment-size", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--budget", type=int, default=None)
-    p.add_argument("--score", default="paper", choices=["paper", "code"])
+    p.add_argument("--score", default="code", choices=["paper", "code"])
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--no-dense-ours", action="store_true", help="skip the all-dense run of our kernel")

@@ -20,7 +20,8 @@ def test_defaults_match_algorithms_md():
     assert set(s.trigger_chars) == {".", "?", "!", ";", "\n", "。", "？", "！"}
     assert s.maintenance_rows is None          # resolved at start-up (docs/sfi.md, "Slow-row maintenance in chunks")
     c = cfg.critiprefill
-    assert (c.segment_size, c.block_size, c.budget, c.alpha, c.min_len) == (512, 32, 1024, 0.25, 4096)
+    assert (c.segment_size, c.block_size, c.budget, c.alpha, c.min_len) == (512, 32, 2048, 0.25, 4096)
+    assert (c.score, c.fusion, c.sink_block, c.dense_layers) == ("code", "ema", False, (0,))
     assert cfg.speed.resolved_l_cut(32) == 24 and cfg.speed.anchor == "bos"
 
 

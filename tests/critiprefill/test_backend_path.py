@@ -277,15 +277,15 @@ def test_device_counters_match_the_host_plan():
     data = _data(4)
     stats = torch.zeros(3, dtype=torch.int64)
     run_path(cfg, data, [64, 192, 77], stats=stats)
-    # sparse segments: 64-token segments 1..4 (segment 0 has no candidate beyond the sink, 5 is final);
-    # segment j: 4j candidate blocks, 1 + budget/Bk = 3 selected, per KV head and sparse layer
+    # sparse segments: 64-token segments 1..4 (segment 0 has no block before it, 5 is final);
+    # segment j: 4j candidate blocks, budget/Bk = 2 selected, per KV head and sparse layer
     j_lo = first_sparse_segment(cfg)
     segs = list(range(j_lo, (N - 1) // 64))
     assert segs == [1, 2, 3, 4]
     per = HKV * len(SPARSE_LAYERS)
     assert stats[STAT_SPARSE_SEGMENTS] == len(segs) * per
     assert stats[STAT_BLOCKS_CANDIDATE] == sum(4 * j for j in segs) * per
-    assert stats[STAT_BLOCKS_SELECTED] == 3 * len(segs) * per
+    assert stats[STAT_BLOCKS_SELECTED] == 2 * len(segs) * per
 
 
 def test_min_len_and_short_prompts_stay_dense():

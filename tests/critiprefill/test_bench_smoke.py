@@ -27,7 +27,7 @@ def test_bench_smoke(tmp_path):
         assert 0 < r["attended_fraction"] <= 1
         # the all-dense plan through our kernel is dense causal attention
         assert r["max_abs_err_dense_ours_vs_sdpa"] < 1e-4
-    # 512 tokens, segments of 128, budget 128 (sink + 4 blocks): segment 2 prunes
+    # 512 tokens, segments of 128, budget 128 (4 blocks of 32): segment 2 prunes
     assert data["results"][1]["attended_fraction"] < 1
     png = (tmp_path / "critiprefill_bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -47,12 +47,13 @@ def test_chunks_end_on_segment_boundaries_and_the_prefill_always_moves(seed):
 
 
 def test_short_prompts_and_dense_parts_are_never_cut():
-    assert aligned_chunk(CFG, 99, 0, 50) == 50                   # below min_len: dense prompt
+    assert aligned_chunk(CFG, 99, 0, 50) == 50                   # no segment past min_len: dense prompt
     lo, hi = sparse_range(CFG, 1000)
-    assert (lo, hi) == (64, 960)
+    assert (lo, hi) == (128, 960)             # segment 1 starts before min_len (100): dense
     assert aligned_chunk(CFG, 1000, 0, 40) == 40                  # ends in the dense head
-    assert aligned_chunk(CFG, 1000, 0, 100) == 64                 # would cut segment 1
-    assert aligned_chunk(CFG, 1000, 64, 50) == 0                  # cannot reach 128 this step
+    assert aligned_chunk(CFG, 1000, 0, 100) == 100                # ends in segment 1, dense
+    assert aligned_chunk(CFG, 1000, 0, 150) == 128                # would cut segment 2
+    assert aligned_chunk(CFG, 1000, 128, 50) == 0                 # cannot reach 192 this step
     assert aligned_chunk(CFG, 1000, 832, 100) == 64               # would cut segment 14
     assert aligned_chunk(CFG, 1000, 896, 80) == 80                # ends inside the final segment
     assert aligned_chunk(CFG, 1000, 960, 30) == 30                # inside the final (dense) segment
@@ -64,7 +65,8 @@ def test_critiprefill_chunks():
     assert is_critiprefill_chunk(CFG, 1000, 960, 40)               # and its final segment
     assert not is_critiprefill_chunk(CFG, 1000, 100, 1)            # one-token rows are decode-like
     assert not is_critiprefill_chunk(CFG, 1000, 1000, 5)           # generated tokens (a resume)
-    assert not is_critiprefill_chunk(CFG, 99, 0, 99)               # below min_len
+    assert not is_critiprefill_chunk(CFG, 99, 0, 99)               # no segment past min_len
+    assert not is_critiprefill_chunk(CFG, 192, 0, 192)             # segment 2 is the final one
     assert not is_critiprefill_chunk(CFG, 128, 0, 128)             # no sparse segment
     assert aligned_chunk(CFG, 1000, 0, 999) == 998                 # never leaves one token
     assert aligned_chunk(CFG, 1000, 0, 1) == 0

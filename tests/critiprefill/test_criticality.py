@@ -131,15 +131,17 @@ def test_segment_representatives_partial():
 
 def test_fusion_by_hand():
     s, prev = torch.tensor([1.0, 2.0]), torch.tensor([4.0, 8.0])
-    torch.testing.assert_close(fuse_scores(s, prev, "paper", 0.25), torch.tensor([4.25, 8.5]))
-    torch.testing.assert_close(fuse_scores(s, prev, "ema", 0.25), torch.tensor([1.75, 3.5]))
-    assert fuse_scores(s, None, "paper", 0.25) is s
+    torch.testing.assert_close(fuse_scores(s, prev, "ema", 0.25), torch.tensor([1.75, 3.5]))     # 0.75 S + 0.25 S'
+    torch.testing.assert_close(fuse_scores(s, prev, "paper", 0.25), torch.tensor([3.25, 6.5]))   # 0.25 S + 0.75 S'
+    torch.testing.assert_close(fuse_scores(s, prev, "sum", 0.25), torch.tensor([4.25, 8.5]))     # 0.25 S + S'
+    assert fuse_scores(s, None, "ema", 0.25) is s
     with pytest.raises(ValueError):
         fuse_scores(s, prev, "mean", 0.25)
 
 
 def test_layer_fusion_state_and_reset():
-    f = LayerFusion("paper", 0.25)
+    assert LayerFusion().fusion == "ema"
+    f = LayerFusion("sum", 0.25)
     a, b, c = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0])
     torch.testing.assert_close(f(a), a)                                   # first sparse layer: stored
     torch.testing.assert_close(f(b), torch.tensor([1.0, 0.25]))           # 0.25 b + a
@@ -161,36 +163,49 @@ def test_select_blocks_by_hand():
     scores = torch.tensor([[[0.1, 0.5, 0.2, 0.4, 0.3, 0.9]]])            # [S=1, Hkv=1, NB=6]
     sel = select_blocks(scores, torch.tensor([5]), 2)
     assert sel.dtype == torch.int32
-    assert sel.tolist() == [[[0, 1, 3]]]                 # sink + top-2 of blocks 1..4 (block 5 is causal-masked)
-    assert select_blocks(scores, torch.tensor([5]), 10).tolist() == [[[0, 1, 2, 3, 4] + [-1] * 6]]
-    assert select_blocks(scores, torch.tensor([1]), 2).tolist() == [[[0, -1, -1]]]
-    assert select_blocks(scores, torch.tensor([0]), 2).tolist() == [[[-1, -1, -1]]]
-    # the sink is kept even when it scores lowest; ties go to the lower block index
+    assert sel.tolist() == [[[1, 3]]]                    # top-2 of blocks 0..4 (block 5 is causal-masked)
+    assert select_blocks(scores, torch.tensor([5]), 10).tolist() == [[[0, 1, 2, 3, 4] + [-1] * 5]]
+    assert select_blocks(scores, torch.tensor([1]), 2).tolist() == [[[0, -1]]]
+    assert select_blocks(scores, torch.tensor([0]), 2).tolist() == [[[-1, -1]]]
+    # ties go to the lower block index
     tie = torch.tensor([[[0.0, 0.3, 0.3, 0.3, 0.1, 0.0]]])
-    assert select_blocks(tie, torch.tensor([6]), 2).tolist() == [[[0, 1, 2]]]
+    assert select_blocks(tie, torch.tensor([6]), 2).tolist() == [[[1, 2]]]
     # per KV head, batched leading dims
     sc = torch.tensor([[[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]]).expand(2, 1, 2, 4)
     out = select_blocks(sc, torch.tensor([[4], [3]]), 1)
-    assert out.tolist() == [[[[0, 1], [0, 3]]], [[[0, 1], [0, 1]]]]
+    assert out.tolist() == [[[[1], [3]]], [[[1], [0]]]]
 
 
-def test_select_never_causal_violation_random():
+def test_select_blocks_with_a_sink_by_hand():
+    scores = torch.tensor([[[0.1, 0.5, 0.2, 0.4, 0.3, 0.9]]])
+    assert select_blocks(scores, torch.tensor([5]), 2, sink=True).tolist() == [[[0, 1, 3]]]
+    assert select_blocks(scores, torch.tensor([5]), 10, sink=True).tolist() == [[[0, 1, 2, 3, 4] + [-1] * 6]]
+    assert select_blocks(scores, torch.tensor([1]), 2, sink=True).tolist() == [[[0, -1, -1]]]
+    assert select_blocks(scores, torch.tensor([0]), 2, sink=True).tolist() == [[[-1, -1, -1]]]
+    # the sink is kept even when it scores lowest
+    tie = torch.tensor([[[0.0, 0.3, 0.3, 0.3, 0.1, 0.0]]])
+    assert select_blocks(tie, torch.tensor([6]), 2, sink=True).tolist() == [[[0, 1, 2]]]
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_select_never_causal_violation_random(sink):
     g = torch.Generator().manual_seed(2)
     scores = torch.rand(7, 3, 40, generator=g)
     sb = torch.tensor([0, 1, 2, 9, 16, 33, 40])
-    sel = select_blocks(scores, sb, 4)
+    sel = select_blocks(scores, sb, 4, sink=sink)
+    assert sel.shape[-1] == 4 + sink
     for j, b in enumerate(sb.tolist()):
         for h in range(3):
             row = sel[j, h].tolist()
             valid = [x for x in row if x >= 0]
             assert valid == sorted(valid) and all(x < b for x in valid)
             assert row[len(valid):] == [-1] * (len(row) - len(valid))
-            assert len(valid) == min(b, 5)
-            if b:
+            assert len(valid) == min(b, 4 + sink)
+            if b and sink:
                 assert valid[0] == 0
-            if b > 5:
-                top = (torch.argsort(scores[j, h, 1:b], descending=True)[:4] + 1).tolist()
-                assert sorted(top) == valid[1:]
+            if b > 4 + sink:
+                top = (torch.argsort(scores[j, h, int(sink):b], descending=True)[:4] + int(sink)).tolist()
+                assert sorted(top) == valid[int(sink):]
 
 
 def test_select_for_sequence_dense_fallbacks():
@@ -201,10 +216,13 @@ def test_select_for_sequence_dense_fallbacks():
     assert r.dense.tolist() == [False, False, False, True]               # final (partial) segment dense
     r = select_for_sequence(q[:192], k[:192], c)
     assert r.dense.tolist() == [False, False, True]                      # final full segment dense too
-    r = select_for_sequence(q, k, cfg(segment_size=64, block_size=32, budget=64, min_len=201))
+    # min_len is where sparse segments begin: segments starting before it are dense
+    r = select_for_sequence(q, k, cfg(segment_size=64, block_size=32, budget=64, min_len=128))
+    assert r.dense.tolist() == [True, True, False, True]
+    r = select_for_sequence(q, k, cfg(segment_size=64, block_size=32, budget=64, min_len=129))
+    assert r.dense.tolist() == [True] * 4
+    r = select_for_sequence(q, k, cfg(segment_size=64, block_size=32, budget=64, min_len=4096))
     assert r.dense.tolist() == [True] * 4                                # prompt shorter than min_len
-    r = select_for_sequence(q, k, cfg(segment_size=64, block_size=32, budget=64, min_len=200))
-    assert r.dense.tolist() == [False, False, False, True]
     # a chunk that is not the end of the prompt: its last segment stays sparse
     r = select_for_sequence(q[:100], k[:100], c, prompt_len=200)
     assert r.dense.tolist() == [False, False]

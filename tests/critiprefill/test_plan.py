@@ -71,17 +71,20 @@ def test_chunking_at_segment_boundaries_is_invariant():
         assert torch.equal(p.dense[0, :n], pw.dense[0, s0:s0 + n])
 
 
-def test_prompt_lens_and_min_len():
-    c = cfg(min_len=250)
+def test_prompt_lens_and_the_sparse_start():
+    c = cfg(min_len=128)
     b = make_batch([200, 300], [100, 300], hq=2, hkv=1, d=16, page=16, seed=6)
     p = _plan(b, c)
-    # request 0: prompt (=seq) 200 < 250 -> all dense; request 1: only its final segment
-    assert p.dense[0, :2].tolist() == [True, True]
-    assert p.dense[1, :5].tolist() == [False, False, False, False, True]
-    # request 0 is the first chunk of a 1000-token prompt: sparse, even its last segment
+    # segments starting before min_len (0, 1) and each prompt's final segment are dense
+    assert p.dense[0, :3].tolist() == [True, False, True]                # segments 1, 2, 3 (final)
+    assert p.dense[1, :5].tolist() == [True, True, False, False, True]
+    # request 0 is the first chunk of a 1000-token prompt: its last segment here is not the final one
     p = _plan(b, c, prompt_lens=torch.tensor([1000, 300]))
-    assert p.dense[0, :2].tolist() == [False, False]
-    assert p.dense[1, :5].tolist() == [False, False, False, False, True]
+    assert p.dense[0, :3].tolist() == [True, False, False]
+    assert p.dense[1, :5].tolist() == [True, True, False, False, True]
+    # a prompt that never reaches min_len is dense throughout
+    p = _plan(b, cfg(min_len=300))
+    assert p.dense[0, :3].tolist() == [True] * 3 and p.dense[1, :5].tolist() == [True] * 5
 
 
 def test_dense_layer_leaves_fusion_untouched():

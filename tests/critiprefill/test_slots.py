@@ -49,12 +49,17 @@ class Driver:
 
 
 def test_sparse_range_rules():
-    c = _cfg()                                   # 4 blocks per segment, 2 selected + sink
-    assert first_sparse_segment(c) == 1          # segment 1: 4 candidates > 1 + 2
+    c = _cfg()                                   # 4 blocks per segment, 2 selected
+    assert first_sparse_segment(c) == 1          # segment 1: 4 candidates > 2
     assert sparse_range(c, 333) == (64, 320)     # final segment 5 is dense
     assert sparse_range(c, 64) == (64, 0)        # one segment: nothing sparse
-    assert sparse_range(_cfg(min_len=400), 333) == (0, 0)
-    assert first_sparse_segment(_cfg(budget=64)) == 2     # segment 1's 3 candidates all fit 4
+    lo, hi = sparse_range(_cfg(min_len=400), 333)
+    assert lo >= hi                              # no segment starts at or after min_len before the final one
+    assert sparse_range(_cfg(min_len=100), 333) == (128, 320)   # sparse from the first segment past min_len
+    assert sparse_range(_cfg(min_len=128), 333) == (128, 320)
+    assert first_sparse_segment(_cfg(budget=64)) == 2     # segment 1's 4 candidates all fit 4
+    assert first_sparse_segment(_cfg(budget=48, sink_block=True)) == 2   # sink + 3 read all 4
+    assert first_sparse_segment(_cfg(budget=32, sink_block=True)) == 1
 
 
 def test_sub_batch_rows_and_dense_rows():

@@ -58,8 +58,8 @@ METHODS: dict[str, tuple[dict, tuple[str, ...], str]] = {
               "the prompt's KV only in the lower 3/4 of the layers; prompt tokens skip the upper ones"),
     "critiprefill": ({"critiprefill": {"enabled": True, "segment_size": 128, "block_size": 16,
                                        "budget": 256, "min_len": 0}}, (),
-                     "block-sparse prefill: each 128-query segment reads the sink block, 256 keys "
-                     "chosen by criticality and its own diagonal"),
+                     "block-sparse prefill: each 128-query segment reads 256 keys chosen by "
+                     "criticality and its own diagonal"),
 }
 
 # The real-model demo (the default): method -> (speedsfi section, extra `vllm serve` arguments). SFI
@@ -470,9 +470,10 @@ def _describe(section: dict) -> str:
         parts.append("SPEED: the prompt's KV only in the lower layers")
     if cfg.critiprefill.enabled:
         c = cfg.critiprefill
-        parts.append(f"block-sparse prefill: each {c.segment_size}-query segment reads the sink block, "
+        sink = "the sink block, " if c.sink_block else ""
+        parts.append(f"block-sparse prefill: each {c.segment_size}-query segment reads {sink}"
                      f"{c.budget} keys in {c.block_size}-key blocks chosen by criticality and its own "
-                     f"diagonal (from {c.min_len} prompt tokens on; layer(s) "
+                     f"diagonal (segments from position {c.min_len} on, the last one dense; layer(s) "
                      f"{','.join(map(str, c.dense_layers)) or 'none'} dense)")
     where = f"preset {section['preset']!r}: " if "preset" in section else ""
     return where + ("; ".join(parts) or "SPEEDSFI with every method off (the reference)")

@@ -18,14 +18,18 @@ from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 
 
 def first_sparse_segment(cfg: CritiPrefillConfig) -> int:
-    """The first segment with more candidate blocks than the budget selects."""
+    """The first segment that starts at or after ``min_len`` (the authors' ``threshold_len``) and has
+    more blocks before it than it selects (one with fewer selects them all, which is dense)."""
     per_seg = cfg.segment_size // cfg.block_size
-    return (cfg.budget // cfg.block_size + 1) // per_seg + 1
+    past_budget = cfg.selected_blocks // per_seg + 1
+    past_threshold = -(-cfg.min_len // cfg.segment_size)
+    return max(past_budget, past_threshold)
 
 
 def sparse_range(cfg: CritiPrefillConfig, prompt_len: int) -> tuple[int, int]:
-    """Absolute positions ``[lo, hi)`` whose queries attend sparsely (empty when ``lo >= hi``)."""
-    if prompt_len < cfg.min_len or prompt_len <= 0:
+    """Absolute positions ``[lo, hi)`` whose queries attend sparsely (empty when ``lo >= hi``): from
+    the first sparse segment to the prompt's final segment, which is dense."""
+    if prompt_len <= 0:
         return 0, 0
     final = (prompt_len - 1) // cfg.segment_size
     return first_sparse_segment(cfg) * cfg.segment_size, final * cfg.segment_size

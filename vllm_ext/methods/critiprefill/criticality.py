@@ -11,39 +11,43 @@ Vocabulary (absolute token positions ``0..n-1`` of one request):
 
 Scores (per query head, then averaged over the GQA group: one score row per KV head):
 
-- ``"paper"``: ``S1..S4 = softmax_b(Q{max,min} K{max,min}ᵀ)`` over the segment's *candidate*
-  blocks ``b < sb`` (the causal mask is applied before the softmaxes, see below),
-  ``Smax = (S1+S3)/2``, ``Smin = (S2+S4)/2``, ``S = max(Smax, Smin)``; then the group mean.
-- ``"code"`` (the authors' repository): ``Amax = (QmaxKmaxᵀ + QminKmaxᵀ)/2``,
+- ``"code"`` (the authors' repository; the default): ``Amax = (QmaxKmaxᵀ + QminKmaxᵀ)/2``,
   ``Amin = (QmaxKminᵀ + QminKminᵀ)/2``, ``A = max(Amax, Amin)``, group mean of the raw ``A``,
-  causal mask, one softmax over blocks.
+  causal mask, one softmax over blocks;
+- ``"paper"`` (the paper's Algorithm 1): ``S1..S4 = softmax_b(Q{max,min} K{max,min}ᵀ)`` over the
+  segment's candidate blocks, ``Smax = (S1+S3)/2``, ``Smin = (S2+S4)/2``, ``S = max(Smax, Smin)``;
+  then the group mean.
 
-No ``1/sqrt(d)`` scaling in either form (neither the paper nor the code scales).
+No ``1/sqrt(d)`` scaling in either form (neither the paper nor the code scales). Scores are fp32
+(the authors' code computes them in the model's dtype, bf16; see docs/ALGORITHMS.md §3).
 
-Causal mask: the softmaxes run over blocks strictly before the segment's start. The paper's
-Algorithm 1 takes the softmax over all ``n2`` blocks and masks afterwards; under chunked prefill
-the blocks after the current chunk do not exist yet, so the only chunk-invariant choice is to
-normalise over the visible candidates. Masked entries are 0 after the softmax (rows with no
-candidate are all 0).
+Causal mask: the softmaxes run over the blocks strictly before the segment's start. The authors'
+code adds the dtype's lowest value to the other blocks before its softmax, which gives them 0; the
+paper masks after the softmax. Under chunked prefill the blocks after the current chunk do not exist
+yet, so normalising over the visible candidates is also the only chunk-invariant choice. Masked
+entries are 0 after the softmax (rows with no candidate are all 0).
 
 Layer fusion (``S_prev`` = the fused score of the previous sparse layer, same chunk):
 
-- ``"paper"``: ``S = alpha * S + S_prev`` (as ALGORITHMS.md §3 states it; NB: the extracted paper's
-  Algorithm 1 line 14 reads ``alpha*S + (1-alpha)*S_prev``);
-- ``"ema"``: ``S = (1 - alpha) * S + alpha * S_prev``, which is the authors' code
-  ``0.75 * S + 0.25 * S_prev`` at the default ``alpha = 0.25``.
+- ``"ema"`` (the authors' code; the default): ``S = (1 - alpha) * S + alpha * S_prev``, i.e.
+  ``0.75 * S + 0.25 * S_prev`` at ``alpha = 0.25``;
+- ``"paper"`` (the paper's Algorithm 1, line 14): ``S = alpha * S + (1 - alpha) * S_prev``;
+- ``"sum"``: ``S = alpha * S + S_prev``, a running sum (neither source's; kept to reproduce older
+  measurements).
 
 The state resets at the first sparse layer of each forward pass (:class:`LayerFusion`).
 
-Selection, per (segment, KV head): the top ``budget // block_size`` blocks among ``1 <= b < sb``
-by fused score, plus always the sink block ``0`` (our choice; the authors did not keep it), plus the
-segment's own keys (positions ``sb*Bk .. q`` with the exact causal mask, handled by the kernel, not
-listed). When ``sb - 1 <= budget // block_size`` every preceding block is selected, which is dense.
+Selection, per (segment, KV head): the top ``budget // block_size`` blocks among the candidates
+``0 <= b < sb`` by fused score (ties: the lower block index first), plus the segment's own keys
+(positions ``sb*Bk .. q`` with the exact causal mask, handled by the kernel, not listed). With
+``sink_block`` (ours, off by default; the authors force none) block 0 is always selected and the
+top-k runs over ``1 <= b < sb``. A segment whose candidates all fit the budget selects them all,
+which is dense.
 
-Dense fallbacks: layers in ``dense_layers``; requests whose prompt is shorter than ``min_len``; the
-final segment of the prompt (the one holding position ``prompt_len - 1``; this covers the paper's
-"final partial segment" and, like the authors' code, also a final segment that happens to be full),
-and any segment after it (only a preempted request recomputing its prompt and output has one).
+Dense segments (the authors' code): every segment that starts before ``min_len`` (the authors'
+``threshold_len``), whatever the prompt's length; the final segment of the prompt (the one holding
+position ``prompt_len - 1``, partial or full) and any segment after it (only a preempted request
+recomputing its prompt and output has one). Layers in ``dense_layers`` are dense throughout.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ from typing import Literal
 
 import torch
 
-ScoreForm = Literal["paper", "code"]
-FusionForm = Literal["paper", "ema"]
+ScoreForm = Literal["code", "paper"]
+FusionForm = Literal["ema", "paper", "sum"]
+FUSION_FORMS = ("ema", "paper", "sum")
 
 _NEG_INF = float("-inf")
 
@@ -95,7 +100,7 @@ def _masked_softmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def criticality_scores(qmax: torch.Tensor, qmin: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor,
-                       visible: torch.Tensor, score: ScoreForm = "paper") -> torch.Tensor:
+                       visible: torch.Tensor, score: ScoreForm = "code") -> torch.Tensor:
     """Segment-to-block criticality, one row per KV head.
 
     ``qmax, qmin``: ``[..., S, Hq, D]`` segment representatives; ``kmax, kmin``: ``[..., NB, Hkv, D]``
@@ -129,13 +134,15 @@ def criticality_scores(qmax: torch.Tensor, qmin: torch.Tensor, kmax: torch.Tenso
 # ------------------------------------------------------------------------------------------- fusion
 def fuse_scores(s: torch.Tensor, s_prev: torch.Tensor | None, fusion: FusionForm, alpha: float) -> torch.Tensor:
     """One step of layer fusion (see the module docstring). ``s_prev=None`` returns ``s``."""
+    if fusion not in FUSION_FORMS:
+        raise ValueError(f"unknown fusion {fusion!r} (expected one of {', '.join(FUSION_FORMS)})")
     if s_prev is None:
         return s
-    if fusion == "paper":
-        return alpha * s + s_prev
     if fusion == "ema":
         return (1.0 - alpha) * s + alpha * s_prev
-    raise ValueError(f"unknown fusion {fusion!r} (expected 'paper' or 'ema')")
+    if fusion == "paper":
+        return alpha * s + (1.0 - alpha) * s_prev
+    return alpha * s + s_prev
 
 
 class LayerFusion:
@@ -145,9 +152,9 @@ class LayerFusion:
     when the score shape changes, i.e. a new batch). ``enabled=False`` turns fusion off (ablation).
     """
 
-    def __init__(self, fusion: FusionForm = "paper", alpha: float = 0.25, enabled: bool = True):
-        if fusion not in ("paper", "ema"):
-            raise ValueError(f"unknown fusion {fusion!r} (expected 'paper' or 'ema')")
+    def __init__(self, fusion: FusionForm = "ema", alpha: float = 0.25, enabled: bool = True):
+        if fusion not in FUSION_FORMS:
+            raise ValueError(f"unknown fusion {fusion!r} (expected one of {', '.join(FUSION_FORMS)})")
         self.fusion = fusion
         self.alpha = float(alpha)
         self.enabled = enabled
@@ -173,23 +180,24 @@ class LayerFusion:
 
 
 # ---------------------------------------------------------------------------------------- selection
-def select_blocks(scores: torch.Tensor, seg_start_block: torch.Tensor, topk: int) -> torch.Tensor:
-    """Selected key blocks per (segment, KV head), sink first, ascending, padded with ``-1``.
+def select_blocks(scores: torch.Tensor, seg_start_block: torch.Tensor, topk: int, *,
+                  sink: bool = False) -> torch.Tensor:
+    """Selected key blocks per (segment, KV head), ascending, padded with ``-1``.
 
     ``scores``: ``[..., S, Hkv, NB]``; ``seg_start_block``: ``[..., S]`` (int, the segment's first
-    block ``sb``). Candidates are blocks ``1 <= b < sb``; the top ``topk`` of them (all of them when
-    there are fewer) plus block 0 when ``sb >= 1``. Returns int32 ``[..., S, Hkv, 1 + topk]``.
-    Ties break towards the lower block index (deterministic on every device).
+    block ``sb``). Candidates are blocks ``0 <= b < sb``; the top ``topk`` of them (all of them when
+    there are fewer). ``sink``: block 0 is always selected and the top ``topk`` come from
+    ``1 <= b < sb``. Returns int32 ``[..., S, Hkv, topk + sink]``. Ties break towards the lower block
+    index (a stable sort: deterministic on every device).
     """
     *lead, s, hkv, nb = scores.shape
     dev = scores.device
     b = torch.arange(nb, device=dev)
     sb = seg_start_block.to(torch.long)[..., None, None]             # [..., S, 1, 1]
-    cand = (b >= 1) & (b < sb)                                        # [..., S, 1, NB]
+    cand = (b >= int(sink)) & (b < sb)                                # [..., S, 1, NB]
     x = torch.nan_to_num(scores.float(), nan=0.0).masked_fill(~cand, _NEG_INF)
     k_eff = min(topk, nb)
     if k_eff > 0:
-        # stable: sort by (-score, index) so that ties prefer the lower block index
         order = torch.sort(x, dim=-1, descending=True, stable=True)
         vals, idx = order.values[..., :k_eff], order.indices[..., :k_eff]
         idx = torch.where(vals > _NEG_INF, idx, torch.full_like(idx, -1))
@@ -197,12 +205,20 @@ def select_blocks(scores: torch.Tensor, seg_start_block: torch.Tensor, topk: int
         idx = torch.empty(*lead, s, hkv, 0, dtype=torch.long, device=dev)
     if k_eff < topk:
         idx = torch.cat([idx, idx.new_full((*lead, s, hkv, topk - k_eff), -1)], dim=-1)
-    sink = torch.where(sb >= 1, 0, -1).expand(*lead, s, hkv, 1).to(idx.dtype)
-    sel = torch.cat([sink, idx], dim=-1)
+    if sink:
+        sink_col = torch.where(sb >= 1, 0, -1).expand(*lead, s, hkv, 1).to(idx.dtype)
+        idx = torch.cat([sink_col, idx], dim=-1)
     big = torch.iinfo(torch.int32).max
-    sel = torch.where(sel < 0, big, sel).sort(dim=-1).values
+    sel = torch.where(idx < 0, big, idx).sort(dim=-1).values
     sel = torch.where(sel == big, -1, sel)
     return sel.to(torch.int32)
+
+
+def dense_segments(seg_ids: torch.Tensor, prompt_len: torch.Tensor, cfg) -> torch.Tensor:
+    """Which segments (absolute ids ``[..., S]``; ``prompt_len`` broadcastable) attend densely:
+    those starting before ``cfg.min_len`` and the prompt's final segment or later."""
+    final_seg = torch.div(prompt_len - 1, cfg.segment_size, rounding_mode="floor")
+    return (seg_ids * cfg.segment_size < cfg.min_len) | (seg_ids >= final_seg)
 
 
 # -------------------------------------------------------------------------------------------- misc
@@ -226,7 +242,7 @@ def check_sizes(segment_size: int, block_size: int, budget: int) -> None:
 class SequenceSelection:
     """Result of :func:`select_for_sequence` (contiguous, single-sequence form)."""
 
-    sel: torch.Tensor        # [n_seg, Hkv, 1 + topk] int32, -1 padded
+    sel: torch.Tensor        # [n_seg, Hkv, topk + sink] int32, -1 padded
     dense: torch.Tensor      # [n_seg] bool
     scores: torch.Tensor     # [n_seg, Hkv, NB] fused fp32
 
@@ -266,6 +282,6 @@ def select_for_sequence(q: torch.Tensor, k: torch.Tensor, cfg, fusion: LayerFusi
     s = criticality_scores(qmax, qmin, kmax, kmin, vis, cfg.score)
     if fusion is not None:
         s = fusion(s)
-    sel = select_blocks(s, sb, cfg.budget // bk)
-    dense = (seg_ids >= (prompt_len - 1) // sq) | torch.tensor(prompt_len < cfg.min_len, device=q.device)
+    sel = select_blocks(s, sb, cfg.budget // bk, sink=cfg.sink_block)
+    dense = dense_segments(seg_ids, torch.tensor(prompt_len, device=q.device), cfg)
     return SequenceSelection(sel=sel, dense=dense, scores=s)

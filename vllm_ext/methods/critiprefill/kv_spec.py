@@ -37,8 +37,9 @@ class CritiPrefillStateSpec(GrowingPagesSpec):
     carry_entries: int = 1          # G = Hq / Hkv
     cp_block_size: int = 16         # critiprefill.block_size (key block)
     segment_size: int = 512
-    budget: int = 1024
+    budget: int = 2048
     min_len: int = 0
+    sink_block: bool = False
 
     # the one interface (``vllm_ext.method_slots``): the method whose per-request memory this group holds
     speedsfi_method = "critiprefill"
@@ -49,7 +50,7 @@ class CritiPrefillStateSpec(GrowingPagesSpec):
     @property
     def cp_config(self) -> CritiPrefillConfig:
         return CritiPrefillConfig(enabled=True, block_size=self.cp_block_size, segment_size=self.segment_size,
-                                  budget=self.budget, min_len=self.min_len)
+                                  budget=self.budget, min_len=self.min_len, sink_block=self.sink_block)
 
     # blocks_per_request (GrowingPagesSpec): a ``max_model_len`` prompt's pages, what "Maximum
     # concurrency" counts; a bound, since the state is freed when the prefill ends
@@ -111,4 +112,5 @@ def state_spec_for(spec: AttentionSpec, cfg: CritiPrefillConfig, *, num_heads: i
     """The state spec beside an attention layer's ``spec`` (same page format)."""
     return CritiPrefillStateSpec(**page_format(spec), carry_entries=max(1, num_heads // spec.num_kv_heads),
                                  cp_block_size=cfg.block_size, segment_size=cfg.segment_size,
-                                 budget=cfg.budget, min_len=cfg.min_len, max_len=max_len)
+                                 budget=cfg.budget, min_len=cfg.min_len, sink_block=cfg.sink_block,
+                                 max_len=max_len)

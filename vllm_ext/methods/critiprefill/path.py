@@ -115,12 +115,12 @@ def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
                       query_reps=(qreps[0], qreps[1]), row_dense=step.row_dense)
     # 4. attention
     block_sparse_prefill(q, kv_cache, bt, qsl, seq, plan, scale, output=out)
-    # 5. counters (device): segments with more candidates than the budget, their blocks
+    # 5. counters (device): sparse segments that read fewer blocks than precede them, their blocks
     if stats is not None:
         seg_abs = plan.first_segment.long()[:, None] + torch.arange(plan.max_segments, device=q.device)
         sb = seg_abs * (sq // bk)                                          # candidate blocks
         live = torch.arange(plan.max_segments, device=q.device)[None, :] < plan.num_segments[:, None]
-        sparse = live & ~plan.dense & (sb - 1 > plan.topk)
+        sparse = live & ~plan.dense & (sb > cfg.selected_blocks)
         hkv = plan.num_sel.shape[-1]
         stats[STAT_SPARSE_SEGMENTS] += sparse.sum() * hkv
         stats[STAT_BLOCKS_CANDIDATE] += (sb * sparse).sum() * hkv

@@ -8,8 +8,8 @@ represented, in each chunk, by the queries that chunk holds).
 
 Plan tensors (``R`` requests, ``S = max_segments`` a host bound ``ceil(T / segment_size) + 1``):
 
-- ``sel_blocks`` int32 ``[R, S, Hkv, 1 + budget // block_size]``: selected criticality blocks before
-  the segment's start (sink block 0 first when it exists, ascending, padded with ``-1``);
+- ``sel_blocks`` int32 ``[R, S, Hkv, budget // block_size + sink_block]``: selected criticality
+  blocks before the segment's start (ascending, padded with ``-1``);
 - ``num_sel`` int32 ``[R, S, Hkv]``: how many entries of ``sel_blocks`` are valid;
 - ``dense`` bool ``[R, S]``: the segment attends to every earlier key (dense fallback);
 - ``first_segment``, ``num_segments`` int32 ``[R]``.
@@ -30,6 +30,7 @@ from vllm_ext.methods.critiprefill.criticality import (
     candidate_mask,
     check_sizes,
     criticality_scores,
+    dense_segments,
     select_blocks,
 )
 from vllm_ext.kernels.block_representatives import block_representatives, query_segment_representatives
@@ -44,7 +45,7 @@ class CritiPrefillPlan:
     segment_size: int
     block_size: int
     topk: int                       # budget // block_size
-    sel_blocks: torch.Tensor        # [R, S, Hkv, 1 + topk] int32, -1 padded
+    sel_blocks: torch.Tensor        # [R, S, Hkv, topk + sink] int32, -1 padded
     num_sel: torch.Tensor           # [R, S, Hkv] int32
     dense: torch.Tensor             # [R, S] bool
     first_segment: torch.Tensor     # [R] int32
@@ -96,7 +97,8 @@ def dense_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_kv_hea
     topk = cfg.budget // bk
     return CritiPrefillPlan(
         segment_size=sq, block_size=bk, topk=topk,
-        sel_blocks=torch.full((r, s_max, num_kv_heads, 1 + topk), -1, dtype=torch.int32, device=dev),
+        sel_blocks=torch.full((r, s_max, num_kv_heads, cfg.selected_blocks), -1, dtype=torch.int32,
+                              device=dev),
         num_sel=torch.zeros((r, s_max, num_kv_heads), dtype=torch.int32, device=dev),
         dense=torch.ones((r, s_max), dtype=torch.bool, device=dev),
         first_segment=first.to(torch.int32), num_segments=nseg.to(torch.int32), all_dense=True)
@@ -123,7 +125,7 @@ def build_plan(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     ``block_table`` int32 ``[R, max_pages]``, ``query_start_loc`` int ``[R + 1]``, ``seq_lens`` int ``[R]``
     (device tensors). ``cfg``: a ``CritiPrefillConfig``. ``fusion``: the forward pass's
     :class:`LayerFusion` (``None`` = no layer fusion). ``prompt_lens`` ``[R]``: full prompt lengths (for
-    ``min_len`` and the final segment); default ``seq_lens`` (this chunk ends the prompt).
+    the final segment); default ``seq_lens`` (this chunk ends the prompt).
     ``max_seq_len``/``max_query_len``: host bounds (vLLM's metadata has them); without them the
     bounds come from the tensor shapes. Layers in ``cfg.dense_layers`` give :func:`dense_plan`
     without touching the fusion state.
@@ -177,14 +179,12 @@ def build_plan(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     if fusion is not None:
         scores = fusion(scores)
 
-    sel = select_blocks(scores, seg_start_block, topk)                       # [R, S, Hkv, 1 + topk]
+    sel = select_blocks(scores, seg_start_block, topk, sink=cfg.sink_block)  # [R, S, Hkv, topk + sink]
     row_ok = torch.arange(s_max, device=dev)[None, :] < nseg[:, None]       # [R, S] rows of this chunk
     sel = torch.where(row_ok[:, :, None, None], sel, -1)
     num_sel = (sel >= 0).sum(dim=-1).to(torch.int32)
     plen = seq if prompt_lens is None else prompt_lens.to(dev).long()
-    final_seg = torch.div(plen - 1, sq, rounding_mode="floor")
-    # the final segment and any after it (a preempted request recomputing prompt + output tokens)
-    dense = (plen[:, None] < cfg.min_len) | (seg_abs >= final_seg[:, None])
+    dense = dense_segments(seg_abs, plen[:, None], cfg)
     if row_dense is not None:
         dense = dense | row_dense.to(dev, torch.bool)[:, None]
     dense = dense & row_ok

@@ -14,11 +14,12 @@ length, the prompt length, the blocks the runner holds per row), so nothing sync
 device. Torch + numpy only (no vLLM).
 
 Which rows run CritiPrefill in a step (*CritiPrefill rows*): every prefill chunk of at least two
-tokens of a prompt with a sparse range (``>= min_len`` tokens and a sparse segment: the rules of
+tokens of a prompt with a sparse range (a sparse segment: the rules of
 ``vllm_ext.methods.critiprefill.chunking``), its dense segments included, so that the kernel that computes a
 position never depends on how its prompt was chunked. Segment ``j`` (absolute positions
-``[j*Sq, (j+1)*Sq)``) is sparse when it is before the prompt's final segment and has more candidate
-blocks than the budget selects (``j*Sq/Bk - 1 > budget/Bk``); every other segment attends densely (a
+``[j*Sq, (j+1)*Sq)``) is sparse when it starts at or after ``min_len`` (the authors' ``threshold_len``),
+is before the prompt's final segment and has more blocks before it than it selects
+(``j*Sq/Bk > budget/Bk``, plus one with ``sink_block``); every other segment attends densely (a
 segment whose candidates all fit the budget selects them all, which *is* dense). These rules depend
 only on the prompt.
 
