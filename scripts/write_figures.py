@@ -644,18 +644,27 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
     return stray, exempt
 
 
-def cpu_decode_batch(name: str = "cpu_decode_batch_float32_1thread.json") -> str:
+def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_float32_1thread.json",
+                                              "cpu_decode_batch_float32_1thread_sfi.json")) -> str:
     """B requests of L prompt tokens decoding together on the CPU build: mean step, SFI's speed-up and
-    how close each config's step comes to the bytes it reads."""
-    d = _load(name)
+    how close each config's step comes to the bytes it reads. A later file's rows replace an earlier
+    one's for the same config (a config measured again after a change)."""
+    files = [(n, _load(n)) for n in names if (ROOT / RESULTS / n).exists()]
+    d = files[0][1]
     unit = d["unit"]
-    rows = {(r["config"], r["length"], r["batch"]): r for r in d["rows"]}
-    points = sorted({(r["length"], r["batch"]) for r in d["rows"]})
-    names = {"cpu_attn": "`CPU_ATTN`", "all_off": "all off", "sfi": "`sfi` preset", "quest_rerank": "Quest"}
-    configs = [c for c in names if any(k[0] == c for k in rows)]
-    lines = ["| prompt x batch | " + " | ".join(f"{names[c]} ms" for c in configs) + " | `sfi` speed-up | "
-             "`sfi` median ms | `sfi` slow row-steps | GB/s read: `CPU_ATTN` / `sfi` |",
-             "|" + " --- |" * (len(configs) + 5)]
+    rows: dict = {}
+    for _, f in files:
+        configs_here = {r["config"] for r in f["rows"]}
+        rows = {k: v for k, v in rows.items() if k[0] not in configs_here}
+        rows.update({(r["config"], r["length"], r["batch"]): r for r in f["rows"]})
+    points = sorted({(k[1], k[2]) for k in rows})
+    names_ = {"cpu_attn": "`CPU_ATTN`", "all_off": "all off", "sfi": "`sfi` preset", "quest_rerank": "Quest"}
+    configs = [c for c in names_ if any(k[0] == c for k in rows)]
+    has_steady = any("steady" in r for r in rows.values())
+    lines = ["| prompt x batch | " + " | ".join(f"{names_[c]} ms" for c in configs) + " | `sfi` speed-up | "
+             "`sfi` median ms | `sfi` slow row-steps |" + (" `sfi` from step 32: ms, speed-up, slow |" if has_steady
+                                                            else "") + " GB/s read: `CPU_ATTN` / `sfi` |",
+             "|" + " --- |" * (len(configs) + 5 + has_steady)]
     for length, batch in points:
         got = {c: rows.get((c, length, batch)) for c in configs}
         base, sfi = got.get("cpu_attn"), got.get("sfi")
@@ -665,16 +674,24 @@ def cpu_decode_batch(name: str = "cpu_decode_batch_float32_1thread.json") -> str
                 if base and sfi else "-")
         med = f"{sfi[unit + '_ms_median']:.0f}" if sfi else "-"
         slow = f"{sfi['slow_row_steps']:.0f} of {len(sfi['cpu_ms']) * batch}" if sfi else "-"
-        lines.append(f"| {length} x {batch} | " + " | ".join(cells) + f" | {speed} | {med} | {slow} | {rate} |")
+        later = ""
+        if has_steady:
+            st = sfi.get("steady") if sfi else None
+            later = (f" {st[unit + '_ms_mean']:.0f}, {base[unit + '_ms_mean'] / st[unit + '_ms_mean']:.2f}x, "
+                     f"{st['slow_row_steps']:.0f} of {st['row_steps']} |" if st and base else " - |")
+        lines.append(f"| {length} x {batch} | " + " | ".join(cells) + f" | {speed} | {med} | {slow} |{later} {rate} |")
     env, reads = d["env"], {r["threads"]: r["copy_read_gbps"] for r in d["read_rate"]}
     timing = ("thread CPU time, one OpenMP thread" if unit == "cpu"
               else f"wall time, {env['cores']} threads")
+    runs = "; ".join(f"{', '.join(sorted({r['config'] for r in f['rows']}))}: {f['env']['time_utc'][:10]}, commit "
+                     f"{f['commit']}, {f['rows'][0].get('steps') or len(f['rows'][0]['cpu_ms'])} timed steps, `{f['command']}`, "
+                     f"{f['note']}, "
+                     f"{_source(n)}" for n, f in files)
     return ("\n".join(lines) + "\n\n"
             f"{env['cpu']} ({env['cores']} cores, {env['isa']}), vLLM 0.32.0 CPU build, torch {env['torch']}; "
-            f"SmolLM2-135M-Instruct, {d['dtype']}; whole engine steps in which every row decodes, {timing}, mean of "
-            f"{len(d['rows'][0]['cpu_ms'])} steps (slow steps included); the machine reads "
-            f"{reads.get(1, float('nan')):.1f} GB/s on one thread (a 256 MiB copy); {d['note']}; "
-            f"{env['time_utc'][:10]}; commit {d['commit']}; `{d['command']}`; {_source(name)}.\n")
+            f"SmolLM2-135M-Instruct, {d['dtype']}; whole engine steps in which every row decodes, {timing}, mean "
+            f"(slow steps included); the machine read {reads.get(1, float('nan')):.1f} GB/s on one thread (a 256 "
+            f"MiB copy, at the first run's start). Runs: {runs}.\n")
 
 
 FIGURES = {"cpu_decode_batch": cpu_decode_batch, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
