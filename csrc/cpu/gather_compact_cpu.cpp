@@ -14,19 +14,13 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "page_views.h"
+
 namespace {
-
-enum Layout { LAYOUT_ROWS = 0, LAYOUT_VEC = 1, LAYOUT_AMX = 2 };
-
-struct Source {                                   // K and V of one KV-cache tensor
-  int64_t s_block, s_head, k_ts, v_ts;
-  int64_t bs, d;
-  Layout layout;
-};
 
 // K element i of token t in the page at k (vLLM's layout of that page)
 template <typename T>
-inline T k_at(const T* k, const Source& s, int64_t t, int64_t i) {
+inline T k_at(const T* k, const PageViews& s, int64_t t, int64_t i) {
   switch (s.layout) {
     case LAYOUT_ROWS: return k[t * s.k_ts + i];
     case LAYOUT_VEC: return k[i * s.bs + t];
@@ -35,13 +29,13 @@ inline T k_at(const T* k, const Source& s, int64_t t, int64_t i) {
 }
 
 template <typename T>
-inline T v_at(const T* v, const Source& s, int64_t t, int64_t i) {
+inline T v_at(const T* v, const PageViews& s, int64_t t, int64_t i) {
   if (s.layout == LAYOUT_AMX) return v[(i / 16) * 16 * s.bs + (t / 2) * 32 + (i % 16) * 2 + t % 2];
   return v[t * s.v_ts + i];
 }
 
 template <typename T>
-void gather_rows(const T* kb, const T* vb, const Source& src, const int32_t* table, int64_t t_rs, T* cb,
+void gather_rows(const T* kb, const T* vb, const PageViews& src, const int32_t* table, int64_t t_rs, T* cb,
                  int64_t c_sblock, int64_t c_shead, int64_t c_ts, int64_t cbs, const int32_t* ctab, int64_t ct_rs,
                  int32_t* clen, int64_t slots, int64_t cap, const int32_t* slot_idx, const int32_t* sel, int64_t sel_rs,
                  int64_t sel_hs, int64_t k, const int32_t* n_sel, const int32_t* seq_lens, const int32_t* offset,
@@ -93,29 +87,9 @@ void gather_compact_op(const at::Tensor& compact_kv, const at::Tensor& compact_t
   const at::ScalarType dt = k_pages.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kHalf,
               "gather_compact: bf16, fp16 or fp32 pages expected, got ", dt);
-  TORCH_CHECK(v_pages.scalar_type() == dt && compact_kv.scalar_type() == dt && k_pages.device().is_cpu(),
-              "gather_compact: pages and compact segment of one dtype on the CPU expected");
-  TORCH_CHECK(k_pages.dim() == (amx ? 6 : 4) && v_pages.dim() == k_pages.dim(), "gather_compact: page views");
-  const int64_t hkv = k_pages.size(1);
-  const int64_t bs = amx ? k_pages.size(2) * k_pages.size(3) : k_pages.size(2);
-  const int64_t d = amx ? k_pages.size(4) * k_pages.size(5) : k_pages.size(3);
-  const auto ks = k_pages.strides(), vs = v_pages.strides();
-  Source src{ks[0], ks[1], 0, 0, bs, d, LAYOUT_ROWS};
-  bool layout = ks[0] == vs[0] && ks[1] == vs[1];
-  if (amx) {
-    src.layout = LAYOUT_AMX;
-    layout = layout && ks[2] == 16 * d && ks[3] == 2 && ks[4] == 32 && ks[5] == 1 && vs[2] == 32 && vs[3] == 1 &&
-             vs[4] == 16 * bs && vs[5] == 2;
-  } else if (ks[3] == 1) {
-    src.k_ts = ks[2];
-    src.v_ts = vs[2];
-    layout = layout && vs[3] == 1;
-  } else {
-    src.layout = LAYOUT_VEC;
-    src.v_ts = vs[2];
-    layout = layout && ks[2] == 1 && ks[3] == bs && vs[3] == 1 && vs[2] == d;
-  }
-  TORCH_CHECK(layout, "gather_compact: K / V pages in no layout it reads (strides ", ks, " / ", vs, ")");
+  TORCH_CHECK(compact_kv.scalar_type() == dt, "gather_compact: a compact segment of the pages' dtype expected");
+  const PageViews src = page_views(k_pages, v_pages, amx, "gather_compact");
+  const int64_t hkv = src.heads, bs = src.bs, d = src.d;
   TORCH_CHECK(compact_kv.dim() == 4 && compact_kv.size(1) == hkv && compact_kv.size(3) == 2 * d &&
                   compact_kv.stride(3) == 1,
               "gather_compact: compact_kv [blocks, ", hkv, ", cbs, ", 2 * d, "] expected, got ", compact_kv.sizes());
@@ -162,7 +136,7 @@ void gather_compact_op(const at::Tensor& compact_kv, const at::Tensor& compact_t
         if (pos < 0 || pos >= seq) continue;
         TORCH_CHECK(pos / bs < block_table.size(1), "gather_compact: position ", pos, " past row ", r, "'s table");
         const int32_t b = bt[r * block_table.stride(0) + pos / bs];
-        TORCH_CHECK(b >= 0 && b < k_pages.size(0), "gather_compact: block id ", b, " out of range");
+        TORCH_CHECK(b >= 0 && b < src.blocks, "gather_compact: block id ", b, " out of range");
       }
   }
 #define SFI_GATHER(T)                                                                                          \

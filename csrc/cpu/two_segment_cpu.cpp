@@ -19,15 +19,11 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "page_views.h"
 
 namespace {
 
 constexpr int kMaxDim = 256;
-
-// K of the recent window's pages: LAYOUT_ROWS (token t, dim i at t * k_ts + i: the logical layout and
-// the compact segment), LAYOUT_VEC (CPU_ATTN's vec packing: K^T per page, dim i, token t at i * bs + t)
-// or LAYOUT_AMX (CPU_ATTN's amx packing, unpacked a page at a time into the vec one).
-enum Layout { LAYOUT_ROWS = 0, LAYOUT_VEC = 1, LAYOUT_AMX = 2 };
 
 inline float tree_sum(v16f v) {
   typedef float v8f __attribute__((vector_size(32)));
@@ -185,12 +181,6 @@ inline void store(float* p, float f) { *p = f; }
 inline float load_q(const uint16_t* p) { return load(p); }
 inline float load_q(const float* p) { return *p; }
 
-struct Pages {                                        // one KV-cache tensor's K and V views
-  int64_t s_block, s_head, k_ts, v_ts;                // page strides; token strides of row-major K, V
-  int bs;
-  Layout layout;
-};
-
 struct Compact {                                      // the compact segments: [blocks, Hkv, cbs, 2D]
   int64_t s_block, s_head, ts;
   int cbs;
@@ -203,11 +193,11 @@ struct Compact {                                      // the compact segments: [
 // recent positions [rs, re) of q_g . k, times V. scratch: G * (clen + re - rs + bs + 1) floats; the
 // amx pages unpack into a per-thread copy.
 template <typename T>
-void attend_head(const Kernels<T>& kn, const T* kb, const T* vb, const Pages& pg, const int32_t* blocks,
+void attend_head(const Kernels<T>& kn, const T* kb, const T* vb, const PageViews& pg, const int32_t* blocks,
                  int64_t rs, int64_t re, const T* cb, const Compact& cp, const int32_t* ctab, int64_t clen,
                  int h, int g, int d, const float* q, float scale, float* out) {
   const int64_t n = clen + std::max<int64_t>(re - rs, 0);
-  const int bs = pg.bs;
+  const int bs = static_cast<int>(pg.bs);
   float* s = scratch_floats(static_cast<int64_t>(g) * (n + bs + 1));
   float* page_s = s + static_cast<int64_t>(g) * n;                // one page's scores [G, bs]
   float* iz = page_s + static_cast<int64_t>(g) * bs;              // 1 / the softmax's sum, per head
@@ -272,7 +262,7 @@ void attend_head(const Kernels<T>& kn, const T* kb, const T* vb, const Pages& pg
 
 template <typename T, typename Q>
 void two_segment_rows(Q* out, const Q* query, int64_t q_rs, int64_t q_hs, int64_t o_rs, int64_t o_hs, const T* kb,
-                      const T* vb, const Pages& pg, const int32_t* table, int64_t t_rs, const int32_t* seq_lens,
+                      const T* vb, const PageViews& pg, const int32_t* table, int64_t t_rs, const int32_t* seq_lens,
                       const int32_t* recent_start, const T* cb, const Compact& cp, const int32_t* compact_len,
                       const int32_t* slot_idx, const bool* row_mask, int64_t rows, int hkv, int g, int d,
                       int64_t window, float scale) {
@@ -336,32 +326,10 @@ void two_segment_decode_op(const at::Tensor& out, const at::Tensor& query, const
   TORCH_CHECK(out.sizes() == query.sizes() && query.stride(2) == 1 && out.stride(2) == 1,
               "two_segment_decode: out and query [R, Hq, D] with unit stride in D expected, got ", out.sizes(),
               " / ", query.sizes());
-  check_cpu(k_pages, "k_pages", dt, amx ? 6 : 4);
-  check_cpu(v_pages, "v_pages", dt, amx ? 6 : 4);
-  const int64_t hkv = k_pages.size(1);
-  const int64_t bs = amx ? k_pages.size(2) * k_pages.size(3) : k_pages.size(2);
-  const int64_t dk = amx ? k_pages.size(4) * k_pages.size(5) : k_pages.size(3);
-  TORCH_CHECK(dk == d && hkv > 0 && hq % hkv == 0 && d <= kMaxDim,
-              "two_segment_decode: pages of head size ", dk, " and ", hkv, " KV heads for a query ", query.sizes());
-  const auto ks = k_pages.strides(), vs = v_pages.strides();
-  Pages pg{ks[0], ks[1], 0, 0, static_cast<int>(bs), LAYOUT_ROWS};
-  bool layout = ks[0] == vs[0] && ks[1] == vs[1] && v_pages.size(0) == k_pages.size(0) && v_pages.size(1) == hkv;
-  if (amx) {
-    pg.layout = LAYOUT_AMX;
-    layout = layout && k_pages.size(3) == 16 && k_pages.size(5) == 2 && v_pages.size(3) == 2 &&
-             v_pages.size(5) == 16 && ks[2] == 16 * d && ks[3] == 2 && ks[4] == 32 && ks[5] == 1 &&
-             vs[2] == 32 && vs[3] == 1 && vs[4] == 16 * bs && vs[5] == 2;
-  } else if (ks[3] == 1) {
-    pg.k_ts = ks[2];
-    pg.v_ts = vs[2];
-    layout = layout && vs[3] == 1 && v_pages.size(2) == bs && v_pages.size(3) == d;
-  } else {
-    pg.layout = LAYOUT_VEC;
-    pg.v_ts = vs[2];
-    layout = layout && ks[2] == 1 && ks[3] == bs && vs[3] == 1 && vs[2] == d && v_pages.size(2) == bs;
-  }
-  TORCH_CHECK(layout, "two_segment_decode: K / V pages in no layout it reads (sizes ", k_pages.sizes(), " / ",
-              v_pages.sizes(), ", strides ", ks, " / ", vs, ")");
+  const PageViews pg = page_views(k_pages, v_pages, amx, "two_segment_decode");
+  const int64_t hkv = pg.heads, bs = pg.bs;
+  TORCH_CHECK(pg.d == d && hkv > 0 && hq % hkv == 0 && d <= kMaxDim,
+              "two_segment_decode: pages of head size ", pg.d, " and ", hkv, " KV heads for a query ", query.sizes());
   check_cpu(block_table, "block_table", at::kInt, 2);
   TORCH_CHECK(block_table.size(0) >= rows && block_table.stride(1) == 1, "two_segment_decode: block_table [R, W]");
   for (const at::Tensor* t : {&seq_lens, &recent_start, &slot_idx}) {
@@ -391,7 +359,7 @@ void two_segment_decode_op(const at::Tensor& out, const at::Tensor& query, const
   const int32_t* ct = compact_table.data_ptr<int32_t>();
   const bool* mask = row_mask.has_value() ? row_mask->data_ptr<bool>() : nullptr;
   // a slot has a table row and a length (vLLM's paged table has one row more: a scratch slot)
-  const int64_t nb_all = k_pages.size(0), cb_all = compact_kv.size(0),
+  const int64_t nb_all = pg.blocks, cb_all = compact_kv.size(0),
                 slots = std::min(compact_table.size(0), compact_len.size(0));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t seq = sl[r];

@@ -66,7 +66,7 @@ CACHE_ENV = "SPEEDSFI_CPU_KERNEL_CACHE"
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 SOURCE = CSRC / "sfi_cpu.cpp"
 SOURCES = (SOURCE, CSRC / "two_segment_cpu.cpp", CSRC / "gather_compact_cpu.cpp")
-HEADERS = (CSRC / "cpu_vec.h",)
+HEADERS = (CSRC / "cpu_vec.h", CSRC / "page_views.h")
 # -O3 -march=native and the math flags the kernels' results are checked with; torch's headers need C++20
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-fPIC")
 NAMESPACE = "speedsfi"
