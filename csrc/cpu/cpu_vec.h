@@ -129,6 +129,153 @@ inline v16f load16(const uint16_t* p) {
   return f;
 }
 
+// The machine's register width, for element-wise work whose lanes never mix (accumulators of
+// weighted sums of rows): results do not depend on it. On AVX2 GCC keeps arrays of 16-lane vectors
+// in memory (a load and a store around every multiply-add, 5-10x slower); vectors of the register
+// width stay in registers.
+#if defined(__AVX512F__)
+constexpr int kRegLanes = 16;
+constexpr int kAccRegs = 16;                                 // accumulators held at once (of 32)
+#else
+constexpr int kRegLanes = 8;
+constexpr int kAccRegs = 8;                                  // of 16
+#endif
+typedef float vrf __attribute__((vector_size(kRegLanes * 4)));
+typedef int32_t vri __attribute__((vector_size(kRegLanes * 4)));
+typedef uint16_t vrh __attribute__((vector_size(kRegLanes * 2)));
+
+inline vrf load_r(const float* p) { vrf f; std::memcpy(&f, p, sizeof(f)); return f; }
+inline vrf load_r(const uint16_t* p) {                       // bf16
+  vrh h;
+  std::memcpy(&h, p, sizeof(h));
+  vri i = __builtin_convertvector(h, vri) << 16;
+  vrf f;
+  std::memcpy(&f, &i, sizeof(f));
+  return f;
+}
+inline void store_r(float* p, vrf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// vexp() on a register of lanes, the same operations (the same values: GCC vectorises no loop that
+// calls the scalar form, whose floor and exponent bits it keeps scalar, 10x slower)
+inline vrf vexp_r(vrf x) {
+  const float lo = -103.972084045410f, hi = 88.3762626647949f;
+  const vrf xc = x < lo ? vrf{} + lo : (x > hi ? vrf{} + hi : x);
+  const vrf y0 = xc * 1.44269504088896341f + 0.5f;
+  const vrf tr = __builtin_convertvector(__builtin_convertvector(y0, vri), vrf);
+  const vrf k = tr > y0 ? tr - 1.0f : tr;                        // floor
+  vrf r = xc - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  vrf p = vrf{} + 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  const vrf y = p * r * r + r + 1.0f;
+  const vri ki = __builtin_convertvector(k, vri);
+  const vri k1 = ki >> 1, k2 = ki - k1;
+  const vri b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
+  vrf f1, f2;
+  std::memcpy(&f1, &b1, sizeof(f1));
+  std::memcpy(&f2, &b2, sizeof(f2));
+  const vrf res = y * f1 * f2;
+  return x < lo ? vrf{} : res;
+}
+
+// vlog() on a register of lanes, the same operations
+inline vrf vlog_r(vrf x) {
+  const vri sub = x < 1.17549435e-38f;
+  const vrf xs = sub ? x * 8388608.0f : x;                       // 2^23
+  vri ix;
+  std::memcpy(&ix, &xs, sizeof(ix));
+  vrf e = __builtin_convertvector(((ix >> 23) & 0xff) - 126, vrf) - (sub ? vrf{} + 23.0f : vrf{});
+  const vri mb = (ix & 0x007fffff) | 0x3f000000;
+  vrf m;
+  std::memcpy(&m, &mb, sizeof(m));
+  const vri low = m < 0.707106781186547524f;
+  e = low ? e - 1.0f : e;
+  const vrf f = low ? m + m - 1.0f : m - 1.0f;
+  const vrf z = f * f;
+  vrf y = vrf{} + 7.0376836292E-2f;
+  y = y * f - 1.1514610310E-1f;
+  y = y * f + 1.1676998740E-1f;
+  y = y * f - 1.2420140846E-1f;
+  y = y * f + 1.4249322787E-1f;
+  y = y * f - 1.6668057665E-1f;
+  y = y * f + 2.0000714765E-1f;
+  y = y * f - 2.4999993993E-1f;
+  y = y * f + 3.3333331174E-1f;
+  y = y * f * z;
+  y += -2.12194440e-4f * e;
+  y += -0.5f * z;
+  vrf res = f + y + 0.693359375f * e;
+  const float inf = std::numeric_limits<float>::infinity();
+  res = x == 0.0f ? vrf{} + kNegInf : res;
+  res = x == inf ? x : res;
+  return (x < 0.0f || x != x) ? vrf{} + std::numeric_limits<float>::quiet_NaN() : res;
+}
+
+// y[i] = exp(x[i] - m) over [0, n) (y may be x)
+inline void exp_shifted(const float* x, float m, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kRegLanes <= n; i += kRegLanes) store_r(y + i, vexp_r(load_r(x + i) - m));
+  for (; i < n; ++i) y[i] = vexp(x[i] - m);
+}
+
+constexpr int pow2_floor(int x) { int p = 1; while (p * 2 <= x) p *= 2; return p; }
+
+// acc[g * D + i] += sum_t w[g * ws + t] * v_t[i] for t < n (value t: D elements at v + t * ts), in
+// the order of t for every element. D: a multiple of 16. D is walked in chunks whose G accumulators
+// fit in registers; a chunk re-reads the n rows, which the first chunk brought into L1.
+template <typename T, int G, int D>
+inline void accumulate_weighted(const T* v, int64_t ts, int64_t n, const float* w, int64_t ws, float* acc) {
+  constexpr int C = pow2_floor(std::min(D / kRegLanes, std::max(1, kAccRegs / G)));
+  static_assert(D % (C * kRegLanes) == 0, "head size not a multiple of the chunk");
+  for (int j = 0; j < D; j += C * kRegLanes) {
+    vrf a[G][C];
+    for (int gg = 0; gg < G; ++gg)
+      for (int c = 0; c < C; ++c) a[gg][c] = load_r(acc + gg * D + j + c * kRegLanes);
+    for (int64_t t = 0; t < n; ++t) {
+      vrf x[C];
+      for (int c = 0; c < C; ++c) x[c] = load_r(v + t * ts + j + c * kRegLanes);
+      for (int gg = 0; gg < G; ++gg) {
+        const float wt = w[gg * ws + t];
+        for (int c = 0; c < C; ++c) a[gg][c] += wt * x[c];
+      }
+    }
+    for (int gg = 0; gg < G; ++gg)
+      for (int c = 0; c < C; ++c) store_r(acc + gg * D + j + c * kRegLanes, a[gg][c]);
+  }
+}
+
+// One page of K^T (dimension i of token t at kt + i * bs + t), the 16 tokens [t0, t0 + 16):
+// sc[g * 16 + t] = q_g . k_t and, with NORMS, nr[t] = k_t . k_t, each summed over i in order (lanes
+// are tokens: the same sums whatever the register width). q: [G, d].
+constexpr int kTokVecs = 16 / kRegLanes;
+
+template <typename T, int G, bool NORMS>
+inline void score_cols16(const T* kt, int bs, int d, int64_t t0, const float* q, float* sc, float* nr) {
+  vrf a[G][kTokVecs], n2[kTokVecs];
+  for (int c = 0; c < kTokVecs; ++c) {
+    n2[c] = vrf{};
+    for (int gg = 0; gg < G; ++gg) a[gg][c] = vrf{};
+  }
+  for (int i = 0; i < d; ++i) {
+    vrf k[kTokVecs];
+    for (int c = 0; c < kTokVecs; ++c) k[c] = load_r(kt + static_cast<int64_t>(i) * bs + t0 + c * kRegLanes);
+    if constexpr (NORMS)
+      for (int c = 0; c < kTokVecs; ++c) n2[c] += k[c] * k[c];
+    for (int gg = 0; gg < G; ++gg) {
+      const float qv = q[gg * d + i];
+      for (int c = 0; c < kTokVecs; ++c) a[gg][c] += qv * k[c];
+    }
+  }
+  for (int gg = 0; gg < G; ++gg)
+    for (int c = 0; c < kTokVecs; ++c) store_r(sc + gg * 16 + c * kRegLanes, a[gg][c]);
+  if constexpr (NORMS)
+    for (int c = 0; c < kTokVecs; ++c) store_r(nr + c * kRegLanes, n2[c]);
+}
+
 // CPU_ATTN's amx packing (VNNI pairs for its tile multiplies) of one page, unpacked into the vec
 // packing the passes above read. K: element (t, i) at (t / 16) * 16D + (i / 2) * 32 + (t % 16) * 2
 // + i % 2 -> K^T [D, bs]. V: element (t, i) at (i / 16) * 16bs + (t / 2) * 32 + (i % 16) * 2 + t % 2

@@ -32,7 +32,7 @@ float lse(const float* x, int64_t n) {
   const float m = max_v(x, n);
   if (!(m > kNegInf)) return kNegInf;
   float* e = scratch_floats(n);
-  for (int64_t i = 0; i < n; ++i) e[i] = vexp(x[i] - m);
+  exp_shifted(x, m, e, n);
   return m + std::log(sum_v(e, n));
 }
 
@@ -56,8 +56,14 @@ void fuse(float* __restrict f, const float* __restrict r, float ca, float cb, in
     e[i] = mn - mx;                                               // NaN when both are -inf: not used
     f[i] = mx;
   }
-  for (int64_t i = 0; i < n; ++i) e[i] = vexp(e[i]);
-  for (int64_t i = 0; i < n; ++i) {
+  exp_shifted(e, 0.0f, e, n);
+  int64_t i = 0;
+  for (; i + kRegLanes <= n; i += kRegLanes) {
+    const vrf fi = load_r(f + i);
+    const vrf t = fi + vlog_r(1.0f + load_r(e + i));
+    store_r(f + i, fi > kNegInf ? t : vrf{} + kNegInf);
+  }
+  for (; i < n; ++i) {
     const float t = f[i] + vlog(1.0f + e[i]);
     f[i] = f[i] > kNegInf ? t : kNegInf;
   }
@@ -105,33 +111,20 @@ void score_block(const T* page, int bs, int d, int g, const float* qh, float sca
 }
 
 // The same for block sizes that are multiples of 16 and groups up to 8: 16 positions at a time in
-// vector registers (GCC's vector extensions: AVX-512, or two AVX2 halves) with the group's
-// accumulators held over the whole head dimension; 4x faster than the loops above, which the
-// compiler vectorises per row of K^T and spills between rows.
+// registers (score_cols16), the group's accumulators held over the whole head dimension; 4x faster
+// than the loops above, which the compiler vectorises per row of K^T and spills between rows.
 template <typename T, int G>
 void score_block_g(const T* page, int bs, int d, const float* qh, float scale, float* s, int64_t seq,
                    int64_t nt, float* kn, int64_t nk) {
-  for (int t0 = 0; t0 < bs; t0 += kLanes) {
-    v16f a[G];
-    for (int gg = 0; gg < G; ++gg) a[gg] = v16f{} ;
-    v16f nr = v16f{};
-    const T* col = page + t0;
-    for (int dd = 0; dd < d; ++dd) {
-      const v16f kf = load16(col + static_cast<int64_t>(dd) * bs);
-      nr += kf * kf;
-      for (int gg = 0; gg < G; ++gg) a[gg] += qh[static_cast<int64_t>(gg) * d + dd] * kf;
-    }
-    const int64_t m = std::min<int64_t>(kLanes, nt - t0);
-    float tmp[kLanes];
-    for (int gg = 0; gg < G; ++gg) {
-      const v16f v = a[gg] * scale;
-      std::memcpy(tmp, &v, sizeof(tmp));
-      for (int64_t t = 0; t < m; ++t) s[gg * seq + t0 + t] = tmp[t];
-    }
-    if (kn != nullptr) {
-      std::memcpy(tmp, &nr, sizeof(tmp));
-      for (int64_t t = 0; t < std::min<int64_t>(kLanes, nk - t0); ++t) kn[t0 + t] = std::sqrt(tmp[t]);
-    }
+  float sc[G * 16], nr[16];
+  for (int64_t t0 = 0; t0 < nt; t0 += 16) {
+    if (kn != nullptr) score_cols16<T, G, true>(page, bs, d, t0, qh, sc, nr);
+    else score_cols16<T, G, false>(page, bs, d, t0, qh, sc, nr);
+    const int64_t m = std::min<int64_t>(16, nt - t0);
+    for (int gg = 0; gg < G; ++gg)
+      for (int64_t t = 0; t < m; ++t) s[gg * seq + t0 + t] = sc[gg * 16 + t] * scale;
+    if (kn != nullptr)
+      for (int64_t t = 0; t < std::min<int64_t>(16, nk - t0); ++t) kn[t0 + t] = std::sqrt(nr[t]);
   }
 }
 
@@ -151,32 +144,19 @@ void score_block_fixed(const T* page, int bs, int d, int g, const float* qh, flo
 }
 
 // acc[g, :] += sum_t w[g, t] v_t over the request's V pages, head dimensions that are multiples of 16
-// up to kMaxD and groups up to kMaxG: the group's accumulators held in vector registers across the
-// positions (4x faster than attend_rows() below).
+// up to kMaxD and groups up to kMaxG, a page at a time with the accumulators in registers
+// (accumulate_weighted; 4x faster than attend_rows() below).
 constexpr int kMaxD = 128;
 
 template <typename T, int G, int NV>
 void attend_rows_g(const T* v_base, int64_t s_block, int64_t h_off, int bs, const int32_t* blocks, int64_t nb,
                    int64_t seq, const float* w, float* acc) {
   constexpr int D = NV * kLanes;
-  v16f a[G][NV];
-  for (int gg = 0; gg < G; ++gg)
-    for (int k = 0; k < NV; ++k) a[gg][k] = v16f{};
   for (int64_t j = 0; j < nb; ++j) {
     const T* page = v_base + static_cast<int64_t>(blocks[j]) * s_block + h_off;
     const int64_t p0 = j * bs;
-    const int64_t nt = std::min<int64_t>(bs, seq - p0);
-    for (int64_t t = 0; t < nt; ++t) {
-      v16f v[NV];
-      for (int k = 0; k < NV; ++k) v[k] = load16(page + t * D + k * kLanes);
-      for (int gg = 0; gg < G; ++gg) {
-        const float wt = w[gg * seq + p0 + t];
-        for (int k = 0; k < NV; ++k) a[gg][k] += wt * v[k];
-      }
-    }
+    accumulate_weighted<T, G, D>(page, D, std::min<int64_t>(bs, seq - p0), w + p0, seq, acc);
   }
-  for (int gg = 0; gg < G; ++gg)
-    for (int k = 0; k < NV; ++k) std::memcpy(acc + gg * D + k * kLanes, &a[gg][k], sizeof(v16f));
 }
 
 // The same for any head size and group: runtime loops (acc [G, D] accumulated in memory).
@@ -223,11 +203,6 @@ void attend_rows_fixed(const T* v_base, int64_t s_block, int64_t h_off, int bs, 
   }
 }
 
-// y[i] = exp(x[i] - m) over [0, n) (restrict: vectorised)
-void exp_shifted(const float* __restrict x, float m, float* __restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = vexp(x[i] - m);
-}
-
 // out[i] = (log sum_g exp(x[g * stride + i]) - log G) / alpha over [0, n): the power mean of the
 // group's alpha * log p (x), as a log. Separate loops over restrict-qualified buffers, so that each
 // vectorises (m: the running maximum, e: the sum).
@@ -243,7 +218,9 @@ void power_mean(const float* x, int64_t stride, int g, int64_t n, float alpha, f
   for (int64_t i = 0; i < n; ++i) e[i] = 0.0f;
   for (int gg = 0; gg < g; ++gg) {
     const float* __restrict xg = x + gg * stride;
-    for (int64_t i = 0; i < n; ++i) e[i] += vexp(xg[i] - m[i]);
+    int64_t i = 0;
+    for (; i + kRegLanes <= n; i += kRegLanes) store_r(e + i, load_r(e + i) + vexp_r(load_r(xg + i) - load_r(m + i)));
+    for (; i < n; ++i) e[i] += vexp(xg[i] - m[i]);
   }
   for (int64_t i = 0; i < n; ++i) out[i] = (vlog(e[i]) + m[i] - log_g) / alpha;
 }
@@ -423,8 +400,8 @@ void sfi_select_row(const float* ev, int64_t ev_hs, const float* kn, int64_t kn_
       float* f = ls + h * n;
       float* fe = tmp;                                            // exp(log f), exp(log r)
       float* re = scratch_floats(n);
-      for (int64_t i = 0; i < n; ++i) fe[i] = vexp(f[i]);
-      for (int64_t i = 0; i < n; ++i) re[i] = vexp(r[i]);
+      exp_shifted(f, 0.0f, fe, n);
+      exp_shifted(r, 0.0f, re, n);
       const float ff = dot_v(fe, fe, n), rr = dot_v(re, re, n), fr = dot_v(fe, re, n);
       float lam = (ff - fr) / std::max(ff - 2.0f * fr + rr, eps);
       lam = std::min(std::max(lam, 0.0f), lambda_max);
@@ -451,7 +428,9 @@ void sfi_select_row(const float* ev, int64_t ev_hs, const float* kn, int64_t kn_
     float* sum = lr;                                              // [n] (the prior is no longer needed)
     for (int64_t i = 0; i < n; ++i) sum[i] = 0.0f;
     for (int h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < n; ++i) sum[i] += vexp(ls[h * n + i] / temp - tmp[i]);
+      for (int64_t i = 0; i < n; ++i) lr[n + i] = ls[h * n + i] / temp - tmp[i];
+      exp_shifted(lr + n, 0.0f, lr + n, n);
+      for (int64_t i = 0; i < n; ++i) sum[i] += lr[n + i];
     for (int64_t i = 0; i < n; ++i) {
       const float l = tmp[i] + vlog(sum[i]);                     // NaN where every head is -inf: not used
       sum[i] = tmp[i] > kNegInf ? l : kNegInf;

@@ -67,20 +67,12 @@ void score_rows_any(const T* k, int64_t ts, int64_t n, int g, int d, const float
 // s[g * ss + t] = scale * q_g . k_t, t in [0, n), from one page of K^T (dim i, token t at kt + i * bs + t)
 template <typename T, int G>
 void score_cols_g(const T* kt, int bs, int d, int64_t n, const float* q, float scale, float* s, int64_t ss) {
-  for (int t0 = 0; t0 < n; t0 += kLanes) {
-    v16f a[G];
-    for (int gg = 0; gg < G; ++gg) a[gg] = v16f{};
-    for (int i = 0; i < d; ++i) {
-      const v16f kf = load16(kt + static_cast<int64_t>(i) * bs + t0);
-      for (int gg = 0; gg < G; ++gg) a[gg] += q[gg * d + i] * kf;
-    }
-    const int64_t m = std::min<int64_t>(kLanes, n - t0);
-    for (int gg = 0; gg < G; ++gg) {
-      float tmp[kLanes];
-      const v16f v = a[gg] * scale;
-      std::memcpy(tmp, &v, sizeof(tmp));
-      for (int64_t t = 0; t < m; ++t) s[gg * ss + t0 + t] = tmp[t];
-    }
+  float sc[G * 16];
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    score_cols16<T, G, false>(kt, bs, d, t0, q, sc, nullptr);
+    const int64_t m = std::min<int64_t>(16, n - t0);
+    for (int gg = 0; gg < G; ++gg)
+      for (int64_t t = 0; t < m; ++t) s[gg * ss + t0 + t] = sc[gg * 16 + t] * scale;
   }
 }
 
@@ -98,20 +90,7 @@ void score_cols_any(const T* kt, int bs, int d, int64_t n, int g, const float* q
 // acc[g, :] += sum_t w[g * ws + t] v_t for n values stored as rows (value t at v + t * ts)
 template <typename T, int G, int NV>
 void accumulate_rows_g(const T* v, int64_t ts, int64_t n, const float* w, int64_t ws, float* acc) {
-  constexpr int D = NV * kLanes;
-  v16f a[G][NV];
-  for (int gg = 0; gg < G; ++gg)
-    for (int j = 0; j < NV; ++j) a[gg][j] = load16(acc + gg * D + j * kLanes);
-  for (int64_t t = 0; t < n; ++t) {
-    v16f vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load16(v + t * ts + j * kLanes);
-    for (int gg = 0; gg < G; ++gg) {
-      const float wt = w[gg * ws + t];
-      for (int j = 0; j < NV; ++j) a[gg][j] += wt * vv[j];
-    }
-  }
-  for (int gg = 0; gg < G; ++gg)
-    for (int j = 0; j < NV; ++j) std::memcpy(acc + gg * D + j * kLanes, &a[gg][j], sizeof(v16f));
+  accumulate_weighted<T, G, NV * kLanes>(v, ts, n, w, ws, acc);
 }
 
 template <typename T>
@@ -233,7 +212,7 @@ void attend_head(const Kernels<T>& kn, const T* kb, const T* vb, const PageViews
   for (int gg = 0; gg < g; ++gg) {
     float* sg = s + gg * n;
     const float mx = max_v(sg, n);
-    for (int64_t t = 0; t < n; ++t) sg[t] = vexp(sg[t] - mx);
+    exp_shifted(sg, mx, sg, n);
     iz[gg] = 1.0f / sum_v(sg, n);
   }
   for (int64_t c0 = 0; c0 < clen; c0 += cp.cbs) {
