@@ -271,6 +271,58 @@ FULL_GRID = [(g, d, bs, lay, dt) for g in (1, 4, 8) for d in (64, 128) for bs in
              for lay in ("LBNHC", "LBHNC") for dt in ("fp32", "fp16", "bf16")]
 
 
+# fp8 pages (``vllm_ext.kernels.kv_quant``): both formats, scales below and above 1, queries in a
+# half type and in fp32. Fields: (fp8 format, k_scale, v_scale, query dtype name).
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_CASES = [("e4m3", 0.5, 3.0, "bf16"), ("e5m2", 3.0, 0.5, "fp32")]
+
+
+def fp8_case_id(case) -> str:
+    fmt, ks, vs, qdt = case
+    return f"{fmt}-k{ks}-v{vs}-q{qdt}"
+
+
+def fp8_scales(k_scale: float, v_scale: float, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's scales as vLLM keeps them: fp32 device tensors, here one of shape ``[1]`` and one
+    of shape ``[]`` (both occur)."""
+    return (torch.tensor([k_scale], dtype=torch.float32, device=device),
+            torch.tensor(v_scale, dtype=torch.float32, device=device))
+
+
+def quantize_pages(pages: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
+    """``[..., 2D]`` K|V entries stored as fp8 (``value / scale``, saturated), the strides kept."""
+    d = pages.shape[-1] // 2
+    fmax = torch.finfo(dtype).max
+    out = torch.empty_like(pages, dtype=dtype)
+    out[..., :d] = (pages[..., :d].float() / k_scale).clamp(-fmax, fmax).to(dtype)
+    out[..., d:] = (pages[..., d:].float() / v_scale).clamp(-fmax, fmax).to(dtype)
+    return out
+
+
+def dequantize_pages(pages: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    """The explicit dequantisation of :func:`quantize_pages`' result: fp32, the strides kept."""
+    d = pages.shape[-1] // 2
+    out = torch.empty_like(pages, dtype=torch.float32)
+    out[..., :d] = pages[..., :d].float() * k_scale
+    out[..., d:] = pages[..., d:].float() * v_scale
+    return out
+
+
+def fp8_rows(rows: "SfiRows", dtype: torch.dtype, k_scale: float, v_scale: float,
+             query_dtype: torch.dtype) -> tuple["SfiRows", "SfiRows"]:
+    """``rows`` on fp8 pages (the cache and the compact segment quantised with the same scales, as
+    the gather copies stored bytes) and the reference rows: those pages dequantised to fp32."""
+    import dataclasses
+
+    q = rows.query.to(query_dtype)
+    kv8 = quantize_pages(rows.kv_cache, dtype, k_scale, v_scale)
+    ckv8 = quantize_pages(rows.compact_kv, dtype, k_scale, v_scale)
+    r8 = dataclasses.replace(rows, query=q, kv_cache=kv8, compact_kv=ckv8)
+    ref = dataclasses.replace(rows, query=q, kv_cache=dequantize_pages(kv8, k_scale, v_scale),
+                              compact_kv=dequantize_pages(ckv8, k_scale, v_scale))
+    return r8, ref
+
+
 def case_id(case) -> str:
     g, d, bs, lay, dt = case
     return f"G{g}-D{d}-bs{bs}-{lay}-{dt}"

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, SENTINEL, assert_close_out,
-                            assert_evidence_close, blocks_needed, case_id, cuda_only,
-                            make_block_table, make_kv_cache, reference_dense_attention,
+from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FP8, FP8_CASES, FULL_GRID, SENTINEL,
+                            assert_close_out, assert_evidence_close, blocks_needed, case_id,
+                            cuda_only, dequantize_pages, fp8_case_id, fp8_scales, make_block_table,
+                            make_kv_cache, quantize_pages, reference_dense_attention,
                             reference_evidence, row_lengths)
 from vllm_ext.kernels.paged_reference import gather_kv
 from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence,
@@ -261,3 +262,62 @@ def test_evidence_only_is_the_twins_alone():
     with pytest.raises(ValueError, match="out=None"):
         dense_decode_with_evidence(p["q"], p["kv"], p["bt"], p["seq"], p["lo"], p["hi"], p["scale"],
                                    None, ev, p["mask"])
+
+
+def _fp8_problem(case, seed):
+    """A problem on fp8 pages: ``(p8, ref, (k_scale, v_scale))`` where ``ref`` is the same problem
+    on the explicitly dequantised pages (fp32), the references' input."""
+    fmt, ks, vs, qdt = case
+    p = _problem((4, 64, 16, "LBNHC", "fp32"), seed)
+    kv8 = quantize_pages(p["kv"], FP8[fmt], ks, vs)
+    ref = dict(p, kv=dequantize_pages(kv8, ks, vs), q=p["q"].to(DTYPES[qdt]), dtype=DTYPES[qdt])
+    return dict(ref, kv=kv8), ref, fp8_scales(ks, vs)
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=fp8_case_id)
+def test_dense_evidence_fp8_pages(case):
+    """fp8 pages with the layer's scales: output and evidence of the kernel (split and direct) and
+    of both twin forms against the references over the dequantised pages; paged_decode too."""
+    p8, ref, (k_scale, v_scale) = _fp8_problem(case, 61)
+    r = p8["q"].shape[0]
+    runs = ((dense_decode_with_evidence, 3), (dense_decode_with_evidence, 1),
+            (dense_decode_with_evidence_cpu, None), (dense_decode_with_evidence_batched, None))
+    for fn, ns in runs:
+        out = torch.full_like(p8["q"], SENTINEL)
+        ev = torch.full((r, p8["hkv"], p8["max_len"]), SENTINEL, device=DEVICE)
+        kw = dict(num_splits=ns) if fn is dense_decode_with_evidence else {}
+        fn(p8["q"], p8["kv"], p8["bt"], p8["seq"], p8["lo"], p8["hi"], p8["scale"], out, ev, p8["mask"],
+           0.5, k_scale=k_scale, v_scale=v_scale, **kw)
+        _check(ref, out, ev, 0.5, f"{fn.__name__} splits={ns}")
+    for fn, ns in ((paged_decode, 2), (paged_decode_torch, None)):
+        out = torch.full_like(p8["q"], SENTINEL)
+        fn(p8["q"], p8["kv"], p8["bt"], p8["seq"], p8["scale"], out, p8["mask"], num_splits=ns,
+           k_scale=k_scale, v_scale=v_scale)
+        _check(ref, out, None, 0.5, f"{fn.__name__} splits={ns}")
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=fp8_case_id)
+def test_evidence_fp8_compact_rows_key_norms(case):
+    """The SFI slow pass on fp8 pages (compact list, count-driven launch): key norms are those of
+    the dequantised keys, evidence and output as over the dequantised pages."""
+    p8, ref, (k_scale, v_scale) = _fp8_problem(case, 62)
+    rows = torch.tensor([5, 3, 1, -1, -1], dtype=torch.int32, device=DEVICE)
+    cnt = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    dense = reference_dense_attention(ref["q"], ref["kv"], ref["bt"], ref["seq"], ref["scale"])
+    for name, fn, count in (("kernel", dense_decode_with_evidence, cnt),
+                            ("twin", dense_decode_with_evidence_torch, None)):
+        out = torch.full_like(p8["q"], SENTINEL)
+        ev = torch.full((5, p8["hkv"], p8["max_len"]), SENTINEL, device=DEVICE)
+        kn = torch.full((5, p8["hkv"], p8["max_len"]), SENTINEL, device=DEVICE)
+        fn(p8["q"], p8["kv"], p8["bt"], p8["seq"], p8["lo"], p8["hi"], p8["scale"], out, ev, None, 0.5,
+           evidence_rows=rows, key_norms=kn, evidence_count=count, k_scale=k_scale, v_scale=v_scale)
+        for slot, row in enumerate(rows.tolist()[:3]):
+            L = p8["lens"][row]
+            assert_close_out(out[row], dense[row], ref["dtype"], f"{name} row {row}")
+            lo, hi = max(int(ref["lo"][row]), 0), min(int(ref["hi"][row]), L)
+            want = reference_evidence(ref["q"][row:row + 1], ref["kv"], ref["bt"][row], lo, hi,
+                                      ref["max_len"], ref["scale"], 0.5)
+            assert_evidence_close(ev[slot, :, :L], want[:, :L], what=f"{name} slot {slot}")
+            k, _ = gather_kv(ref["kv"], ref["bt"][row], torch.arange(L, device=DEVICE))
+            torch.testing.assert_close(kn[slot, :, :L], k.norm(dim=-1), atol=1e-4, rtol=1e-4)
+        assert torch.all(ev[3:] == SENTINEL) and torch.all(kn[3:] == SENTINEL)

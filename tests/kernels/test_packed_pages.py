@@ -13,7 +13,9 @@ import math
 import pytest
 import torch
 
-from kernel_testlib import blocks_needed, make_block_table, make_kv_cache, make_sfi_rows
+from kernel_testlib import (FP8, blocks_needed, fp8_rows, fp8_scales, make_block_table, make_kv_cache,
+                            make_sfi_rows)
+from vllm_ext.kernels.kv_quant import as_bytes
 from vllm_ext.kernels import paged_reference as pr
 from vllm_ext.kernels.packed_pages import PackedPages, index_blocks, layout_matches
 
@@ -22,10 +24,14 @@ ISAS = ["vec", "amx"]
 
 
 def pack(kv: torch.Tensor, isa: str = "vec") -> PackedPages:
-    """A PackedPages holding the entries of a logical cache (any strides)."""
+    """A PackedPages holding the entries of a logical cache (any strides); an fp8 cache packed into
+    a ``uint8`` allocation (vLLM's) read through its fp8 view."""
     nb, h, bs, c = kv.shape
     d = c // 2
-    pages = PackedPages(torch.empty(nb, h, bs, c, dtype=kv.dtype), isa)
+    if kv.element_size() == 1:
+        pages = PackedPages(torch.empty(nb, h, bs, c, dtype=torch.uint8).view(kv.dtype), isa)
+    else:
+        pages = PackedPages(torch.empty(nb, h, bs, c, dtype=kv.dtype), isa)
     pages.k.copy_(kv[..., :d])
     pages.v.copy_(kv[..., d:])
     return pages
@@ -243,6 +249,70 @@ def test_sfi_cpu_twins_are_the_same_on_both_formats(dtype, isa):
     for a, b, what in zip(*results, ("two-segment", "compact", "compact_len", "dense", "evidence",
                                      "key norms")):
         assert torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_fp8_cpu_twins_are_the_same_on_both_formats(fmt, isa):
+    """fp8 pages in CPU_ATTN's packings (a uint8 allocation read as fp8) with the layer's scales:
+    the SFI CPU twins, the dense reference and the reference's write give the same bytes and values
+    as on the logical fp8 cache."""
+    from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence_cpu
+    from vllm_ext.kernels.gather_compact import gather_compact_cpu
+    from vllm_ext.kernels.two_segment_decode import two_segment_decode_cpu
+
+    base = make_sfi_rows(seq_lens=[70, 33, 120, 0], active=[True, True, False, True], g=3, hkv=2,
+                         d=64, bs=16, dtype=torch.float32, layout="LBHNC", n_recent=20, k=12, seed=4)
+    rows, _ = fp8_rows(base, FP8[fmt], 0.5, 3.0, torch.bfloat16)
+    ks, vs = fp8_scales(0.5, 3.0, "cpu")
+    pages = pack(rows.kv_cache, isa)
+    results = []
+    for cache in (rows.kv_cache, pages):
+        out = torch.zeros_like(rows.query)
+        two_segment_decode_cpu(rows.query, cache, rows.block_table, rows.seq_lens, rows.recent_start,
+                               rows.compact_kv, rows.compact_len, rows.slot_idx, rows.scale, out,
+                               rows.row_mask, max_recent=20, k_scale=ks, v_scale=vs)
+        ckv = torch.zeros_like(rows.compact_kv)
+        clen = torch.zeros_like(rows.compact_len)
+        gather_compact_cpu(cache, rows.block_table, rows.slot_idx, rows.selected, rows.n_sel, rows.n_sink,
+                           ckv, clen, rows.row_mask, seq_lens=rows.seq_lens)
+        dense = torch.zeros_like(rows.query)
+        ev = torch.full((4, 2, 128), 7.0)
+        kn = torch.full((4, 2, 128), 7.0)
+        lo = torch.full((4,), 4, dtype=torch.int32)
+        dense_decode_with_evidence_cpu(rows.query, cache, rows.block_table, rows.seq_lens, lo,
+                                       rows.recent_start, rows.scale, dense, ev, rows.row_mask,
+                                       evidence_rows=torch.tensor([2, 0, -1, 1], dtype=torch.int32),
+                                       key_norms=kn, k_scale=ks, v_scale=vs)
+        ref = torch.zeros_like(rows.query)
+        pr.dense_paged_attention(rows.query, cache, rows.block_table, list(range(5)), [70, 33, 120, 0],
+                                 rows.scale, ref, k_scale=ks, v_scale=vs)
+        key = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(1)) * 3
+        pr.write_kv(cache, key, -key, torch.tensor([5, 17, 40]), k_scale=ks, v_scale=vs)
+        written = cache[torch.tensor([0, 1, 2]), :, torch.tensor([5, 1, 8])]
+        results.append((out, as_bytes(ckv), clen, dense, ev, kn, ref, as_bytes(written)))
+    for a, b, what in zip(*results, ("two-segment", "compact", "compact_len", "dense", "evidence",
+                                     "key norms", "reference", "write")):
+        assert torch.equal(a, b), what
+
+
+def test_layout_check_reads_an_fp8_cache_through_its_view():
+    """The start-up check on an fp8 cache: the write gets vLLM's uint8 allocation and stores the
+    quantised values; the check reads them through the fp8 view (a write in the logical layout
+    still fails it)."""
+    def packed_write(k, v, kc, vc, slots):       # the vec packing, K transposed per page, as bytes
+        nb, h, bs, d = kc.shape
+        raw = kc.as_strided((nb, h, bs, 2 * d), (h * 2 * bs * d, 2 * bs * d, 2 * d, 1), kc.storage_offset())
+        pages = PackedPages(raw.view(torch.float8_e4m3fn))
+        pr.write_kv(pages, k, v, slots, k_scale=1.0, v_scale=1.0)
+
+    def logical_write(k, v, kc, vc, slots):
+        nb, h, bs, d = kc.shape
+        raw = kc.as_strided((nb, h, bs, 2 * d), (h * 2 * bs * d, 2 * bs * d, 2 * d, 1), kc.storage_offset())
+        pr.write_kv(raw.view(torch.float8_e4m3fn), k, v, slots)
+
+    assert layout_matches(packed_write, 16, 64, torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
+    assert not layout_matches(logical_write, 16, 64, torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("isa", ISAS)

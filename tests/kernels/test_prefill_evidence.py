@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
-from kernel_testlib import (DEVICE, SENTINEL, assert_evidence_close, blocks_needed,
-                            make_block_table, make_kv_cache, reference_evidence)
+from kernel_testlib import (DEVICE, DTYPES, FP8, FP8_CASES, SENTINEL, assert_evidence_close,
+                            blocks_needed, dequantize_pages, fp8_case_id, fp8_scales,
+                            make_block_table, make_kv_cache, quantize_pages, reference_evidence)
+from vllm_ext.kernels.paged_reference import gather_kv
 from vllm_ext.kernels.dense_decode_evidence import dense_decode_with_evidence, prefill_evidence
 from vllm_ext.kernels.triton_utils import use_triton
 
@@ -155,3 +157,35 @@ def test_the_dispatch_runs_the_kernels_where_triton_runs(monkeypatch):
     dde.prefill_evidence(q, kv, bt, seq, torch.tensor([4], dtype=torch.int32, device=DEVICE),
                          torch.tensor([30], dtype=torch.int32, device=DEVICE), 0.125, ev, qpos)
     assert torch.isfinite(ev[0, :, 4:30]).all()
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=fp8_case_id)
+def test_prefill_evidence_fp8_pages(case):
+    """fp8 pages with the layer's k_scale: the Triton launches and the twin against the float64
+    reference over the dequantised pages; key norms are those of the dequantised keys."""
+    from vllm_ext.kernels.dense_decode_evidence import prefill_evidence_torch
+
+    fmt, ks, vs, qdt = case
+    lens = [90, 5, 40, 0]
+    kv, bt, q, qpos, max_len = _problem(lens, 4, seed=9)
+    kv8 = quantize_pages(kv, FP8[fmt], ks, vs)
+    kv_ref = dequantize_pages(kv8, ks, vs)
+    q = q.to(DTYPES[qdt])
+    k_scale, _ = fp8_scales(ks, vs)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    lo = torch.full((len(lens),), 4, dtype=torch.int32, device=DEVICE)
+    hi = (seq - 10).clamp_min(0)
+    for fn in (prefill_evidence, prefill_evidence_torch):
+        ev = torch.full((len(lens), 2, max_len), SENTINEL, device=DEVICE)
+        kn = torch.full((len(lens), 2, max_len), SENTINEL, device=DEVICE)
+        fn(q, kv8, bt, seq, lo, hi, 0.125, ev, qpos, None, 0.5, key_norms=kn, span=max(lens),
+           k_scale=k_scale)
+        for i, n in enumerate(lens):
+            if n <= 0:
+                assert torch.all(ev[i] == SENTINEL)
+                continue
+            ref = reference_evidence(q[i], kv_ref, bt[i], 4, min(int(hi[i]), n), max_len, 0.125, 0.5,
+                                     qpos[i].tolist())
+            assert_evidence_close(ev[i], ref, what=f"{fn.__name__} row {i}")
+            k, _ = gather_kv(kv_ref, bt[i], torch.arange(n, device=DEVICE))
+            torch.testing.assert_close(kn[i, :, :n], k.norm(dim=-1), atol=1e-4, rtol=1e-4)

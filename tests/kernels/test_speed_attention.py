@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testlib import DEVICE, assert_close_out, make_block_table, make_kv_cache
+from kernel_testlib import (DEVICE, DTYPES, FP8, FP8_CASES, assert_close_out, dequantize_pages,
+                            fp8_case_id, fp8_scales, make_block_table, make_kv_cache, quantize_pages)
 
 from vllm_ext.kernels.paged_reference import attention_over, gather_kv
 from vllm_ext.kernels.speed_attention import speed_attention, speed_attention_torch
@@ -74,6 +75,27 @@ def test_speed_attention_matches_visibility_reference(dtype, layout, anchor_end,
         fn(query, kv, bt, token_row, positions, tail, anchor_end, self_only, scale, out)
         assert torch.isfinite(out.float()).all(), fn.__name__
         assert_close_out(out, ref, dtype, what=f"{fn.__name__} anchor {anchor_end} self {self_only}")
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=fp8_case_id)
+def test_speed_attention_fp8_pages(case):
+    """fp8 pages with the layer's scales (interior positions NaN, as stored): kernel and twin
+    against the visibility reference over the dequantised pages."""
+    fmt, ks, vs, qdt = case
+    gen = torch.Generator().manual_seed(11)
+    kv, bt, query, token_row, positions, tail, _ = _case(torch.float32, "LBNHC", gen)
+    _poison_interior(kv, bt, 1)
+    kv8 = quantize_pages(kv, FP8[fmt], ks, vs)
+    kv_ref = dequantize_pages(kv8, ks, vs)
+    query = query.to(DTYPES[qdt])
+    k_scale, v_scale = fp8_scales(ks, vs)
+    scale = 32 ** -0.5
+    ref = _reference(query, kv_ref, bt, token_row, positions, [p for p, _, _ in ROWS], 1, False, scale)
+    for fn in (speed_attention, speed_attention_torch):
+        out = torch.full_like(query, 5.0)
+        fn(query, kv8, bt, token_row, positions, tail, 1, False, scale, out, k_scale=k_scale,
+           v_scale=v_scale)
+        assert_close_out(out, ref, query.dtype, what=fn.__name__)
 
 
 def test_speed_attention_differs_from_causal():

@@ -4,9 +4,11 @@ explicit index set S ∪ M_h ∪ R_t."""
 import pytest
 import torch
 
-from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FULL_GRID, SENTINEL,
-                            assert_close_out, case_id, cuda_only, make_sfi_rows, page_compact,
-                            reference_dense_attention, reference_sparse_attention, row_lengths)
+from kernel_testlib import (DEVICE, DTYPES, FAST_CASES, FP8, FP8_CASES, FULL_GRID, SENTINEL,
+                            assert_close_out, case_id, cuda_only, fp8_case_id, fp8_rows, fp8_scales,
+                            make_sfi_rows, page_compact, reference_dense_attention,
+                            reference_sparse_attention, row_lengths)
+from vllm_ext.kernels.kv_quant import as_bytes
 from vllm_ext.kernels.gather_compact import gather_compact
 from vllm_ext.kernels.two_segment_decode import (two_segment_decode, two_segment_decode_torch,
                                                  two_segment_workspace)
@@ -55,6 +57,75 @@ def test_two_segment_fast_grid_paged_compact(case):
     # capacity of 19 entries spans several blocks, the last one partly)
     idx = FAST_CASES.index(case)
     _run_case(case, num_splits=(1, 3, 2)[idx % 3], seed=idx, compact_block=(case[2], 8)[idx % 2])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("case", FP8_CASES, ids=fp8_case_id)
+def test_two_segment_fp8_pages(case, paged):
+    """fp8 pages and an fp8 compact segment with the layer's scales: the kernel (split and direct)
+    and the twin against the reference over the explicitly dequantised pages."""
+    fmt, ks, vs, qdt = case
+    qdtype = DTYPES[qdt]
+    lens, act = row_lengths(16)
+    rows = make_sfi_rows(seq_lens=lens, active=act, g=4, hkv=2, d=64, bs=16, dtype=torch.float32,
+                         layout="LBNHC" if paged else "LBHNC", k=12, n_recent=20, seed=21)
+    r8, ref = fp8_rows(rows, FP8[fmt], ks, vs, qdtype)
+    k_scale, v_scale = fp8_scales(ks, vs)
+    ckv, table = r8.compact_kv, None
+    if paged:
+        ckv, table = page_compact(r8.compact_kv, 8, seed=3)
+    expect = reference_sparse_attention(ref)
+    for splits in (1, 3):
+        out = torch.full_like(r8.query, SENTINEL)
+        two_segment_decode(r8.query, r8.kv_cache, r8.block_table, r8.seq_lens, r8.recent_start, ckv,
+                           r8.compact_len, r8.slot_idx, r8.scale, out, r8.row_mask, num_splits=splits,
+                           compact_table=table, k_scale=k_scale, v_scale=v_scale)
+        twin = torch.full_like(r8.query, SENTINEL)
+        two_segment_decode_torch(r8.query, r8.kv_cache, r8.block_table, r8.seq_lens, r8.recent_start,
+                                 ckv, r8.compact_len, r8.slot_idx, r8.scale, twin, r8.row_mask,
+                                 compact_table=table, k_scale=k_scale, v_scale=v_scale)
+        for i, r in enumerate(expect):
+            if r is None:
+                assert torch.all(out[i] == SENTINEL) and torch.all(twin[i] == SENTINEL)
+                continue
+            assert_close_out(out[i], r, qdtype, f"kernel row {i} ({splits} splits)")
+            assert_close_out(twin[i], r, qdtype, f"twin row {i}")
+    # the scales matter: unscaled, the result differs
+    plain = torch.zeros_like(r8.query)
+    two_segment_decode(r8.query, r8.kv_cache, r8.block_table, r8.seq_lens, r8.recent_start, ckv,
+                       r8.compact_len, r8.slot_idx, r8.scale, plain, r8.row_mask, num_splits=1,
+                       compact_table=table)
+    assert (plain[5].float() - expect[5]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_two_segment_fp8_gathered_compact(fmt):
+    """The fast step on fp8 pages end to end: gather_compact copies the selected entries' stored
+    bytes into an fp8 compact segment (byte-identical to direct indexing), then the decode with
+    the pages' scales matches the reference."""
+    lens, act = row_lengths(32)
+    rows = make_sfi_rows(seq_lens=lens, active=act, g=8, hkv=2, d=64, bs=32, dtype=torch.float32,
+                         layout="LBNHC", k=12, n_recent=20, seed=9)
+    r8, ref = fp8_rows(rows, FP8[fmt], 0.5, 3.0, torch.bfloat16)
+    k_scale, v_scale = fp8_scales(0.5, 3.0)
+    ckv = torch.zeros_like(r8.compact_kv)
+    clen = torch.zeros_like(r8.compact_len)
+    gather_compact(r8.kv_cache, r8.block_table, r8.slot_idx, r8.selected, r8.n_sel, r8.n_sink, ckv,
+                   clen, r8.row_mask, seq_lens=r8.seq_lens)
+    assert ckv.dtype == r8.kv_cache.dtype and ckv.element_size() == 1
+    for i, sets in enumerate(r8.index_sets):
+        if sets is None:
+            continue
+        s, n = int(r8.slot_idx[i]), int(clen[int(r8.slot_idx[i])])
+        assert n == int(r8.compact_len[s])
+        assert torch.equal(as_bytes(ckv[s, :, :n]), as_bytes(r8.compact_kv[s, :, :n])), f"row {i}"
+    out = torch.full_like(r8.query, SENTINEL)
+    two_segment_decode(r8.query, r8.kv_cache, r8.block_table, r8.seq_lens, r8.recent_start, ckv, clen,
+                       r8.slot_idx, r8.scale, out, r8.row_mask, num_splits=2, k_scale=k_scale,
+                       v_scale=v_scale)
+    for i, r in enumerate(reference_sparse_attention(ref)):
+        if r is not None:
+            assert_close_out(out[i], r, torch.bfloat16, f"row {i}")
 
 
 @pytest.mark.cuda

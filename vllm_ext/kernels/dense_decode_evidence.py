@@ -37,6 +37,9 @@ per request and layer at the end of its prefill, eagerly).
 A row is active iff ``row_mask[r] != 0`` (when given) and ``seq_lens[r] > 0``; inactive rows are
 untouched (``out`` and ``log_evidence``). No host synchronisation; pass a workspace to avoid
 allocation.
+
+fp8 pages (``kernels.kv_quant``): every op takes the layer's ``k_scale`` / ``v_scale``; the scores,
+hence the evidence, and ``key_norms`` are of the dequantised keys.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ext.kernels import kv_quant
 from vllm_ext.kernels.merge_state import launch_merge_states
 from vllm_ext.kernels.prefill_evidence import fill_past_span, prefill_evidence_triton
 from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, fixed_meta,
@@ -60,11 +64,11 @@ if HAS_TRITON:
     import triton.language as tl
 
     from vllm_ext.kernels.program_rows import program_row
-    from vllm_ext.kernels.two_segment_decode import (_load_group_q, _online_update, _paged_kv_scores,
-                                                     _store_state)
+    from vllm_ext.kernels.two_segment_decode import (_kv_scale_factors, _load_group_q, _online_update,
+                                                     _paged_kv_scores, _store_state)
 
     @triton.jit
-    def _dense_split_body(e, row, h, split, seq_len, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT,
+    def _dense_split_body(e, row, h, split, seq_len, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT, KS, VS,
         s_q_r, s_q_h, s_q_d,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
@@ -77,9 +81,10 @@ if HAS_TRITON:
         MAX_LEN, qk_scale, NUM_SPLITS,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
-        NORMS: tl.constexpr, BLOCK_N: tl.constexpr):
+        NORMS: tl.constexpr, KV_SCALED: tl.constexpr, BLOCK_N: tl.constexpr):
         # one (program row e -> batch row ``row``, KV head, split) of the split-K pass; partial
         # states and evidence are indexed by e, the output by the batch row
+        qk_scale, vsc = _kv_scale_factors(qk_scale, KS, VS, KV_SCALED)
         chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = split * chunk
         end = tl.minimum(start + chunk, seq_len)
@@ -113,6 +118,8 @@ if HAS_TRITON:
                     # ||k_j|| from the K this pass reads anyway (the selector's prior)
                     kf = k.to(tl.float32)
                     kn = tl.sqrt(tl.sum(kf * kf, 1))
+                    if KV_SCALED:
+                        kn = kn * tl.load(KS)
                     tl.store(kn_base + pos.to(tl.int64) * s_kn_j, kn, mask=keep)
                 in_a = valid & (pos >= lo) & (pos < hi)
                 sa = tl.where(in_a[None, :], s, float("-inf"))
@@ -122,7 +129,7 @@ if HAS_TRITON:
                 ma_i = ma_new
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
 
-        _store_state(acc, m_i, l_i, e, row, h, split, PO, PLSE, OUT,
+        _store_state(acc, m_i, l_i, vsc, e, row, h, split, PO, PLSE, OUT,
                      s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
                      s_o_r, s_o_h, s_o_d, G, BLOCK_G, D, BLOCK_D, DIRECT)
         if EVIDENCE:
@@ -137,7 +144,7 @@ if HAS_TRITON:
                                         "COMPACT", "NORMS"])
     @triton.jit
     def _dense_split_kernel(
-        Q, KV, BT, SEQ, LO, HI, MASK, ROWS, PO, PLSE, PLSEA, SC, KN, OUT,
+        Q, KV, BT, SEQ, LO, HI, MASK, ROWS, PO, PLSE, PLSEA, SC, KN, OUT, KS, VS,
         s_q_r, s_q_h, s_q_d,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
@@ -151,7 +158,7 @@ if HAS_TRITON:
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
-        COMPACT: tl.constexpr, NORMS: tl.constexpr, BLOCK_N: tl.constexpr,
+        COMPACT: tl.constexpr, NORMS: tl.constexpr, KV_SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # program row e: batch row ROWS[e] in compact mode (the slow-row list), else row e
         e = tl.program_id(0)
@@ -161,16 +168,16 @@ if HAS_TRITON:
         if seq_len <= 0:
             return
         _dense_split_body(
-            e, row, h, split, seq_len, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT,
+            e, row, h, split, seq_len, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT, KS, VS,
             s_q_r, s_q_h, s_q_d, s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b,
             s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h, s_pa_r, s_pa_s, s_pa_h,
             s_sc_r, s_sc_h, s_sc_j, s_kn_r, s_kn_h, s_kn_j, s_o_r, s_o_h, s_o_d,
             MAX_LEN, qk_scale, NUM_SPLITS, G, BLOCK_G, D, BLOCK_D, PAGE, F32_DOT, DIRECT, EVIDENCE,
-            NORMS, BLOCK_N)
+            NORMS, KV_SCALED, BLOCK_N)
 
     @triton.jit
     def _dense_split_persistent_kernel(
-        COUNT, SEQ, ROWS, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT,
+        COUNT, SEQ, ROWS, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT, KS, VS,
         s_q_r, s_q_h, s_q_d,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
@@ -183,7 +190,7 @@ if HAS_TRITON:
         MAX_LEN, qk_scale, NUM_SPLITS,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, F32_DOT: tl.constexpr, DIRECT: tl.constexpr, EVIDENCE: tl.constexpr,
-        NORMS: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr,
+        NORMS: tl.constexpr, KV_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr,
     ):
         # compact mode with the live-entry count on the device: a fixed grid of programs walks the
         # (entry, KV head, split) items of the live entries only, so a step without slow rows
@@ -197,12 +204,12 @@ if HAS_TRITON:
             row = tl.load(ROWS + e)
             seq_len = tl.load(SEQ + row)
             _dense_split_body(
-                e, row, h, split, seq_len, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT,
+                e, row, h, split, seq_len, Q, KV, BT, LO, HI, PO, PLSE, PLSEA, SC, KN, OUT, KS, VS,
             s_q_r, s_q_h, s_q_d, s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b,
             s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h, s_pa_r, s_pa_s, s_pa_h,
             s_sc_r, s_sc_h, s_sc_j, s_kn_r, s_kn_h, s_kn_j, s_o_r, s_o_h, s_o_d,
             MAX_LEN, qk_scale, NUM_SPLITS, G, BLOCK_G, D, BLOCK_D, PAGE, F32_DOT, DIRECT, EVIDENCE,
-            NORMS, BLOCK_N)
+            NORMS, KV_SCALED, BLOCK_N)
 
     @triton.jit
     def _evidence_kernel(
@@ -328,7 +335,7 @@ SLOW_PASS_META = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, num_splits,
                   workspace, allowed_lo=None, allowed_hi=None, log_evidence=None, alpha=0.5,
-                  evidence_rows=None, key_norms=None, evidence_count=None):
+                  evidence_rows=None, key_norms=None, evidence_count=None, k_scale=None, v_scale=None):
     hq, d = query.shape[1], query.shape[2]
     hkv = kv_cache.shape[1]
     assert kv_cache.shape[-1] == 2 * d and hq % hkv == 0
@@ -373,14 +380,15 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
     rows_arg = evidence_rows if compact else seq_lens
     strides = (*query.stride(), *kv_cache.stride(), *block_table.stride(),
                *po_st, *pl_st, *pa_st, *sc_st, *kn_st, *out.stride())
+    ks, vs, kv_scaled = kv_quant.launch_scales(kv_cache.dtype, k_scale, v_scale, out)
     meta = dict(G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
-                PAGE=kv_cache.shape[2], F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct,
-                EVIDENCE=evidence, NORMS=norms)
+                PAGE=kv_cache.shape[2], F32_DOT=dot_in_fp32(kv_cache.dtype, query.dtype), DIRECT=direct,
+                EVIDENCE=evidence, NORMS=norms, KV_SCALED=kv_scaled)
     if compact and evidence_count is not None and not has_mask:
         progs = min(num_rows * hkv * num_splits, PERSISTENT_WAVES * num_sms(query.device))
         _dense_split_persistent_kernel[(max(progs, 1),)](
             evidence_count, seq_lens, rows_arg, query, kv_cache, block_table, lo, hi,
-            po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
+            po, pl, pa, sc, kn, out, ks, vs, *strides, max_len, float(scale) * LOG2E, num_splits,
             HKV=hkv, **meta, **fixed_meta(SLOW_PASS_META, {"BLOCK_N": 32}))
     else:
         # work decided on the device (a mask, a compacted list): no autotuning (triton_utils.untuned)
@@ -389,7 +397,7 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
         tile = fixed_meta(FIXED_META, {"BLOCK_N": 32}) if device_decided else _interp_meta()
         kernel[(num_rows, hkv, num_splits)](
             query, kv_cache, block_table, seq_lens, lo, hi, mask_arg, rows_arg,
-            po, pl, pa, sc, kn, out, *strides, max_len, float(scale) * LOG2E, num_splits,
+            po, pl, pa, sc, kn, out, ks, vs, *strides, max_len, float(scale) * LOG2E, num_splits,
             HAS_MASK=has_mask, COMPACT=compact, **meta, **tile)
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens,
@@ -413,13 +421,14 @@ def _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask, 
 # ----------------------------------------------------------------------------------------------
 
 def paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=None, *,
-                 num_splits=None, workspace=None):
+                 num_splits=None, workspace=None, k_scale=None, v_scale=None):
     """Dense paged decode (one query per row over all ``seq_lens[r]`` positions), split-K."""
     if not use_triton(query):
         return paged_decode_torch(query, kv_cache, block_table, seq_lens, scale, out, row_mask,
-                                  num_splits=num_splits, workspace=workspace)
+                                  num_splits=num_splits, workspace=workspace, k_scale=k_scale,
+                                  v_scale=v_scale)
     return _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask,
-                         num_splits, workspace)
+                         num_splits, workspace, k_scale=k_scale, v_scale=v_scale)
 
 
 def _check_evidence_args(query, kv_cache, log_evidence, evidence_rows, key_norms):
@@ -435,7 +444,7 @@ def _check_evidence_args(query, kv_cache, log_evidence, evidence_rows, key_norms
 def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                                scale, out, log_evidence, row_mask=None, alpha=0.5, *,
                                num_splits=None, workspace=None, evidence_rows=None, key_norms=None,
-                               evidence_count=None):
+                               evidence_count=None, k_scale=None, v_scale=None):
     """Slow-step decode: dense ``out`` and ``log_evidence [E, Hkv, max_len]`` (see module doc).
 
     Without ``evidence_rows`` every active row ``r`` is attended and gets evidence in
@@ -455,34 +464,42 @@ def dense_decode_with_evidence(query, kv_cache, block_table, seq_lens, allowed_l
                                                 allowed_hi, scale, out, log_evidence, row_mask,
                                                 alpha, num_splits=num_splits, workspace=workspace,
                                                 evidence_rows=evidence_rows, key_norms=key_norms,
-                                                evidence_count=evidence_count)
+                                                evidence_count=evidence_count, k_scale=k_scale,
+                                                v_scale=v_scale)
     return _launch_dense(query, kv_cache, block_table, seq_lens, scale, out, row_mask,
                          num_splits, workspace, allowed_lo, allowed_hi, log_evidence, alpha,
-                         evidence_rows, key_norms, evidence_count)
+                         evidence_rows, key_norms, evidence_count, k_scale, v_scale)
 
 
 # ----------------------------------------------------------------------------------------------
 # PyTorch twins
 # ----------------------------------------------------------------------------------------------
 
-def _dense_scores_torch(query, kv_cache, block_table, length, scale):
-    """Positions ``[0, length)`` of every row: K/V gathered and fp32 scores ``[R, Hq, length]``."""
+def _dense_scores_torch(query, kv_cache, block_table, length, scale, k_scale=None, v_scale=None):
+    """Positions ``[0, length)`` of every row: K/V gathered (fp32, fp8 dequantised) and fp32 scores
+    ``[R, Hq, length]``."""
     r, hq, d = query.shape
-    k, v = gather_paged_prefix(kv_cache, block_table, length)
+    k, v = _dequantized_prefix(kv_cache, block_table, length, k_scale, v_scale)
     hkv = k.shape[1]
     q = query.float().reshape(r, hkv, hq // hkv, d)
-    s = torch.einsum("rhgd,rhnd->rhgn", q, k.float()).reshape(r, hq, length) * scale
+    s = torch.einsum("rhgd,rhnd->rhgn", q, k).reshape(r, hq, length) * scale
     return s, k, v
 
 
+def _dequantized_prefix(kv_cache, block_table, length, k_scale, v_scale):
+    k, v = gather_paged_prefix(kv_cache, block_table, length)
+    return (kv_quant.dequantize(k, kv_quant.twin_scale(kv_cache.dtype, k_scale)),
+            kv_quant.dequantize(v, kv_quant.twin_scale(kv_cache.dtype, v_scale)))
+
+
 def paged_decode_torch(query, kv_cache, block_table, seq_lens, scale, out, row_mask=None, *,
-                       num_splits=None, workspace=None):
+                       num_splits=None, workspace=None, k_scale=None, v_scale=None):
     del num_splits, workspace
     r = query.shape[0]
     if r == 0:
         return out
     length = live_length(seq_lens, block_table, kv_cache.shape[2])
-    k, v = gather_paged_prefix(kv_cache, block_table, length)
+    k, v = _dequantized_prefix(kv_cache, block_table, length, k_scale, v_scale)
     mask = torch.arange(length, device=query.device)[None, :] < seq_lens.long()[:, None]
     o, _ = batched_masked_attention(query, k, v, mask, scale)
     act = active_rows(seq_lens, row_mask)
@@ -505,7 +522,8 @@ def _pool_evidence(logp: torch.Tensor, in_a: torch.Tensor, alpha: float, n_rows:
 def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, allowed_lo,
                                      allowed_hi, scale, out, log_evidence, row_mask=None,
                                      alpha=0.5, *, num_splits=None, workspace=None,
-                                     evidence_rows=None, key_norms=None, evidence_count=None):
+                                     evidence_rows=None, key_norms=None, evidence_count=None,
+                                     k_scale=None, v_scale=None):
     """PyTorch twin of :func:`dense_decode_with_evidence` (fp32, no row loop); on the CPU
     :func:`dense_decode_with_evidence_cpu` (the same values up to summation order)."""
     del num_splits, workspace, evidence_count      # live entries are the ones with a row >= 0
@@ -516,15 +534,17 @@ def dense_decode_with_evidence_torch(query, kv_cache, block_table, seq_lens, all
         return dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allowed_lo,
                                               allowed_hi, scale, out, log_evidence, row_mask, alpha,
                                               evidence_rows=evidence_rows, key_norms=key_norms,
-                                              native=True)
+                                              native=True, k_scale=k_scale, v_scale=v_scale)
     return dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens, allowed_lo,
                                               allowed_hi, scale, out, log_evidence, row_mask, alpha,
-                                              evidence_rows=evidence_rows, key_norms=key_norms)
+                                              evidence_rows=evidence_rows, key_norms=key_norms,
+                                              k_scale=k_scale, v_scale=v_scale)
 
 
 def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                                    scale, out, log_evidence, row_mask=None, alpha=0.5, *,
-                                   evidence_rows=None, key_norms=None, native=False):
+                                   evidence_rows=None, key_norms=None, native=False, k_scale=None,
+                                   v_scale=None):
     """The twin on the CPU, where reading lengths costs nothing: per live entry, its row's blocks
     gathered and converted to fp32 as K transposed (and V when ``out`` is given;
     :func:`gather_prefix_kt_into`: contiguous matmuls), the scores of its G query heads per KV head
@@ -533,7 +553,8 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
     piecewise: 2-4x slower at 2K on the real model's slow steps. ``native`` (the CPU build's
     dispatch): an entry on ``CPU_ATTN``'s packed pages goes to the compiled kernel
     (:func:`vllm_ext.kernels.cpu_native.evidence`, the same values up to summation order) when it
-    applies."""
+    applies. fp8 pages: ``k_scale`` folded into the score scale and the key norms, ``v_scale`` into
+    the output."""
     from vllm_ext.kernels import cpu_native
     from vllm_ext.kernels.packed_pages import PackedPages
     from vllm_ext.kernels.paged_reference import _scratch_buffer, gather_prefix_kt_into
@@ -549,7 +570,11 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
     else:
         pairs = [(e, r) for e, r in enumerate(evidence_rows.tolist()) if 0 <= r < r_all]
     log_g = math.log(g)
-    native = native and isinstance(kv_cache, PackedPages)
+    ks = kv_quant.host_scale(kv_cache.dtype, k_scale)
+    vs = kv_quant.host_scale(kv_cache.dtype, v_scale)
+    # the compiled pass takes no scales: scaled fp8 pages run the loop
+    native = (native and isinstance(kv_cache, PackedPages)
+              and not kv_quant.scaled(kv_cache.dtype, k_scale, v_scale))
     for e, r in pairs:
         seq = int(seqs[r])
         if seq <= 0 or not on[r]:
@@ -564,9 +589,10 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
         kt, v = gather_prefix_kt_into(kv_cache, block_table[r], seq, torch.float32,
                                       values=out is not None)                         # [Hkv, D, seq]
         q = query[r].float().view(hkv, g, d)
-        s = torch.bmm(q, kt).mul_(scale)                                            # [Hkv, G, seq]
+        s = torch.bmm(q, kt).mul_(scale * ks)                                       # [Hkv, G, seq]
         if out is not None:
-            out[r] = torch.bmm(torch.softmax(s, dim=-1), v).reshape(hq, d).to(out.dtype)
+            o = torch.bmm(torch.softmax(s, dim=-1), v)
+            out[r] = (o.mul_(vs) if vs != 1.0 else o).reshape(hq, d).to(out.dtype)
         ev = log_evidence[e]
         if hi > lo:
             ev[:, :lo].fill_(float("-inf"))
@@ -591,12 +617,15 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
             sq = _scratch_buffer(ktl.numel(), torch.float32, ktl.device, tag="kt_sq").view(ktl.shape)
             torch.mul(ktl, ktl, out=sq)
             torch.sqrt(torch.bmm(kt.new_ones(hkv, 1, d), sq).view(hkv, lim), out=key_norms[e, :, :lim])
+            if ks != 1.0:
+                key_norms[e, :, :lim].mul_(ks)
     return out
 
 
 def dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens, allowed_lo,
                                        allowed_hi, scale, out, log_evidence, row_mask=None,
-                                       alpha=0.5, *, evidence_rows=None, key_norms=None):
+                                       alpha=0.5, *, evidence_rows=None, key_norms=None, k_scale=None,
+                                       v_scale=None):
     """The twin's batched form (every row padded to the longest; no host sync off the CPU)."""
     r_all = query.shape[0]
     if r_all == 0:
@@ -616,7 +645,7 @@ def dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens, a
                 dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens,
                                                    allowed_lo, allowed_hi, scale, out, sub_ev,
                                                    row_mask, alpha, evidence_rows=evidence_rows[ent],
-                                                   key_norms=sub_kn)
+                                                   key_norms=sub_kn, k_scale=k_scale, v_scale=v_scale)
                 log_evidence[ent] = sub_ev
                 if key_norms is not None:
                     key_norms[ent] = sub_kn
@@ -629,7 +658,8 @@ def dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens, a
     max_len = log_evidence.shape[-1]
     length = live_length(seq_lens, block_table, kv_cache.shape[2])
     q = query[src]
-    s, k, v = _dense_scores_torch(q, kv_cache, block_table[src], length, scale)   # [E, Hq, L]
+    s, k, v = _dense_scores_torch(q, kv_cache, block_table[src], length, scale, k_scale,
+                                  v_scale)                                          # [E, Hq, L]
     seq = seq_lens.long()[src]
     pos = torch.arange(length, device=query.device)
     vis = pos[None, :] < seq[:, None]                                              # [E, L]
@@ -639,7 +669,7 @@ def dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens, a
     p = torch.where(vis[:, None, :], p, torch.zeros_like(p))
     act = live & active_rows(seq_lens, row_mask)[src]
     if out is not None:
-        o = torch.einsum("rhgn,rhnd->rhgd", p.reshape(r, hkv, g, length), v.float()).reshape(r, hq, d)
+        o = torch.einsum("rhgn,rhnd->rhgd", p.reshape(r, hkv, g, length), v).reshape(r, hq, d)
         if evidence_rows is None:
             out.copy_(torch.where(act[:, None, None], o.to(out.dtype), out))
         else:
@@ -662,14 +692,14 @@ def dense_decode_with_evidence_batched(query, kv_cache, block_table, seq_lens, a
     m = (act[:, None] & (jpos[None, :] < lim[:, None]))[:, None, :]
     log_evidence[..., :n].copy_(torch.where(m, ev, log_evidence[..., :n]))
     if key_norms is not None:
-        norms = torch.linalg.vector_norm(k[:, :, :n].float(), dim=-1)
+        norms = torch.linalg.vector_norm(k[:, :, :n], dim=-1)
         key_norms[..., :n].copy_(torch.where(m, norms, key_norms[..., :n]))
     return out
 
 
 def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                            scale, log_evidence, query_positions, row_mask=None, alpha=0.5, *,
-                           chunk=4096, key_norms=None, span=None):
+                           chunk=4096, key_norms=None, span=None, k_scale=None):
     """Prefill-end evidence from ``W`` queries per row (see module doc).
 
     ``query_rows [R, W, Hq, D]``; ``query_positions [R, W]`` int (absolute position of each query;
@@ -680,7 +710,8 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
     ``span`` (host int, >= every active row's ``seq_len``): the positions the chunks cover; past it
     an active row's evidence is ``-inf``. The caller passes it when the lengths are on the host (the
     prefill end's plan): without it a device's chunks cover all of ``max_len`` (the model's length,
-    whatever the prompt's) to avoid a sync, and the CPU reads the longest row.
+    whatever the prompt's) to avoid a sync, and the CPU reads the longest row. ``k_scale``: of fp8
+    pages (``kernels.kv_quant``); the keys are dequantised.
     """
     r, w, hq, d = query_rows.shape
     if r == 0:
@@ -697,17 +728,19 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
     q = query_rows.float().reshape(r, w, hkv, g, d)
 
     act = active_rows(seq_lens, row_mask)
+    ks = kv_quant.twin_scale(kv_cache.dtype, k_scale)
 
     def chunk_logits(j0, j1, want_norms=False):
         jpos = torch.arange(j0, j1, device=dev)
         pos = jpos[None, :].expand(r, j1 - j0)
         k, _ = gather_paged_rows(kv_cache, block_table, pos)                  # [R, Hkv, n, D]
+        k = kv_quant.dequantize(k, ks)
         if key_norms is not None and want_norms:
             cur = key_norms[:, :, j0:j1]
             inside = (jpos[None, :] < seq[:, None]) & act[:, None]                # [R, n]
-            cur.copy_(torch.where(inside[:, None, :], torch.linalg.vector_norm(k.float(), dim=-1),
+            cur.copy_(torch.where(inside[:, None, :], torch.linalg.vector_norm(k, dim=-1),
                                   cur))
-        s = torch.einsum("rwhgd,rhnd->rhwgn", q, k.float()) * scale           # [R, Hkv, W, G, n]
+        s = torch.einsum("rwhgd,rhnd->rhwgn", q, k) * scale                   # [R, Hkv, W, G, n]
         in_a = (jpos[None, :] >= lo[:, None]) & (jpos[None, :] < hi[:, None])  # [R, n]
         causal = jpos[None, None, :] <= qpos[:, :, None]                        # [R, W, n]
         vis = in_a[:, None, :] & causal & qvalid[:, :, None]                    # [R, W, n]
@@ -745,13 +778,13 @@ def prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_
 
 def prefill_evidence(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, scale,
                      log_evidence, query_positions, row_mask=None, alpha=0.5, *, chunk=4096,
-                     key_norms=None, span=None):
+                     key_norms=None, span=None, k_scale=None):
     """Prefill-end evidence: the Triton kernels where they run (``chunk`` is the twin's), else
     :func:`prefill_evidence_torch`, which defines the values."""
     if use_triton(query_rows):
         return prefill_evidence_triton(query_rows, kv_cache, block_table, seq_lens, allowed_lo,
                                        allowed_hi, scale, log_evidence, query_positions, row_mask,
-                                       alpha, key_norms=key_norms, span=span)
+                                       alpha, key_norms=key_norms, span=span, k_scale=k_scale)
     return prefill_evidence_torch(query_rows, kv_cache, block_table, seq_lens, allowed_lo,
                                   allowed_hi, scale, log_evidence, query_positions, row_mask, alpha,
-                                  chunk=chunk, key_norms=key_norms, span=span)
+                                  chunk=chunk, key_norms=key_norms, span=span, k_scale=k_scale)

@@ -31,12 +31,17 @@ Active rows must map to distinct slots. A row is active iff ``row_mask[r] != 0``
 ``slot_idx[r] >= 0`` and, when ``seq_lens``
 is given, ``seq_lens[r] > 0``; inactive rows touch nothing. Compact entries past ``compact_len``
 keep stale values (the decode kernel never reads them). No host sync, no allocation.
+
+fp8 pages (``kernels.kv_quant``): the compact segment has the pages' fp8 dtype and the gather copies
+the stored bytes unchanged (no scale is applied: the segment carries the pages' scales), so an entry
+is half its bf16 size.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm_ext.kernels import kv_quant
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, num_sms, use_triton
 from vllm_ext.kernels.two_segment_decode import compact_capacity, compact_entries
 
@@ -151,6 +156,9 @@ def gather_compact(kv_cache, block_table, slot_idx, selected, n_sel, n_sink, com
     (a compacted list; each has ``slot_idx >= 0`` and a positive length); a fixed grid then walks
     only their work, so a launch with no live row costs one small wave. ``offset``, ``compact_table``:
     see the module doc."""
+    if kv_quant.is_fp8(kv_cache.dtype) and compact_kv.dtype != kv_cache.dtype:
+        raise ValueError(f"gather_compact: the compact segment of {kv_cache.dtype} pages stores "
+                         f"{kv_cache.dtype} (the stored bytes, with the pages' scales), not {compact_kv.dtype}")
     if not use_triton(kv_cache):
         if count is not None and row_mask is None and kv_cache.device.type == "cpu":
             live = max(0, min(slot_idx.shape[0], int(count.reshape(-1)[0])))   # free on the CPU

@@ -25,7 +25,9 @@ this format (``vllm_ext.backend.dense_path``). The AMX layout was read off vLLM 
 fails the check and runs the counted fallback.
 
 Entries come back in the logical layout (K then V, ``2D`` wide), in the cache dtype: the twins'
-arithmetic is unchanged. Only the CPU build uses this; no Triton kernel reads it.
+arithmetic is unchanged. An fp8 cache is read through its fp8 view (``kernels.kv_quant``; vLLM
+allocates ``uint8``), the packing's element offsets unchanged. Only the CPU build uses this; no
+Triton kernel reads it.
 """
 
 from __future__ import annotations
@@ -189,19 +191,28 @@ class PackedPages:
                 f"device={self.device})")
 
 
-def layout_matches(write_fn, block_size: int, head_size: int, dtype: torch.dtype, isa: str = "vec") -> bool:
+def layout_matches(write_fn, block_size: int, head_size: int, dtype: torch.dtype, isa: str = "vec",
+                   cache_dtype: torch.dtype | None = None) -> bool:
     """Whether ``write_fn(key, value, key_cache, value_cache, slot_mapping)`` (vLLM's
     ``cpu_attn_reshape_and_cache`` for the engine's ISA) stores K and V where :class:`PackedPages`
-    reads them: a small cache written through it, read back through the views."""
+    reads them: a small cache written through it, read back through the views. ``dtype``: of the
+    keys and values written; ``cache_dtype``: an fp8 cache's dtype (``write_fn`` then gets vLLM's
+    ``uint8`` allocation and stores the values quantised with scale 1), else the cache is ``dtype``."""
+    from vllm_ext.kernels.kv_quant import as_bytes, is_fp8, quantize
+
     nb, h, d = 3, 2, head_size
-    raw = torch.zeros(nb, h, block_size, 2 * d, dtype=dtype)
-    pages = PackedPages(raw, isa)
+    fp8 = cache_dtype is not None and is_fp8(cache_dtype)
+    raw = torch.zeros(nb, h, block_size, 2 * d, dtype=torch.uint8 if fp8 else dtype)
+    pages = PackedPages(raw.view(cache_dtype) if fp8 else raw, isa)
     n = block_size + 3
     gen = torch.Generator().manual_seed(0)
     key = torch.randn(n, h, d, generator=gen).to(dtype)
     value = torch.randn(n, h, d, generator=gen).to(dtype)
     slots = torch.arange(n, dtype=torch.long) + block_size          # block 1 onwards
-    write_fn(key, value, pages.key_cache, pages.value_cache, slots)
+    key_cache, value_cache = raw.view(nb, h, 2 * block_size, d).chunk(2, dim=2)
+    write_fn(key, value, key_cache, value_cache, slots)
     blk, off = slots // block_size, slots % block_size
-    return (torch.equal(pages.k[blk, :, off], key) and torch.equal(pages.v[blk, :, off], value)
-            and bool((pages.raw[0] == 0).all()))
+    want_k, want_v = (quantize(key, 1.0, cache_dtype), quantize(value, 1.0, cache_dtype)) if fp8 else (key, value)
+    return (torch.equal(as_bytes(pages.k[blk, :, off]), as_bytes(want_k))
+            and torch.equal(as_bytes(pages.v[blk, :, off]), as_bytes(want_v))
+            and bool((raw[0].view(torch.uint8) == 0).all()))

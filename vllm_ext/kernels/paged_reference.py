@@ -12,12 +12,16 @@ This is the CPU build's dense path where ``CPU_ATTN``'s kernel cannot run (the d
 method-on step run ``CPU_ATTN`` on packed pages: ``vllm_ext.backend.dense_path``) and the
 reference every kernel test compares with. It runs a Python loop over requests (CPU only; the CUDA
 path never runs it on a hot path).
+
+fp8 pages (``kernels.kv_quant``): :func:`write_kv` quantises with the layer's scales as vLLM's
+write does, :func:`dense_paged_attention` applies them; the gathers return stored values.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm_ext.kernels import kv_quant
 from vllm_ext.kernels.packed_pages import PackedPages, PageView, index_blocks
 
 
@@ -30,13 +34,15 @@ def split_kv(kv_cache: torch.Tensor | PackedPages) -> tuple[torch.Tensor, torch.
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | float | None = None,
+             v_scale: torch.Tensor | float | None = None) -> None:
     """Store ``key``/``value`` ``[T, H, D]`` at ``slot_mapping`` (``block * block_size + offset``).
 
     Slots ``< 0`` (vLLM's ``PAD_SLOT_ID``) are skipped; only the first ``len(slot_mapping)`` tokens
     are written (vLLM pads ``key``/``value`` beyond the actual tokens). When the cache's entries
     (``2D`` elements each) tile its storage densely (every vLLM layout), one ``index_copy_`` of whole
-    entries over a flat ``[entries, 2D]`` view; otherwise two advanced-index writes."""
+    entries over a flat ``[entries, 2D]`` view; otherwise two advanced-index writes. An fp8 cache
+    stores ``value / scale`` saturated (vLLM's write); the scales are ignored otherwise."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
@@ -50,18 +56,21 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if slots.numel() == 0:
             return
     blk, off = slots // block_size, slots % block_size
+    k = kv_quant.quantize(k, k_scale, kv_cache.dtype)
+    v = kv_quant.quantize(v, v_scale, kv_cache.dtype)
     if isinstance(kv_cache, PackedPages):
-        kv_cache.k[blk, :, off] = k.to(kv_cache.dtype)
-        kv_cache.v[blk, :, off] = v.to(kv_cache.dtype)
+        kv_cache.k[blk, :, off] = k
+        kv_cache.v[blk, :, off] = v
         return
     flat = _entries_view(kv_cache)
     if flat is None:
-        kv_cache[blk, :, off, :d] = k.to(kv_cache.dtype)
-        kv_cache[blk, :, off, d:] = v.to(kv_cache.dtype)
+        kv_cache[blk, :, off, :d] = k
+        kv_cache[blk, :, off, d:] = v
         return
     s0, s1, s2 = (kv_cache.stride(i) // c for i in range(3))
     idx = (blk * s0 + off * s2)[:, None] + torch.arange(0, h * s1, s1, device=slots.device)   # [n, H]
-    flat.index_copy_(0, idx.reshape(-1), torch.cat([k, v], dim=-1).to(kv_cache.dtype).reshape(-1, c))
+    # fp8 as bytes: the CPU has no fp8 index_copy_
+    kv_quant.as_bytes(flat).index_copy_(0, idx.reshape(-1), kv_quant.as_bytes(torch.cat([k, v], dim=-1)).reshape(-1, c))
 
 
 def _entries_view(kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -261,7 +270,9 @@ def gather_prefix_kt_into(kv_cache, block_table_row: torch.Tensor, length: int,
 
 def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                           query_start_loc: list[int], seq_lens: list[int], scale: float,
-                          output: torch.Tensor, *, sliding_window: int | None = None) -> torch.Tensor:
+                          output: torch.Tensor, *, sliding_window: int | None = None,
+                          k_scale: torch.Tensor | float | None = None,
+                          v_scale: torch.Tensor | float | None = None) -> torch.Tensor:
     """Causal attention of each request's queries over its whole paged history.
 
     ``query_start_loc`` (``num_reqs + 1``) and ``seq_lens`` (``num_reqs``, the current queries
@@ -278,10 +289,15 @@ def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
       own keys (causal) as two flash passes merged by their log-sum-exp, which skips the masked
       half of the chunk's square and the mask reads (1.3x faster than one pass with an explicit
       bottom-right mask for a 2K chunk at 8K); the explicit mask where that kernel is missing.
+
+    fp8 pages: ``k_scale`` folded into ``scale``, ``v_scale`` into the output (CPU scales, read on
+    the host).
     """
     import torch.nn.functional as F
 
     hq, d = query.shape[1], query.shape[2]
+    vs = kv_quant.host_scale(kv_cache.dtype, v_scale)
+    scale = scale * kv_quant.host_scale(kv_cache.dtype, k_scale)
     for i, seq_len in enumerate(seq_lens):
         qs, qe = query_start_loc[i], query_start_loc[i + 1]
         if qe <= qs or seq_len <= 0:
@@ -293,7 +309,7 @@ def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
         if sliding_window is None and n_q == 1:
             q = query[qs].float().view(1, hkv, g, d)                               # [1, Hkv, G, D]
             out = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), scale=scale)
-            output[qs] = out[0].reshape(hq, d).to(output.dtype)
+            output[qs] = _times(out[0], vs).reshape(hq, d).to(output.dtype)
             continue
         q = query[qs:qe].float().transpose(0, 1).unsqueeze(0)               # [1, Hq, n_q, D]
         mask, causal = None, False
@@ -306,15 +322,19 @@ def dense_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tab
         else:
             out = _prefix_chunk_attention(q, k, v, seq_len - n_q, scale)
             if out is not None:
-                output[qs:qe] = out.to(output.dtype)
+                output[qs:qe] = _times(out, vs).to(output.dtype)
                 continue
             kpos = torch.arange(seq_len, device=query.device)
             mask = kpos[None, :] <= kpos[seq_len - n_q:, None]
         out = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0),
                                              attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=True)
-        output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)
+        output[qs:qe] = _times(out[0].transpose(0, 1), vs).to(output.dtype)
     return output
+
+
+def _times(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x if factor == 1.0 else x * factor
 
 
 def _prefix_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int,

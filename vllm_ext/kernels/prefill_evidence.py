@@ -17,12 +17,14 @@ position. Two launches, K read twice (the raw scores of ``M`` queries over the w
 The grid covers the host-known ``span`` (the prefill end's plan holds the prompt lengths), so the
 work follows the prompts, not ``max_model_len``; the prefill end runs eagerly, never in a graph.
 Two launches per layer and ending step replace ~60 PyTorch ops per 4,096 positions per request.
+fp8 pages (``kernels.kv_quant``): ``k_scale`` is folded into the score scale and the key norms.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm_ext.kernels import kv_quant
 from vllm_ext.kernels.triton_utils import HAS_TRITON, dot_in_fp32, fixed_meta, next_pow2
 from vllm_ext.kernels.two_segment_decode import LOG2E, active_rows
 
@@ -58,6 +60,12 @@ if HAS_TRITON:
         return seq_len, lo, hi
 
     @triton.jit
+    def _k_scaled(qk_scale, KS, KV_SCALED: tl.constexpr):
+        if KV_SCALED:
+            qk_scale = qk_scale * tl.load(KS)
+        return qk_scale
+
+    @triton.jit
     def _load_k(KV, BT, r, h, pos, valid, s_bt_r, s_bt_b, s_kv_b, s_kv_h, s_kv_n, s_kv_c,
                 PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
         rowoff = _paged_row_offsets(BT, r, pos, valid, s_bt_r, s_bt_b, h, s_kv_b, s_kv_h, s_kv_n, PAGE)
@@ -68,14 +76,14 @@ if HAS_TRITON:
     # a step ending several prompts passes each one's row of these int tables: any 4-byte offset
     @triton.jit(do_not_specialize_on_alignment=["POS", "SEQ", "LO", "HI", "MASK"])
     def _prefill_lse_kernel(
-        Q, POS, KV, BT, SEQ, LO, HI, MASK, PL,
+        Q, POS, KV, BT, SEQ, LO, HI, MASK, PL, KS,
         s_q_r, s_q_w, s_q_h, s_q_d, s_p_r, s_p_w,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b,
         s_pl_r, s_pl_h, s_pl_s,
         MAX_LEN, qk_scale, NUM_SPLITS,
         W: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
         BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_MASK: tl.constexpr, F32_DOT: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        KV_SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -83,6 +91,7 @@ if HAS_TRITON:
         seq_len, lo, hi = _row_window(SEQ, LO, HI, MASK, r, MAX_LEN, HAS_MASK)
         if seq_len <= 0:
             return
+        qk_scale = _k_scaled(qk_scale, KS, KV_SCALED)
         q, qpos, mm = _load_window_q(Q, POS, r, h, s_q_r, s_q_w, s_q_h, s_q_d, s_p_r, s_p_w,
                                      W, G, BLOCK_M, D, BLOCK_D)
         chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -111,7 +120,7 @@ if HAS_TRITON:
     # a step ending several prompts passes each one's row of these int tables: any 4-byte offset
     @triton.jit(do_not_specialize_on_alignment=["POS", "SEQ", "LO", "HI", "MASK"])
     def _prefill_evidence_kernel(
-        Q, POS, KV, BT, SEQ, LO, HI, MASK, PL, EV, KN,
+        Q, POS, KV, BT, SEQ, LO, HI, MASK, PL, EV, KN, KS,
         s_q_r, s_q_w, s_q_h, s_q_d, s_p_r, s_p_w,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c, s_bt_r, s_bt_b,
         s_pl_r, s_pl_h, s_pl_s,
@@ -119,7 +128,7 @@ if HAS_TRITON:
         MAX_LEN, SPAN, qk_scale, alpha, NUM_SPLITS,
         W: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
         BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_MASK: tl.constexpr, F32_DOT: tl.constexpr,
-        GEOMETRIC: tl.constexpr, NORMS: tl.constexpr, BLOCK_S: tl.constexpr,
+        GEOMETRIC: tl.constexpr, NORMS: tl.constexpr, KV_SCALED: tl.constexpr, BLOCK_S: tl.constexpr,
         BLOCK_J: tl.constexpr,
     ):
         r = tl.program_id(0)
@@ -128,6 +137,7 @@ if HAS_TRITON:
         seq_len, lo, hi = _row_window(SEQ, LO, HI, MASK, r, MAX_LEN, HAS_MASK)
         if seq_len <= 0:
             return
+        qk_scale = _k_scaled(qk_scale, KS, KV_SCALED)
         q, qpos, mm = _load_window_q(Q, POS, r, h, s_q_r, s_q_w, s_q_h, s_q_d, s_p_r, s_p_w,
                                      W, G, BLOCK_M, D, BLOCK_D)
         # the splits' LSEs merged (log2 units); 0 where no key is visible, as the twin's lse_safe
@@ -151,8 +161,11 @@ if HAS_TRITON:
                     PAGE, D, BLOCK_D)
         if NORMS:
             kf = k.to(tl.float32)
+            kn = tl.sqrt(tl.sum(kf * kf, 1))
+            if KV_SCALED:
+                kn = kn * tl.load(KS)
             tl.store(KN + r.to(tl.int64) * s_kn_r + h * s_kn_h + offs_j.to(tl.int64) * s_kn_j,
-                     tl.sqrt(tl.sum(kf * kf, 1)), mask=has_key & (offs_j < MAX_LEN))
+                     kn, mask=has_key & (offs_j < MAX_LEN))
         s = _scores(q, k, qk_scale, F32_DOT)
         vis = in_a[None, :] & (offs_j[None, :] <= qpos[:, None]) & (qpos >= 0)[:, None]
         logp = tl.where(vis, (s - lse[:, None]) * 0.6931471805599453, float("-inf"))
@@ -173,7 +186,7 @@ if HAS_TRITON:
 
 def prefill_evidence_triton(query_rows, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi,
                             scale, log_evidence, query_positions, row_mask=None, alpha=0.5, *,
-                            key_norms=None, span=None):
+                            key_norms=None, span=None, k_scale=None):
     """The two launches (arguments as ``prefill_evidence_torch``). Without ``span`` the grid covers
     ``max_len`` (no host sync)."""
     r, w, hq, d = query_rows.shape
@@ -194,24 +207,25 @@ def prefill_evidence_triton(query_rows, kv_cache, block_table, seq_lens, allowed
     partial = torch.empty((r, hkv, num_splits, block_m), dtype=torch.float32, device=dev)
     mask = row_mask if row_mask is not None else seq_lens
     kn = key_norms if key_norms is not None else log_evidence
-    f32 = dot_in_fp32(kv_cache.dtype)
+    f32 = dot_in_fp32(kv_cache.dtype, query_rows.dtype)
+    ks, _, kv_scaled = kv_quant.launch_scales(kv_cache.dtype, k_scale, k_scale, log_evidence)  # no V read
     pos = query_positions
     common = (*query_rows.stride(), *pos.stride(), *kv_cache.stride(), *block_table.stride(),
               *partial.stride()[:3])
     qk_scale = scale * LOG2E
     _prefill_lse_kernel[(r, hkv, num_splits)](
-        query_rows, pos, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, mask, partial,
+        query_rows, pos, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, mask, partial, ks,
         *common, max_len, qk_scale, num_splits,
         W=w, G=g, BLOCK_M=block_m, D=d, BLOCK_D=block_d, PAGE=page,
-        HAS_MASK=row_mask is not None, F32_DOT=f32, BLOCK_N=block_n, **meta)
+        HAS_MASK=row_mask is not None, F32_DOT=f32, KV_SCALED=kv_scaled, BLOCK_N=block_n, **meta)
     _prefill_evidence_kernel[(r, hkv, triton.cdiv(span, block_n))](
         query_rows, pos, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, mask, partial,
-        log_evidence, kn, *common,
+        log_evidence, kn, ks, *common,
         *log_evidence.stride(), *kn.stride(),
         max_len, span, qk_scale, float(alpha), num_splits,
         W=w, G=g, BLOCK_M=block_m, D=d, BLOCK_D=block_d, PAGE=page,
         HAS_MASK=row_mask is not None, F32_DOT=f32, GEOMETRIC=float(alpha) == 0.0,
-        NORMS=key_norms is not None, BLOCK_S=block_s, BLOCK_J=block_n, **meta)
+        NORMS=key_norms is not None, KV_SCALED=kv_scaled, BLOCK_S=block_s, BLOCK_J=block_n, **meta)
     fill_past_span(log_evidence, active_rows(seq_lens, row_mask), span)
     return log_evidence
 

@@ -28,6 +28,10 @@ signature):
     nothing. Fixed grid (``S x Hkv x cdiv(L, pages per program * page_size)``), no host sync, no
     allocation: a CUDA graph can capture it.
 
+fp8 pages (``kernels.kv_quant``): the bounds are kept in the pages' stored units (a max or min of
+stored values is exact in the pages' dtype) and ``k_scale`` (the layer's, positive) multiplies the
+bound here.
+
 :func:`quest_selector_params` gives the constants the selector runs with in this mode (prior,
 fusion, Soft-NMS, cross-head exclusivity and span made neutral); :func:`read_page_bounds` reads a
 slot's bounds back (tests, CPU checks). Imports neither vLLM nor CUDA.
@@ -39,6 +43,7 @@ import dataclasses
 
 import torch
 
+from vllm_ext.kernels import kv_quant
 from vllm_ext.kernels.selector_params import SelectorParams
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
 
@@ -47,14 +52,14 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _quest_kernel(Q, PAGES, TABLE, ROWS, SLOT, LO, HI, COUNT, OUT,
+    def _quest_kernel(Q, PAGES, TABLE, ROWS, SLOT, LO, HI, COUNT, OUT, KS,
                       s_q_r, s_q_h, s_q_d,
                       s_c_p, s_c_h, s_c_n, s_c_d, s_t_s, s_t_b,
                       s_o_e, s_o_h, s_o_l,
                       scale, L, NB,
                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                       PAGE: tl.constexpr, PAGE_PAD: tl.constexpr, BLOCK_PG: tl.constexpr,
-                      SPAGE: tl.constexpr, HAS_COUNT: tl.constexpr):
+                      SPAGE: tl.constexpr, HAS_COUNT: tl.constexpr, KV_SCALED: tl.constexpr):
         e = tl.program_id(0)
         h = tl.program_id(1)
         tile = tl.program_id(2)
@@ -67,6 +72,8 @@ if HAS_TRITON:
         p0 = tile * BLOCK_PG
         if live & (p0 * PAGE < hi):
             slot = tl.load(SLOT + e).to(tl.int64)
+            if KV_SCALED:
+                scale = scale * tl.load(KS)
             offs_g = tl.arange(0, G_PAD)
             offs_d = tl.arange(0, D_PAD)
             gm = offs_g < G
@@ -152,7 +159,8 @@ def page_capacity(pages: torch.Tensor, table: torch.Tensor) -> int:
 def quest_page_evidence_torch(query: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, scale: float,
                               rows: torch.Tensor, rep_slot: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                               page_size: int, out: torch.Tensor, *,
-                              count: torch.Tensor | None = None) -> torch.Tensor:
+                              count: torch.Tensor | None = None,
+                              k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch twin of :func:`quest_page_evidence` (vectorised over the entries, no host sync)."""
     _check(query, pages, table, rows, out)
     s = rows.shape[0]
@@ -160,8 +168,11 @@ def quest_page_evidence_torch(query: torch.Tensor, pages: torch.Tensor, table: t
         return out
     dev = out.device
     if dev.type == "cpu":
-        return _quest_page_evidence_cpu(query, pages, table, scale, rows, rep_slot, lo, hi, page_size, out,
-                                        count)
+        return _quest_page_evidence_cpu(query, pages, table, scale * kv_quant.host_scale(pages.dtype, k_scale),
+                                        rows, rep_slot, lo, hi, page_size, out, count)
+    ks = kv_quant.twin_scale(pages.dtype, k_scale)
+    if ks is not None:
+        scale = ks * scale
     hkv, d = pages.shape[1], pages.shape[3] // 2
     length = out.shape[2]
     nb = min(page_capacity(pages, table), -(-length // page_size))
@@ -225,7 +236,8 @@ def _quest_page_evidence_cpu(query, pages, table, scale, rows, rep_slot, lo, hi,
 def quest_page_evidence_triton(query: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, scale: float,
                                rows: torch.Tensor, rep_slot: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                                page_size: int, out: torch.Tensor, *,
-                               count: torch.Tensor | None = None) -> torch.Tensor:
+                               count: torch.Tensor | None = None,
+                               k_scale: torch.Tensor | None = None) -> torch.Tensor:
     _check(query, pages, table, rows, out)
     s = rows.shape[0]
     if s == 0 or query.shape[0] == 0:
@@ -239,22 +251,25 @@ def quest_page_evidence_triton(query: torch.Tensor, pages: torch.Tensor, table: 
     block_pg = max(1, min(64, 8192 // (g_pad * d_pad)))
     block_pg = 1 << (block_pg.bit_length() - 1)
     n_tiles = triton.cdiv(triton.cdiv(length, page_size), block_pg)
+    ks, _, kv_scaled = kv_quant.launch_scales(pages.dtype, k_scale, k_scale, out)   # no V read
     _quest_kernel[(s, hkv, n_tiles)](
-        query, pages, table, rows, rep_slot, lo, hi, count if count is not None else rows, out,
+        query, pages, table, rows, rep_slot, lo, hi, count if count is not None else rows, out, ks,
         *query.stride(), *pages.stride(), *table.stride(), *out.stride(),
         float(scale), length, nb,
         G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, PAGE=page_size, PAGE_PAD=max(2, next_pow2(page_size)),
-        BLOCK_PG=block_pg, SPAGE=pages.shape[2], HAS_COUNT=count is not None,
+        BLOCK_PG=block_pg, SPAGE=pages.shape[2], HAS_COUNT=count is not None, KV_SCALED=kv_scaled,
     )
     return out
 
 
 def quest_page_evidence(query: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, scale: float,
                         rows: torch.Tensor, rep_slot: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                        page_size: int, out: torch.Tensor, *, count: torch.Tensor | None = None) -> torch.Tensor:
-    """Quest page bounds as the selector's pooled log evidence (see the module docstring)."""
+                        page_size: int, out: torch.Tensor, *, count: torch.Tensor | None = None,
+                        k_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Quest page bounds as the selector's pooled log evidence (see the module docstring); ``k_scale``:
+    the layer's, for fp8 pages."""
     fn = quest_page_evidence_triton if use_triton(query) else quest_page_evidence_torch
-    return fn(query, pages, table, scale, rows, rep_slot, lo, hi, page_size, out, count=count)
+    return fn(query, pages, table, scale, rows, rep_slot, lo, hi, page_size, out, count=count, k_scale=k_scale)
 
 
 def page_count(max_len: int, page_size: int) -> int:

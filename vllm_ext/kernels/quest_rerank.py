@@ -19,7 +19,7 @@ keys, the K half of each KV row).
 Public function (Triton on CUDA / under ``TRITON_INTERPRET=1``, else the ``*_torch`` twin of the same
 signature):
 
-``quest_candidate_evidence(query, kv_cache, block_table, rows, cand, n_cand, hi, scale, out, *, count=None, workspace=None)``
+``quest_candidate_evidence(query, kv_cache, block_table, rows, cand, n_cand, hi, scale, out, *, count=None, workspace=None, k_scale=None)``
     ``query``: ``[R, Hq, D]`` (one decode query per row); ``kv_cache``: vLLM's
     ``[num_blocks, Hkv, block_size, 2*D]`` view (any strides); ``block_table``: int32 ``[>= S, max_blocks]``,
     the block-table row of each entry; ``rows``: int32 ``[S]``, the query row of each entry (``-1`` =
@@ -30,7 +30,8 @@ signature):
     ``-inf`` to ``out[e, h, j]`` for ``j`` in ``[0, min(hi, L))``, then ``score(j)`` at each counted
     candidate. Unused entries (``rows < 0``, or ``e >= count[0]`` with ``count``) touch nothing.
     ``workspace``: :func:`quest_rerank_workspace` (the Triton path's logits and partial sums; allocated
-    per call without it). Fixed grids, no host sync, no allocation with a workspace: a CUDA graph can
+    per call without it). ``k_scale``: the layer's, for fp8 pages (``kernels.kv_quant``), folded into
+    the score scale. Fixed grids, no host sync, no allocation with a workspace: a CUDA graph can
     capture it.
 
 Imports neither vLLM nor CUDA.
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ext.kernels import kv_quant
 from vllm_ext.kernels.triton_utils import HAS_TRITON, next_pow2, use_triton
 
 if HAS_TRITON:
@@ -68,7 +70,7 @@ if HAS_TRITON:
                      tl.full([BLOCK], float("-inf"), tl.float32), mask=offs < hi)
 
     @triton.jit
-    def _logits_kernel(Q, KV, BT, ROWS, CAND, NCAND, COUNT, LOGITS, PART,
+    def _logits_kernel(Q, KV, BT, ROWS, CAND, NCAND, COUNT, LOGITS, PART, KS,
                        s_q_r, s_q_h, s_q_d,
                        s_kv_b, s_kv_h, s_kv_n, s_kv_c,
                        s_bt_r, s_bt_b,
@@ -77,7 +79,8 @@ if HAS_TRITON:
                        s_p_e, s_p_h, s_p_t,
                        scale, L, W,
                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                       PAGE: tl.constexpr, BLOCK_C: tl.constexpr, HAS_COUNT: tl.constexpr):
+                       PAGE: tl.constexpr, BLOCK_C: tl.constexpr, HAS_COUNT: tl.constexpr,
+                       KV_SCALED: tl.constexpr):
         """Per candidate tile: the logits of the group's query heads (to LOGITS) and each head's
         partial (max, sum of exp) over the tile (to PART)."""
         e = tl.program_id(0)
@@ -85,6 +88,8 @@ if HAS_TRITON:
         tile = tl.program_id(2)
         n = tl.minimum(tl.load(NCAND + e), W)
         if _live(ROWS, COUNT, e, HAS_COUNT) & (tile * BLOCK_C < n):
+            if KV_SCALED:
+                scale = scale * tl.load(KS)
             row = tl.load(ROWS + e).to(tl.int64)
             i = tile * BLOCK_C + tl.arange(0, BLOCK_C)
             pos = tl.load(CAND + e.to(tl.int64) * s_c_e + h.to(tl.int64) * s_c_h + i * s_c_w,
@@ -214,7 +219,8 @@ def quest_candidate_evidence_torch(query: torch.Tensor, kv_cache: torch.Tensor, 
                                rows: torch.Tensor, cand: torch.Tensor, n_cand: torch.Tensor,
                                hi: torch.Tensor, scale: float, out: torch.Tensor, *,
                                count: torch.Tensor | None = None,
-                               workspace: QuestRerankWorkspace | None = None) -> torch.Tensor:
+                               workspace: QuestRerankWorkspace | None = None,
+                               k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch twin of :func:`quest_candidate_evidence` (vectorised over the entries, no host sync)."""
     del workspace
     _check(query, kv_cache, block_table, rows, cand, n_cand, hi, out)
@@ -222,6 +228,10 @@ def quest_candidate_evidence_torch(query: torch.Tensor, kv_cache: torch.Tensor, 
     if s == 0 or query.shape[0] == 0:
         return out
     dev = out.device
+    if dev.type == "cpu":
+        scale = scale * kv_quant.host_scale(kv_cache.dtype, k_scale)
+    elif kv_quant.twin_scale(kv_cache.dtype, k_scale) is not None:
+        scale = kv_quant.twin_scale(kv_cache.dtype, k_scale) * scale
     hkv, d = kv_cache.shape[1], kv_cache.shape[-1] // 2
     g = query.shape[1] // hkv
     length, w = out.shape[2], cand.shape[2]
@@ -320,7 +330,8 @@ def quest_candidate_evidence_triton(query: torch.Tensor, kv_cache: torch.Tensor,
                                 rows: torch.Tensor, cand: torch.Tensor, n_cand: torch.Tensor,
                                 hi: torch.Tensor, scale: float, out: torch.Tensor, *,
                                 count: torch.Tensor | None = None,
-                                workspace: QuestRerankWorkspace | None = None) -> torch.Tensor:
+                                workspace: QuestRerankWorkspace | None = None,
+                                k_scale: torch.Tensor | None = None) -> torch.Tensor:
     _check(query, kv_cache, block_table, rows, cand, n_cand, hi, out)
     s = rows.shape[0]
     if s == 0 or query.shape[0] == 0:
@@ -345,13 +356,14 @@ def quest_candidate_evidence_triton(query: torch.Tensor, kv_cache: torch.Tensor,
     block_c = ws.tile
     n_tiles = triton.cdiv(max(w, 1), block_c)
     lg, part = ws.logits, ws.partials
+    ks, _, kv_scaled = kv_quant.launch_scales(kv_cache.dtype, k_scale, k_scale, out)   # no V read
     _logits_kernel[(s, hkv, n_tiles)](
-        query, kv_cache, block_table, rows, cand, n_cand, cnt, lg, part,
+        query, kv_cache, block_table, rows, cand, n_cand, cnt, lg, part, ks,
         *query.stride(), *kv_cache.stride(), *block_table.stride(), *cand.stride(), *lg.stride(),
         *part.stride()[:3],
         float(scale), length, w,
         G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, PAGE=kv_cache.shape[2], BLOCK_C=block_c,
-        HAS_COUNT=has_count,
+        HAS_COUNT=has_count, KV_SCALED=kv_scaled,
     )
     _mass_kernel[(s, hkv, n_tiles)](
         rows, cand, n_cand, cnt, lg, part, out,
@@ -366,10 +378,11 @@ def quest_candidate_evidence(query: torch.Tensor, kv_cache: torch.Tensor, block_
                          rows: torch.Tensor, cand: torch.Tensor, n_cand: torch.Tensor, hi: torch.Tensor,
                          scale: float, out: torch.Tensor, *,
                          count: torch.Tensor | None = None,
-                         workspace: QuestRerankWorkspace | None = None) -> torch.Tensor:
+                         workspace: QuestRerankWorkspace | None = None,
+                         k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The candidates' group attention mass as the selector's pooled log evidence (module docstring)."""
     if use_triton(query):
         return quest_candidate_evidence_triton(query, kv_cache, block_table, rows, cand, n_cand, hi, scale,
-                                           out, count=count, workspace=workspace)
+                                           out, count=count, workspace=workspace, k_scale=k_scale)
     return quest_candidate_evidence_torch(query, kv_cache, block_table, rows, cand, n_cand, hi, scale, out,
-                                      count=count)
+                                      count=count, k_scale=k_scale)

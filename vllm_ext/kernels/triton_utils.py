@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_ext.kernels.kv_quant import is_fp8
+
 try:  # guarded: the package must import where triton is missing
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401
@@ -77,12 +79,15 @@ def use_triton(device: torch.device | torch.Tensor | str | None) -> bool:
     return _INTERPRET_AT_IMPORT and interpret_mode()
 
 
-def dot_in_fp32(dtype: torch.dtype) -> bool:
+def dot_in_fp32(dtype: torch.dtype, query_dtype: torch.dtype | None = None) -> bool:
     """Whether a kernel must cast ``tl.dot`` operands of ``dtype`` to fp32.
 
     fp32 caches always dot in fp32 (IEEE precision). Under the interpreter every dtype is cast (its
-    bf16 dot is wrong; fp16 is cast too so both half types follow one code path).
+    bf16 dot is wrong; fp16 is cast too so both half types follow one code path). fp8 pages are
+    widened to the query's dtype (``query_dtype``) before the dot, so that dtype decides.
     """
+    if query_dtype is not None and is_fp8(dtype):
+        dtype = query_dtype
     return dtype == torch.float32 or interpret_mode()
 
 

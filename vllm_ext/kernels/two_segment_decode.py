@@ -22,6 +22,10 @@ bs_c, 2*D]`` and entry ``e`` of slot ``s`` at ``compact_kv[compact_table[s, e //
 (capacity ``n_c * bs_c``; vLLM's blocks of SFI's own KV-cache group, ``vllm_ext.methods.sfi.kv_spec``). A row is active
 iff ``row_mask[r] != 0`` (when given) and ``seq_lens[r] > 0``; inactive rows are left untouched.
 No host synchronisation; pass a :func:`two_segment_workspace` to avoid allocation.
+
+fp8 pages (``kernels.kv_quant``): ``kv_cache`` the fp8 view with the layer's ``k_scale`` /
+``v_scale``; the compact segment holds the pages' stored values (the same fp8 dtype: half the bytes
+of bf16 per entry) and takes the same scales.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ext.kernels import kv_quant
 from vllm_ext.kernels.merge_state import launch_merge_states
 from vllm_ext.kernels.triton_utils import (HAS_TRITON, autotune, dot_in_fp32, fixed_meta,
                                            launch_meta, next_pow2, num_sms, untuned, use_triton)
@@ -70,11 +75,29 @@ if HAS_TRITON:
         return q
 
     @triton.jit
+    def _widen(x, q):
+        """fp8 K or V (as stored) in the query's dtype for the dot (exact for both fp8 formats)."""
+        if x.dtype.is_fp8():
+            x = x.to(q.dtype)
+        return x
+
+    @triton.jit
+    def _kv_scale_factors(qk_scale, KS, VS, KV_SCALED: tl.constexpr):
+        """The score scale with ``k_scale`` folded in and the output factor ``v_scale`` (1 when the
+        pages are not scaled: ``kernels.kv_quant``)."""
+        vsc = qk_scale * 0.0 + 1.0
+        if KV_SCALED:
+            qk_scale = qk_scale * tl.load(KS)
+            vsc = tl.load(VS)
+        return qk_scale, vsc
+
+    @triton.jit
     def _scores(q, k, qk_scale, F32_DOT: tl.constexpr):
         """``q [BG, BD]`` x ``k [BN, BD]`` -> scaled scores ``[BG, BN]`` (log2 units)."""
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
+            k = _widen(k, q)
             s = tl.dot(q.to(k.dtype), tl.trans(k))
         return s * qk_scale
 
@@ -94,7 +117,7 @@ if HAS_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _store_state(acc, m_i, l_i, row, out_row, h, split, PO, PLSE, OUT,
+    def _store_state(acc, m_i, l_i, vsc, row, out_row, h, split, PO, PLSE, OUT,
                      s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
                      s_o_r, s_o_h, s_o_d,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
@@ -103,7 +126,8 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         gm = offs_g < G
         om = gm[:, None] & (offs_d < D)[None, :]
-        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
+        # vsc: v_scale of fp8 pages (the output is linear in V), else 1
+        inv = tl.where(l_i > 0, vsc / tl.where(l_i > 0, l_i, 1.0), 0.0)
         o = acc * inv[:, None]
         heads = h * G + offs_g
         if DIRECT:
@@ -136,6 +160,8 @@ if HAS_TRITON:
         """K and V of the cache entries at ``rowoff`` and the group's scores on them (``-inf`` where
         not ``valid``)."""
         k, v = _load_kv_rows(KV, rowoff, valid, s_kv_c, D, BLOCK_D)
+        k = _widen(k, q)
+        v = _widen(v, q)
         s = _scores(q, k, qk_scale, F32_DOT)
         return k, v, tl.where(valid[None, :], s, float("-inf"))
 
@@ -150,7 +176,7 @@ if HAS_TRITON:
     @autotune(configs=_configs(), key=["G", "D", "NUM_SPLITS", "PAGE", "DIRECT"])
     @triton.jit
     def _two_segment_kernel(
-        Q, KV, BT, SEQ, RSTART, CKV, CLEN, SLOT, MASK, CTAB, PO, PLSE, OUT,
+        Q, KV, BT, SEQ, RSTART, CKV, CLEN, SLOT, MASK, CTAB, PO, PLSE, OUT, KS, VS,
         s_q_r, s_q_h, s_q_d,
         s_kv_b, s_kv_h, s_kv_n, s_kv_c,
         s_bt_r, s_bt_b,
@@ -162,13 +188,15 @@ if HAS_TRITON:
         CAP, qk_scale, NUM_SPLITS,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_CTAB: tl.constexpr, CPAGE: tl.constexpr,
-        F32_DOT: tl.constexpr, DIRECT: tl.constexpr, BLOCK_N: tl.constexpr,
+        F32_DOT: tl.constexpr, DIRECT: tl.constexpr, KV_SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         h = tl.program_id(1)
         split = tl.program_id(2)
         row, seq_len = program_row(tl.program_id(0), MASK, MASK, SEQ, False, HAS_MASK, True)
         if seq_len <= 0:
             return
+        # the compact segment holds the pages' stored values: one pair of scales for both segments
+        qk_scale, vsc = _kv_scale_factors(qk_scale, KS, VS, KV_SCALED)
         slot = tl.load(SLOT + row)
         clen = tl.load(CLEN + tl.maximum(slot, 0))
         clen = tl.minimum(tl.maximum(clen, 0), CAP)
@@ -212,7 +240,7 @@ if HAS_TRITON:
                                        qk_scale, D, BLOCK_D, PAGE, F32_DOT)
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, F32_DOT)
 
-        _store_state(acc, m_i, l_i, row, row, h, split, PO, PLSE, OUT,
+        _store_state(acc, m_i, l_i, vsc, row, row, h, split, PO, PLSE, OUT,
                      s_po_r, s_po_s, s_po_h, s_po_d, s_pl_r, s_pl_s, s_pl_h,
                      s_o_r, s_o_h, s_o_d, G, BLOCK_G, D, BLOCK_D, DIRECT)
 
@@ -335,7 +363,7 @@ def compact_entries(compact_kv: torch.Tensor, compact_table: torch.Tensor | None
 
 def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
                        compact_len, slot_idx, scale, out, row_mask=None, *, num_splits=None,
-                       max_recent=None, workspace=None, compact_table=None):
+                       max_recent=None, workspace=None, compact_table=None, k_scale=None, v_scale=None):
     """Fast-step decode attention (see module doc). Writes ``out [R, Hq, D]`` in place and returns it.
 
     ``num_splits``: split-K count (default from shapes: :func:`two_segment_num_splits`, the compact
@@ -343,12 +371,14 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
     length (default ``max_blocks * block_size``); it only sizes the split heuristic and the PyTorch
     twin's gather. ``workspace``: a :class:`SplitWorkspace` (from :func:`two_segment_workspace`).
     ``compact_table``: the paged compact layout (module doc); ``None``: contiguous.
+    ``k_scale``, ``v_scale``: the per-tensor scales of fp8 pages (``kernels.kv_quant``).
     """
     if not use_triton(query):
         return two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_start,
                                         compact_kv, compact_len, slot_idx, scale, out, row_mask,
                                         num_splits=num_splits, max_recent=max_recent,
-                                        workspace=workspace, compact_table=compact_table)
+                                        workspace=workspace, compact_table=compact_table,
+                                        k_scale=k_scale, v_scale=v_scale)
     num_rows, hq, d = query.shape
     hkv = kv_cache.shape[1]
     assert kv_cache.shape[-1] == 2 * d and compact_kv.shape[-1] == 2 * d
@@ -378,9 +408,10 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
     kernel = untuned(_two_segment_kernel) if has_mask else _two_segment_kernel
     meta = fixed_meta(MASKED_META, {"BLOCK_N": 32}) if has_mask else _interp_meta()
     has_ctab = compact_table is not None
+    ks, vs, kv_scaled = kv_quant.launch_scales(kv_cache.dtype, k_scale, v_scale, out)
     kernel[grid](
         query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len, slot_idx,
-        row_mask if has_mask else seq_lens, compact_table if has_ctab else slot_idx, po, pl, out,
+        row_mask if has_mask else seq_lens, compact_table if has_ctab else slot_idx, po, pl, out, ks, vs,
         *query.stride(), *kv_cache.stride(), *block_table.stride(), *compact_kv.stride(),
         *(compact_table.stride() if has_ctab else (0, 0)),
         *po_strides, *pl_strides, *out.stride(),
@@ -388,7 +419,7 @@ def two_segment_decode(query, kv_cache, block_table, seq_lens, recent_start, com
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_D=max(16, next_pow2(d)),
         PAGE=kv_cache.shape[2], HAS_MASK=has_mask, HAS_CTAB=has_ctab,
         CPAGE=compact_kv.shape[2] if has_ctab else 1,
-        F32_DOT=dot_in_fp32(kv_cache.dtype), DIRECT=direct, **meta)
+        F32_DOT=dot_in_fp32(kv_cache.dtype, query.dtype), DIRECT=direct, KV_SCALED=kv_scaled, **meta)
     if not direct:
         launch_merge_states(po, pl, out, None, row_mask=row_mask, row_lens=seq_lens)
     return out
@@ -470,9 +501,10 @@ def active_rows(seq_lens: torch.Tensor, row_mask: torch.Tensor | None) -> torch.
 
 def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
                              compact_len, slot_idx, scale, out, row_mask=None, *, num_splits=None,
-                             max_recent=None, workspace=None, compact_table=None):
+                             max_recent=None, workspace=None, compact_table=None, k_scale=None,
+                             v_scale=None):
     """PyTorch twin of :func:`two_segment_decode` (fp32 math, no host sync, no Python row loop); on
-    the CPU :func:`two_segment_decode_cpu` (same result)."""
+    the CPU :func:`two_segment_decode_cpu` (same result). fp8 K and V are dequantised."""
     del num_splits, workspace
     num_rows, hq, d = query.shape
     if num_rows == 0:
@@ -480,7 +512,8 @@ def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_star
     if query.device.type == "cpu":
         return two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start, compact_kv,
                                       compact_len, slot_idx, scale, out, row_mask, max_recent=max_recent,
-                                      compact_table=compact_table, native=True)
+                                      compact_table=compact_table, native=True, k_scale=k_scale,
+                                      v_scale=v_scale)
     dev = query.device
     cap = compact_capacity(compact_kv, compact_table)
     seq = seq_lens.long()
@@ -503,8 +536,10 @@ def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_star
     rmask = pos < seq[:, None]
     rk, rv = gather_paged_rows(kv_cache, block_table, pos)
 
-    k = torch.cat([ck.to(rk.dtype), rk], dim=2)
-    v = torch.cat([cv.to(rv.dtype), rv], dim=2)
+    ks = kv_quant.twin_scale(kv_cache.dtype, k_scale)
+    vs = kv_quant.twin_scale(kv_cache.dtype, v_scale)
+    k = torch.cat([kv_quant.dequantize(ck.to(rk.dtype), ks), kv_quant.dequantize(rk, ks)], dim=2)
+    v = torch.cat([kv_quant.dequantize(cv.to(rv.dtype), vs), kv_quant.dequantize(rv, vs)], dim=2)
     mask = torch.cat([cmask, rmask], dim=1)
     o, _ = batched_masked_attention(query, k, v, mask, scale)
     act = active_rows(seq_lens, row_mask)
@@ -514,7 +549,7 @@ def two_segment_decode_torch(query, kv_cache, block_table, seq_lens, recent_star
 
 def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_len,
                            slot_idx, scale, out, row_mask=None, *, max_recent=None, compact_table=None,
-                           native=False):
+                           native=False, k_scale=None, v_scale=None):
     """The twin on the CPU, where reading lengths costs nothing and the vectorised form's padding
     to the widest row dominates: per active row, the compact segment and the recent window's blocks
     (gathered once) copied, converted to fp32 in the same pass, into a persistent buffer, then one
@@ -523,7 +558,8 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
 
     ``native`` (the backend's call): the compiled pass (:func:`vllm_ext.kernels.cpu_native.two_segment`:
     every row and KV head at once, the pages read in place) where it applies; this loop is its
-    twin and runs where it does not."""
+    twin and runs where it does not. fp8 pages: ``k_scale`` folded into the score scale,
+    ``v_scale`` into the output (read on the host: CPU tensors)."""
     import torch.nn.functional as F
 
     from vllm_ext.kernels.paged_reference import _scratch_buffer
@@ -534,7 +570,10 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
     cap = compact_capacity(compact_kv, compact_table)
     n_slots = compact_kv.shape[0] if compact_table is None else min(compact_table.shape[0], compact_len.shape[0])
     w = _est_recent(kv_cache, block_table, max_recent)
-    if native:
+    ks = kv_quant.host_scale(kv_cache.dtype, k_scale)
+    vs = kv_quant.host_scale(kv_cache.dtype, v_scale)
+    # the compiled pass takes no scales: scaled fp8 pages run the loop
+    if native and not kv_quant.scaled(kv_cache.dtype, k_scale, v_scale):
         from vllm_ext.kernels import cpu_native
 
         if cpu_native.two_segment(query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_table,
@@ -567,6 +606,8 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
                 blk = blk.to(compact_kv.dtype)                                  # as the compact segment
             kv[:, clen:].copy_(blk)
         q = query[r].float().view(1, hkv, g, d)                                 # [1, Hkv, G, D]
-        o = F.scaled_dot_product_attention(q, kv[None, ..., :d], kv[None, ..., d:], scale=scale)
+        o = F.scaled_dot_product_attention(q, kv[None, ..., :d], kv[None, ..., d:], scale=scale * ks)
+        if vs != 1.0:
+            o = o * vs
         out[r] = o[0].reshape(hq, d).to(out.dtype)
     return out
