@@ -6,10 +6,14 @@
 # OpenAI chat completions endpoint, the same question about a ~5K-token survey logbook (one locker
 # number in it, vllm_ext/quality/document.py). It prints the question, the expected answer, each
 # answer and whether it is right, the fraction of the KV each method read (SPEEDSFI's counters), the
-# time of each request (the request only) and each server's start-up, then a summary table. How long
-# it took last: README.md, "Start here" (bench/results/first_hour.json). Without the real model (no
-# network) it says why and runs the retrieval demo below instead.
-#   scripts/demo.sh                               # the real model, a document question per method
+# time of each request (the request only) and each server's start-up, then a summary table. Then it
+# times a batch of long requests decoding together, SFI off for them and with the preset, and prints
+# the tokens per second of each and their ratio (docs/demo.md, "Part 2"). How long it took last:
+# README.md, "Start here" (bench/results/first_hour.json). Without the real model (no network) it
+# says why and runs the retrieval demo below instead.
+#   scripts/demo.sh                               # the real model, a document question per method, a batch
+#   scripts/demo.sh --no-batch                    # the document question only
+#   scripts/demo.sh --batch-only --batch-requests 8 --batch-length 8000   # the batch only, larger
 #   scripts/demo.sh --methods dense,critiprefill --length 3000 --depth 0.25
 #   scripts/demo.sh --retrieval-model             # models/retrieval-llama: dense, SFI, SPEED, CritiPrefill
 #   scripts/demo.sh --retrieval-model --methods dense,sfi --task kv_lookup --length 1024 --depth 0.25

@@ -7,6 +7,10 @@ A block is marked by an HTML comment on the line before its fence:
 * ``<!-- runnable: setup -->``: the environment every other block of the README runs after;
 * ``<!-- runnable: server -->``: a ``vllm serve`` command, started and waited for; the
   ``<!-- runnable: client -->`` blocks after it (same file) run against it;
+* ``<!-- example: server -->``, ``<!-- example: client -->``, ``<!-- example: offline -->``: the
+  README's examples, whose output ``tests/e2e/test_readme_examples.py`` checks (not only that they
+  run): a ``vllm serve`` command and the client blocks (shell or Python) after it, and an offline
+  Python program;
 * ``<!-- check-only: REASON -->``: cannot run on a CPU machine (or takes minutes); its syntax and the
   repository paths it names are checked only.
 """
@@ -19,9 +23,11 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHELL_LANGS = ("bash", "sh", "shell", "console")
-KINDS = ("runnable", "runnable: tiny", "runnable: setup", "runnable: server", "runnable: client")
+KINDS = ("runnable", "runnable: tiny", "runnable: setup", "runnable: server", "runnable: client",
+         "example: server", "example: client", "example: offline")
+SERVERS = ("runnable: server", "example: server")
 REAL_MODEL = ".cache/real_model/SmolLM2-135M-Instruct"
-_MARK = re.compile(r"^<!--\s*(runnable(?::\s*\w+)?|check-only:[^>]*?)\s*-->\s*$")
+_MARK = re.compile(r"^<!--\s*(runnable(?::\s*\w+)?|example:\s*\w+|check-only:[^>]*?)\s*-->\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +67,7 @@ def blocks(path: pathlib.Path) -> list[Block]:
         kind = None
         if mark:
             word, _, arg = mark.group(1).partition(":")
-            kind = "check-only" if word == "check-only" else word + (f": {arg.strip()}" if arg else "")
+            kind = "check-only" if word == "check-only" else word.strip() + (f": {arg.strip()}" if arg else "")
         out.append(Block(str(path.relative_to(ROOT)), start + 1, lang, kind, "\n".join(lines[start + 1:j]) + "\n"))
         i = j + 1
     return out
@@ -87,19 +93,24 @@ def one_line(code: str) -> str:
 def served_model(code: str) -> str:
     m = re.search(r"vllm serve\s+(\S+)", one_line(code))
     if not m:
-        raise ValueError("a runnable: server block must start `vllm serve MODEL ...`")
+        raise ValueError("a server block must start `vllm serve MODEL ...`")
     return m.group(1)
 
 
+def client_kind(server: Block) -> str:
+    """The kind of the client blocks a server block answers (``runnable: client`` or ``example: client``)."""
+    return server.kind.split(":")[0] + ": client"
+
+
 def clients_of(all_of_file: list[Block], server: Block) -> list[Block]:
-    """The client blocks that follow ``server`` up to the next server block of its file."""
+    """The client blocks of ``server``'s family that follow it, up to the next server block of its file."""
     out, after = [], False
     for b in all_of_file:
-        if b is server:
+        if b == server:
             after = True
-        elif after and b.kind == "runnable: server":
+        elif after and b.kind in SERVERS:
             break
-        elif after and b.kind == "runnable: client":
+        elif after and b.kind == client_kind(server):
             out.append(b)
     return out
 

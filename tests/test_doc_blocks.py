@@ -1,6 +1,7 @@
 """Every shell and Python block of the README and ``docs/`` says whether it runs on the CPU build
 (``tests/doc_blocks.py``); every block is valid shell / Python and names repository paths that
-exist. The runnable ones are run in ``tests/e2e/test_doc_commands.py``."""
+exist. The runnable ones are run in ``tests/e2e/test_doc_commands.py``, the README's examples in
+``tests/e2e/test_readme_examples.py``."""
 
 from __future__ import annotations
 
@@ -18,9 +19,22 @@ def test_every_code_block_is_marked():
     assert not unmarked, f"mark each block runnable or check-only (tests/doc_blocks.py): {unmarked}"
     unknown = [(b.id, b.kind) for b in CODE if b.kind not in (*doc_blocks.KINDS, "check-only")]
     assert not unknown, unknown
-    assert any(b.kind == "runnable" and b.lang == "python" for b in CODE)   # the offline snippet
     assert any(b.kind == "runnable: server" for b in CODE)
     doc_blocks.setup_script()                                                 # exactly one
+
+
+def test_the_readme_has_its_examples():
+    """A server with one client and an offline program, each once, in the README only."""
+    readme = [b.kind for b in doc_blocks.blocks(doc_blocks.ROOT / "README.md")]
+    assert [k for k in readme if k and k.startswith("example")] == ["example: server", "example: client",
+                                                                    "example: offline"]
+    elsewhere = [b.id for b in CODE if b.kind and b.kind.startswith("example") and b.path != "README.md"]
+    assert not elsewhere, elsewhere
+    server = next(b for b in CODE if b.kind == "example: server")
+    client = next(b for b in CODE if b.kind == "example: client")
+    assert doc_blocks.clients_of(doc_blocks.blocks(doc_blocks.ROOT / "README.md"), server) == [client]
+    offline = next(b for b in CODE if b.kind == "example: offline")
+    assert offline.lang == "python" and "__main__" in offline.code   # vLLM starts its engine in another process
 
 
 @pytest.mark.parametrize("block", CODE, ids=lambda b: b.id)
@@ -37,11 +51,12 @@ def test_block_is_valid_and_names_existing_paths(block):
 
 def test_every_client_follows_a_server():
     for doc in doc_blocks.documents():
-        seen_server = False
+        seen = set()
         for b in doc_blocks.blocks(doc):
-            seen_server |= b.kind == "runnable: server"
-            if b.kind == "runnable: client":
-                assert seen_server, b.id
+            if b.kind in doc_blocks.SERVERS:
+                seen.add(doc_blocks.client_kind(b))
+            if b.kind in ("runnable: client", "example: client"):
+                assert b.kind in seen, b.id
     for b in CODE:
-        if b.kind == "runnable: server":
+        if b.kind in doc_blocks.SERVERS:
             assert doc_blocks.served_model(b.code)

@@ -3,8 +3,9 @@
 a question about a long document through the chat completions endpoint; here dense only, on a
 shorter document, to keep it short (skipped when the model is not cached). ``--retrieval-model``: the
 committed retrieval model once per method, one long-context retrieval question each; here with two
-methods (dense and SFI) and a 1K-token question. The one-server mode (``--model``) is
-tests/e2e/test_processes.py."""
+methods (dense and SFI) and a 1K-token question. ``--batch-only``: requests decoding together, SFI
+off and the preset; here two requests on a tiny checkpoint, long enough that the preset decodes
+sparse. The one-server mode (``--model``) is tests/e2e/test_processes.py."""
 
 import json
 import re
@@ -54,7 +55,7 @@ def test_demo_default_asks_the_real_model_about_a_document(capsys):
         pytest.skip("the real model is not cached (python -m vllm_ext.tools.real_model)")
     from transformers import AutoTokenizer
 
-    rc = main(["--methods", "dense", "--length", "2048", "--timeout", "600"])
+    rc = main(["--methods", "dense", "--length", "2048", "--timeout", "600", "--no-batch"])
     out = capsys.readouterr().out
     assert rc == 0, out
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -69,3 +70,29 @@ def test_demo_default_asks_the_real_model_about_a_document(capsys):
     counters = json.loads(re.search(r"\[demo\] dense: counters (\{.*\})", out).group(1))
     assert counters["steps.built"] > 0 and not [k for k in counters if k.startswith("sfi.")]
     assert re.search(r"^\s+dense\s+.*\s+(yes|no)\s+1\.000\s+[0-9.]+\s+[0-9.]+\s+-$", out, re.M)
+
+
+def test_demo_batch_only_times_sfi_off_and_the_preset(capsys, tiny_models, monkeypatch):
+    from vllm_ext.config import SpeedSfiConfig
+    from vllm_ext.tools.demo import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)     # the child runs as a reader's would
+
+    length = SpeedSfiConfig.from_dict({"preset": "sfi"}).sfi.min_len + 300    # past it: sparse rows
+    rc = main(["--batch-only", "--model", tiny_models["llama"], "--batch-requests", "2",
+               "--batch-length", str(length), "--batch-steps", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert re.search(r"\[demo\] batch: 2 requests of [0-9,]+ prompt tokens decoding together, 8 steps timed "
+                     r"per run \(thread CPU time, one OpenMP thread\), float32", out)
+    assert "[demo] batch progress: SFI off: prefill" in out                 # a line as each run starts
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(
+        r"^\[demo\]\s+(SFI off|sfi preset)\s+([0-9.]+)\s+([0-9]+)\s+([0-9.]+)\s+(\d+)\s+(\d+)\s+([0-9.]+)$", out, re.M)}
+    assert set(rows) == {"SFI off", "sfi preset"}, out
+    off, preset = rows["SFI off"], rows["sfi preset"]
+    assert off[3:] == ("0", "0", "1.000")                                # dense rows only
+    assert int(preset[4]) > 0 and 0 < float(preset[5]) < 1                 # fast steps, a part of the KV
+    ratio = float(re.search(r"the preset's tokens/s over SFI off's: ([0-9.]+)x", out).group(1))
+    assert ratio == pytest.approx(float(preset[0]) / float(off[0]), rel=0.02)
+    section = out[out.index("[demo] ---- batch"):].splitlines()
+    assert all(line.startswith("[demo]") for line in section if line.strip())   # vLLM's log: a file

@@ -1,7 +1,9 @@
 """The main job: serve a model with ``vllm serve --attention-backend speedsfi`` and ask it through the
 OpenAI client; print the answers and the backend's counters; stop the server(s).
 
-    python -m vllm_ext.tools.demo                      # a real model, a question about a long document
+    python -m vllm_ext.tools.demo                      # a real model, a question about a long document,
+                                                       # then a batch of long requests timed
+    python -m vllm_ext.tools.demo --batch-only [--batch-requests 8 --batch-length 8000]
     python -m vllm_ext.tools.demo --retrieval-model    # the committed retrieval model, once per method
     python -m vllm_ext.tools.demo --model DIR_OR_HF_ID [--additional-config JSON] [-- serve args]
     python -m vllm_ext.tools.demo --model DIR_OR_HF_ID --compare      # the method on any model
@@ -15,7 +17,10 @@ logbook with one locker number in it) and prints the question, the expected answ
 whether it is right, the fraction of the KV each method read (from SPEEDSFI's counters), the time of
 each request (the request only; each server's start-up is printed separately) and a summary table.
 When the model cannot be had (no network on a fresh machine), it says why and runs the retrieval
-demo instead.
+demo instead. Then (``--no-batch`` skips it, ``--batch-only`` runs it alone, on ``--model`` when given)
+it times a batch of long requests decoding together, with SFI off for them and with the preset, and
+prints the tokens per second of each and their ratio (``vllm_ext.tools.demo_batch``, in a child
+process: one in-process engine; its log goes to a file, its ``[demo]`` lines here).
 
 ``--retrieval-model`` serves ``models/retrieval-llama`` (a 4-layer Llama trained in this repository to
 find a needle in up to 2K tokens; ``bench/QUALITY.md``) once per method (dense, SFI, SPEED and
@@ -247,8 +252,32 @@ def main(argv: list[str] | None = None) -> int:
                     help='one-server mode, e.g. \'{"speedsfi": {"preset": "dense"}}\'')
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for each server")
     ap.add_argument("--log", default=None, help="server log file (default: a temporary file)")
+    ap.add_argument("--batch-only", action="store_true",
+                    help="only the batch section: requests decoding together, SFI off vs the preset "
+                         "(the real model, or --model)")
+    ap.add_argument("--no-batch", action="store_true", help="skip the batch section after the document question")
+    ap.add_argument("--batch-requests", type=int, default=None,
+                    help="batch section: requests decoding together (default 4)")
+    ap.add_argument("--batch-length", type=int, default=None,
+                    help="batch section: prompt tokens of each request (default 3500)")
+    ap.add_argument("--batch-steps", type=int, default=None,
+                    help="batch section: timed decode steps of each run (default 64)")
+    ap.add_argument("--batch-threads", type=int, default=None,
+                    help="batch section, CPU build: OpenMP threads while decoding (default 1: thread CPU "
+                         "time; 0: every core, wall time)")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: more `vllm serve` arguments")
     args = ap.parse_args(argv)
+    if args.batch_only:
+        model = args.model
+        if model is None:
+            from vllm_ext.tools import real_model
+
+            try:
+                model = str(real_model.ensure(log=lambda m: print(f"[demo] {m}", flush=True)))
+            except Exception as e:                              # noqa: BLE001 - said, then stop
+                print(f"[demo] the real model is not available: {e}", file=sys.stderr)
+                return 1
+        return _batch(args, model)
     one_server = args.tiny or args.prompt is not None or args.additional_config is not None or (
         args.model is not None and not args.compare)
     if one_server:
@@ -265,7 +294,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[demo] the real model is not available: {kind}{e}")
             print("[demo] falling back to the committed retrieval model demo (--retrieval-model)")
         else:
-            return _document(args, str(model_dir))
+            rc = _document(args, str(model_dir))
+            if args.no_batch:
+                return rc
+            print()
+            return _batch(args, str(model_dir)) or rc
     if not RETRIEVAL_MODEL.is_dir():
         print(f"[demo] {RETRIEVAL_MODEL} is not here (an installed wheel, not the repository): "
               "serving the embedded tiny model instead")
@@ -576,6 +609,55 @@ def _document(args, model: str) -> int:
     for name, answer, correct, kept, dt, start, fb in rows:
         print(f"    {name:<13} {answer:<{width}}  {correct:<8} {kept:<8} {dt:<10} {start:<8} {fb or '-'}")
     return 1 if failed else 0
+
+
+def _batch(args, model: str) -> int:
+    """The batch section (``vllm_ext.tools.demo_batch``) in a child process: its ``[demo]`` lines are
+    printed here (progress redrawn in place on a terminal), everything else goes to its log file."""
+    from vllm_ext.tools import demo_batch
+
+    if os.path.exists(model):
+        model = os.path.abspath(model)                # the child runs in the repository
+    cmd = [sys.executable, "-m", "vllm_ext.tools.demo_batch", "--model", model]
+    for flag, value in (("--requests", args.batch_requests), ("--length", args.batch_length),
+                        ("--steps", args.batch_steps), ("--threads", args.batch_threads)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    fd, log_path = tempfile.mkstemp(prefix="speedsfi-demo-batch-", suffix=".log")
+    os.close(fd)
+    print(f"[demo] ---- batch: requests decoding together, SFI off for them and the `sfi` preset; "
+          f"log: {log_path}", flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    inline = sys.stdout.isatty()
+    pending = False                                   # a progress line drawn without its newline
+    with open(log_path, "w", buffering=1) as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, cwd=str(REPO), start_new_session=True)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if not line.startswith("[demo]"):
+                    continue
+                if inline and line.startswith(demo_batch.PROGRESS):
+                    sys.stdout.write("\r\033[K" + line.rstrip("\n"))
+                    pending = True
+                else:
+                    sys.stdout.write(("\n" if pending else "") + line)
+                    pending = False
+                sys.stdout.flush()
+            proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
+    if pending:
+        print()
+    if proc.returncode:
+        with open(log_path, errors="replace") as f:
+            sys.stderr.write(f.read()[-6000:])
+        print(f"[demo] batch: failed (exit {proc.returncode}); log: {log_path}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _max_positions(model: str) -> int | None:
