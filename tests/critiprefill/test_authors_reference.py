@@ -165,7 +165,16 @@ def run_engine_path(cfg: CritiPrefillConfig, data: dict, chunks: list[int], monk
         plans.append((ctx, layer, plan.to("cpu")))          # the chunk and layer the loop below is at
         return attend(query, kv_cache, block_table, qsl, seq, plan, scale, output=output)
 
+    attend_cpu = path_module.block_sparse_prefill_cpu
+
+    def recording_cpu(query, kv_cache, block_table, qsl, seq, plan, scale, *, output):
+        done = attend_cpu(query, kv_cache, block_table, qsl, seq, plan, scale, output=output)
+        if done:                                              # else the path calls block_sparse_prefill
+            plans.append((ctx, layer, plan.to("cpu")))
+        return done
+
     monkeypatch.setattr(path_module, "block_sparse_prefill", recording)
+    monkeypatch.setattr(path_module, "block_sparse_prefill_cpu", recording_cpu)
     outs = {l: torch.zeros(n, hq, D, dtype=q1.dtype) for l in SPARSE_LAYERS}
     ctx = 0
     for step_id, ql in enumerate(chunks):
@@ -285,7 +294,8 @@ SCHEDULES = {
 
 @pytest.fixture(autouse=True)
 def _twins(monkeypatch):
-    """The PyTorch twins (the CPU build's kernels); the Triton kernels: the slow test below."""
+    """The CPU build's kernels (the compiled prefill where it applies, the PyTorch twins elsewhere);
+    the Triton kernels: the slow test below."""
     monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "1")
 
 

@@ -1,7 +1,7 @@
 """Block-sparse paged prefill attention for CritiPrefill (chunked-prefill aware, GQA-native).
 
 Public function (Triton on CUDA / under ``TRITON_INTERPRET=1``, else the ``*_torch`` twin of the same
-signature):
+signature; the CPU build's engine calls the compiled pass first, :func:`block_sparse_prefill_cpu`):
 
 ``block_sparse_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, plan, scale, *, output=None)``
     ``query`` ``[T, Hq, D]``; ``kv_cache`` ``[pages, Hkv, page_size, 2D]`` (vLLM's logical view, any
@@ -323,6 +323,20 @@ def block_sparse_prefill_torch(query: torch.Tensor, kv_cache: torch.Tensor, bloc
                                                      enable_gqa=True)
             output[rows] = out[0].transpose(0, 1).to(output.dtype)
     return output
+
+
+# ------------------------------------------------------------------------------------------ CPU build
+def block_sparse_prefill_cpu(query: torch.Tensor, kv_cache, block_table: torch.Tensor,
+                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan, scale: float, *,
+                             output: torch.Tensor) -> bool:
+    """The CPU build's compiled pass (:func:`vllm_ext.kernels.cpu_native.block_sparse_prefill`: every
+    row, segment and KV head at once, ``kv_cache`` read in place: the logical layout or ``CPU_ATTN``'s
+    packed pages). False (nothing written) where it does not apply (no compiled library, another
+    dtype or layout): the caller runs the twin."""
+    from vllm_ext.kernels import cpu_native
+
+    return cpu_native.block_sparse_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, plan, scale,
+                                           output)
 
 
 # ----------------------------------------------------------------------------------------- dispatch

@@ -23,6 +23,9 @@ The operators (``torch.ops.speedsfi``; each has a fake implementation registered
 - ``gather_compact(Tensor(a!) compact_kv, Tensor compact_table, int cap, Tensor(b!) compact_len,
   Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor slot_idx, Tensor selected, Tensor n_sel,
   Tensor? seq_lens, Tensor? offset, Tensor? row_mask, int n_sink, bool amx) -> ()``
+- ``block_sparse_prefill(Tensor(a!) out, Tensor query, Tensor k_pages, Tensor v_pages, Tensor block_table,
+  Tensor query_start_loc, Tensor seq_lens, Tensor sel_blocks, Tensor num_sel, Tensor dense, int segment_size,
+  int block_size, float scale, bool amx) -> ()`` (CritiPrefill's prefill, ``block_sparse_prefill_cpu.cpp``)
 
 Built once per machine, at the first :func:`library` call of a process (the CPU impl makes it at
 engine start): ``g++ -O3 -march=native`` against torch's headers (one compiler per source, side by
@@ -41,6 +44,10 @@ import.
 Callers give contiguous fp32 rows; the wrappers check what the C++ assumes (dtypes, strides,
 ranges) and return False where it does not hold, so the twin runs (the operators check the same and
 raise).
+
+The passes read bf16 / fp32 pages (the gather also fp16) only: fp8 pages (``--kv-cache-dtype
+fp8``) are declined (:func:`reads_pages`) and SFI's PyTorch twins read them with the layer's scales;
+SFI logs and counts that once at engine start (``fallback.cpu_native_fp8``).
 """
 
 from __future__ import annotations
@@ -65,12 +72,13 @@ CACHE_ENV = "SPEEDSFI_CPU_KERNEL_CACHE"
 # compiled into the one library, and the header they share
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 SOURCE = CSRC / "sfi_cpu.cpp"
-SOURCES = (SOURCE, CSRC / "two_segment_cpu.cpp", CSRC / "gather_compact_cpu.cpp")
+SOURCES = (SOURCE, CSRC / "two_segment_cpu.cpp", CSRC / "gather_compact_cpu.cpp",
+           CSRC / "block_sparse_prefill_cpu.cpp")
 HEADERS = (CSRC / "cpu_vec.h", CSRC / "page_views.h")
 # -O3 -march=native and the math flags the kernels' results are checked with; torch's headers need C++20
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-fPIC")
 NAMESPACE = "speedsfi"
-OPS = ("sfi_evidence", "sfi_select_row", "two_segment_decode", "gather_compact")
+OPS = ("sfi_evidence", "sfi_select_row", "two_segment_decode", "gather_compact", "block_sparse_prefill")
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -228,6 +236,7 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"{NAMESPACE}::sfi_select_row", _select_row_fake)
         torch.library.register_fake(f"{NAMESPACE}::two_segment_decode", _two_segment_fake)
         torch.library.register_fake(f"{NAMESPACE}::gather_compact", _gather_compact_fake)
+        torch.library.register_fake(f"{NAMESPACE}::block_sparse_prefill", _block_sparse_prefill_fake)
         _fakes_registered = True
 
 
@@ -269,6 +278,16 @@ def unavailable_reason() -> str | None:
     return _reason if _tried and _lib is None else None
 
 
+# page dtypes the compiled SFI passes read (the gather copies fp16 too)
+PAGE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def reads_pages(dtype: torch.dtype) -> bool:
+    """Whether the compiled SFI passes (:func:`evidence`, :func:`two_segment`, :func:`gather_compact`)
+    read pages of ``dtype``: bf16 and fp32; fp8 pages are declined (the twins read them)."""
+    return dtype in PAGE_DTYPES
+
+
 def _rows_ok(t: torch.Tensor, rows: int, length: int, dtype: torch.dtype = torch.float32) -> bool:
     """``t`` is ``[rows, >= length]`` of ``dtype`` on the CPU with unit-stride rows."""
     return (t.dtype == dtype and t.device.type == "cpu" and t.dim() == 2 and t.shape[0] == rows
@@ -285,7 +304,8 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     [Hq, D]``; ``pages``: :class:`vllm_ext.kernels.packed_pages.PackedPages` (the vec packing, K
     transposed per page, or the amx one, which the C++ unpacks a page at a time); ``table``: the
     request's block-table row. False (nothing written) where the kernel does not apply: no library,
-    a KV dtype other than bf16 / fp32, another page layout, rows that are not fp32 and unit-stride."""
+    a KV dtype other than bf16 / fp32 (fp8 pages included), another page layout, rows that are not
+    fp32 and unit-stride."""
     ops = library()
     if ops is None:
         return False
@@ -295,7 +315,7 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     k_pages, v_pages, amx = layout
     nb_all, hkv, bs, d = pages.k.shape
     hq = query.shape[0]
-    if (pages.k.dtype not in (torch.bfloat16, torch.float32) or k_pages.device.type != "cpu"
+    if (not reads_pages(pages.k.dtype) or k_pages.device.type != "cpu"
             or query.dim() != 2 or hq == 0 or hq % hkv or query.shape[1] != d or not 0 < lim <= seq
             or not (hi <= lo or 0 <= lo and hi <= lim) or not _rows_ok(ev, hkv, lim)
             or (kn is not None and not _rows_ok(kn, hkv, lim))
@@ -385,8 +405,8 @@ def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens:
     writes, in one pass over the rows and KV heads (torch's intra-op threads). ``pages``: the KV
     cache (the logical layout) or :class:`vllm_ext.kernels.packed_pages.PackedPages`;
     ``compact_table`` None: the contiguous layout ``[slots, Hkv, cap, 2D]``. False (nothing
-    written) where the kernel does not apply: no library, dtypes other than bf16 / fp32, another
-    page layout."""
+    written) where the kernel does not apply: no library, dtypes other than bf16 / fp32 (fp8 pages
+    included), another page layout."""
     ops = library()
     if ops is None or query.dim() != 3 or out.shape != query.shape or out.dtype != query.dtype:
         return False
@@ -394,7 +414,7 @@ def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens:
     if layout is None:
         return False
     k_pages, v_pages, amx = layout
-    ok = (query.dtype in (torch.bfloat16, torch.float32) and k_pages.dtype in (torch.bfloat16, torch.float32)
+    ok = (query.dtype in (torch.bfloat16, torch.float32) and reads_pages(k_pages.dtype)
           and compact_kv.dtype == k_pages.dtype and query.device.type == "cpu" and query.stride(-1) == 1
           and out.stride(-1) == 1 and compact_kv.stride(-1) == 1 and query.shape[-1] <= 256)
     if not ok:
@@ -425,8 +445,8 @@ def gather_compact(pages, block_table: torch.Tensor, slot_idx: torch.Tensor, sel
                    seq_lens: torch.Tensor | None, offset: torch.Tensor | None) -> bool:
     """Each active row's sink and selected tokens copied from ``pages`` into its compact slot and
     its length set: what :func:`vllm_ext.kernels.gather_compact.gather_compact_cpu` writes. False
-    (nothing written) where the kernel does not apply: no library, another page layout, a compact
-    segment of another dtype than the pages."""
+    (nothing written) where the kernel does not apply: no library, another page layout, pages other
+    than bf16 / fp16 / fp32 (fp8 pages included), a compact segment of another dtype than the pages."""
     ops = library()
     if ops is None:
         return False
@@ -445,4 +465,39 @@ def gather_compact(pages, block_table: torch.Tensor, slot_idx: torch.Tensor, sel
     ops.gather_compact(compact_kv, _int32(compact_table), int(cap), compact_len, k_pages, v_pages,
                        _int32(block_table), _int32(slot_idx), sel, _int32(n_sel), _int32(seq_lens), _int32(offset),
                        row_mask, int(n_sink), amx)
+    return True
+
+
+# ------------------------------------------------------------ CritiPrefill's block-sparse prefill
+def _block_sparse_prefill_fake(out, query, k_pages, v_pages, block_table, query_start_loc, seq_lens, sel_blocks,
+                               num_sel, dense, segment_size, block_size, scale, amx) -> None:
+    """Writes ``out`` in place; returns nothing."""
+    return None
+
+
+def block_sparse_prefill(query: torch.Tensor, pages, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                         seq_lens: torch.Tensor, plan, scale: float, out: torch.Tensor) -> bool:
+    """CritiPrefill's block-sparse prefill of every row and segment of a chunk batch at once
+    (``block_sparse_prefill_cpu.cpp``): what :func:`vllm_ext.kernels.block_sparse_prefill.block_sparse_prefill_torch`
+    writes, the pages read in place. ``pages``: the KV cache (the logical layout) or
+    :class:`vllm_ext.kernels.packed_pages.PackedPages`; ``plan``: a ``CritiPrefillPlan`` (CPU tensors),
+    dense segments included (the pass beats ``CPU_ATTN``'s own prefill on them: docs/critiprefill.md). False
+    (nothing written) where the kernel does not apply: no library, dtypes other than bf16 / fp32, head
+    sizes over 256, another page layout."""
+    ops = library()
+    if ops is None or query.dim() != 3 or out.shape != query.shape or out.dtype != query.dtype:
+        return False
+    layout = _two_segment_pages(pages)
+    if layout is None:
+        return False
+    k_pages, v_pages, amx = layout
+    if (query.dtype not in (torch.bfloat16, torch.float32) or k_pages.dtype not in (torch.bfloat16, torch.float32)
+            or query.device.type != "cpu" or query.stride(-1) != 1 or out.stride(-1) != 1
+            or query.shape[-1] > 256):
+        return False
+    dense = plan.dense if plan.dense.dtype == torch.bool else plan.dense != 0
+    sel = plan.sel_blocks if plan.sel_blocks.stride(-1) == 1 else plan.sel_blocks.contiguous()
+    ops.block_sparse_prefill(out, query, k_pages, v_pages, _int32(block_table), _int32(query_start_loc),
+                             _int32(seq_lens), _int32(sel), _int32(plan.num_sel), dense, int(plan.segment_size),
+                             int(plan.block_size), float(scale), amx)
     return True

@@ -66,6 +66,20 @@ class CritiPrefillMethod(Method):
 
         move_critiprefill_rows_last(batch, num_scheduled_tokens, self.config.critiprefill)
 
+    def load_cpu_kernels(self) -> None:
+        """The CPU build's compiled prefill: built (once per machine) or loaded at engine start, not at
+        the first long prompt. Without it the PyTorch twin attends (logged once, counted)."""
+        if getattr(self, "_cpu_kernels_checked", False):
+            return
+        self._cpu_kernels_checked = True
+        from vllm_ext import metrics
+        from vllm_ext.kernels import cpu_native
+
+        if cpu_native.library() is None:
+            metrics.fallback("critiprefill_cpu_native", "vllm_ext: CritiPrefill's compiled CPU prefill is "
+                             "unavailable (%s): the PyTorch twin attends its segments (slower, same outputs)",
+                             cpu_native.unavailable_reason())
+
     def warmup_gaps(self) -> list[str]:
         return ["CritiPrefill's prefill kernels"]
 
@@ -77,6 +91,7 @@ class CritiPrefillLayer(MethodLayer):
     name = "critiprefill"
 
     def __init__(self, method: CritiPrefillMethod, geometry: LayerGeometry):
+        self.method = method
         self.cfg = method.config.critiprefill
         self.g = geometry
         self.rows = method.row_counters
@@ -93,6 +108,8 @@ class CritiPrefillLayer(MethodLayer):
                                      num_heads=self.g.num_heads, max_len=self.g.max_len)
         if self.g.layer_index not in self.cfg.dense_layers:
             self.state = state
+            if self.g.device.type == "cpu":
+                self.method.load_cpu_kernels()
 
     def plan(self, md):
         return md.step.plans.get(self.name) if self.state is not None else None

@@ -1,6 +1,6 @@
 """CritiPrefill as the backend runs it: one sparse layer of one step's CritiPrefill sub-batch
 (ALGORITHMS.md §3; the rows and their host plan: :mod:`vllm_ext.methods.critiprefill.slots`). Torch-level
-orchestration of the kernels (Triton on CUDA, PyTorch twins elsewhere); no vLLM import.
+orchestration of the kernels (Triton on CUDA, compiled C++ on the CPU build); no vLLM import.
 
 Per sparse layer, after the chunk's K/V are in the paged cache:
 1. key-block representatives: the blocks this chunk wrote (from the block holding its first
@@ -12,7 +12,11 @@ Per sparse layer, after the chunk's K/V are in the paged cache:
 3. scores, layer fusion with the previous sparse layer of the same step (the step keeps that
    layer's fused scores: fusion never spans steps, so it is no per-request state), selection
    (:func:`vllm_ext.methods.critiprefill.plan.build_plan`);
-4. block-sparse attention of the sub-batch (:func:`block_sparse_prefill`), dense segments included;
+4. block-sparse attention of the sub-batch, dense segments included: on the CPU build the compiled
+   pass over the pages in place (:func:`block_sparse_prefill_cpu`; it also beats ``CPU_ATTN``'s own
+   prefill on dense segments, docs/critiprefill.md), else :func:`block_sparse_prefill` (Triton, or
+   the PyTorch twin where the compiled pass does not apply: logged once, counted
+   ``fallback.critiprefill_cpu_native``);
 5. device counters: sparse segments, candidate and selected key blocks.
 
 Memory: none of its own. A request's state lives in pages of CritiPrefill's KV-cache group, which
@@ -26,13 +30,15 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ext import metrics
 from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 from vllm_ext.methods.critiprefill.criticality import fuse_scores
 from vllm_ext.methods.critiprefill.plan import build_plan, max_segments_bound
 from vllm_ext.methods.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
                                          STAT_SPARSE_SEGMENTS, CritiPrefillStep)
 from vllm_ext.kernels.block_representatives import query_segment_representatives
-from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill
+from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill, block_sparse_prefill_cpu
+from vllm_ext.kernels.triton_utils import use_triton
 from vllm_ext.kernels.paged_state import (read_state_entries, update_block_representatives_paged,
                                           write_state_entries)
 
@@ -114,7 +120,16 @@ def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
                       max_query_len=step.max_query_len, key_reps=key_reps,
                       query_reps=(qreps[0], qreps[1]), row_dense=step.row_dense)
     # 4. attention
-    block_sparse_prefill(q, kv_cache, bt, qsl, seq, plan, scale, output=out)
+    on_cpu = q.device.type == "cpu" and not use_triton(q)
+    if not (on_cpu and block_sparse_prefill_cpu(q, kv_cache, bt, qsl, seq, plan, scale, output=out)):
+        if on_cpu:
+            from vllm_ext.kernels import cpu_native
+
+            metrics.fallback("critiprefill_cpu_native", "CritiPrefill's compiled CPU prefill does not apply "
+                             "(%s; query %s, cache %s): the PyTorch twin attends its segments (slower, same "
+                             "outputs)", cpu_native.unavailable_reason() or "dtype, head size or page layout",
+                             q.dtype, getattr(kv_cache, "dtype", None))
+        block_sparse_prefill(q, kv_cache, bt, qsl, seq, plan, scale, output=out)
     # 5. counters (device): sparse segments that read fewer blocks than precede them, their blocks
     if stats is not None:
         seg_abs = plan.first_segment.long()[:, None] + torch.arange(plan.max_segments, device=q.device)
