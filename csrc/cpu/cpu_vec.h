@@ -182,44 +182,70 @@ inline vrf vexp_r(vrf x) {
   return x < lo ? vrf{} : res;
 }
 
-// vlog() on a register of lanes, the same operations
-inline vrf vlog_r(vrf x) {
-  const vri sub = x < 1.17549435e-38f;
-  const vrf xs = sub ? x * 8388608.0f : x;                       // 2^23
-  vri ix;
-  std::memcpy(&ix, &xs, sizeof(ix));
-  vrf e = __builtin_convertvector(((ix >> 23) & 0xff) - 126, vrf) - (sub ? vrf{} + 23.0f : vrf{});
-  const vri mb = (ix & 0x007fffff) | 0x3f000000;
-  vrf m;
-  std::memcpy(&m, &mb, sizeof(m));
-  const vri low = m < 0.707106781186547524f;
-  e = low ? e - 1.0f : e;
-  const vrf f = low ? m + m - 1.0f : m - 1.0f;
-  const vrf z = f * f;
-  vrf y = vrf{} + 7.0376836292E-2f;
-  y = y * f - 1.1514610310E-1f;
-  y = y * f + 1.1676998740E-1f;
-  y = y * f - 1.2420140846E-1f;
-  y = y * f + 1.4249322787E-1f;
-  y = y * f - 1.6668057665E-1f;
-  y = y * f + 2.0000714765E-1f;
-  y = y * f - 2.4999993993E-1f;
-  y = y * f + 3.3333331174E-1f;
-  y = y * f * z;
-  y += -2.12194440e-4f * e;
-  y += -0.5f * z;
-  vrf res = f + y + 0.693359375f * e;
-  const float inf = std::numeric_limits<float>::infinity();
-  res = x == 0.0f ? vrf{} + kNegInf : res;
-  res = x == inf ? x : res;
-  return (x < 0.0f || x != x) ? vrf{} + std::numeric_limits<float>::quiet_NaN() : res;
-}
-
 // y[i] = exp(x[i] - m) over [0, n) (y may be x)
 inline void exp_shifted(const float* x, float m, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kRegLanes <= n; i += kRegLanes) store_r(y + i, vexp_r(load_r(x + i) - m));
   for (; i < n; ++i) y[i] = vexp(x[i] - m);
+}
+
+// The elements of vLLM's fp8 KV caches (torch.float8_e4m3fn, torch.float8_e5m2; CPU_ATTN packs them
+// as it packs bf16, one byte an element), widened exactly: the bits move into an fp32 (its
+// subnormals included) and a power of two rebiases the exponent (e4m3: 7 -> 127, e5m2: 15 -> 127).
+// The codes a saturating write never stores map as torch maps them: e4m3's NaN, e5m2's inf and NaN.
+struct fp8e4m3 { uint8_t bits; };
+struct fp8e5m2 { uint8_t bits; };
+
+inline float load(const fp8e4m3* p) {
+  const int32_t b = p->bits;
+  if ((b & 0x7f) == 0x7f) return std::numeric_limits<float>::quiet_NaN();
+  return from_bits(((b & 0x80) << 24) | ((b & 0x7f) << 20)) * 0x1p120f;
+}
+inline float load(const fp8e5m2* p) {
+  const int32_t b = p->bits;
+  if ((b & 0x7c) == 0x7c)
+    return (b & 3) ? std::numeric_limits<float>::quiet_NaN()
+                   : ((b & 0x80) ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity());
+  return from_bits(((b & 0x80) << 24) | ((b & 0x7f) << 21)) * 0x1p112f;
+}
+
+template <typename V, typename I>
+inline V widen_fp8(I b, bool e5m2) {
+  const I bits = e5m2 ? (((b & 0x80) << 24) | ((b & 0x7f) << 21)) : (((b & 0x80) << 24) | ((b & 0x7f) << 20));
+  V f;
+  std::memcpy(&f, &bits, sizeof(f));
+  f *= e5m2 ? 0x1p112f : 0x1p120f;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  if (e5m2) {
+    const I special = (b & 0x7c) == 0x7c;
+    const V inf_s = (b & 0x80) ? V{} - inf : V{} + inf;
+    return special ? ((b & 3) ? V{} + nan : inf_s) : f;
+  }
+  return (b & 0x7f) == 0x7f ? V{} + nan : f;
+}
+
+typedef uint8_t vrb __attribute__((vector_size(kRegLanes)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+inline vrf load_r(const fp8e4m3* p) {
+  vrb b;
+  std::memcpy(&b, p, sizeof(b));
+  return widen_fp8<vrf, vri>(__builtin_convertvector(b, vri), false);
+}
+inline vrf load_r(const fp8e5m2* p) {
+  vrb b;
+  std::memcpy(&b, p, sizeof(b));
+  return widen_fp8<vrf, vri>(__builtin_convertvector(b, vri), true);
+}
+inline v16f load16(const fp8e4m3* p) {
+  v16b b;
+  std::memcpy(&b, p, sizeof(b));
+  return widen_fp8<v16f, v16i>(__builtin_convertvector(b, v16i), false);
+}
+inline v16f load16(const fp8e5m2* p) {
+  v16b b;
+  std::memcpy(&b, p, sizeof(b));
+  return widen_fp8<v16f, v16i>(__builtin_convertvector(b, v16i), true);
 }
 
 constexpr int pow2_floor(int x) { int p = 1; while (p * 2 <= x) p *= 2; return p; }

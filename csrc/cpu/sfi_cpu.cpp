@@ -56,14 +56,8 @@ void fuse(float* __restrict f, const float* __restrict r, float ca, float cb, in
     e[i] = mn - mx;                                               // NaN when both are -inf: not used
     f[i] = mx;
   }
-  exp_shifted(e, 0.0f, e, n);
-  int64_t i = 0;
-  for (; i + kRegLanes <= n; i += kRegLanes) {
-    const vrf fi = load_r(f + i);
-    const vrf t = fi + vlog_r(1.0f + load_r(e + i));
-    store_r(f + i, fi > kNegInf ? t : vrf{} + kNegInf);
-  }
-  for (; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i) e[i] = vexp(e[i]);
+  for (int64_t i = 0; i < n; ++i) {
     const float t = f[i] + vlog(1.0f + e[i]);
     f[i] = f[i] > kNegInf ? t : kNegInf;
   }
@@ -400,8 +394,8 @@ void sfi_select_row(const float* ev, int64_t ev_hs, const float* kn, int64_t kn_
       float* f = ls + h * n;
       float* fe = tmp;                                            // exp(log f), exp(log r)
       float* re = scratch_floats(n);
-      exp_shifted(f, 0.0f, fe, n);
-      exp_shifted(r, 0.0f, re, n);
+      for (int64_t i = 0; i < n; ++i) fe[i] = vexp(f[i]);
+      for (int64_t i = 0; i < n; ++i) re[i] = vexp(r[i]);
       const float ff = dot_v(fe, fe, n), rr = dot_v(re, re, n), fr = dot_v(fe, re, n);
       float lam = (ff - fr) / std::max(ff - 2.0f * fr + rr, eps);
       lam = std::min(std::max(lam, 0.0f), lambda_max);
@@ -428,9 +422,7 @@ void sfi_select_row(const float* ev, int64_t ev_hs, const float* kn, int64_t kn_
     float* sum = lr;                                              // [n] (the prior is no longer needed)
     for (int64_t i = 0; i < n; ++i) sum[i] = 0.0f;
     for (int h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < n; ++i) lr[n + i] = ls[h * n + i] / temp - tmp[i];
-      exp_shifted(lr + n, 0.0f, lr + n, n);
-      for (int64_t i = 0; i < n; ++i) sum[i] += lr[n + i];
+      for (int64_t i = 0; i < n; ++i) sum[i] += vexp(ls[h * n + i] / temp - tmp[i]);
     for (int64_t i = 0; i < n; ++i) {
       const float l = tmp[i] + vlog(sum[i]);                     // NaN where every head is -inf: not used
       sum[i] = tmp[i] > kNegInf ? l : kNegInf;

@@ -244,7 +244,7 @@ void two_segment_rows(Q* out, const Q* query, int64_t q_rs, int64_t q_hs, int64_
                       const T* vb, const PageViews& pg, const int32_t* table, int64_t t_rs, const int32_t* seq_lens,
                       const int32_t* recent_start, const T* cb, const Compact& cp, const int32_t* compact_len,
                       const int32_t* slot_idx, const bool* row_mask, int64_t rows, int hkv, int g, int d,
-                      int64_t window, float scale) {
+                      int64_t window, float scale, float k_scale, float v_scale) {
   const Kernels<T> kn = kernels_for<T>(g, d);
   at::parallel_for(0, rows * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(static_cast<size_t>(g) * d), of(static_cast<size_t>(g) * d);
@@ -267,10 +267,10 @@ void two_segment_rows(Q* out, const Q* query, int64_t q_rs, int64_t q_hs, int64_
       for (int gg = 0; gg < g; ++gg)
         for (int i = 0; i < d; ++i) qf[gg * d + i] = load_q(qr + gg * q_hs + i);
       const int32_t* ctab = clen ? cp.table + slot * cp.t_rs : nullptr;
-      attend_head(kn, kb, vb, pg, table + r * t_rs, rs, re, cb, cp, ctab, clen, h, g, d, qf.data(), scale,
-                  of.data());
+      attend_head(kn, kb, vb, pg, table + r * t_rs, rs, re, cb, cp, ctab, clen, h, g, d, qf.data(),
+                  scale * k_scale, of.data());
       for (int gg = 0; gg < g; ++gg)
-        for (int i = 0; i < d; ++i) store(o + gg * o_hs + i, of[gg * d + i]);
+        for (int i = 0; i < d; ++i) store(o + gg * o_hs + i, of[gg * d + i] * v_scale);
     }
   });
 }
@@ -289,16 +289,20 @@ void check_cpu(const at::Tensor& t, const char* what, at::ScalarType dtype, int6
 // [R] int32; compact_kv: [blocks, Hkv, cbs, 2D] (K in [..., :D], V in [..., D:], unit stride in the last
 // axis); compact_table: [>= slots, >= cap / cbs] int32 (cap: the entries a slot holds); compact_len:
 // [>= slots] int32 (a row's slot outside both: no compact segment); row_mask: [R] bool or None.
-// window: the recent window's length.
+// window: the recent window's length. k_scale / v_scale: the layer's per-tensor scales of fp8 pages
+// (K = stored K * k_scale, folded into the score scale; V likewise, into the output); 1 otherwise.
 void two_segment_decode_op(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_pages,
                            const at::Tensor& v_pages, const at::Tensor& block_table, const at::Tensor& seq_lens,
                            const at::Tensor& recent_start, const at::Tensor& compact_kv,
                            const at::Tensor& compact_table, int64_t cap, const at::Tensor& compact_len,
                            const at::Tensor& slot_idx, const std::optional<at::Tensor>& row_mask, int64_t window,
-                           double scale, bool amx) {
+                           double scale, bool amx, double k_scale, double v_scale) {
   const at::ScalarType qt = query.scalar_type(), dt = k_pages.scalar_type();
   TORCH_CHECK(qt == at::kBFloat16 || qt == at::kFloat, "two_segment_decode: bf16 or fp32 query expected, got ", qt);
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "two_segment_decode: bf16 or fp32 pages expected, got ", dt);
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2,
+              "two_segment_decode: bf16, fp32, float8_e4m3fn or float8_e5m2 pages expected, got ", dt);
+  TORCH_CHECK(k_scale > 0.0 && v_scale > 0.0, "two_segment_decode: positive k_scale and v_scale expected, got ",
+              k_scale, ", ", v_scale);
   check_cpu(query, "query", qt, 3);
   check_cpu(out, "out", qt, 3);
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
@@ -368,11 +372,15 @@ void two_segment_decode_op(const at::Tensor& out, const at::Tensor& query, const
                          query.stride(1), out.stride(0), out.stride(1), static_cast<const T*>(k_pages.data_ptr()),  \
                          static_cast<const T*>(v_pages.data_ptr()), pg, bt, block_table.stride(0), sl, rst,         \
                          static_cast<const T*>(compact_kv.data_ptr()), cp, cl, sid, mask, rows,                    \
-                         static_cast<int>(hkv), g, static_cast<int>(d), window, sc)
-  if (dt == at::kBFloat16 && qt == at::kBFloat16) SFI_TWO_SEGMENT(uint16_t, uint16_t);
-  else if (dt == at::kBFloat16) SFI_TWO_SEGMENT(uint16_t, float);
-  else if (qt == at::kBFloat16) SFI_TWO_SEGMENT(float, uint16_t);
-  else SFI_TWO_SEGMENT(float, float);
+                         static_cast<int>(hkv), g, static_cast<int>(d), window, sc, ksc, vsc)
+#define SFI_TWO_SEGMENT_Q(T) \
+  if (qt == at::kBFloat16) SFI_TWO_SEGMENT(T, uint16_t); else SFI_TWO_SEGMENT(T, float)
+  const float ksc = static_cast<float>(k_scale), vsc = static_cast<float>(v_scale);
+  if (dt == at::kBFloat16) SFI_TWO_SEGMENT_Q(uint16_t);
+  else if (dt == at::kFloat) SFI_TWO_SEGMENT_Q(float);
+  else if (dt == at::kFloat8_e4m3fn) SFI_TWO_SEGMENT_Q(fp8e4m3);
+  else SFI_TWO_SEGMENT_Q(fp8e5m2);
+#undef SFI_TWO_SEGMENT_Q
 #undef SFI_TWO_SEGMENT
 }
 
@@ -381,7 +389,8 @@ void two_segment_decode_op(const at::Tensor& out, const at::Tensor& query, const
 TORCH_LIBRARY_FRAGMENT(speedsfi, m) {
   m.def("two_segment_decode(Tensor(a!) out, Tensor query, Tensor k_pages, Tensor v_pages, Tensor block_table, "
         "Tensor seq_lens, Tensor recent_start, Tensor compact_kv, Tensor compact_table, int cap, "
-        "Tensor compact_len, Tensor slot_idx, Tensor? row_mask, int window, float scale, bool amx) -> ()");
+        "Tensor compact_len, Tensor slot_idx, Tensor? row_mask, int window, float scale, bool amx, "
+        "float k_scale=1., float v_scale=1.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(speedsfi, CPU, m) {

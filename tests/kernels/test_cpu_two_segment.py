@@ -157,3 +157,51 @@ def test_a_bad_block_id_is_an_error_not_a_read():
     p["block_table"][0, -2] = 10_000                      # inside row 0's recent window
     with pytest.raises(RuntimeError, match="block id"):
         _run(p, True)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@needs_native
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("layout,qdtype", [("vec", torch.float32), ("logical", torch.bfloat16), ("amx", torch.float32)])
+def test_fp8_pages_match_the_twin(layout, qdtype, fp8):
+    """fp8 pages and compact segment (CPU_ATTN packs them as it packs bf16, a byte an element) with
+    per-tensor scales != 1: the compiled pass (it must take them: it returns True) against the twin's
+    loop, which dequantises."""
+    p = _problem(layout, fp8, 32, 3, 64, True, torch.Generator().manual_seed(11), qdtype=qdtype)
+    ks, vs = torch.tensor([0.5]), torch.tensor([3.0])
+    ref = torch.full(p["query"].shape, SENTINEL).to(qdtype)
+    two_segment_decode_cpu(p["query"], p["kv_cache"], p["block_table"], p["seq_lens"], p["recent_start"],
+                           p["compact_kv"], p["compact_len"], p["slot_idx"], 64 ** -0.5, ref, None,
+                           max_recent=p["max_recent"], compact_table=p["compact_table"], native=False,
+                           k_scale=ks, v_scale=vs)
+    got = torch.full(p["query"].shape, SENTINEL).to(qdtype)
+    assert cpu_native.two_segment(p["query"], p["kv_cache"], p["block_table"], p["seq_lens"], p["recent_start"],
+                                  p["compact_kv"], p["compact_table"], p["compact_kv"].shape[2] * p["compact_table"].shape[1],
+                                  p["compact_len"], p["slot_idx"], 64 ** -0.5, got, None, p["max_recent"],
+                                  k_scale=0.5, v_scale=3.0)
+    assert torch.equal(got == SENTINEL, ref == SENTINEL)
+    tol = 1e-5 if qdtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol * 3, rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+def test_fp8_widening_is_exact(fp8):
+    """Every one of the 256 codes (NaN codes aside) through the compiled pass equals torch's own
+    widening: one key whose V row holds the codes, attention weight 1."""
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8)
+    ref = codes.float()
+    keep = ~ref.isnan()
+    d = 256
+    kv = torch.zeros(1, 1, 16, 2 * d, dtype=fp8)
+    kv[0, 0, 0, d:] = codes
+    q = torch.zeros(1, 1, d)
+    out = torch.zeros(1, 1, d)
+    compact = torch.zeros(1, 1, 16, 2 * d, dtype=fp8)
+    assert cpu_native.two_segment(q, kv, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                                  torch.tensor([0], dtype=torch.int32), compact, torch.zeros(1, 1, dtype=torch.int32),
+                                  16, torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                                  1.0, out, None, 16)
+    assert torch.equal(out[0, 0][keep], ref[keep])

@@ -572,12 +572,11 @@ def two_segment_decode_cpu(query, kv_cache, block_table, seq_lens, recent_start,
     w = _est_recent(kv_cache, block_table, max_recent)
     ks = kv_quant.host_scale(kv_cache.dtype, k_scale)
     vs = kv_quant.host_scale(kv_cache.dtype, v_scale)
-    # the compiled pass takes no scales: scaled fp8 pages run the loop
-    if native and not kv_quant.scaled(kv_cache.dtype, k_scale, v_scale):
+    if native:
         from vllm_ext.kernels import cpu_native
 
         if cpu_native.two_segment(query, kv_cache, block_table, seq_lens, recent_start, compact_kv, compact_table,
-                                  cap, compact_len, slot_idx, scale, out, row_mask, w):
+                                  cap, compact_len, slot_idx, scale, out, row_mask, w, k_scale=ks, v_scale=vs):
             return out
     act = active_rows(seq_lens, row_mask).tolist()
     seqs, starts, slots = seq_lens.tolist(), recent_start.tolist(), slot_idx.tolist()
