@@ -45,9 +45,10 @@ Callers give contiguous fp32 rows; the wrappers check what the C++ assumes (dtyp
 ranges) and return False where it does not hold, so the twin runs (the operators check the same and
 raise).
 
-The passes read bf16 / fp32 pages (the gather also fp16) only: fp8 pages (``--kv-cache-dtype
-fp8``) are declined (:func:`reads_pages`) and SFI's PyTorch twins read them with the layer's scales;
-SFI logs and counts that once at engine start (``fallback.cpu_native_fp8``).
+The fast step's pass reads fp8 pages (e4m3, e5m2, with the layer's per-tensor scales) too; the
+evidence pass and the gather read bf16 / fp32 pages (the gather also fp16) only: for fp8 pages
+(``--kv-cache-dtype fp8``) they are declined (:func:`reads_pages`) and SFI's PyTorch twins read them
+with the layer's scales; SFI logs and counts that once at engine start (``fallback.cpu_native_fp8``).
 """
 
 from __future__ import annotations
@@ -278,13 +279,14 @@ def unavailable_reason() -> str | None:
     return _reason if _tried and _lib is None else None
 
 
-# page dtypes the compiled SFI passes read (the gather copies fp16 too)
+# page dtypes the compiled slow-step passes read (the gather copies fp16 too)
 PAGE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def reads_pages(dtype: torch.dtype) -> bool:
-    """Whether the compiled SFI passes (:func:`evidence`, :func:`two_segment`, :func:`gather_compact`)
-    read pages of ``dtype``: bf16 and fp32; fp8 pages are declined (the twins read them)."""
+    """Whether the compiled slow-step passes (:func:`evidence`, :func:`gather_compact`) read pages of
+    ``dtype``: bf16 and fp32; fp8 pages are declined (the twins read them). The fast step's
+    :func:`two_segment` reads fp8 pages as well."""
     return dtype in PAGE_DTYPES
 
 
@@ -396,17 +398,22 @@ def _two_segment_pages(pages) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     return _page_layout(pages)
 
 
+_TWO_SEGMENT_PAGE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens: torch.Tensor,
                 recent_start: torch.Tensor, compact_kv: torch.Tensor, compact_table: torch.Tensor | None,
                 cap: int, compact_len: torch.Tensor, slot_idx: torch.Tensor, scale: float, out: torch.Tensor,
-                row_mask: torch.Tensor | None, window: int) -> bool:
+                row_mask: torch.Tensor | None, window: int, *, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> bool:
     """Every active row's fast-step attention (compact segment + recent window, one softmax) into
     ``out [R, Hq, D]``: what :func:`vllm_ext.kernels.two_segment_decode.two_segment_decode_cpu`
     writes, in one pass over the rows and KV heads (torch's intra-op threads). ``pages``: the KV
     cache (the logical layout) or :class:`vllm_ext.kernels.packed_pages.PackedPages`;
     ``compact_table`` None: the contiguous layout ``[slots, Hkv, cap, 2D]``. False (nothing
-    written) where the kernel does not apply: no library, dtypes other than bf16 / fp32 (fp8 pages
-    included), another page layout."""
+    written) where the kernel does not apply: no library, a query other than bf16 / fp32, pages other
+    than bf16 / fp32 / fp8 (e4m3, e5m2), another page layout. fp8 pages: ``k_scale`` / ``v_scale``,
+    the layer's per-tensor scales (host floats)."""
     ops = library()
     if ops is None or query.dim() != 3 or out.shape != query.shape or out.dtype != query.dtype:
         return False
@@ -414,7 +421,7 @@ def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens:
     if layout is None:
         return False
     k_pages, v_pages, amx = layout
-    ok = (query.dtype in (torch.bfloat16, torch.float32) and reads_pages(k_pages.dtype)
+    ok = (query.dtype in (torch.bfloat16, torch.float32) and k_pages.dtype in _TWO_SEGMENT_PAGE_DTYPES
           and compact_kv.dtype == k_pages.dtype and query.device.type == "cpu" and query.stride(-1) == 1
           and out.stride(-1) == 1 and compact_kv.stride(-1) == 1 and query.shape[-1] <= 256)
     if not ok:
@@ -429,7 +436,7 @@ def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens:
     ops.two_segment_decode(out, query, k_pages, v_pages, block_table, seq_lens.contiguous(),
                            recent_start.contiguous(), compact_kv, compact_table, int(cap), compact_len.contiguous(),
                            slot_idx.contiguous(), None if row_mask is None else row_mask.contiguous(), int(window),
-                           float(scale), amx)
+                           float(scale), amx, float(k_scale), float(v_scale))
     return True
 
 
