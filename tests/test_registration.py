@@ -81,7 +81,7 @@ def test_cpu_selector_honours_speedsfi_and_validates():
     assert plat.get_attn_backend_cls(AttentionBackendEnum["SPEEDSFI"], ok) == vllm_ext.BACKEND_PATH
     assert plat.get_attn_backend_cls(None, ok).endswith("CPUAttentionBackend")
     for bad, reason in [(ok._replace(has_sliding_window=True), "sliding window not supported"),
-                        (ok._replace(kv_cache_dtype="fp8"), "kv_cache_dtype not supported"),
+                        (ok._replace(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype not supported"),
                         (ok._replace(attn_type="encoder_decoder"), "attention type"),
                         (ok._replace(head_size=48), "head_size not supported"),
                         (ok._replace(has_sink=True), "attention sinks not supported"),

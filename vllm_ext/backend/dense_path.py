@@ -20,6 +20,12 @@
 
 The CPU build's dense paths read the step's host facts for free (``host_plan``): their pass skips
 single rows a method computes. The delegate cuts rows by range only.
+
+An fp8 cache (``--kv-cache-dtype fp8``, ``fp8_e4m3``, ``fp8_e5m2``): vLLM allocates it as ``uint8``;
+:meth:`DensePath.pages` hands the methods its fp8 view, of the dtype the writer stores
+(:func:`vllm_ext.kernels.kv_quant.stored_dtype`), and every read of K or V takes the layer's
+per-tensor ``k_scale`` / ``v_scale``. vLLM's own ops (the delegate, ``CPU_ATTN``'s C++ ops) get the
+``uint8`` allocation and the scales exactly as vLLM's backends pass them.
 """
 
 from __future__ import annotations
@@ -28,13 +34,16 @@ import torch
 
 from vllm_ext import metrics
 from vllm_ext import row_counters
-from vllm_ext.kernels import paged_reference
+from vllm_ext.kernels import kv_quant, paged_reference
 from vllm_ext.kernels.packed_pages import PACKED_ISAS, PackedPages, layout_matches
 from vllm_ext.methods.protocol import DenseRows
 
 
 class DensePath:
     host_plan = False
+    # whose write the pages hold: the CPU build's (CPU_ATTN, the reference) or vLLM's CUDA impls
+    # (kv_quant.stored_dtype; None: the platform's)
+    writes_on_cpu: bool | None = None
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  kv_cache_dtype: str, rows: row_counters.RowCounters | None):
@@ -43,6 +52,7 @@ class DensePath:
         self.head_size = head_size
         self.scale = scale
         self.kv_cache_dtype = kv_cache_dtype
+        self.page_dtype = kv_quant.stored_dtype(kv_cache_dtype, on_cpu=self.writes_on_cpu)  # None: not fp8
         self.rows = rows
 
     def forward_all(self, layer, query, key, value, kv_cache, md, output) -> torch.Tensor | None:
@@ -50,8 +60,11 @@ class DensePath:
         return None
 
     def pages(self, layer, query, kv_cache, md):
-        """The cache as this step's kernels read it."""
-        return kv_cache
+        """The cache as this step's kernels read it (an fp8 cache: its fp8 view)."""
+        return self.page_view(kv_cache)
+
+    def page_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        return kv_quant.page_view(kv_cache, self.page_dtype)
 
     def row_plan(self, md) -> DenseRows:
         return DenseRows(start=0, end=md.num_reqs, host_plan=self.host_plan)
@@ -67,7 +80,7 @@ class DensePath:
     def attend(self, layer, query, key, value, pages, md, output, rows: DenseRows) -> None:
         raise NotImplementedError
 
-    def attend_decode_rows(self, query, pages, md, output, rows: DenseRows) -> None:
+    def attend_decode_rows(self, layer, query, pages, md, output, rows: DenseRows) -> None:
         """The decode rows when no method owns them and this path computes them apart (CUDA with
         ``dense_decode = "paged_decode"``)."""
 
@@ -75,7 +88,8 @@ class DensePath:
         """Whether this path attends decode rows with our own kernel (apart from prefill rows)."""
         return False
 
-    def warm_up(self, kv_cache, shape, dtype) -> bool:
+    def warm_up(self, layer, pages, shape, dtype) -> bool:
+        """Compile this path's own kernels over the layer's ``pages`` (its page view) at start-up."""
         return False
 
     def _count(self, n) -> None:
@@ -88,9 +102,11 @@ class ReferenceDense(DensePath):
     cannot be read; tests)."""
 
     host_plan = True
+    writes_on_cpu = True
 
     def write_kv(self, layer, key, value, pages, slot_mapping) -> None:
-        paged_reference.write_kv(pages, key, value, slot_mapping)
+        k_scale, v_scale = kv_quant.layer_scales(layer)
+        paged_reference.write_kv(pages, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     def attend(self, layer, query, key, value, pages, md, output, rows: DenseRows) -> None:
         seq_lens = _skipped(md.seq_lens_host[:rows.end], rows.host_skip)
@@ -98,9 +114,10 @@ class ReferenceDense(DensePath):
         self._count(rows.end - sum(bool(x) for x in (rows.host_skip or [])[:rows.end]))
 
     def _attend_rows(self, layer, query, pages, md, n: int, seq_lens: list[int], output) -> None:
+        k_scale, v_scale = kv_quant.layer_scales(layer)
         paged_reference.dense_paged_attention(query, pages, md.block_table,
                                               md.query_start_loc_host[:n + 1], seq_lens, self.scale,
-                                              output)
+                                              output, k_scale=k_scale, v_scale=v_scale)
 
 
 def _skipped(seq_lens: list[int], skip: list[bool] | None) -> list[int]:
@@ -115,7 +132,8 @@ _layout_checked: dict[tuple, bool] = {}
 def packed_pages_readable(isa: str, block_size: int, head_size: int, dtype: torch.dtype,
                           kv_cache_dtype: str) -> bool:
     """Whether our kernels can read ``CPU_ATTN``'s pages for this ISA and shape (a fact of the vLLM
-    build, checked once per process and shape against vLLM's own write)."""
+    build, checked once per process and shape against vLLM's own write). ``dtype``: the model's (of
+    the keys and values written); an fp8 ``kv_cache_dtype`` is read as its stored dtype."""
     key = (isa, block_size, head_size, dtype, kv_cache_dtype)
     if key not in _layout_checked:
         ok = False
@@ -127,7 +145,8 @@ def packed_pages_readable(isa: str, block_size: int, head_size: int, dtype: torc
                                                kv_cache_dtype=kv_cache_dtype)
 
             try:
-                ok = layout_matches(write, block_size, head_size, dtype, isa)
+                ok = layout_matches(write, block_size, head_size, dtype, isa,
+                                    cache_dtype=kv_quant.stored_dtype(kv_cache_dtype, on_cpu=True))
             except (ValueError, RuntimeError):          # a shape this packing (or vLLM's op) refuses
                 ok = False
         _layout_checked[key] = ok
@@ -136,7 +155,7 @@ def packed_pages_readable(isa: str, block_size: int, head_size: int, dtype: torc
                              "CPU_ATTN's KV pages (ISA %s, block %d, head %d, %s) are not readable by "
                              "SPEEDSFI's kernels: with a method on, every row runs the PyTorch path on "
                              "SPEEDSFI's own cache format (slower dense rows, same results)",
-                             isa, block_size, head_size, dtype)
+                             isa, block_size, head_size, f"{dtype}, KV cache {kv_cache_dtype}")
     return _layout_checked[key]
 
 
@@ -153,6 +172,7 @@ class _CpuAttnStep:
 
 class CpuAttnDense(DensePath):
     host_plan = True
+    writes_on_cpu = True
 
     def __init__(self, *, all_off: bool, **kw):
         super().__init__(**kw)
@@ -174,8 +194,9 @@ class CpuAttnDense(DensePath):
             if self.all_off:
                 self._packed = True
             else:
+                model_dtype = query.dtype if self.page_dtype is not None else kv_cache.dtype
                 self._packed = (not use_triton(query) and packed_pages_readable(
-                    self._isa, block_size, self.head_size, kv_cache.dtype, self.kv_cache_dtype))
+                    self._isa, block_size, self.head_size, model_dtype, self.kv_cache_dtype))
                 if self._packed:
                     metrics.log_once("cpu_attn_packed_pages",
                                      "SPEEDSFI (CPU build): K/V writes and dense rows through CPU_ATTN's "
@@ -200,9 +221,9 @@ class CpuAttnDense(DensePath):
 
         num_blocks, hkv, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(num_blocks, hkv, 2 * block_size, -1).chunk(2, dim=2)
+        ks, vs = _scale_floats(layer)
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, self._isa,
-                                       k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-                                       kv_cache_dtype=self.kv_cache_dtype)
+                                       k_scale=ks, v_scale=vs, kv_cache_dtype=self.kv_cache_dtype)
         n_tok = md.query_start_loc_host[md.num_reqs] if md.query_start_loc_host else md.num_actual_tokens
         sched = self._schedule(md, None, md.num_reqs, md.seq_lens, md.query_start_loc, query.dtype)
         self._attend(layer, query[:n_tok], key_cache, value_cache, output[:n_tok], md.query_start_loc,
@@ -214,9 +235,9 @@ class CpuAttnDense(DensePath):
         if not self.all_off:
             self._count_step(layer, md, fmt)
         if fmt != "packed":
-            return kv_cache
+            return self.page_view(kv_cache)
         if self._pages is None or self._pages[0] is not kv_cache:
-            self._pages = (kv_cache, PackedPages(kv_cache, self._isa))
+            self._pages = (kv_cache, PackedPages(self.page_view(kv_cache), self._isa))
         return self._pages[1]
 
     def write_kv(self, layer, key, value, pages, slot_mapping) -> None:
@@ -225,14 +246,15 @@ class CpuAttnDense(DensePath):
         from vllm import _custom_ops as ops
 
         n = slot_mapping.shape[0]
-        ops.cpu_attn_reshape_and_cache(key[:n], value[:n], pages.key_cache, pages.value_cache,
-                                       slot_mapping, self._isa, k_scale=layer._k_scale_float,
-                                       v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+        ks, vs = _scale_floats(layer)
+        key_cache, value_cache = _vllm_caches(pages)
+        ops.cpu_attn_reshape_and_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping, self._isa,
+                                       k_scale=ks, v_scale=vs, kv_cache_dtype=self.kv_cache_dtype)
 
     def write_kv_outside_forward(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.all_off and kv_cache.is_contiguous():
             raise NotImplementedError("SPEEDSFI (CPU, every method off) writes K/V in forward")
-        self.reference.write_kv(layer, key, value, kv_cache, slot_mapping)
+        self.reference.write_kv(layer, key, value, self.page_view(kv_cache), slot_mapping)
 
     def attend(self, layer, query, key, value, pages, md, output, rows: DenseRows) -> None:
         if not isinstance(pages, PackedPages):
@@ -248,13 +270,13 @@ class CpuAttnDense(DensePath):
                 block_table, sched) -> None:
         from vllm import _custom_ops as ops
 
+        ks, vs = _scale_floats(layer)
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=out,
             query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale, causal=True,
             alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0,
             scheduler_metadata=sched, s_aux=None, dynamic_causal=None,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype)
+            k_scale=ks, v_scale=vs, kv_cache_dtype=self.kv_cache_dtype)
 
     @staticmethod
     def _step(md) -> _CpuAttnStep:
@@ -308,13 +330,27 @@ class CpuAttnDense(DensePath):
             tok, q_start, seq, table = self._sub_batch(md, tuple(picked))
             q, out = query.index_select(0, tok), torch.empty_like(query[:tok.shape[0]])
         sched = self._schedule(md, tuple(picked), n, seq, q_start, query.dtype)
-        self._attend(layer, q, pages.key_cache, pages.value_cache, out, q_start, seq, table, sched)
+        key_cache, value_cache = _vllm_caches(pages)
+        self._attend(layer, q, key_cache, value_cache, out, q_start, seq, table, sched)
         if not prefix:
             output.index_copy_(0, tok, out)
 
 
+def _scale_floats(layer) -> tuple[float, float]:
+    """The layer's scales as host floats, as vLLM's ``CPU_ATTN`` passes them to its C++ ops."""
+    return float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0))
+
+
+def _vllm_caches(pages: PackedPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """``CPU_ATTN``'s key and value caches as vLLM hands them to its C++ ops (an fp8 cache as its
+    ``uint8`` allocation)."""
+    return kv_quant.as_bytes(pages.key_cache), kv_quant.as_bytes(pages.value_cache)
+
+
 class DelegateDense(DensePath):
     """vLLM's own CUDA attention impl for the K/V write and the rows its (cut) metadata names."""
+
+    writes_on_cpu = False
 
     def __init__(self, delegate_impl, *, paged_decode: bool, max_rows: int, max_len: int,
                  device: torch.device, shared: dict | None = None, **kw):
@@ -343,7 +379,8 @@ class DelegateDense(DensePath):
         return self.paged_decode
 
     def write_kv(self, layer, key, value, pages, slot_mapping) -> None:
-        self.impl.do_kv_cache_update(layer, key, value, pages, slot_mapping)
+        # vLLM's impl gets the cache as vLLM allocates it (uint8 for fp8) and views it itself
+        self.impl.do_kv_cache_update(layer, key, value, kv_quant.as_bytes(pages), slot_mapping)
 
     def attend(self, layer, query, key, value, pages, md, output, rows: DenseRows) -> None:
         ours = rows.decode_owner is not None or self.paged_decode
@@ -355,16 +392,17 @@ class DelegateDense(DensePath):
             raise RuntimeError("SPEEDSFI: the metadata cut the delegate's rows, but this layer "
                                "computes no decode rows itself")
         rows.start = start
+        cache = kv_quant.as_bytes(pages)
         if rows.end == md.num_reqs and not start:
-            self.impl.forward(layer, query, key, value, pages, md.delegate, output)
+            self.impl.forward(layer, query, key, value, cache, md.delegate, output)
         else:
             cut = md.delegate_head if rows.end < md.num_reqs else md.delegate_tail
             if cut is not None:
                 t0 = md.delegate_first_token
-                self.impl.forward(layer, query[t0:], key[t0:], value[t0:], pages, cut, output[t0:])
+                self.impl.forward(layer, query[t0:], key[t0:], value[t0:], cache, cut, output[t0:])
         self._count(rows.end - start)
 
-    def attend_decode_rows(self, query, pages, md, output, rows: DenseRows) -> None:
+    def attend_decode_rows(self, layer, query, pages, md, output, rows: DenseRows) -> None:
         if not self.paged_decode or rows.decode_owner is not None or not md.num_decodes:
             return
         if md.num_prefills:
@@ -375,18 +413,21 @@ class DelegateDense(DensePath):
             n = min(md.num_reqs, query.shape[0])
         from vllm_ext.kernels.dense_decode_evidence import paged_decode
 
+        k_scale, v_scale = kv_quant.layer_scales(layer)
         paged_decode(query[:n], pages, md.block_table[:n], md.seq_lens[:n], self.scale, output[:n],
-                     workspace=self.workspace)
+                     workspace=self.workspace, k_scale=k_scale, v_scale=v_scale)
         if self.rows is not None:
             self.rows.add(row_counters.PAGED_DECODE, n)
 
-    def warm_up(self, kv_cache, shape, dtype) -> bool:
+    def warm_up(self, layer, pages, shape, dtype) -> bool:
         if not self.paged_decode or self.workspace is None:
             return False
         from vllm_ext.methods.warmup import warm_up_paged_decode
 
-        warm_up_paged_decode(kv_cache=kv_cache, workspace=self.workspace, num_heads=self.num_heads,
-                             head_size=self.head_size, scale=self.scale, dtype=dtype, shape=shape)
+        k_scale, v_scale = kv_quant.layer_scales(layer)
+        warm_up_paged_decode(kv_cache=pages, workspace=self.workspace, num_heads=self.num_heads,
+                             head_size=self.head_size, scale=self.scale, dtype=dtype, shape=shape,
+                             k_scale=k_scale, v_scale=v_scale)
         return True
 
 

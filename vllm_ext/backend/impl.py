@@ -142,17 +142,24 @@ class SpeedSfiImpl(AttentionImpl):
         self.dense.attend(layer, query, key, value, pages, md, output, rows)
         for share, plan in active:
             share.attend_claimed(query, pages, md, plan, output, rows)
-        self.dense.attend_decode_rows(query, pages, md, output, rows)
+        self.dense.attend_decode_rows(layer, query, pages, md, output, rows)
         return output
 
     def warm_up(self, kv_cache: torch.Tensor, shape, dtype: torch.dtype) -> bool:
-        """Compile this layer's kernels (start-up); False when it launches none of ours."""
+        """Compile this layer's kernels (start-up) over its pages as the forward hands them over (an
+        fp8 cache: its fp8 view, with the layer's scales); False when it launches none of ours."""
+        pages = self.dense.page_view(kv_cache)
         ran = False
         for share in self.layers:
-            ran |= share.warm_up(kv_cache, shape, dtype)
+            ran |= share.warm_up(pages, shape, dtype)
         if not ran:
-            ran = self.dense.warm_up(kv_cache, shape, dtype)
+            ran = self.dense.warm_up(self._attention_layer(), pages, shape, dtype)
         return ran
+
+    def _attention_layer(self):
+        """vLLM's attention layer this impl serves (its KV scales)."""
+        return next((attn for attn in self._forward_context.values() if getattr(attn, "impl", None) is self),
+                    None)
 
     def warmup_key(self) -> tuple:
         return tuple(share.warmup_key() for share in self.layers) + (self.dense.owns_decode_kernel(),)

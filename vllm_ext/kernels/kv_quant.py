@@ -67,6 +67,31 @@ def fp8_dtype(kv_cache_dtype: str) -> torch.dtype | None:
     return None
 
 
+def stored_dtype(kv_cache_dtype: str, *, on_cpu: bool | None = None) -> torch.dtype | None:
+    """The fp8 dtype vLLM's dense backend writes into a ``kv_cache_dtype`` cache (the dtype of its
+    page view), ``None`` for a cache that is not fp8. It follows the writer: the CPU build's
+    ``CPU_ATTN`` stores the spelling's format (:func:`fp8_dtype`), vLLM's CUDA / ROCm writes (Triton,
+    FlashAttention) the platform's e4m3 for every fp8 spelling. ``on_cpu``: the CPU build (default:
+    vLLM's platform)."""
+    if not is_fp8_kv_cache_dtype(kv_cache_dtype):
+        return None
+    if on_cpu is None:
+        try:
+            from vllm.platforms import current_platform
+
+            on_cpu = current_platform.is_cpu()
+        except Exception:      # pragma: no cover - vLLM absent: the spelling's format
+            on_cpu = True
+    return fp8_dtype(kv_cache_dtype) if on_cpu else _platform_e4m3()
+
+
+def layer_scales(layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(k_scale, v_scale)`` of vLLM's attention ``layer`` (``layer._k_scale``, ``layer._v_scale``;
+    ``None``: a layer without them, scale 1). Read them at each use: vLLM updates them in place, and
+    a quantisation method may register them again while the weights load."""
+    return getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None)
+
+
 def page_view(kv_cache: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """vLLM's ``uint8`` allocation of an fp8 cache viewed as ``dtype`` (no copy); anything else
     (``dtype`` None, or a tensor already of ``dtype``) as it is."""

@@ -43,8 +43,10 @@ def synthetic_block_table(shape: WarmupShape, rows: int, num_blocks: int, device
 
 
 def warm_up_paged_decode(*, kv_cache: torch.Tensor, workspace, num_heads: int, head_size: int,
-                         scale: float, dtype: torch.dtype, shape: WarmupShape) -> None:
-    """``paged_decode`` (every method off with ``dense_decode = "paged_decode"``) at each batch class."""
+                         scale: float, dtype: torch.dtype, shape: WarmupShape,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """``paged_decode`` (every method off with ``dense_decode = "paged_decode"``) at each batch class.
+    ``k_scale``/``v_scale``: the layer's, as the forward passes them (fp8 pages: the scaled variant)."""
     from vllm_ext.kernels.dense_decode_evidence import paged_decode
 
     device = kv_cache.device
@@ -54,4 +56,5 @@ def warm_up_paged_decode(*, kv_cache: torch.Tensor, workspace, num_heads: int, h
             continue
         q = torch.randn(rows, num_heads, head_size, dtype=dtype, device=device)
         seq = torch.full((rows,), 33, dtype=torch.int32, device=device)
-        paged_decode(q, kv_cache, bt[:rows], seq, scale, torch.empty_like(q), workspace=workspace)
+        paged_decode(q, kv_cache, bt[:rows], seq, scale, torch.empty_like(q), workspace=workspace,
+                     k_scale=k_scale, v_scale=v_scale)

@@ -5,12 +5,18 @@ refresh their compact segment, fast rows read it, dense rows attend densely) and
 the prompts that end (:mod:`vllm_ext.methods.sfi.path`). Every decision is on the device; on the
 CPU build the host reads the plan once per step (free there) so the dense pass leaves out the rows
 SFI computes.
+
+An fp8 KV cache: SFI's compact and Quest groups are allocated as vLLM allocates the attention pages
+(``uint8``, the same page format) and read as their fp8 view, of the dtype the attention pages store
+(``kv_quant.stored_dtype``); every kernel gets the attention layer's ``k_scale`` / ``v_scale``. The
+token history's group keeps int32 (``vllm_ext.methods.sfi.history_slots``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm_ext.kernels import kv_quant
 from vllm_ext.methods.protocol import DenseRows, LayerGeometry, MethodLayer
 
 
@@ -25,6 +31,9 @@ class SfiLayer(MethodLayer):
         self.compact = None                 # the compact cache holder
         self.quest = None                   # the Quest page-bound holder (selector quest)
         self.rows = method.row_counters
+        self.attn = None                    # vLLM's attention layer (its KV scales)
+        self.page_dtype = None              # fp8 cache: the pages' stored dtype
+        self._views: dict[str, tuple] = {}  # holder -> (its kv_cache, the view the kernels read)
 
     def prepare(self, forward_context: dict, act_dtype: torch.dtype) -> None:
         from vllm_ext.methods.sfi.caches import (register_compact_layer, register_history_layer,
@@ -32,6 +41,8 @@ class SfiLayer(MethodLayer):
         from vllm_ext.methods.sfi.runtime import SfiLayerBuffers
 
         g, cfg = self.g, self.cfg
+        self.attn = forward_context.get(g.layer_name)
+        self.page_dtype = kv_quant.stored_dtype(getattr(self.attn, "kv_cache_dtype", "auto"))
         self.compact = register_compact_layer(forward_context, g.layer_name, cfg)
         if cfg.resolved_copy_ngram:
             # the copy trigger's token history: one history holder beside each compact one (the
@@ -46,7 +57,7 @@ class SfiLayer(MethodLayer):
                                                        act_dtype, **kw), g)
         self.runtime = self.method.runtime(g)
         if g.device.type == "cpu":
-            self.method.load_cpu_kernels()
+            self.method.load_cpu_kernels(self.page_dtype)
 
     def plan(self, md):
         return md.step.plans.get("sfi") if self.buffers is not None else None
@@ -55,13 +66,26 @@ class SfiLayer(MethodLayer):
         # the compact segments, kept positions and prompt-tail queries: this layer's pages of SFI's
         # KV-cache group, through the group's per-slot block table (bound by the runner hooks)
         tables = md.step.table.method_tables["sfi"]
-        self.buffers.bind_pages(self.compact.kv_cache, tables.compact_table_of_layer[layer_name])
+        self.buffers.bind_pages(self._pages_of(self.compact), tables.compact_table_of_layer[layer_name])
         if self.quest is not None:
             quest_table = tables.quest.table_of_layer.get(layer_name)
             if quest_table is None:
                 raise RuntimeError(f"vllm_ext: no KV-cache group holds {layer_name}'s Quest page "
                                    "bounds (vLLM did not page its bound-page cache layer)")
-            self.buffers.bind_quest_pages(self.quest.kv_cache, quest_table)
+            self.buffers.bind_quest_pages(self._pages_of(self.quest), quest_table)
+
+    def _pages_of(self, holder) -> torch.Tensor:
+        """A cache holder's pages as SFI's kernels read them: in the attention pages' dtype (an fp8
+        cache's view; the same tensor object while vLLM's allocation is, so a binding is kept)."""
+        raw = holder.kv_cache
+        seen = self._views.get(holder.layer_name)
+        if seen is None or seen[0] is not raw:
+            seen = self._views[holder.layer_name] = (raw, kv_quant.page_view(raw, self.page_dtype))
+        return seen[1]
+
+    def _scales(self) -> dict:
+        k_scale, v_scale = kv_quant.layer_scales(self.attn)
+        return dict(k_scale=k_scale, v_scale=v_scale)
 
     def claim_rows(self, rows: DenseRows, query, kv_cache, md, sfi) -> None:
         rows.decode_owner = self
@@ -79,7 +103,8 @@ class SfiLayer(MethodLayer):
 
             nd = md.num_decodes
             sfi.host_slow_dense = not use_triton(query) and not (
-                isinstance(kv_cache, PackedPages) and cpu_native.library() is not None)
+                isinstance(kv_cache, PackedPages) and cpu_native.library() is not None
+                and cpu_native.reads_pages(kv_cache.dtype))
             mine = sfi.row_fast[:nd] if sfi.host_slow_dense else ~sfi.row_dense[:nd]
             sfi.host_sfi_rows = mine.tolist()
             sfi.host_any_sparse = not bool(sfi.row_dense[:nd].all())
@@ -120,7 +145,7 @@ class SfiLayer(MethodLayer):
 
         sfi_decode(query[:n], kv_cache, md.block_table[:n], md.seq_lens[:n], sfi, self.cfg, self.buffers,
                    self.runtime, self.g.layer_index, self.g.scale, output[:n], dense_done=dense_done,
-                   slow_done=slow_done)
+                   slow_done=slow_done, **self._scales())
         if self.rows is not None:
             self.rows.add_sfi(None if dense_done else sfi.row_dense[:n],
                               None if slow_done else sfi.row_slow[:n], sfi.row_fast[:n])
@@ -134,7 +159,8 @@ class SfiLayer(MethodLayer):
             from vllm_ext.methods.sfi.path import sfi_prefill_end
 
             sfi_prefill_end(query, kv_cache, md.block_table, sfi.prefill_end, self.cfg, self.buffers,
-                            self.runtime, self.g.layer_index, self.g.scale)
+                            self.runtime, self.g.layer_index, self.g.scale,
+                            k_scale=self._scales()["k_scale"])
 
     def warmup_key(self) -> tuple:
         return (self.name, self.buffers is not None)
@@ -148,6 +174,7 @@ class SfiLayer(MethodLayer):
         warm_up_sfi_layer(cfg=self.cfg, layer_buffers=self.buffers, runtime=self.runtime, kv_cache=kv_cache,
                           num_heads=g.num_heads, head_size=g.head_size, scale=g.scale, dtype=dtype,
                           shape=shape, layer_index=max(g.layer_index, 0),
-                          compact_cache=self.compact.kv_cache,
-                          quest_cache=None if self.quest is None else self.quest.kv_cache)
+                          compact_cache=self._pages_of(self.compact),
+                          quest_cache=None if self.quest is None else self._pages_of(self.quest),
+                          **self._scales())
         return True

@@ -21,6 +21,11 @@ whole phases and empty chunks.
 
 Each entry's evidence, selection and gather are computed by itself (per-entry programs, the
 single-row split count), so the results do not depend on ``B`` or on which chunk an entry falls in.
+
+fp8 pages (``vllm_ext.kernels.kv_quant``): ``kv_cache`` is the fp8 view, the compact segment and
+Quest's page bounds are views of their groups in the same dtype (stored units: the gather and the
+bounds copy or compare stored values), and every read of K takes the layer's ``k_scale``, every
+read of V its ``v_scale``.
 """
 
 from __future__ import annotations
@@ -136,7 +141,8 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                seq_lens: torch.Tensor, step: SfiStep, cfg: SfiConfig, layer: SfiLayerBuffers,
                rt: SfiRuntime, layer_index: int, scale: float, out: torch.Tensor, *,
                dense_done: bool, slow_done: bool = False,
-               fixed_launches: bool | None = None) -> torch.Tensor:
+               fixed_launches: bool | None = None, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """SFI for the decode rows ``0..R-1`` (one query each; ``query``/``out`` are ``[R, Hq, D]``).
 
     ``dense_done``: ``out`` already holds dense attention for the dense rows (the dense path ran
@@ -154,23 +160,25 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     ``fixed_launches`` (default: on CUDA): every phase launches whatever the rows decide, so one
     captured graph replays any step; otherwise (the CPU) a host check skips an empty phase. The
     start-up warm-up and the launch tests ask for the CUDA sequence on any device.
+
+    ``k_scale`` / ``v_scale``: the layer's per-tensor scales of fp8 pages (``None``: 1).
     """
     if cfg.selector == "quest":
         return _quest_decode(query, kv_cache, block_table, seq_lens, step, cfg, layer, rt,
                              layer_index, scale, out, dense_done=dense_done,
-                             fixed_launches=fixed_launches)
+                             fixed_launches=fixed_launches, k_scale=k_scale, v_scale=v_scale)
     rows = query.shape[0]
     on_cpu = query.device.type == "cpu" if fixed_launches is None else not fixed_launches
     fast = step.row_fast[:rows]
     dense = step.row_dense[:rows]
     if not dense_done and (not on_cpu or bool(dense.any())):
         paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=dense,
-                     workspace=rt.dense_workspace)
+                     workspace=rt.dense_workspace, k_scale=k_scale, v_scale=v_scale)
     if not on_cpu or bool(fast.any()):
         two_segment_decode(query, kv_cache, block_table, seq_lens, step.recent_start[:rows],
                            layer.compact_kv, layer.compact_len, step.row_sfi_slot[:rows], scale, out,
                            row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace,
-                           compact_table=layer.compact_table)
+                           compact_table=layer.compact_table, k_scale=k_scale, v_scale=v_scale)
     if on_cpu and not bool(step.row_slow[:rows].any()):
         return out
     # slow rows, chunk by chunk: a dense pass over the chunk's entries, writing their output (unless
@@ -184,7 +192,7 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                                    scratch.log_evidence,
                                    alpha=cfg.alpha, workspace=rt.dense_workspace,
                                    evidence_rows=step.slow_rows[e], key_norms=scratch.key_norms,
-                                   evidence_count=count)
+                                   evidence_count=count, k_scale=k_scale, v_scale=v_scale)
         tables = _slow_tables(step, block_table, e, scratch, rt)
         rt.ring.submit(entry, lambda e=e, count=count, scratch=scratch, tables=tables: _maintain(
             rt, cfg, layer, kv_cache, tables, step.slow_sfi_slot[e],
@@ -196,13 +204,14 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 
 def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     plan: SfiPrefillEnd, cfg: SfiConfig, layer: SfiLayerBuffers, rt: SfiRuntime,
-                    layer_index: int, scale: float) -> None:
+                    layer_index: int, scale: float, *, k_scale: torch.Tensor | None = None) -> None:
     """The step's prompt-tail work for one layer: store the queries of prompt positions
     ``[P - w_prefill, P)`` that this step computes (whatever chunk they fall in), then make the
     first selection of the requests whose prefill ends in this step from their stored window
     (:mod:`vllm_ext.methods.sfi.prompt_tail`). The K/V of this step must already be in the cache. Runs eagerly
     (prefill is never captured; the host knows the count); at most ``S`` requests end (each holds a
-    compact slot), in chunks of ``B`` (the scratch's rows) as the decode slow rows."""
+    compact slot), in chunks of ``B`` (the scratch's rows) as the decode slow rows. ``k_scale``: the
+    layer's, of fp8 pages (the evidence reads K only)."""
     tail = layer.prompt_tail
     tail.write(query, plan)
     n = plan.num_ends
@@ -228,7 +237,8 @@ def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
             p, e = slice(i, i + 1), slice(i - c0, i - c0 + 1)
             prefill_evidence(queries[p], kv_cache, tables[e], plan.seq_lens[p], plan.allowed_lo[p],
                              plan.allowed_hi[p], scale, evidence[e], plan.positions[p],
-                             alpha=cfg.alpha, key_norms=norms[e], span=plan.prompt_lens[i])
+                             alpha=cfg.alpha, key_norms=norms[e], span=plan.prompt_lens[i],
+                             k_scale=k_scale)
         slot, seq, lo, hi, k = (_chunk_rows(t, c0, c1, rt) for t in
                                 (plan.sfi_slot, plan.seq_lens, plan.allowed_lo, plan.allowed_hi, plan.k))
         rt.ring.submit(entry, lambda tables=tables, slot=slot, seq=seq, evidence=evidence, norms=norms,
@@ -274,7 +284,8 @@ def quest_prefill_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, plan,
 
 
 def _quest_rerank(query, kv_cache, step: SfiStep, e: slice, count, cfg: SfiConfig,
-                  layer: SfiLayerBuffers, rt: SfiRuntime, scale: float, scratch, tables) -> None:
+                  layer: SfiLayerBuffers, rt: SfiRuntime, scale: float, scratch, tables,
+                  k_scale: torch.Tensor | None = None) -> None:
     """``sfi.quest_rerank`` for the slow entries ``e`` (one chunk, live count ``count``): the tokens of
     each selection row's best pages by bound, ``quest_rerank`` times its budget (the kept tokens left
     out), become candidates, and the row's evidence becomes their exact share of the GQA group's
@@ -292,13 +303,14 @@ def _quest_rerank(query, kv_cache, step: SfiStep, e: slice, count, cfg: SfiConfi
                           exclude_count=kept)
     quest_candidate_evidence(query, kv_cache, tables, step.slow_rows[e], cand, n_cand,
                              step.slow_hi[e], scale, scratch.log_evidence, count=count,
-                             workspace=rt.candidate_scores)
+                             workspace=rt.candidate_scores, k_scale=k_scale)
 
 
 def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: SfiConfig,
                   layer: SfiLayerBuffers, rt: SfiRuntime, layer_index: int, scale: float,
                   out: torch.Tensor, *, dense_done: bool,
-                  fixed_launches: bool | None = None) -> torch.Tensor:
+                  fixed_launches: bool | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode rows with the Quest-style selector (``sfi.selector = "quest"``):
 
     1. every SFI decode row updates its newest page's max/min of K (every page its slot has not
@@ -321,7 +333,7 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
                       cfg, layer)
     if not dense_done and (not on_cpu or bool(dense.any())):
         paged_decode(query, kv_cache, block_table, seq_lens, scale, out, row_mask=dense,
-                     workspace=rt.dense_workspace)
+                     workspace=rt.dense_workspace, k_scale=k_scale, v_scale=v_scale)
     if not on_cpu or bool(step.row_slow[:rows].any()):
         b = rt.maintenance_rows
         for c in range(_chunks(step, rt, rows, on_cpu)):
@@ -330,10 +342,11 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
             quest_page_evidence(query, layer.quest_pages, layer.quest_table, scale, step.slow_rows[e],
                                 step.slow_sfi_slot[e],
                                 step.slow_lo[e], step.slow_hi[e], cfg.page_size, scratch.log_evidence,
-                                count=count)
+                                count=count, k_scale=k_scale)
             tables = _slow_tables(step, block_table, e, scratch, rt)
             if cfg.quest_rerank:
-                _quest_rerank(query, kv_cache, step, e, count, cfg, layer, rt, scale, scratch, tables)
+                _quest_rerank(query, kv_cache, step, e, count, cfg, layer, rt, scale, scratch, tables,
+                              k_scale=k_scale)
             _maintain(rt, cfg, layer, kv_cache, tables, step.slow_sfi_slot[e],
                       step.slow_seq[e], scratch.log_evidence, scratch.key_norms, step.slow_lo[e],
                       step.slow_hi[e], step.slow_k[e], count,
@@ -342,5 +355,5 @@ def _quest_decode(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: Sf
         two_segment_decode(query, kv_cache, block_table, seq_lens, step.recent_start[:rows],
                            layer.compact_kv, layer.compact_len, step.row_sfi_slot[:rows], scale, out,
                            row_mask=fast, max_recent=cfg.n_recent, workspace=rt.split_workspace,
-                           compact_table=layer.compact_table)
+                           compact_table=layer.compact_table, k_scale=k_scale, v_scale=v_scale)
     return out

@@ -68,11 +68,14 @@ def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch
                       num_heads: int, head_size: int, scale: float, dtype: torch.dtype,
                       shape: WarmupShape, layer_index: int = 0,
                       compact_cache: torch.Tensor | None = None,
-                      quest_cache: torch.Tensor | None = None) -> None:
+                      quest_cache: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """SFI's decode and prefill-end launches of one layer over synthetic steps (see the module
     docstring). ``layer_buffers``/``runtime``: the layer's ``SfiLayerBuffers`` and ``SfiRuntime``;
-    ``compact_cache``: a paged layer's compact pages (the compact cache layer's ``kv_cache``);
-    ``quest_cache``: with selector quest, its page bounds' pages (the Quest layer's ``kv_cache``)."""
+    ``compact_cache``: a paged layer's compact pages (the compact cache layer's ``kv_cache``, as the
+    forward reads it: an fp8 cache's view); ``quest_cache``: with selector quest, its page bounds'
+    pages (the Quest layer's ``kv_cache``, the same); ``k_scale``/``v_scale``: the layer's, as the
+    forward passes them (fp8 pages: the scaled variants)."""
     from vllm_ext.methods.sfi.path import sfi_decode, sfi_prefill_end
     from vllm_ext.methods.sfi.prompt_tail import TailRow, plan_prompt_tail
     from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
@@ -104,7 +107,8 @@ def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch
         seq = torch.tensor(lens, dtype=torch.int32, device=device)
         for dense_done in (False, True):          # a pure-decode step; a mixed step's decode rows
             sfi_decode(q, kv_cache, bt[:rows], seq, step, cfg, layer_buffers, runtime, layer_index,
-                       scale, out, dense_done=dense_done, fixed_launches=True)
+                       scale, out, dense_done=dense_done, fixed_launches=True, k_scale=k_scale,
+                       v_scale=v_scale)
             runtime.ring.join()
     if cfg.selector == "quest":
         # the prefill chunks' page bounds, for one and two rows (the prompt tail is SFI's only)
@@ -137,7 +141,7 @@ def warm_up_sfi_layer(*, cfg: SfiConfig, layer_buffers, runtime, kv_cache: torch
             plan, _ = plan_prompt_tail(cfg, rows, device)
             q = torch.randn(start, num_heads, head_size, dtype=dtype, device=device)
             sfi_prefill_end(q, kv_cache, bt[:len(rows)], plan, cfg, layer_buffers, runtime,
-                            layer_index, scale)
+                            layer_index, scale, k_scale=k_scale)
             runtime.ring.join()
     _clear(layer_buffers)
 

@@ -125,6 +125,10 @@ class SpeedUpperLayer(MethodLayer):
     def __init__(self, method: SpeedMethod, geometry: LayerGeometry):
         self.method = method
         self.g = geometry
+        self.attn = None                     # vLLM's attention layer (its KV scales)
+
+    def prepare(self, forward_context: dict, act_dtype: torch.dtype) -> None:
+        self.attn = forward_context.get(self.g.layer_name)
 
     def plan(self, md):
         return md.plans.get(self.name)
@@ -136,6 +140,7 @@ class SpeedUpperLayer(MethodLayer):
         """K/V written only for the tokens that exist here (the plan's slot mapping), attention over
         each row's anchors and decode-phase tokens (one kernel for prefill and decode rows; interior
         prompt queries get an unused anchor-only output)."""
+        from vllm_ext.kernels.kv_quant import layer_scales
         from vllm_ext.kernels.speed_attention import speed_attention
 
         slots, rows, positions = sp.slot_mapping, sp.token_row, sp.positions
@@ -145,19 +150,24 @@ class SpeedUpperLayer(MethodLayer):
             slots, rows, positions = slots[keep], rows[keep], positions[keep]
         n = slots.shape[0]
         dense.write_kv(layer, key, value, kv_cache, slots)
+        k_scale, v_scale = layer_scales(layer)
         speed_attention(query[:n], kv_cache, md.block_table, rows, positions, sp.tail_start,
-                        sp.anchor_end, sp.self_only, self.g.scale, output[:n])
+                        sp.anchor_end, sp.self_only, self.g.scale, output[:n], k_scale=k_scale,
+                        v_scale=v_scale)
         return output
 
     def warmup_key(self) -> tuple:
         return (self.name,)
 
     def warm_up(self, kv_cache, shape, dtype) -> bool:
+        from vllm_ext.kernels.kv_quant import layer_scales
         from vllm_ext.methods.speed.visibility import anchor_count
         from vllm_ext.methods.speed.warmup import warm_up_speed_layer
 
         cfg = self.method.config.speed
+        k_scale, v_scale = layer_scales(self.attn)
         warm_up_speed_layer(kv_cache=kv_cache, num_heads=self.g.num_heads, head_size=self.g.head_size,
                             scale=self.g.scale, dtype=dtype, shape=shape,
-                            anchor_end=anchor_count(cfg.anchor), self_only=cfg.variant == "self_only")
+                            anchor_end=anchor_count(cfg.anchor), self_only=cfg.variant == "self_only",
+                            k_scale=k_scale, v_scale=v_scale)
         return True

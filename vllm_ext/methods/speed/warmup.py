@@ -7,8 +7,10 @@ import torch
 from vllm_ext.methods.warmup import WarmupShape, synthetic_block_table
 
 def warm_up_speed_layer(*, kv_cache: torch.Tensor, num_heads: int, head_size: int, scale: float,
-                        dtype: torch.dtype, shape: WarmupShape, anchor_end: int, self_only: bool) -> None:
-    """SPEED's upper-layer attention (one kernel; the token count is its grid, not an argument)."""
+                        dtype: torch.dtype, shape: WarmupShape, anchor_end: int, self_only: bool,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """SPEED's upper-layer attention (one kernel; the token count is its grid, not an argument).
+    ``k_scale``/``v_scale``: the layer's, as the forward passes them (fp8 pages: the scaled variant)."""
     from vllm_ext.kernels.speed_attention import speed_attention
 
     device = kv_cache.device
@@ -20,4 +22,4 @@ def warm_up_speed_layer(*, kv_cache: torch.Tensor, num_heads: int, head_size: in
         positions = torch.arange(40, 40 + n, dtype=torch.int64, device=device)
         tail = torch.full((max(shape.max_rows, 1),), 39, dtype=torch.int32, device=device)
         speed_attention(q, kv_cache, bt, rows, positions, tail, anchor_end, self_only, scale,
-                        torch.empty_like(q))
+                        torch.empty_like(q), k_scale=k_scale, v_scale=v_scale)
