@@ -74,10 +74,11 @@ def test_document_methods():
     assert demo.DOCUMENT_METHODS["sfi"][0] == {"preset": "sfi"}        # by name, whatever it holds
     assert SpeedSfiConfig.from_dict({"preset": "sfi"}).sfi.enabled
     assert demo._describe({"preset": "sfi"}).startswith("preset 'sfi': sparse decode")
+    assert demo.DOCUMENT_METHODS["critiprefill"][0] == {"preset": "critiprefill"}   # the authors' defaults
     cp = SpeedSfiConfig.from_dict(demo.DOCUMENT_METHODS["critiprefill"][0]).critiprefill
     lo, hi = sparse_range(cp, demo.DOCUMENT_LENGTH)
-    assert cp.enabled and hi - lo > demo.DOCUMENT_LENGTH // 2           # most of the prompt sparse
-    assert cp.budget < demo.DOCUMENT_LENGTH // 4
+    assert cp.enabled and hi > lo                                         # sparse somewhere at this length
+    assert cp.budget < lo                                                 # a sparse segment reads a part
 
 
 class _FakeChild:

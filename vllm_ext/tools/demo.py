@@ -68,17 +68,14 @@ METHODS: dict[str, tuple[dict, tuple[str, ...], str]] = {
 }
 
 # The real-model demo (the default): method -> (speedsfi section, extra `vllm serve` arguments). SFI
-# is its default preset, by name (what the preset holds is configs/sfi.yaml's business; the line
-# printed for it is read from the preset). CritiPrefill is set to be sparse at ~5K tokens: 128-query
-# segments over 16-key blocks, 1024 keys chosen per segment (of up to 5K), from the first token on;
-# it reads about a third of the candidate key blocks of the 5K-token question. (On SmolLM2-135M it
-# misses this question at every sparse setting tried, 20-66 % of the key blocks read: budgets
-# 512-2048, segments 16-512, blocks 8-32, the code's score and fusion, layers 0-3 dense.)
+# and CritiPrefill are their presets, by name (what a preset holds is configs/'s business). CritiPrefill's
+# follows its authors' code: sparse from position 4096 on, the last segment dense, so at ~5K tokens it
+# makes one 512-query segment sparse (a more aggressive setting, sparse from the first token, missed
+# this question at every budget tried on SmolLM2-135M: bench/QUALITY.md, "The demo's question").
 DOCUMENT_METHODS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "dense": ({}, ()),
     "sfi": ({"preset": "sfi"}, ()),
-    "critiprefill": ({"critiprefill": {"enabled": True, "segment_size": 128, "block_size": 16,
-                                       "budget": 1024, "min_len": 0}}, ()),
+    "critiprefill": ({"preset": "critiprefill"}, ()),
 }
 DOCUMENT_LENGTH = 5000          # prompt tokens, chat template included
 DOCUMENT_MAX_TOKENS = 24
