@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -227,25 +228,23 @@ inline V widen_fp8(I b, bool e5m2) {
 typedef uint8_t vrb __attribute__((vector_size(kRegLanes)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 
-inline vrf load_r(const fp8e4m3* p) {
+template <typename F>
+constexpr bool kFp8 = std::is_same_v<F, fp8e4m3> || std::is_same_v<F, fp8e5m2>;
+
+template <typename F>
+  requires kFp8<F>
+inline vrf load_r(const F* p) {
   vrb b;
   std::memcpy(&b, p, sizeof(b));
-  return widen_fp8<vrf, vri>(__builtin_convertvector(b, vri), false);
+  return widen_fp8<vrf, vri>(__builtin_convertvector(b, vri), std::is_same_v<F, fp8e5m2>);
 }
-inline vrf load_r(const fp8e5m2* p) {
-  vrb b;
-  std::memcpy(&b, p, sizeof(b));
-  return widen_fp8<vrf, vri>(__builtin_convertvector(b, vri), true);
-}
-inline v16f load16(const fp8e4m3* p) {
+
+template <typename F>
+  requires kFp8<F>
+inline v16f load16(const F* p) {
   v16b b;
   std::memcpy(&b, p, sizeof(b));
-  return widen_fp8<v16f, v16i>(__builtin_convertvector(b, v16i), false);
-}
-inline v16f load16(const fp8e5m2* p) {
-  v16b b;
-  std::memcpy(&b, p, sizeof(b));
-  return widen_fp8<v16f, v16i>(__builtin_convertvector(b, v16i), true);
+  return widen_fp8<v16f, v16i>(__builtin_convertvector(b, v16i), std::is_same_v<F, fp8e5m2>);
 }
 
 constexpr int pow2_floor(int x) { int p = 1; while (p * 2 <= x) p *= 2; return p; }

@@ -398,6 +398,16 @@ def _two_segment_pages(pages) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     return _page_layout(pages)
 
 
+def _query_pass(query: torch.Tensor, out: torch.Tensor, pages):
+    """``(ops, (K pages, V pages, amx))`` for a pass writing ``out`` from ``query [T, Hq, D]`` over
+    ``pages``, or ``(ops, None)`` where it cannot run: no library, ``out`` not like ``query``, pages
+    in no layout it reads."""
+    ops = library()
+    if ops is None or query.dim() != 3 or out.shape != query.shape or out.dtype != query.dtype:
+        return ops, None
+    return ops, _two_segment_pages(pages)
+
+
 _TWO_SEGMENT_PAGE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -414,10 +424,7 @@ def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens:
     written) where the kernel does not apply: no library, a query other than bf16 / fp32, pages other
     than bf16 / fp32 / fp8 (e4m3, e5m2), another page layout. fp8 pages: ``k_scale`` / ``v_scale``,
     the layer's per-tensor scales (host floats)."""
-    ops = library()
-    if ops is None or query.dim() != 3 or out.shape != query.shape or out.dtype != query.dtype:
-        return False
-    layout = _two_segment_pages(pages)
+    ops, layout = _query_pass(query, out, pages)
     if layout is None:
         return False
     k_pages, v_pages, amx = layout
@@ -491,10 +498,7 @@ def block_sparse_prefill(query: torch.Tensor, pages, block_table: torch.Tensor, 
     dense segments included (the pass beats ``CPU_ATTN``'s own prefill on them: docs/critiprefill.md). False
     (nothing written) where the kernel does not apply: no library, dtypes other than bf16 / fp32, head
     sizes over 256, another page layout."""
-    ops = library()
-    if ops is None or query.dim() != 3 or out.shape != query.shape or out.dtype != query.dtype:
-        return False
-    layout = _two_segment_pages(pages)
+    ops, layout = _query_pass(query, out, pages)
     if layout is None:
         return False
     k_pages, v_pages, amx = layout
