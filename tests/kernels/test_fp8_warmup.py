@@ -35,12 +35,12 @@ def test_paged_decode_warm_up_reaches_the_scaled_keys():
                                 max_len=kw.MAX_LEN, device=kw.DEV)
 
     def warm(**scales):
-        with launch_log.record() as log:
+        with launch_log.record(run_programs=False) as log:
             warm_up_paged_decode(kv_cache=kv, workspace=ws, num_heads=kw.HQ, head_size=kw.D, scale=kw.SCALE,
                                  dtype=torch.float32, shape=kw.SHAPE, **scales)
         return launch_log.keys(log)
 
-    with launch_log.record() as log:
+    with launch_log.record(run_programs=False) as log:
         for rows in (1, 3, 16, 33):
             q = torch.randn(rows, kw.HQ, kw.D, generator=gen).to(kw.DEV)
             seq = torch.randint(1, kw.MAX_LEN, (rows,), generator=gen, dtype=torch.int32).to(kw.DEV)

@@ -92,16 +92,20 @@ def _block_table(gen):
     return bt.to(DEV)
 
 
-def _warmup_keys(kv, cfg=CFG, compact=None):
+def _warm_up(kv, cfg=CFG, compact=None, run_programs=False):
+    """The warm-up's launches (without its programs: it decides them on the host, checked below)."""
     layer, rt = _layer(cfg, paged=compact is not None)
-    with launch_log.record() as log:
+    with launch_log.record(run_programs=run_programs) as log:
         warm_up_sfi_layer(cfg=cfg, layer_buffers=layer, runtime=rt, kv_cache=kv, num_heads=HQ,
                           head_size=D, scale=SCALE, dtype=torch.float32, shape=SHAPE, compact_cache=compact,
                           quest_cache=compact if cfg.selector == "quest" else None)
-    assert not bool(layer.compact_len.any()), "the warm-up leaves no per-request state behind"
     if compact is not None:
         assert layer.compact_table is None and layer.kept_pos is None, "the forward binds the real table"
-    return launch_log.keys(log)
+    return log, layer
+
+
+def _warmup_keys(kv, cfg=CFG, compact=None):
+    return launch_log.keys(_warm_up(kv, cfg, compact)[0])
 
 
 def _bind_runner_table(layer, compact, gen):
@@ -117,18 +121,19 @@ def _bind_runner_table(layer, compact, gen):
         layer.bind_quest_pages(compact, ids.view(CAP + 1, width).to(DEV))
 
 
-def _real_steps(kv, bt, gen, CFG=CFG, compact=None):
+def _real_steps(kv, bt, gen, CFG=CFG, compact=None, run_programs=False):
     """A grid of steps as the engine makes them: decode batches of many sizes with random modes
     and lengths, as pure-decode steps and as a mixed step's decode rows, and prefill ends of one
     to three requests with prompt lengths of either class (Quest: the prefill chunks' page bounds
-    of one to three rows)."""
+    of one to three rows). The host decides every launch here (fixed launches, as in the forward),
+    so the interpreter need not run the programs to record them (checked below)."""
     rng = random.Random(5)
     layer, rt = _layer(CFG, paged=compact is not None)
     if compact is not None:
         _bind_runner_table(layer, compact, gen)
     buffers = SfiPlanBuffers(MAX_ROWS, CAP, DEV, chunk_rows=rt.maintenance_rows)
     long_len = CFG.n_sink + CFG.n_recent + CFG.k + 1
-    with launch_log.record() as log:
+    with launch_log.record(run_programs=run_programs) as log:
         for rows in (1, 2, 3, 5, 16, 17, 32, 40):
             modes = [rng.choice(["dense", "slow", "fast"]) for _ in range(rows)]
             lens = [rng.randrange(long_len, MAX_LEN) if m != "dense" else rng.randrange(1, MAX_LEN)
@@ -184,16 +189,31 @@ def test_warmup_reaches_every_compile_key_of_real_sfi_steps(cfg, paged):
     assert real <= warm, "compiled after start-up:\n" + launch_log.describe_missing(real, warm)
 
 
+def test_the_warm_up_and_the_grid_launch_the_same_whether_their_programs_run_or_not():
+    """What makes the recording without programs exact: no launch of the warm-up or of the grid
+    depends on what an earlier program wrote (Quest with chunked maintenance: the most phases and
+    the prefill pages). And the warm-up, run for real, leaves no per-request state behind."""
+    def launches(run_programs):
+        gen = torch.Generator().manual_seed(0)
+        kv, bt, compact = _kv(gen), _block_table(gen), _kv(gen)
+        warm, layer = _warm_up(kv, QUEST_CHUNKED, compact, run_programs=run_programs)
+        if run_programs:
+            assert not bool(layer.compact_len.any()), "the warm-up leaves no per-request state behind"
+        return warm, _real_steps(kv, bt, gen, QUEST_CHUNKED, compact, run_programs=run_programs)
+
+    assert launches(run_programs=True) == launches(run_programs=False)
+
+
 def test_warmup_reaches_paged_decode_keys_with_every_method_off():
     gen = torch.Generator().manual_seed(1)
     kv, bt = _kv(gen), _block_table(gen)
     ws = paged_decode_workspace(max_rows=MAX_ROWS, num_heads=HQ, num_kv_heads=HKV, head_size=D,
                                 max_len=MAX_LEN, device=DEV)
-    with launch_log.record() as log:
+    with launch_log.record(run_programs=False) as log:
         warm_up_paged_decode(kv_cache=kv, workspace=ws, num_heads=HQ, head_size=D, scale=SCALE,
                              dtype=torch.float32, shape=SHAPE)
     warm = launch_log.keys(log)
-    with launch_log.record() as log:
+    with launch_log.record(run_programs=False) as log:
         for rows in (1, 3, 16, 33):
             q = torch.randn(rows, HQ, D, generator=gen).to(DEV)
             seq = torch.randint(1, MAX_LEN, (rows,), generator=gen, dtype=torch.int32).to(DEV)
@@ -209,7 +229,7 @@ def test_a_path_the_warm_up_misses_is_caught():
     kv, bt = _kv(gen), _block_table(gen)
     bare = SfiLayerBuffers(CAP, HKV, CFG, D, torch.float32, DEV)          # no prompt-tail buffers
     _, rt = _layer()
-    with launch_log.record() as log:
+    with launch_log.record(run_programs=False) as log:
         warm_up_sfi_layer(cfg=CFG, layer_buffers=bare, runtime=rt, kv_cache=kv, num_heads=HQ,
                           head_size=D, scale=SCALE, dtype=torch.float32, shape=SHAPE)
     warm = launch_log.keys(log)
@@ -217,7 +237,7 @@ def test_a_path_the_warm_up_misses_is_caught():
     p = CFG.n_sink + CFG.n_recent + CFG.k + 40
     plan, _ = plan_prompt_tail(CFG, [TailRow(row=0, token_start=0, computed=p - 12, q_len=12, prompt_len=p,
                                              k=CFG.k, sfi_slot=0, first_computed=0)], DEV)
-    with launch_log.record() as log:
+    with launch_log.record(run_programs=False) as log:
         sfi_prefill_end(torch.randn(12, HQ, D, generator=gen).to(DEV), kv, bt[:1], plan, CFG, layer, rt, 0,
                         SCALE)
     missing = launch_log.keys(log) - warm

@@ -138,15 +138,53 @@ def install() -> dict[str, Any]:
     return kernels
 
 
+def _interpreted(kernels: dict[str, Any]) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return any(isinstance(fn, InterpretedFunction) for fn in kernels.values())
+
+
 @contextlib.contextmanager
-def record() -> Iterator[list[Launch]]:
-    """Collect the launches of our kernels made inside the block (nested blocks each see theirs)."""
-    install()
+def _programs_skipped() -> Iterator[None]:
+    """Under the interpreter: every launch runs its pre-run hooks (so it is recorded, with the key
+    computed from the same host arguments) and none of its programs."""
+    from triton.runtime import interpreter
+
+    executor = interpreter.GridExecutor
+    run_programs = executor.__call__
+
+    def hooks_only(self, *args_dev, **kwargs):
+        names = inspect.getfullargspec(self.fn).args
+        args_hst, kwargs_hst = self._init_args_hst(args_dev, {k: v for k, v in kwargs.items() if k in names})
+        for hook in self.pre_run_hooks:
+            hook(*args_hst, **kwargs_hst)
+
+    executor.__call__ = hooks_only
+    try:
+        yield
+    finally:
+        executor.__call__ = run_programs
+
+
+@contextlib.contextmanager
+def record(run_programs: bool = True) -> Iterator[list[Launch]]:
+    """Collect the launches of our kernels made inside the block (nested blocks each see theirs).
+
+    ``run_programs=False`` (under ``TRITON_INTERPRET=1`` only; a compiled build always runs them, they
+    are fast) records every launch and runs none of its programs, so the kernels' outputs stay unwritten.
+    It is exact for code whose launches the host decides alone, reading no kernel's result: a step
+    with fixed launches, as the forward makes them. It turns minutes of interpreted programs into
+    seconds."""
+    kernels = install()
     log: list[Launch] = []
+    skip = contextlib.nullcontext()
+    if not run_programs and _interpreted(kernels):
+        skip = _programs_skipped()
     with _lock:
         _active.append(log)
     try:
-        yield log
+        with skip:
+            yield log
     finally:
         with _lock:
             _active.remove(log)
