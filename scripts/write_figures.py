@@ -35,6 +35,7 @@ BLOCK = re.compile(r"(<!-- figures: ([\w-]+) -->\n)(.*?)(<!-- /figures -->)", re
 UNRECORDED_COMMIT = {
     name: f"results committed at {commit} (the file records no commit)" for name, commit in (
         ("vllm_e2e_h200.json", "7477d12"),
+        ("cpu_prefill_smollm2_fp32.json", "0952731"),
         ("load_cpu.json", "38c4c94"),
         ("load_cpu_passes6.json", "87b63e0"),
         ("quality_cpu_smollm2_2k.json", "62a9199"),
@@ -56,7 +57,8 @@ UNRECORDED_COMMIT = {
         ("quality_cpu_smollm2_user_needles_4k.json", "4e5c21a"),
     )}
 # result files that do not record their date: the date of the commit they were measured at
-UNRECORDED_DATE = {"document_question_smollm2.json": "2026-11-25", "critiprefill_bench.json": "2026-11-22"}
+UNRECORDED_DATE = {"document_question_smollm2.json": "2026-11-25", "critiprefill_bench.json": "2026-11-22",
+                   "cpu_prefill_smollm2_fp32.json": "2026-11-28"}
 
 
 def _result_text(name: str) -> str:
@@ -146,7 +148,20 @@ def h200_decode_kernels() -> str:
 _DOCUMENT_ROWS = (("dense", "dense"), ("default", "the `sfi` preset (default)"),
                   ("default_no_warmup", "the preset without `refresh_warmup`"),
                   ("sfi_paper", "SFI as published (`sfi-paper`)"),
-                  ("critiprefill", "CritiPrefill, 1024 keys per 128-query segment"))
+                  ("critiprefill", "CritiPrefill, an earlier setting: 1024 keys per 128-query segment"))
+CRITIPREFILL_DEFAULTS = "document_question_smollm2_critiprefill_defaults_fp32.json"
+
+
+def _critiprefill_defaults_line() -> str:
+    """CritiPrefill's preset (its authors' defaults) on the same logbooks, with its own dense run."""
+    d = _load(CRITIPREFILL_DEFAULTS)
+    res = d["results"]
+    right = {k: sum(a["correct"] for a in v["answers"]) for k, v in res.items()}
+    same = sum(a["answer"] == b["answer"] for a, b in zip(res["dense"]["answers"], res["critiprefill"]["answers"]))
+    return (f" CritiPrefill's preset (its authors' defaults) on the same {len(d['seeds'])} logbooks in "
+            f"{d['dtype'].replace('float32', 'fp32')}: {right['critiprefill']}, dense {right['dense']}, "
+            f"{same} answers word for word the same; commit {d['commit']}; "
+            f"`{d['command'].split(' --configs')[0]} --configs ...`; {_source(CRITIPREFILL_DEFAULTS)}.")
 
 
 def document_question() -> str:
@@ -159,7 +174,7 @@ def document_question() -> str:
             f"logbook with one locker number at depth {d['depth']}, {len(d['seeds'])} seeds; "
             f"{d['machine']}; {d.get('date') or UNRECORDED_DATE[name]}; commit {d['commit']}; "
             f"`{d['command'].split(' --configs')[0]} --configs ...` (the whole command is in the file); "
-            f"{_source(name)}.\n")
+            f"{_source(name)}.{_critiprefill_defaults_line()}\n")
 
 
 def cpu_steps() -> str:
@@ -335,6 +350,61 @@ def concurrency_critiprefill_cpu() -> str:
     note = (f"{d['machine']}; {d['workload']}; {d['date']}; commit {d['commit'][:7]}; `{d['command']}`; "
             f"{_source(name)}.")
     return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+CPU_PREFILL = "cpu_prefill_smollm2_fp32.json"
+
+
+def _cpu_prefill_rows() -> list[tuple[int, dict, list[dict]]]:
+    """(prompt length, CPU_ATTN's row, CritiPrefill's rows) per length, one thread."""
+    rows = [r for r in _load(CPU_PREFILL)["rows"] if r["threads"] == 1]
+    out = []
+    for n in sorted({r["length"] for r in rows}):
+        dense = next(r for r in rows if r["length"] == n and r["config"] == "cpu_attn")
+        crit = sorted((r for r in rows if r["length"] == n and r["config"] == "critiprefill"), key=lambda r: r["rep"])
+        out.append((n, dense, crit))
+    return out
+
+
+def cpu_prefill() -> str:
+    """One prompt's prefill on the CPU build in whole engine steps, CPU_ATTN against the
+    critiprefill preset (bench/bench_cpu_prefill.py): thread CPU time, the ratio, the attention
+    pairs the plan skipped and the achieved GFLOP/s."""
+    d = _load(CPU_PREFILL)
+    lines = ["| prompt | `CPU_ATTN` | `critiprefill` | ratio | attention pairs skipped | "
+             "achieved GFLOP/s (`CPU_ATTN` / `critiprefill`) |", "|---|---|---|---|---|---|"]
+    for n, dense, crit in _cpu_prefill_rows():
+        times = ", ".join(f"{r['prefill_cpu_s']:.1f} s" for r in crit)
+        ratios = ", ".join(f"{r['prefill_cpu_s'] / dense['prefill_cpu_s']:.2f}x" for r in crit)
+        skipped = crit[0]["attention_skipped"]
+        what = f"{100 * skipped:.0f} %" if skipped else "0 % (no sparse segment: the same `CPU_ATTN` rows)"
+        crit_gflops = sum(r["achieved_gflop_s_cpu"] for r in crit) / len(crit)
+        gflops = f"{dense['achieved_gflop_s_cpu']:.1f} / {crit_gflops:.1f}"
+        lines.append(f"| {n // 1024}K | {dense['prefill_cpu_s']:.1f} s | {times} | {ratios} | {what} | {gflops} |")
+    note = (f"{d['model']}, {d['dtype']}, one thread, thread CPU time of every engine step of one prompt's "
+            f"prefill (chunks of {d['chunk']:,} tokens); {d['machine']}; {UNRECORDED_DATE[CPU_PREFILL]}; "
+            f"{UNRECORDED_COMMIT[CPU_PREFILL]}; {d['note']} 16K is past the model's 8,192 positions "
+            f"(`VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`: a timing, not an answer); {_source(CPU_PREFILL)}.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def cpu_prefill_headline() -> str:
+    """The README's CritiPrefill line: its prefill against CPU_ATTN's at the longest and the
+    middle length measured (the mean of CritiPrefill's runs)."""
+    rows = _cpu_prefill_rows()
+
+    def ratio(n, dense, crit):
+        return sum(r["prefill_cpu_s"] for r in crit) / len(crit) / dense["prefill_cpu_s"]
+
+    longest, middle = rows[-1], rows[len(rows) // 2]
+    n, dense, crit = longest
+    mean_s = sum(r["prefill_cpu_s"] for r in crit) / len(crit)
+    return ("- **CritiPrefill**: block-sparse prefill ([docs/critiprefill.md](docs/critiprefill.md)). On the CPU "
+            f"build its preset's prefill of a {n // 1024}K-token prompt (a timing: past the model's 8K positions) took {ratio(*longest):.2f}x "
+            f"`CPU_ATTN`'s thread CPU time ({mean_s:.0f} s against {dense['prefill_cpu_s']:.0f} s), at "
+            f"{middle[0] // 1024}K {ratio(*middle):.2f}x (SmolLM2-135M, fp32, "
+            f"one thread, {_load(CPU_PREFILL)['machine']}, shared with other jobs; {UNRECORDED_DATE[CPU_PREFILL]}; "
+            f"{UNRECORDED_COMMIT[CPU_PREFILL]}; `bench/bench_cpu_prefill.py`; {_source(CPU_PREFILL)}).\n")
 
 
 _QUALITY_HEAD = re.compile(r"^\| config \|.*$", re.M)
@@ -743,6 +813,7 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch, "first_hour": first_hour, "gpu_
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,
+           "cpu_prefill": cpu_prefill, "cpu_prefill_headline": cpu_prefill_headline,
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill,

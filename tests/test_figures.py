@@ -88,9 +88,8 @@ EXEMPTIONS = {
      "the per-step times and the cProfile tables of the _regwidth run's log, "
      "bench/results/cpu_decode_batch_float32_1thread_regwidth.log"),
     ("docs/critiprefill.md", "historical",
-     "engine prefill and per-layer times of bench/bench_cpu_prefill.py on the shared 2-core AMD EPYC, "
-     "2026-11-28 (bench/results/cpu_prefill_smollm2_fp32.json and _layer.json; no figure block writes "
-     "them yet)"),
+     "per-layer times of bench/bench_cpu_prefill.py --layer on the shared 2-core AMD EPYC, 2026-11-28 "
+     "(bench/results/cpu_prefill_smollm2_fp32_layer.json; no figure block writes them yet)"),
 }
 
 PAGES = write_figures.documents()
