@@ -626,6 +626,40 @@ def quality_user_needles() -> str:
     return "\n".join(lines) + "\n\n" + _user_needles_pooled() + "\n".join(notes) + "\n"
 
 
+CRITIPREFILL_NEEDLES = "quality_cpu_smollm2_critiprefill_needles_8k.json"
+
+
+def quality_critiprefill_needles() -> str:
+    """User-written single needles (vllm_ext.quality.user_needles) at a length where the preset's
+    prefill is sparse: dense against the critiprefill preset on the same prompts."""
+    d = _load(CRITIPREFILL_NEEDLES)
+    dense = d["configs"][0]["samples"]
+    n_dense = round(sum(r["correct"] for r in dense))
+    lines = ["| config | right | of dense's right (95 % interval) | same answer as dense | sparse segments "
+             "| key blocks read in them |", "|---" * 6 + "|"]
+    for c in d["configs"]:
+        rows = c["samples"]
+        right = round(sum(r["correct"] for r in rows))
+        kept = round(sum(r["correct"] for r, q in zip(rows, dense) if q["correct"]))
+        lo, hi = clopper_pearson(kept, n_dense)
+        same = sum(r["output_ids"] == q["output_ids"] for r, q in zip(rows, dense))
+        counters = {}
+        for per_length in c.get("counters", {}).values():
+            for k, v in per_length.items():
+                counters[k] = counters.get(k, 0) + v
+        segs = counters.get("critiprefill.sparse_segments", 0)
+        cand = counters.get("critiprefill.key_blocks_candidate", 0)
+        read = f"{100 * counters['critiprefill.key_blocks_read'] / cand:.1f} %" if cand else "-"
+        lines.append(f"| {c['name']} | {right} / {len(rows)} | {kept} / {n_dense} ({100 * lo:.0f}-{100 * hi:.0f} %) "
+                     f"| {same} / {len(rows)} | {segs or '-'} | {read} |")
+    meta = d["meta"]
+    note = (f"{meta['model']} ({meta['n_samples']} prompts: forms {', '.join(sorted({r['wording'] for r in dense}))}; "
+            f"{', '.join(str(n) for n in meta['lengths'])} tokens; depths {', '.join(str(x) for x in meta['depths'])}); "
+            f"{meta['device_desc']}, vLLM {meta['vllm']}, torch {meta['torch']}; {meta['date'][:10]}; "
+            f"commit {meta['commit']}; `{meta['command']}`; {_source(CRITIPREFILL_NEEDLES)}.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def _user_needles_pooled() -> str:
     """The default's rows of the held-out sets pooled per length: dense's right values it kept."""
     per: dict[str, list[int]] = {}
@@ -814,6 +848,7 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch, "first_hour": first_hour, "gpu_
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,
            "cpu_prefill": cpu_prefill, "cpu_prefill_headline": cpu_prefill_headline,
+           "quality_critiprefill_needles": quality_critiprefill_needles,
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill,
