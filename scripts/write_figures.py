@@ -583,6 +583,14 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return lower, upper
 
 
+def _paired_with_dense(rows: list[dict], dense: list[dict], n_dense: int) -> tuple[int, int, float, float]:
+    """A config's right answers, how many of dense's right ones it kept (the same prompts, in order)
+    and the exact 95 % interval of that share."""
+    right = round(sum(r["correct"] for r in rows))
+    kept = round(sum(r["correct"] for r, q in zip(rows, dense) if q["correct"]))
+    return (right, kept, *clopper_pearson(kept, n_dense))
+
+
 def quality_user_needles() -> str:
     """User-written single needles (vllm_ext.quality.user_needles), dense vs the preset
     and the copy trigger, per set and length: right answers, how many of dense's right ones it kept
@@ -605,9 +613,7 @@ def quality_user_needles() -> str:
                 if c["name"] == "dense" and name in _USER_NEEDLE_RESUMED:
                     continue
                 rows = [r for r in c["samples"] if str(r["length"]) in members]
-                right = round(sum(r["correct"] for r in rows))
-                kept = round(sum(r["correct"] for r, q in zip(rows, dense) if q["correct"]))
-                lo, hi = clopper_pearson(kept, n_dense)
+                right, kept, lo, hi = _paired_with_dense(rows, dense, n_dense)
                 pls = [c["per_length"][n] for n in sorted(members) if n in c["per_length"]]
                 if group == "both" or not pls:
                     fast, read = c["fast_retained_fraction"], c["read_fraction"]
@@ -639,9 +645,7 @@ def quality_critiprefill_needles() -> str:
              "| key blocks read in them |", "|---" * 6 + "|"]
     for c in d["configs"]:
         rows = c["samples"]
-        right = round(sum(r["correct"] for r in rows))
-        kept = round(sum(r["correct"] for r, q in zip(rows, dense) if q["correct"]))
-        lo, hi = clopper_pearson(kept, n_dense)
+        right, kept, lo, hi = _paired_with_dense(rows, dense, n_dense)
         same = sum(r["output_ids"] == q["output_ids"] for r, q in zip(rows, dense))
         counters = {}
         for per_length in c.get("counters", {}).values():
