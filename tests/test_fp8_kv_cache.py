@@ -329,7 +329,9 @@ def _sfi_problem(seed):
 
 def _run_sfi(p, kv, scales, compact_dtype, grid, cfg):
     """Two decode steps (slow rows select and gather, then fast rows read the compact segment) of
-    SFI's path on ``kv`` with ``scales``; the outputs and the compact segments."""
+    SFI's path on ``kv`` with ``scales`` (the CPU build's kernels: the PyTorch twins, and the compiled
+    passes over CPU_ATTN's packed pages where they are built and on); the outputs and the compact
+    segments."""
     from tests.test_sfi_path import SLOTS, plan_for
     from vllm_ext.methods.sfi.path import sfi_decode
     from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
@@ -382,6 +384,38 @@ def test_sfi_decode_on_fp8_pages_equals_sfi_on_the_dequantised_pages(fmt):
             torch.testing.assert_close(o8, o, atol=1e-4, rtol=1e-4)
     unscaled, _, _ = _run_sfi(p, kv8, {}, fmt, GRIDS[0], cfg)
     assert (unscaled[-1] - outs[-1]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_sfi_decode_on_fp8_packed_pages_compiled_equals_the_twins(fmt, isa, monkeypatch):
+    """The CPU build's path over CPU_ATTN's fp8 packings with the layer's scales: the compiled passes
+    (evidence with the slow rows' output, gather, fast step) give the twins' selections, compact
+    bytes and outputs."""
+    from tests.test_sfi_path import CFG, GRIDS
+    from vllm_ext.kernels import cpu_native
+    from vllm_ext.kernels.packed_pages import PackedPages
+
+    if cpu_native.library() is None:
+        pytest.skip("no C++ compiler here")
+    p = _sfi_problem(seed=4)
+    fmax = torch.finfo(fmt).max
+    pages = PackedPages((p.kv / K_SCALE).clamp(-fmax, fmax).to(fmt).contiguous(), isa)
+    scales = dict(k_scale=torch.tensor([K_SCALE]), v_scale=torch.tensor(V_SCALE))
+    calls = []
+    evidence = cpu_native.evidence
+    monkeypatch.setattr(cpu_native, "evidence", lambda *a, **k: calls.append(evidence(*a, **k)) or calls[-1])
+    for grid in (GRIDS[0], GRIDS[1]):
+        monkeypatch.setenv(cpu_native.ENV, "0")
+        ref = _run_sfi(p, pages, scales, fmt, grid, CFG)
+        monkeypatch.delenv(cpu_native.ENV)
+        calls.clear()
+        got = _run_sfi(p, pages, scales, fmt, grid, CFG)
+        assert calls and all(calls), "the compiled evidence pass did not take the fp8 pages"
+        assert torch.equal(got[2], ref[2]) and int(ref[2].max()) > 0
+        assert torch.equal(got[1].view(torch.uint8), ref[1].view(torch.uint8))
+        for o, r in zip(got[0], ref[0]):
+            torch.testing.assert_close(o, r, atol=2e-4, rtol=2e-4)
 
 
 def test_sfi_layer_views_its_groups_as_the_attention_pages():
@@ -437,25 +471,25 @@ def test_sfi_groups_take_the_attention_page_format_and_half_the_bytes():
     assert h8.page_elems == fp8.page_size_bytes // 4
 
 
-def test_compiled_cpu_passes_decline_fp8_pages_logged_once_and_counted(monkeypatch, caplog):
-    """The compiled CPU passes read bf16 / fp32 pages only: over fp8 pages SFI's twins run, which the
-    engine logs once and counts (``fallback.cpu_native_fp8``) at start-up."""
+def test_every_compiled_cpu_pass_reads_fp8_pages_and_nothing_falls_back(monkeypatch, caplog):
+    """The compiled CPU passes (evidence, gather, fast step) read fp8 pages as they read bf16 / fp32
+    ones (tests/kernels/test_cpu_native.py, test_cpu_gather_compact.py, test_cpu_two_segment.py
+    compare them with the twins): an fp8 cache brings no fallback of its own at engine start."""
     import logging
 
     from vllm_ext import metrics
     from vllm_ext.kernels import cpu_native
     from vllm_ext.methods.sfi.method import SfiMethod
 
-    assert cpu_native.reads_pages(torch.bfloat16) and cpu_native.reads_pages(torch.float32)
-    assert not any(cpu_native.reads_pages(t) for t in kv_quant.FP8_DTYPES)
-    monkeypatch.setenv(cpu_native.ENV, "0")                 # no build here: the library is off
+    assert all(cpu_native.reads_pages(t) for t in (torch.bfloat16, torch.float32, torch.float8_e4m3fn,
+                                                   torch.float8_e5m2))
+    assert not cpu_native.reads_pages(torch.float16)
+    monkeypatch.setattr(cpu_native, "library", lambda: object())      # a built library
     metrics.reset()
     method = object.__new__(SfiMethod)
     method._cpu_kernels_checked = False
     with caplog.at_level(logging.WARNING):
-        method.load_cpu_kernels(torch.float8_e4m3fn)
-        method.load_cpu_kernels(torch.float8_e4m3fn)         # once per engine
-    counts = metrics.snapshot()
-    assert counts["fallback.cpu_native_fp8"] == 1
-    assert sum("cpu_native_fp8" in r.getMessage() for r in caplog.records) == 1
+        method.load_cpu_kernels()
+    assert not [k for k in metrics.snapshot() if k.startswith("fallback.")]
+    assert not caplog.records
     metrics.reset()

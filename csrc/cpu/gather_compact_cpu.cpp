@@ -2,7 +2,7 @@
 // copied from vLLM's pages (read in place: the logical layout, CPU_ATTN's vec or amx packing) into
 // its compact slot (SFI's own pages, [blocks, Hkv, cbs, 2D]: K then V per entry), the length set
 // (ALGORITHMS.md §1, "Slow step"). Elements are copied as they are stored (the compact segment has
-// the cache's dtype). Twin: vllm_ext.kernels.gather_compact.gather_compact_cpu;
+// the cache's dtype; fp8 pages keep their bytes, the layer's scales apply where they are read). Twin: vllm_ext.kernels.gather_compact.gather_compact_cpu;
 // tests/kernels/test_cpu_gather_compact.py compares them.
 //
 // Registered as torch.ops.speedsfi.gather_compact (the library is defined in sfi_cpu.cpp).
@@ -85,8 +85,9 @@ void gather_compact_op(const at::Tensor& compact_kv, const at::Tensor& compact_t
                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& row_mask,
                        int64_t n_sink, bool amx) {
   const at::ScalarType dt = k_pages.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kHalf,
-              "gather_compact: bf16, fp16 or fp32 pages expected, got ", dt);
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kHalf || dt == at::kFloat8_e4m3fn ||
+                  dt == at::kFloat8_e5m2,
+              "gather_compact: bf16, fp16, fp32 or fp8 (e4m3, e5m2) pages expected, got ", dt);
   TORCH_CHECK(compact_kv.scalar_type() == dt, "gather_compact: a compact segment of the pages' dtype expected");
   const PageViews src = page_views(k_pages, v_pages, amx, "gather_compact");
   const int64_t hkv = src.heads, bs = src.bs, d = src.d;
@@ -147,7 +148,8 @@ void gather_compact_op(const at::Tensor& compact_kv, const at::Tensor& compact_t
                  k, nsp, sl, offset.has_value() ? offset->data_ptr<int32_t>() : nullptr,                       \
                  row_mask.has_value() ? row_mask->data_ptr<bool>() : nullptr, rows, hkv, n_sink)
   if (dt == at::kFloat) SFI_GATHER(float);
-  else SFI_GATHER(uint16_t);
+  else if (k_pages.element_size() == 2) SFI_GATHER(uint16_t);
+  else SFI_GATHER(uint8_t);
 #undef SFI_GATHER
 }
 

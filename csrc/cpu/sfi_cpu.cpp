@@ -244,11 +244,23 @@ void attend(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int 
 }
 
 
+// The slow step's evidence and key norms of one request (ALGORITHMS.md §1, "Slow step"; the twin
+// writes the same), and with attn_out its dense attention, called by the operator at the end of
+// the file. amx 0: K pages: element (d, t) of block b, KV head h at k_base + b * s_block
+// + h * s_head + d * bs + t (CPU_ATTN's vec packing); V pages (when attn_out is given): element (t, d)
+// at v_base + b * s_block + h * s_head + t * D + d. amx 1: the pages at the same bases hold CPU_ATTN's
+// amx packing (unpack_amx_k / unpack_amx_v; bs and D multiples of 16). q: [Hkv, G, D] fp32. ev / kn:
+// [Hkv, >= lim] rows with strides ev_hs / kn_hs (kn may be null); positions [0, lim) are written:
+// -inf outside [lo, hi), lim = min(seq, max_len). attn_out: [Hkv * G, D] fp32 or null. scratch:
+// G * seq + (G + 2) * bs floats, and G * seq + G * D more with attn_out.
 template <typename T>
-void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
-              const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
-              const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
-              int64_t kn_hs, float* scratch, const T* v_base, float* attn_out, int amx) {
+void evidence_pass(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
+                   const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim, const float* q,
+                   float scale, float alpha, float* ev, int64_t ev_hs, float* kn, int64_t kn_hs, float* scratch,
+                   const T* v_base, float* attn_out, int amx, float k_scale, float v_scale) {
+  // k_scale / v_scale: fp8 pages hold K / k_scale and V / v_scale; k_scale folds into the score
+  // scale and the key norms, v_scale into the output (1 for other dtypes).
+  scale *= k_scale;
   // scratch: scores [G, seq], per-block accumulators [G + 1, bs] and one converted row [bs]; with
   // attn_out also softmax weights [G, seq] and accumulators [G, D]
   float* s = scratch;
@@ -285,6 +297,8 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
                     nrm, krow);
       }
     }
+    if (kn != nullptr && k_scale != 1.0f)
+      for (int64_t i = 0, n = std::min(seq, lim); i < n; ++i) kn[h * kn_hs + i] *= k_scale;
     if (attn_out != nullptr && amx) {                             // before the evidence rewrites s
       for (int64_t j = 0; j < nb; ++j)
         unpack_amx_v(v_base + static_cast<int64_t>(blocks[j]) * s_block + static_cast<int64_t>(h) * s_head, bs,
@@ -295,6 +309,8 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
       attend(v_base, s_block, static_cast<int64_t>(h) * s_head, bs, d, g, blocks, seq, s, w, oacc,
              attn_out + static_cast<int64_t>(h) * g * d);
     }
+    if (attn_out != nullptr && v_scale != 1.0f)
+      for (int64_t i = 0; i < static_cast<int64_t>(g) * d; ++i) attn_out[static_cast<int64_t>(h) * g * d + i] *= v_scale;
     float* evh = ev + h * ev_hs;
     if (hi <= lo) {
       for (int64_t i = 0; i < lim; ++i) evh[i] = kNegInf;
@@ -322,34 +338,6 @@ void evidence(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, i
     }
     power_mean(s + lo, seq, g, n, alpha, log_g, out, scratch_floats(2 * n));
   }
-}
-
-// The entry points below take raw pointers and strides; the torch operators at the end of the
-// file check their tensors and call them.
-
-// The slow step's evidence and key norms of one request (ALGORITHMS.md §1, "Slow step"; the twin
-// writes the same), and with attn_out its dense attention. amx 0: K pages: element (d, t) of block b,
-// KV head h at k_base + b * s_block + h * s_head + d * bs + t (CPU_ATTN's vec packing); V pages (when
-// attn_out is given): element (t, d) at v_base + b * s_block + h * s_head + t * D + d. amx 1: the
-// pages at the same bases hold CPU_ATTN's amx packing (unpack_amx_k / unpack_amx_v; bs and D
-// multiples of 16). q: [Hkv, G, D]
-// fp32. ev / kn: [Hkv, >= lim] rows with strides ev_hs / kn_hs (kn may be null); positions [0, lim)
-// are written: -inf outside [lo, hi), lim = min(seq, max_len). attn_out: [Hkv * G, D] fp32 or null.
-// scratch: G * seq + (G + 2) * bs floats, and G * seq + G * D more with attn_out.
-void sfi_evidence_bf16(const uint16_t* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv,
-                       int g, const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
-                       const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
-                       int64_t kn_hs, float* scratch, const uint16_t* v_base, float* attn_out, int amx) {
-  evidence(k_base, s_block, s_head, bs, d, hkv, g, blocks, seq, lo, hi, lim, q, scale, alpha, ev, ev_hs,
-           kn, kn_hs, scratch, v_base, attn_out, amx);
-}
-
-void sfi_evidence_f32(const float* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
-                      const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim,
-                      const float* q, float scale, float alpha, float* ev, int64_t ev_hs, float* kn,
-                      int64_t kn_hs, float* scratch, const float* v_base, float* attn_out, int amx) {
-  evidence(k_base, s_block, s_head, bs, d, hkv, g, blocks, seq, lo, hi, lim, q, scale, alpha, ev, ev_hs,
-           kn, kn_hs, scratch, v_base, attn_out, amx);
 }
 
 // The selector of one request over its allowed set [lo, hi) (the twin: sfi_selector_cpu.select_rows):
@@ -480,19 +468,23 @@ void check_row(const at::Tensor& t, const char* what, int64_t rows, int64_t len,
               ", >= ", len, "] rows of unit stride expected, got ", t.sizes(), " strides ", t.strides());
 }
 
-// torch.ops.speedsfi.sfi_evidence: sfi_evidence_bf16 / sfi_evidence_f32 on tensors. k_pages / v_pages:
+// torch.ops.speedsfi.sfi_evidence: evidence_pass on tensors. k_pages / v_pages:
 // the KV cache's K and V views over the same storage, [blocks, Hkv, bs, D] with K transposed per page
 // (strides [s_block, s_head, 1, bs]; V: [s_block, s_head, D, 1]), or with amx the 6-d VNNI views
-// [blocks, Hkv, bs / 16, 16, D / 2, 2] (K) and [blocks, Hkv, bs / 2, 2, D / 16, 16] (V); bf16 or fp32.
+// [blocks, Hkv, bs / 16, 16, D / 2, 2] (K) and [blocks, Hkv, bs / 2, 2, D / 16, 16] (V); bf16, fp32 or
+// fp8 (e4m3, e5m2; k_scale / v_scale: the layer's per-tensor scales, 1 otherwise).
 // blocks: the request's block ids, int32, >= ceil(seq / bs). query: [Hq, D] fp32 contiguous.
 // evidence / key_norms: [Hkv, >= lim] fp32 rows (key_norms may be None); out: [Hq, D] fp32 contiguous
 // or None (then V is not read).
 void evidence_op(const at::Tensor& evidence, const std::optional<at::Tensor>& key_norms,
                  const std::optional<at::Tensor>& out, const at::Tensor& query, const at::Tensor& k_pages,
                  const at::Tensor& v_pages, const at::Tensor& blocks, int64_t seq, int64_t lo, int64_t hi,
-                 int64_t lim, double scale, double alpha, bool amx) {
+                 int64_t lim, double scale, double alpha, bool amx, double k_scale, double v_scale) {
   const at::ScalarType dt = k_pages.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "sfi_evidence: bf16 or fp32 pages expected, got ", dt);
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2,
+              "sfi_evidence: bf16, fp32, float8_e4m3fn or float8_e5m2 pages expected, got ", dt);
+  TORCH_CHECK(k_scale > 0.0 && v_scale > 0.0, "sfi_evidence: positive k_scale and v_scale expected, got ", k_scale,
+              ", ", v_scale);
   TORCH_CHECK(k_pages.device().is_cpu() && v_pages.device().is_cpu() && v_pages.scalar_type() == dt,
               "sfi_evidence: K and V pages of one dtype on the CPU expected");
   TORCH_CHECK(k_pages.dim() == (amx ? 6 : 4) && v_pages.dim() == k_pages.dim(),
@@ -538,21 +530,18 @@ void evidence_op(const at::Tensor& evidence, const std::optional<at::Tensor>& ke
   float* kn = key_norms.has_value() ? key_norms->data_ptr<float>() : nullptr;
   const int64_t kn_hs = key_norms.has_value() ? key_norms->stride(0) : 0;
   float* attn = out.has_value() ? out->data_ptr<float>() : nullptr;
-  if (dt == at::kBFloat16) {
-    const auto* kb = static_cast<const uint16_t*>(k_pages.data_ptr());
-    const auto* vb = out.has_value() ? static_cast<const uint16_t*>(v_pages.data_ptr()) : nullptr;
-    sfi_evidence_bf16(kb, ks[0], ks[1], static_cast<int>(bs), static_cast<int>(d), static_cast<int>(hkv),
-                      static_cast<int>(g), bp, seq, lo, hi, lim, query.data_ptr<float>(), static_cast<float>(scale),
-                      static_cast<float>(alpha), evidence.data_ptr<float>(), evidence.stride(0), kn, kn_hs,
-                      scratch, vb, attn, amx ? 1 : 0);
-  } else {
-    const float* kb = k_pages.data_ptr<float>();
-    const float* vb = out.has_value() ? v_pages.data_ptr<float>() : nullptr;
-    sfi_evidence_f32(kb, ks[0], ks[1], static_cast<int>(bs), static_cast<int>(d), static_cast<int>(hkv),
-                     static_cast<int>(g), bp, seq, lo, hi, lim, query.data_ptr<float>(), static_cast<float>(scale),
-                     static_cast<float>(alpha), evidence.data_ptr<float>(), evidence.stride(0), kn, kn_hs,
-                     scratch, vb, attn, amx ? 1 : 0);
-  }
+#define SFI_EVIDENCE(T)                                                                                     \
+  evidence_pass<T>(static_cast<const T*>(k_pages.data_ptr()), ks[0], ks[1], static_cast<int>(bs),                \
+                   static_cast<int>(d), static_cast<int>(hkv), static_cast<int>(g), bp, seq, lo, hi, lim,          \
+                   query.data_ptr<float>(), static_cast<float>(scale), static_cast<float>(alpha),                  \
+                   evidence.data_ptr<float>(), evidence.stride(0), kn, kn_hs, scratch,                            \
+                   out.has_value() ? static_cast<const T*>(v_pages.data_ptr()) : nullptr, attn, amx ? 1 : 0,       \
+                   static_cast<float>(k_scale), static_cast<float>(v_scale))
+  if (dt == at::kBFloat16) SFI_EVIDENCE(uint16_t);
+  else if (dt == at::kFloat) SFI_EVIDENCE(float);
+  else if (dt == at::kFloat8_e4m3fn) SFI_EVIDENCE(fp8e4m3);
+  else SFI_EVIDENCE(fp8e5m2);
+#undef SFI_EVIDENCE
 }
 
 // torch.ops.speedsfi.sfi_select_row: sfi_select_row on tensors. sel: [H, >= n_sel] int32 rows of unit
@@ -590,7 +579,8 @@ void select_row_op(const at::Tensor& sel, const at::Tensor& evidence, const at::
 TORCH_LIBRARY(speedsfi, m) {
   m.set_python_module("vllm_ext.kernels.cpu_native");
   m.def("sfi_evidence(Tensor(a!) evidence, Tensor(b!)? key_norms, Tensor(c!)? out, Tensor query, Tensor k_pages, "
-        "Tensor v_pages, Tensor blocks, int seq, int lo, int hi, int lim, float scale, float alpha, bool amx) -> ()");
+        "Tensor v_pages, Tensor blocks, int seq, int lo, int hi, int lim, float scale, float alpha, bool amx, "
+        "float k_scale=1., float v_scale=1.) -> ()");
   m.def("sfi_select_row(Tensor(a!) sel, Tensor evidence, Tensor key_norms, int lo, int hi, float[] cfg, "
         "int nms_radius, int span, int span_back, int n_sel, Tensor? exclude) -> ()");
 }

@@ -2,11 +2,11 @@
 built and loaded by ``cpu_native``) against the PyTorch twins they stand for, the operators' fake
 implementations, the build's cache and its fallbacks.
 
-The evidence pass: the twin's evidence and key norms over a grid (KV dtype, block size: multiples
-of 16 take the register-blocked path, others the generic one; GQA group sizes past the blocked
-path's 8; alpha, allowed sets that are empty, one position or the whole history; a shorter
-``max_len`` than the history; fragmented block tables), the same entries written and the rest
-untouched. The selector: tests/sfi/test_sfi_selector_cpu.py runs its grid on both paths."""
+The evidence pass: the twin's evidence and key norms over a grid (KV dtype, fp8 with the layer's
+scales included; block size: multiples of 16 take the register-blocked path, others the generic
+one; GQA group sizes past the blocked path's 8; alpha, allowed sets that are empty, one position or
+the whole history; a shorter ``max_len`` than the history; fragmented block tables), the same
+entries written and the rest untouched. The selector: tests/sfi/test_sfi_selector_cpu.py runs its grid on both paths."""
 
 import json
 import logging
@@ -32,14 +32,15 @@ def _pages(nb, hkv, bs, d, dtype, gen, isa="vec"):
     return PackedPages(torch.randn(nb, hkv, bs, 2 * d, generator=gen).to(dtype), isa)
 
 
-def _run(native, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out=False):
+def _run(native, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out=False, scales=(None, None)):
     e = rows.shape[0]
     hkv = pages.shape[1]
     ev = torch.full((e, hkv, max_len), SENTINEL)
     kn = torch.full((e, hkv, max_len), SENTINEL) if norms else None
     out = torch.full(q.shape, SENTINEL, dtype=torch.float32) if with_out else None
     dense_decode_with_evidence_cpu(q, pages, bt, seq, lo, hi, q.shape[-1] ** -0.5, out, ev, None, alpha,
-                                   evidence_rows=rows, key_norms=kn, native=native)
+                                   evidence_rows=rows, key_norms=kn, native=native, k_scale=scales[0],
+                                   v_scale=scales[1])
     return ev, kn, out
 
 
@@ -54,12 +55,30 @@ CASES = [(torch.bfloat16, 32, 3, 64), (torch.bfloat16, 16, 1, 64), (torch.float3
 ISA_CASES = [(isa, *c) for c in CASES for isa in ("vec", "amx") if isa == "vec" or not (c[1] % 16 or c[3] % 16)]
 
 
+FP8_CASES = [("vec", torch.float8_e4m3fn, 32, 3, 64, (0.5, 3.0)), ("amx", torch.float8_e5m2, 32, 2, 64, (2.0, 0.25)),
+             ("vec", torch.float8_e5m2, 48, 9, 32, (1.0, 1.0)), ("amx", torch.float8_e4m3fn, 16, 4, 128, (0.75, 1.5))]
+
+
 @needs_native
 @pytest.mark.parametrize("alpha", [0.5, 0.0, 1.0])
 @pytest.mark.parametrize("isa,dtype,bs,g,d", ISA_CASES, ids=lambda c: str(c))
 def test_evidence_matches_the_twin(dtype, bs, g, d, alpha, isa):
     """``amx``: CPU_ATTN's VNNI-paired pages, which the C++ unpacks a page at a time and the twin reads
     through 6-d views."""
+    _check_evidence(isa, dtype, bs, g, d, alpha)
+
+
+@needs_native
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+@pytest.mark.parametrize("isa,dtype,bs,g,d,scales", FP8_CASES, ids=lambda c: str(c))
+def test_evidence_reads_fp8_pages_with_the_layers_scales(isa, dtype, bs, g, d, scales, alpha):
+    """fp8 pages (CPU_ATTN packs them as bf16, a byte an element) with per-tensor scales, 1 or not:
+    the compiled pass (it must take them) against the twin, which dequantises: K * k_scale in the
+    scores and the key norms, V * v_scale in the output."""
+    _check_evidence(isa, dtype, bs, g, d, alpha, scales=tuple(torch.tensor([x]) for x in scales))
+
+
+def _check_evidence(isa, dtype, bs, g, d, alpha, scales=(None, None)):
     gen = torch.Generator().manual_seed(bs * 10 + g)
     hkv, nb = 2, 40
     pages = _pages(nb, hkv, bs, d, dtype, gen, isa)
@@ -70,12 +89,16 @@ def test_evidence_matches_the_twin(dtype, bs, g, d, alpha, isa):
     # allowed sets: sink-to-recent, empty, one position, the whole history
     lo = torch.tensor([4, 2, bs // 2, 0], dtype=torch.int32)
     hi = torch.tensor([lens[0] - 8, 2, bs // 2 + 1, lens[3]], dtype=torch.int32)
-    q = (torch.randn(len(lens), hkv * g, d, generator=gen) * 2).to(dtype)
+    q = (torch.randn(len(lens), hkv * g, d, generator=gen) * 2).to(torch.bfloat16 if scales[0] is not None else dtype)
     rows = torch.tensor([2, 0, -1, 3, 1], dtype=torch.int32)
     for max_len, norms, with_out in ((max_blocks * bs, True, False), (max_blocks * bs, False, True),
                                      (6 * bs, True, True)):   # 6 blocks: shorter than rows 0 and 3
-        ref = _run(False, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out)
-        got = _run(True, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out)
+        ref = _run(False, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out, scales)
+        if scales[0] is not None:                               # the compiled pass must take fp8 pages
+            ev = torch.full((hkv, max_len), SENTINEL)
+            assert cpu_native.evidence(q[0], pages, bt[0], lens[0], 4, 9, 9, 0.1, alpha, ev, None,
+                                       k_scale=float(scales[0]), v_scale=float(scales[1]))
+        got = _run(True, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out, scales)
         for a, b, what in zip(got, ref, ("evidence", "key norms", "attention output")):
             if b is None:
                 assert a is None

@@ -14,12 +14,13 @@ The operators (``torch.ops.speedsfi``; each has a fake implementation registered
 
 - ``sfi_evidence(Tensor(a!) evidence, Tensor(b!)? key_norms, Tensor(c!)? out, Tensor query,
   Tensor k_pages, Tensor v_pages, Tensor blocks, int seq, int lo, int hi, int lim, float scale,
-  float alpha, bool amx) -> ()``
+  float alpha, bool amx, float k_scale=1., float v_scale=1.) -> ()``
 - ``sfi_select_row(Tensor(a!) sel, Tensor evidence, Tensor key_norms, int lo, int hi, float[] cfg,
   int nms_radius, int span, int span_back, int n_sel, Tensor? exclude) -> ()``
 - ``two_segment_decode(Tensor(a!) out, Tensor query, Tensor k_pages, Tensor v_pages, Tensor block_table,
   Tensor seq_lens, Tensor recent_start, Tensor compact_kv, Tensor compact_table, int cap,
-  Tensor compact_len, Tensor slot_idx, Tensor? row_mask, int window, float scale, bool amx) -> ()``
+  Tensor compact_len, Tensor slot_idx, Tensor? row_mask, int window, float scale, bool amx,
+  float k_scale=1., float v_scale=1.) -> ()``
 - ``gather_compact(Tensor(a!) compact_kv, Tensor compact_table, int cap, Tensor(b!) compact_len,
   Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor slot_idx, Tensor selected, Tensor n_sel,
   Tensor? seq_lens, Tensor? offset, Tensor? row_mask, int n_sink, bool amx) -> ()``
@@ -45,10 +46,9 @@ Callers give contiguous fp32 rows; the wrappers check what the C++ assumes (dtyp
 ranges) and return False where it does not hold, so the twin runs (the operators check the same and
 raise).
 
-The fast step's pass reads fp8 pages (e4m3, e5m2, with the layer's per-tensor scales) too; the
-evidence pass and the gather read bf16 / fp32 pages (the gather also fp16) only: for fp8 pages
-(``--kv-cache-dtype fp8``) they are declined (:func:`reads_pages`) and SFI's PyTorch twins read them
-with the layer's scales; SFI logs and counts that once at engine start (``fallback.cpu_native_fp8``).
+Every pass reads bf16, fp32 and fp8 pages (``--kv-cache-dtype fp8``: e4m3, e5m2, CPU_ATTN's packings
+a byte an element) with the layer's per-tensor scales (:func:`reads_pages`); the gather copies fp16
+too, and fp8 entries as their stored bytes.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def _ops_loaded() -> bool:
 
 
 def _evidence_fake(evidence, key_norms, out, query, k_pages, v_pages, blocks, seq, lo, hi, lim, scale, alpha,
-                   amx) -> None:
+                   amx, k_scale=1.0, v_scale=1.0) -> None:
     """Writes ``evidence``, ``key_norms`` and ``out`` in place; returns nothing."""
     return None
 
@@ -219,7 +219,8 @@ def _select_row_fake(sel, evidence, key_norms, lo, hi, cfg, nms_radius, span, sp
 
 
 def _two_segment_fake(out, query, k_pages, v_pages, block_table, seq_lens, recent_start, compact_kv,
-                      compact_table, cap, compact_len, slot_idx, row_mask, window, scale, amx) -> None:
+                      compact_table, cap, compact_len, slot_idx, row_mask, window, scale, amx, k_scale=1.0,
+                      v_scale=1.0) -> None:
     """Writes ``out`` in place; returns nothing."""
     return None
 
@@ -279,14 +280,13 @@ def unavailable_reason() -> str | None:
     return _reason if _tried and _lib is None else None
 
 
-# page dtypes the compiled slow-step passes read (the gather copies fp16 too)
-PAGE_DTYPES = (torch.bfloat16, torch.float32)
+# page dtypes every compiled pass reads (the gather copies fp16 too)
+PAGE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def reads_pages(dtype: torch.dtype) -> bool:
-    """Whether the compiled slow-step passes (:func:`evidence`, :func:`gather_compact`) read pages of
-    ``dtype``: bf16 and fp32; fp8 pages are declined (the twins read them). The fast step's
-    :func:`two_segment` reads fp8 pages as well."""
+    """Whether the compiled passes (:func:`evidence`, :func:`gather_compact`, :func:`two_segment`)
+    read pages of ``dtype``: bf16, fp32 and fp8 (e4m3, e5m2)."""
     return dtype in PAGE_DTYPES
 
 
@@ -298,16 +298,16 @@ def _rows_ok(t: torch.Tensor, rows: int, length: int, dtype: torch.dtype = torch
 
 def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int, hi: int, lim: int,
              scale: float, alpha: float, ev: torch.Tensor, kn: torch.Tensor | None,
-             out: torch.Tensor | None = None) -> bool:
+             out: torch.Tensor | None = None, *, k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
     """One request's evidence ``ev [Hkv, >= lim]`` and key norms ``kn`` (or None) over its positions
     ``[0, seq)`` (``lim = min(seq, max_len)`` written; ``-inf`` outside ``[lo, hi)``), and with ``out``
     (``[Hq, D]``, any float dtype) its dense attention over them from the same scores: what
     :func:`vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu` writes. ``query
     [Hq, D]``; ``pages``: :class:`vllm_ext.kernels.packed_pages.PackedPages` (the vec packing, K
     transposed per page, or the amx one, which the C++ unpacks a page at a time); ``table``: the
-    request's block-table row. False (nothing written) where the kernel does not apply: no library,
-    a KV dtype other than bf16 / fp32 (fp8 pages included), another page layout, rows that are not
-    fp32 and unit-stride."""
+    request's block-table row; fp8 pages: ``k_scale`` / ``v_scale``, the layer's per-tensor scales
+    (host floats). False (nothing written) where the kernel does not apply: no library, a KV dtype
+    other than bf16 / fp32 / fp8, another page layout, rows that are not fp32 and unit-stride."""
     ops = library()
     if ops is None:
         return False
@@ -333,7 +333,8 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
         from vllm_ext.kernels.paged_reference import _scratch_buffer
 
         attn = _scratch_buffer(hq * d, torch.float32, query.device, tag="cpu_native_out").view(hq, d)
-    ops.sfi_evidence(ev, kn, attn, q, k_pages, v_pages, blocks, seq, lo, hi, lim, scale, alpha, amx)
+    ops.sfi_evidence(ev, kn, attn, q, k_pages, v_pages, blocks, seq, lo, hi, lim, scale, alpha, amx,
+                     float(k_scale), float(v_scale))
     if attn is not out:
         out.copy_(attn)
     return True
@@ -458,9 +459,10 @@ def gather_compact(pages, block_table: torch.Tensor, slot_idx: torch.Tensor, sel
                    compact_table: torch.Tensor | None, cap: int, row_mask: torch.Tensor | None,
                    seq_lens: torch.Tensor | None, offset: torch.Tensor | None) -> bool:
     """Each active row's sink and selected tokens copied from ``pages`` into its compact slot and
-    its length set: what :func:`vllm_ext.kernels.gather_compact.gather_compact_cpu` writes. False
-    (nothing written) where the kernel does not apply: no library, another page layout, pages other
-    than bf16 / fp16 / fp32 (fp8 pages included), a compact segment of another dtype than the pages."""
+    its length set: what :func:`vllm_ext.kernels.gather_compact.gather_compact_cpu` writes (fp8
+    entries as their stored bytes). False (nothing written) where the kernel does not apply: no
+    library, another page layout, pages other than bf16 / fp16 / fp32 / fp8, a compact segment of
+    another dtype than the pages."""
     ops = library()
     if ops is None:
         return False
@@ -468,7 +470,7 @@ def gather_compact(pages, block_table: torch.Tensor, slot_idx: torch.Tensor, sel
     if layout is None:
         return False
     k_pages, v_pages, amx = layout
-    if (k_pages.dtype not in (torch.bfloat16, torch.float16, torch.float32) or compact_kv.dtype != k_pages.dtype
+    if (k_pages.dtype not in (*PAGE_DTYPES, torch.float16) or compact_kv.dtype != k_pages.dtype
             or compact_kv.stride(-1) != 1 or k_pages.device.type != "cpu" or selected.dim() != 3):
         return False
     if compact_table is None:

@@ -572,9 +572,7 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
     log_g = math.log(g)
     ks = kv_quant.host_scale(kv_cache.dtype, k_scale)
     vs = kv_quant.host_scale(kv_cache.dtype, v_scale)
-    # the compiled pass takes no scales: scaled fp8 pages run the loop
-    native = (native and isinstance(kv_cache, PackedPages)
-              and not kv_quant.scaled(kv_cache.dtype, k_scale, v_scale))
+    native = native and isinstance(kv_cache, PackedPages)
     for e, r in pairs:
         seq = int(seqs[r])
         if seq <= 0 or not on[r]:
@@ -584,7 +582,7 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
         if native and cpu_native.evidence(query[r], kv_cache, block_table[r], seq, lo, hi, lim, scale,
                                           alpha, log_evidence[e],
                                           None if key_norms is None else key_norms[e],
-                                          None if out is None else out[r]):
+                                          None if out is None else out[r], k_scale=ks, v_scale=vs):
             continue
         kt, v = gather_prefix_kt_into(kv_cache, block_table[r], seq, torch.float32,
                                       values=out is not None)                         # [Hkv, D, seq]

@@ -57,7 +57,7 @@ class SfiLayer(MethodLayer):
                                                        act_dtype, **kw), g)
         self.runtime = self.method.runtime(g)
         if g.device.type == "cpu":
-            self.method.load_cpu_kernels(self.page_dtype)
+            self.method.load_cpu_kernels()
 
     def plan(self, md):
         return md.step.plans.get("sfi") if self.buffers is not None else None

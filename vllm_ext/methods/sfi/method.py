@@ -114,21 +114,15 @@ class SfiMethod(Method):
             warm_up_copy_trigger(cfg=cfg, pages=pages, max_len=self.vllm_config.model_config.max_model_len,
                                  capacity=self.capacity, max_rows=shape.max_rows)
 
-    def load_cpu_kernels(self, page_dtype=None) -> None:
-        """The CPU build's compiled slow-step kernels: built (once per machine) or loaded at engine
-        start, not at the first request's first slow step. Without them the PyTorch twins run
-        (logged once, counted); so they do over fp8 pages (``page_dtype``: an fp8 cache's), which the
-        compiled passes do not read."""
+    def load_cpu_kernels(self) -> None:
+        """The CPU build's compiled kernels: built (once per machine) or loaded at engine start, not
+        at the first request's first slow step. Without them the PyTorch twins run (logged once,
+        counted)."""
         if self._cpu_kernels_checked:
             return
         self._cpu_kernels_checked = True
         from vllm_ext.kernels import cpu_native
 
-        if page_dtype is not None and not cpu_native.reads_pages(page_dtype):
-            metrics.fallback("cpu_native_fp8", "vllm_ext: SFI's compiled slow-step passes read bf16 / fp32 "
-                             "pages only: over this %s KV cache the PyTorch twins run the slow steps' "
-                             "evidence and gathers (slower, same selections; the fast steps, the selector "
-                             "and the dense rows stay compiled)", page_dtype)
         if cpu_native.library() is None:
             reason = cpu_native.unavailable_reason()
             metrics.fallback("cpu_native", "vllm_ext: SFI's compiled CPU kernels are unavailable (%s): "
