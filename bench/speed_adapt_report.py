@@ -33,6 +33,7 @@ def parse(argv=None):
     p.add_argument("--speed-config", default="speed", help="the SPEED configuration's name in both")
     p.add_argument("--sfi-config", default="speed_sfi", help="SPEED + the sfi preset, in --adapted")
     p.add_argument("--no-concurrency", action="store_true", help="skip the two engine start-ups")
+    p.add_argument("--by-task", action="store_true", help="the markdown table per task, then per length")
     p.add_argument("--out", required=True, help="the JSON to write (and a .md beside it)")
     return p.parse_args(argv)
 
@@ -43,10 +44,13 @@ def row(run: dict, name: str, label: str) -> dict | None:
         return None
     s = c["samples"]
     lengths = sorted({x["length"] for x in s})
+    tasks = sorted({x["task"] for x in s})
     return dict(label=label, config=name, speedsfi=c["speedsfi"], n=len(s),
                 correct=sum(x["correct"] for x in s),
                 per_length={str(n): [sum(x["correct"] for x in s if x["length"] == n),
                                      sum(1 for x in s if x["length"] == n)] for n in lengths},
+                per_task={t: [sum(x["correct"] for x in s if x["task"] == t),
+                              sum(1 for x in s if x["task"] == t)] for t in tasks},
                 agreement_with_dense=c["agreement_with_dense"],
                 upper_tokens_skipped=sum(v.get("speed.upper_tokens_skipped", 0) for v in c["counters"].values()),
                 fallbacks={k: v for cnt in c["counters"].values() for k, v in cnt.items()
@@ -114,10 +118,12 @@ def main(argv=None):
                training=training, rows=rows, concurrency=cap)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
-    lines = ["| model, attention | " + " | ".join(str(n) for n in meta["lengths"]) + " | all | same tokens as its dense |",
-             "|---" * (len(meta["lengths"]) + 3) + "|"]
+    cols = [*(rows[0]["per_task"] if args.by_task else []), *(str(n) for n in meta["lengths"])]
+    lines = ["| model, attention | " + " | ".join(cols) + " | all | same tokens as its dense |",
+             "|---" * (len(cols) + 3) + "|"]
     for r in rows:
-        cells = " | ".join(f"{a:g} / {b}" for a, b in r["per_length"].values())
+        cells = " | ".join(f"{a:g} / {b}" for a, b in (*(r["per_task"].values() if args.by_task else ()),
+                                                        *r["per_length"].values()))
         lines.append(f"| {r['label']} | {cells} | **{r['correct']:g} / {r['n']}** | "
                      f"{round(r['agreement_with_dense'] * r['n'])} / {r['n']} |")
     with open(os.path.splitext(args.out)[0] + ".md", "w") as f:

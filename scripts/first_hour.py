@@ -105,6 +105,8 @@ def parse_demo(text: str) -> dict:
 def skip_reason(reason: str) -> str:
     """A skip's reason in a few words (the figure's 'skipped for want of ...')."""
     r = reason.lower()
+    if "avx-512" in r:
+        return "AVX-512 or AMX"
     if "amx" in r:
         return "AMX"
     if "cuda" in r or "gpu" in r:
@@ -124,7 +126,7 @@ def parse_tests(text: str) -> dict:
             counts["errors" if what.startswith("error") else what] = int(n)
     reasons: dict[str, int] = {}
     groups: dict[str, int] = {}
-    for n, reason in re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", text, re.M):
+    for n, reason in re.findall(r"^SKIPPED \[(\d+)\] [^:]+(?::\d+)?: (.*)$", text, re.M):   # module skips: no line
         reasons[reason] = reasons.get(reason, 0) + int(n)
         group = skip_reason(reason)
         groups[group] = groups.get(group, 0) + int(n)

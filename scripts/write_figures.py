@@ -79,6 +79,21 @@ def _minutes(seconds: float) -> str:
     return f"{m} min {s} s" if s and m < 10 else f"{round(seconds / 60)} min"
 
 
+def _found(names: dict, right: list, wrong: list) -> str:
+    """Which methods found the locker number, in words."""
+    def said(ms):
+        w = [names[m] for m in ms]
+        return ", ".join(w[:-1]) + (" and " if len(w) > 1 else "") + w[-1]
+
+    if not right:
+        return "None of them finds the locker number."
+    found = f"{said(right)} {'find' if len(right) > 1 else 'finds'} the locker number"
+    if not wrong:
+        return f"{'All three' if len(right) == 3 else said(right)} find the locker number." if len(right) > 1 \
+            else f"{found}."
+    return f"{found}; {said(wrong)} at its budget {'do' if len(wrong) > 1 else 'does'} not."
+
+
 def first_hour() -> str:
     d = _load("first_hour.json")
     demo, tests = d["demo"], d["tests"]
@@ -102,8 +117,7 @@ def first_hour() -> str:
         "SmolLM2-135M-Instruct with `vllm serve --attention-backend speedsfi` three times (dense, the "
         f"`sfi` preset, CritiPrefill), asks each about a {demo['document_tokens']:,}-token logbook and "
         "prints each answer, whether it is right, the share of the KV each method read, and a summary "
-        f"table. {' and '.join(names[m] for m in right)} find the locker number; "
-        f"{' and '.join(names[m] for m in wrong)} at that budget does not.{batch}\n"
+        f"table. {_found(names, right, wrong)}{batch}\n"
         f"- `scripts/run_tests.sh` took **{_minutes(tests['wall_s'])}** ({counts}). "
         "`scripts/run_tests.sh -m \"not slow\"` runs the unit tests only (no engines).\n\n"
         f"Machine: {d['machine']}; {d['date']}; commit {d['commit']} (a trial of a fresh clone); "
