@@ -38,19 +38,25 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def _kind(sample: dict) -> str:
+    """A sample's task, or for a needle written as a user writes it its form (``user_ticket``, ...)."""
+    wording = str(sample.get("wording") or "")
+    return wording if wording.startswith("user_") else sample["task"]
+
+
 def row(run: dict, name: str, label: str) -> dict | None:
     c = next((x for x in run["configs"] if x["name"] == name), None)
     if c is None:
         return None
     s = c["samples"]
     lengths = sorted({x["length"] for x in s})
-    tasks = sorted({x["task"] for x in s})
+    tasks = sorted({_kind(x) for x in s})
     return dict(label=label, config=name, speedsfi=c["speedsfi"], n=len(s),
                 correct=sum(x["correct"] for x in s),
                 per_length={str(n): [sum(x["correct"] for x in s if x["length"] == n),
                                      sum(1 for x in s if x["length"] == n)] for n in lengths},
-                per_task={t: [sum(x["correct"] for x in s if x["task"] == t),
-                              sum(1 for x in s if x["task"] == t)] for t in tasks},
+                per_task={t: [sum(x["correct"] for x in s if _kind(x) == t),
+                              sum(1 for x in s if _kind(x) == t)] for t in tasks},
                 agreement_with_dense=c["agreement_with_dense"],
                 upper_tokens_skipped=sum(v.get("speed.upper_tokens_skipped", 0) for v in c["counters"].values()),
                 fallbacks={k: v for cnt in c["counters"].values() for k, v in cnt.items()

@@ -774,6 +774,42 @@ def speed_adapt_cpu() -> str:
     return "\n".join(lines) + "\n\n" + train + conc + "\n\n" + note + "\n"
 
 
+def _speed_adapt_by_task(name: str, prompts: str) -> str:
+    """The SPEED-adapted real model on a held-out set (bench/speed_adapt_report.py --by-task): right
+    answers per task and per length, and agreement with each model's dense run."""
+    d = _load(name)
+    m = d["meta"]
+    tasks = list(d["rows"][0]["per_task"])
+    cols = [f"`{t}`" for t in tasks] + [f"{n} tokens" for n in m["lengths"]]
+    lines = ["| model, attention | " + " | ".join(cols) + " | all | same tokens as its dense |",
+             "|---" * (len(cols) + 3) + "|"]
+    for r in d["rows"]:
+        cells = " | ".join(f"{a:g} / {b}" for a, b in (*r["per_task"].values(), *r["per_length"].values()))
+        lines.append(f"| {r['label']} | {cells} | **{r['correct']:g} / {r['n']}** | "
+                     f"{round(r['agreement_with_dense'] * r['n'])} / {r['n']} |")
+    note = (f"{m['n_samples']} held-out prompts per row ({prompts}; depths {', '.join(str(x) for x in m['depths'])}, "
+            f"seed {m['seed']}; an answer is right when it gives every expected value); {m['device_desc']} "
+            f"(shared), vLLM {m['vllm']}, fp32, greedy; {m['date'][:10]}; commit {m['commit']}; "
+            f"`{m['commands']['original']}`; `{m['commands']['adapted']}`; `{m['commands']['report']}`; "
+            f"{_source(name)}.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def speed_adapt_cpu_tasks() -> str:
+    """RULER's multi-needle tasks (the adaptation drew its prompts from the same generators, other seeds)."""
+    return _speed_adapt_by_task("speed_adapt_eval_cpu_smollm2_tasks.json",
+                                "RULER's multi-key and multi-value needles through the chat template; the "
+                                "adaptation's prompts come from the same generators at seeds from 1,000,000")
+
+
+def speed_adapt_cpu_needles() -> str:
+    """Needles as a user writes them (vllm_ext.quality.user_needles)."""
+    return _speed_adapt_by_task("speed_adapt_eval_cpu_smollm2_needles.json",
+                                "a 6-digit value in a support ticket, a text message or a quoted e-mail in a "
+                                "logbook, asked as a user asks; the adaptation's prompts come from the same "
+                                "generators at seeds from 1,000,000")
+
+
 # a number with a unit of time, speed or size, a ratio or a percentage: a measurement
 MEASURED = re.compile(r"\b\d+(?:[.,]\d+)?(?:K\s?(?:tokens/s|tok/s)|\s?(?:TB/s|GB/s|tokens/s|tok/s|ms|us|µs|min|s|x|%"
                       r"|GiB|MiB|GB|MB))(?![\w-])")
@@ -871,7 +907,8 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch, "first_hour": first_hour, "gpu_
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill,
            "quality_user_needles": quality_user_needles, "long_answers": long_answers,
-           "long_answers_summary": long_answers_summary, "speed_adapt_cpu": speed_adapt_cpu}
+           "long_answers_summary": long_answers_summary, "speed_adapt_cpu": speed_adapt_cpu,
+           "speed_adapt_cpu_tasks": speed_adapt_cpu_tasks, "speed_adapt_cpu_needles": speed_adapt_cpu_needles}
 
 
 def documents() -> list[pathlib.Path]:
