@@ -69,6 +69,10 @@ def parse(argv=None):
     p.add_argument("--inner-splits", type=int, default=1, help="cuts inside each prompt used as decode phases")
     p.add_argument("--inner-tokens", type=int, default=32)
     p.add_argument("--lora-layers", choices=("upper", "all"), default="upper")
+    p.add_argument("--dense-weight", type=float, default=0.0,
+                   help="weight of the term that keeps the adapted model's own dense run where the original's "
+                        "was (KL against the teacher of the upper layers run dense; --lora-layers upper only); "
+                        "0: SPEED's term alone")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--targets", default=",".join(A.LORA_TARGETS))
@@ -104,13 +108,15 @@ def data_spec(args, l_cut: int) -> dict:
                 if os.path.exists(os.path.join(args.model, "model.safetensors")) else None,
                 l_cut=l_cut, anchor=args.anchor, min_length=args.min_length, max_length=args.max_length,
                 sources=args.sources, new_tokens=args.new_tokens, inner_splits=args.inner_splits,
-                inner_tokens=args.inner_tokens, seed=args.seed)
+                inner_tokens=args.inner_tokens, seed=args.seed,
+                **({"keep_dense": True} if args.dense_weight > 0 else {}))
 
 
 def run_spec(args, data: dict) -> dict:
     return dict(data, prompts=args.prompts, heldout=args.heldout, lora_layers=args.lora_layers,
                 lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, targets=args.targets,
-                steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, dtype=args.dtype)
+                steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, dtype=args.dtype,
+                **({"dense_weight": args.dense_weight} if args.dense_weight > 0 else {}))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,7 +159,8 @@ def build_records(model, tokenizer, store: RecordStore, indices, args, l_cut, an
                   for _ in range(args.inner_splits) if p - args.inner_tokens > p // 4]
         records, generated = A.teacher_records(model, tp.prompt_ids, tp.source, l_cut=l_cut,
                                                anchor_end=anchor_end, new_tokens=args.new_tokens,
-                                               eos_ids=eos_ids, inner_splits=splits)
+                                               eos_ids=eos_ids, inner_splits=splits,
+                                               keep_dense=args.dense_weight > 0)
         store.by_prompt[i] = dict(records=records, prompt_tokens=p, generated=len(generated),
                                   seconds=time.time() - t0)
         fresh += 1
@@ -212,6 +219,9 @@ def main(argv=None):
     l_cut = args.l_cut if args.l_cut is not None else max(1, 3 * n_layers // 4)
     if not 0 < l_cut < n_layers:
         raise SystemExit(f"--l-cut must be in [1, {n_layers - 1}], got {l_cut}")
+    if args.dense_weight < 0 or (args.dense_weight > 0 and args.lora_layers != "upper"):
+        raise SystemExit("--dense-weight: a weight >= 0, and with --lora-layers upper only (adapters below l_cut "
+                         "change the dense input to the upper layers)")
     name = os.path.basename(args.model.rstrip("/"))
     out = args.out or os.path.join(ROOT, ".cache", "speed_adapted", f"{name}-speed-l{l_cut}")
     data = data_spec(args, l_cut)
@@ -263,7 +273,7 @@ def main(argv=None):
     history = []
     model.train()
     t1 = time.time()
-    run = dict(kl=0.0, agree=0.0, n=0)
+    run = dict(kl=0.0, agree=0.0, dense_kl=0.0, n=0)
     rows_trained = 0
     for step in range(args.steps):
         batch = []
@@ -278,7 +288,12 @@ def main(argv=None):
         for r in batch:
             kl, agree = A.record_loss(model, r, l_cut=l_cut, anchor_end=anchor_end, lm_head=lm_head,
                                       masks=masks)
-            (kl / len(batch)).backward()
+            loss = kl
+            if args.dense_weight > 0:
+                dense_kl = A.dense_keep_loss(model, r, l_cut=l_cut, lm_head=lm_head)
+                loss = kl + args.dense_weight * dense_kl
+                run["dense_kl"] += dense_kl.item()
+            (loss / len(batch)).backward()
             run["kl"] += kl.item()
             run["agree"] += agree.item()
             run["n"] += 1
@@ -288,10 +303,11 @@ def main(argv=None):
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             rec = dict(step=step + 1, kl=round(run["kl"] / run["n"], 4),
                        top1_agreement=round(run["agree"] / run["n"], 4), lr=round(lr_at(step, args), 6),
-                       elapsed_min=round((time.time() - t1) / 60, 2))
+                       elapsed_min=round((time.time() - t1) / 60, 2),
+                       **({"dense_kl": round(run["dense_kl"] / run["n"], 4)} if args.dense_weight > 0 else {}))
             history.append(rec)
             log(rec)
-            run = dict(kl=0.0, agree=0.0, n=0)
+            run = dict(kl=0.0, agree=0.0, dense_kl=0.0, n=0)
     train_s = time.time() - t1
     model.eval()
     after = evaluate(model, held, l_cut, anchor_end, lm_head, masks)

@@ -82,6 +82,26 @@ def test_both_training_forwards_are_the_reference_rule(models, arch, anchor):
         speed_greedy(models[arch], [prompt], 6, L_CUT, anchor=anchor)[0]
 
 
+def test_the_dense_keeping_term_is_zero_on_the_original_and_sees_an_upper_layer_change(models):
+    """dense_keep_loss runs the upper layers over every position from the dense input to ``l_cut``:
+    on the unadapted model that is the teacher's own dense pass (KL 0, both the continuation record
+    and an in-prompt cut), and a change to an upper layer moves it."""
+    model = _load(models["llama"])
+    records, _ = A.teacher_records(model, _prompts((120,))[0], "t", l_cut=L_CUT, anchor_end=1, new_tokens=6,
+                                   eos_ids=set(), inner_splits=[(60, 8)], keep_dense=True)
+    assert len(records) == 2 and all(r.h_dense.shape[0] == len(r.ids) for r in records)
+    with torch.no_grad():
+        for r in records:
+            assert A.dense_keep_loss(model, r, l_cut=L_CUT, lm_head=model.lm_head).item() < 1e-6
+        w = model.model.layers[L_CUT].mlp.down_proj.weight
+        w.mul_(1.5)
+        assert A.dense_keep_loss(model, records[0], l_cut=L_CUT, lm_head=model.lm_head).item() > 1e-4
+    plain, _ = A.teacher_records(model, _prompts((40,))[0], "t", l_cut=L_CUT, anchor_end=1, new_tokens=3,
+                                 eos_ids=set())
+    with pytest.raises(ValueError, match="h_dense"):
+        A.dense_keep_loss(model, plain[0], l_cut=L_CUT, lm_head=model.lm_head)
+
+
 def test_kl_is_zero_when_the_rule_changes_nothing(models):
     """At ``l_cut`` = the number of layers the student is the teacher."""
     model = _load(models["qwen2"])
@@ -112,6 +132,29 @@ def adapted(models, tmp_path_factory):
     with open(work / "result.json") as f:
         result = json.load(f)
     return out, result, argv
+
+
+@pytest.mark.slow
+def test_the_dense_keeping_term_trains_with_the_speed_term(models, tmp_path):
+    """--dense-weight: the records keep the dense input to the upper layers, each step logs the dense
+    term beside SPEED's, the run's spec records the weight; adapters below l_cut refuse it."""
+    pytest.importorskip("peft")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import adapt_speed
+
+    argv = ["--model", models["llama"], "--l-cut", str(L_CUT), "--prompts", "2", "--heldout", "1",
+            "--min-length", "1800", "--max-length", "2000", "--new-tokens", "6", "--inner-tokens", "6",
+            "--steps", "4", "--batch", "2", "--lr", "3e-3", "--warmup", "1", "--threads", "1", "--log-every", "2",
+            "--work-dir", str(tmp_path / "records"), "--out", str(tmp_path / "adapted"),
+            "--results", str(tmp_path / "result.json"), "--dense-weight", "0.5"]
+    adapt_speed.main(argv)
+    with open(tmp_path / "result.json") as f:
+        result = json.load(f)
+    assert result["spec"]["dense_weight"] == 0.5
+    assert [h["step"] for h in result["history"]] == [2, 4]
+    assert all(h["dense_kl"] >= 0 for h in result["history"])
+    with pytest.raises(SystemExit, match="dense-weight"):
+        adapt_speed.main(argv + ["--lora-layers", "all"])
 
 
 @pytest.mark.slow

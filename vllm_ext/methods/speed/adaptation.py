@@ -158,6 +158,20 @@ def teacher_logprobs(record: "TeacherRecord", lm_head):
         return torch.log_softmax(lm_head(record.final).float(), dim=-1)
 
 
+def dense_keep_loss(model, record: TeacherRecord, *, l_cut: int, lm_head):
+    """KL(teacher || the adapted model run dense) at the record's decode-phase rows, with adapters in
+    the upper layers only (below ``l_cut`` the adapted model is the original, so its dense input to
+    layer ``l_cut`` is the teacher's ``h_dense``): the term that keeps an adapted checkpoint's dense
+    run where the original's was."""
+    import torch
+
+    if record.h_dense is None:
+        raise ValueError("dense_keep_loss: the record keeps no h_dense (teacher_records(keep_dense=True))")
+    positions = torch.arange(len(record.ids), dtype=torch.int64)
+    logits = upper_stack_logits(model, record.h_dense, positions, l_cut)[record.prompt_len - 1:]
+    return distill_kl(logits, teacher_logprobs(record, lm_head))
+
+
 # ------------------------------------------------------------------------------------------------
 # The teacher: the dense model's continuation and its distributions
 # ------------------------------------------------------------------------------------------------
@@ -176,6 +190,7 @@ class TeacherRecord:
     h_cut: object          # [K, hidden]
     final: object          # [len(ids) - P + 1, hidden]
     cached: object = None  # teacher log-probabilities, kept in memory by a training run
+    h_dense: object = None  # [len(ids), hidden]: every position's input to layer l_cut (dense_keep_loss)
 
     @property
     def decode_rows(self) -> int:
@@ -206,12 +221,14 @@ class HiddenCapture:
 
 
 def teacher_records(model, prompt_ids: list[int], source: str, *, l_cut: int, anchor_end: int,
-                    new_tokens: int, eos_ids: set[int], inner_splits: list[tuple[int, int]] = ()):
+                    new_tokens: int, eos_ids: set[int], inner_splits: list[tuple[int, int]] = (),
+                    keep_dense: bool = False):
     """The dense model's greedy continuation of ``prompt_ids`` (at most ``new_tokens``, stopping
     after an end-of-sequence token) as one record, plus one record per ``(P', n)`` of
     ``inner_splits``: the prompt cut at ``P'`` with its own next ``n`` tokens as the decode phase
     (the document's text, with the dense model's distributions over it). One prefill and one step
-    per generated token, KV-cached."""
+    per generated token, KV-cached. ``keep_dense``: each record also keeps every position's input to
+    layer ``l_cut`` (``h_dense``, for :func:`dense_keep_loss`)."""
     import torch
 
     cap = HiddenCapture(model, l_cut)
@@ -235,23 +252,24 @@ def teacher_records(model, prompt_ids: list[int], source: str, *, l_cut: int, an
     p = len(prompt_ids)
     ids = list(prompt_ids) + generated[:-1]
     h_cut_all = torch.cat(cut_rows, 0)          # positions 0 .. len(ids) - 1
-    records = [_record(source, ids, p, h_cut_all, torch.cat(final_rows, 0), anchor_end)]
+    records = [_record(source, ids, p, h_cut_all, torch.cat(final_rows, 0), anchor_end, keep_dense)]
     for split, n in inner_splits:
         if not (1 < split and split + n - 1 <= p):
             raise ValueError(f"inner split ({split}, {n}) outside a {p}-token prompt")
         sub = list(prompt_ids[:split + n - 1])
         records.append(_record(f"{source}/text", sub, split, prompt_cut[:len(sub)],
-                               prompt_final[split - 1:split + n - 1], anchor_end))
+                               prompt_final[split - 1:split + n - 1], anchor_end, keep_dense))
     return records, generated
 
 
-def _record(source, ids, prompt_len, h_cut_all, final, anchor_end) -> TeacherRecord:
+def _record(source, ids, prompt_len, h_cut_all, final, anchor_end, keep_dense=False) -> TeacherRecord:
     import torch
 
     keep = kept_positions(prompt_len, len(ids), anchor_end)
     idx = torch.tensor(keep, dtype=torch.int64)
     return TeacherRecord(source=source, ids=ids, prompt_len=prompt_len, positions=idx,
-                         h_cut=h_cut_all[idx].clone(), final=final.clone())
+                         h_cut=h_cut_all[idx].clone(), final=final.clone(),
+                         h_dense=h_cut_all[:len(ids)].clone() if keep_dense else None)
 
 
 def record_loss(model, record: TeacherRecord, *, l_cut: int, anchor_end: int, lm_head,
