@@ -409,7 +409,6 @@ def _query_pass(query: torch.Tensor, out: torch.Tensor, pages):
     return ops, _two_segment_pages(pages)
 
 
-_TWO_SEGMENT_PAGE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -429,7 +428,7 @@ def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens:
     if layout is None:
         return False
     k_pages, v_pages, amx = layout
-    ok = (query.dtype in (torch.bfloat16, torch.float32) and k_pages.dtype in _TWO_SEGMENT_PAGE_DTYPES
+    ok = (query.dtype in (torch.bfloat16, torch.float32) and reads_pages(k_pages.dtype)
           and compact_kv.dtype == k_pages.dtype and query.device.type == "cpu" and query.stride(-1) == 1
           and out.stride(-1) == 1 and compact_kv.stride(-1) == 1 and query.shape[-1] <= 256)
     if not ok:
