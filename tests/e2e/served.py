@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 
@@ -85,8 +86,12 @@ def _serve_command(model: str, port: int, *, backend: str, additional_config: di
            "--served-model-name", SERVED_NAME, "--enforce-eager", "--dtype", "float32", *args]
     if additional_config is not None:
         cmd += ["--additional-config", json.dumps(additional_config)]
+    # every server its own counters directory: the test process may hold one in its environment (the
+    # plugin sets it when an in-process test loads vLLM), and a directory shared with earlier servers
+    # sums their processes' counters (slots a killed server held, its fallbacks) into this one's /metrics
     full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                    SPEEDSFI_FORCE_TORCH_KERNELS="1", SPEEDSFI_TRACE_INTERVAL_S="0")
+                    SPEEDSFI_FORCE_TORCH_KERNELS="1", SPEEDSFI_TRACE_INTERVAL_S="0",
+                    SPEEDSFI_TRACE_DIR=tempfile.mkdtemp(prefix="speedsfi-served-"))
     full_env.update(env or {})
     return cmd, full_env
 
