@@ -86,6 +86,7 @@ def parse_demo(text: str) -> dict:
     m = re.search(r"a ([\d,]+)-token document question", text)
     if m:
         out["document_tokens"] = int(m.group(1).replace(",", ""))
+    out["servers"] = len(re.findall(r"^\[demo\] server healthy after ", text, re.M))
     out["correct"] = {name: ok == "yes" for name, ok in
                       re.findall(r"^\[demo\] (\w+): answer .*  correct: (yes|no)$", text, re.M)}
     m = re.search(r"^\[demo\] batch: (\d+) requests of ([\d,]+) prompt tokens decoding together, (\d+) steps "

@@ -4,6 +4,7 @@ reach the modes they name; the document methods use SFI's preset by name and a C
 that is sparse at 5K tokens; the batch section's child gets its flags, and only its ``[demo]`` lines
 reach the demo's output (vllm_ext/tools/demo_batch.py: its progress, overrides and table)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -79,6 +80,20 @@ def test_document_methods():
     lo, hi = sparse_range(cp, demo.DOCUMENT_LENGTH)
     assert cp.enabled and hi > lo                                         # sparse somewhere at this length
     assert cp.budget < lo                                                 # a sparse segment reads a part
+
+
+def test_dense_rides_on_sfis_server_with_sfi_off_for_its_request():
+    from vllm_ext.config import request_overrides
+
+    assert demo.server_plan(["dense", "sfi", "critiprefill"]) == [
+        ("sfi", [("dense", demo.SFI_OFF), ("sfi", None)]), ("critiprefill", [("critiprefill", None)])]
+    assert demo.server_plan(["sfi", "dense"]) == [("sfi", [("dense", demo.SFI_OFF), ("sfi", None)])]
+    assert demo.server_plan(["dense", "speed"]) == [("dense", [("dense", None)]), ("speed", [("speed", None)])]
+    assert demo.server_plan(["sfi"]) == [("sfi", [("sfi", None)])]
+    # what the endpoint receives is a valid per-request override that turns SFI off
+    sent = demo._xargs(demo.SFI_OFF)["vllm_xargs"]["speedsfi"]
+    assert request_overrides({"speedsfi": json.loads(sent)}) == {"sfi": {"enabled": False}}
+    assert demo._xargs(None) == {}
 
 
 class _FakeChild:

@@ -18,8 +18,10 @@ write_figures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(write_figures)
 
 DEMO = """[demo] model: .cache/real_model/SmolLM2-135M-Instruct (30 layers; vllm_ext.tools.real_model)
+[demo] server healthy after 31.2 s (server start)
 [demo] dense: answer 'The spare key to the lighthouse kept is in the locker number 9186.'  correct: yes
 [demo] sfi: answer 'The spare key to the lighthouse kept is in the locker number 9186.'  correct: yes
+[demo] server healthy after 30.9 s (server start)
 [demo] critiprefill: answer 'The spare key to the lighthouse kept in the locker named'  correct: no
 [demo] summary: SmolLM2-135M-Instruct, a 4,994-token document question, greedy, expected answer 9186
 [demo] batch: 4 requests of 3,500 prompt tokens decoding together, 64 steps timed per run (thread CPU time, one OpenMP thread), float32; SFI off for them, then the `sfi` preset
@@ -41,6 +43,7 @@ def test_demo_output_is_read():
     d = first_hour.parse_demo(DEMO)
     assert d["document_tokens"] == 4994
     assert d["correct"] == {"dense": True, "sfi": True, "critiprefill": False}
+    assert d["servers"] == 2                                  # dense asked of SFI's server
     b = d["batch"]
     assert (b["requests"], b["prompt_tokens"], b["timed_steps"], b["dtype"]) == (4, 3500, 64, "float32")
     assert b["runs"]["SFI off"]["tokens_s"] == 11.2 and b["runs"]["sfi preset"]["kv_read"] == 0.334
@@ -65,6 +68,9 @@ def test_the_figure_reads_what_it_writes(monkeypatch):
     assert "4 requests of 3,500 prompt tokens" in text and "SFI off 11.2 tokens/s, the preset 9.6 (0.86x)" in text
     assert "1470 passed, 0 failed, 1055 skipped: 1047 for want of a GPU; 6 for want of AMX" in text
     assert "commit abcdef0" in text
+    assert "twice (the `sfi` preset, asked also with SFI off for the request: dense;" in text
+    result["demo"]["servers"] = 3                             # the demo before dense shared SFI's server
+    assert "three times (dense, the `sfi` preset, CritiPrefill)" in write_figures.first_hour()
 
 
 def test_reader_env_drops_this_shells_setup(monkeypatch, tmp_path):

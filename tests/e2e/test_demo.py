@@ -1,11 +1,11 @@
 """The main job (``scripts/demo.sh`` -> ``python -m vllm_ext.tools.demo``). Its default: the real model
-(``vllm_ext.tools.real_model``) served by ``vllm serve --attention-backend speedsfi`` once per method,
+(``vllm_ext.tools.real_model``) served by ``vllm serve --attention-backend speedsfi`` for each method,
 a question about a long document through the chat completions endpoint; here dense only, on a
 shorter document, to keep it short (skipped when the model is not cached). ``--retrieval-model``: the
-committed retrieval model once per method, one long-context retrieval question each; here with two
-methods (dense and SFI) and a 1K-token question. ``--batch-only``: requests decoding together, SFI
-off and the preset; here two requests on a tiny checkpoint, long enough that the preset decodes
-sparse. The one-server mode (``--model``) is tests/e2e/test_processes.py."""
+committed retrieval model, one long-context retrieval question for each method; here with two
+methods (dense and SFI: one server, dense a request with SFI off on it) and a 1K-token question.
+``--batch-only``: requests decoding together, SFI off and the preset; here two requests on a tiny
+checkpoint, long enough that the preset decodes sparse. The one-server mode (``--model``) is tests/e2e/test_processes.py."""
 
 import json
 import re
@@ -15,6 +15,14 @@ import pytest
 from vllm_ext.quality import tasks as T
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def _as_a_reader_runs_it(monkeypatch):
+    """The demo's servers and its batch child get a reader's environment: without the suite's
+    TRITON_INTERPRET (set for the kernel tests), they run SPEEDSFI's CPU path, as on a user's machine,
+    not Triton's interpreter (minutes). The demo imports no kernel module in this process."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 def test_demo_shows_dense_and_sfi_on_the_retrieval_model(capsys):
@@ -28,6 +36,8 @@ def test_demo_shows_dense_and_sfi_on_the_retrieval_model(capsys):
     assert "[demo] question (niah_multikey, 1,024 tokens" in out
     assert "question : what is the magic number for" in out          # the question, abbreviated
     assert f"[demo] expected answer: {expected!r}" in out
+    assert out.count("[demo] server healthy after") == 1                 # dense asked of SFI's server
+    assert "[demo] ---- dense: SFI off for this request, on the sfi server" in out
     # the committed model answers this densely (bench/QUALITY.md: 100 % on niah_multikey)
     assert f"[demo] dense: answer {expected!r}  correct: yes" in out
     assert re.search(r"\[demo\] sfi: answer '.*'  correct: (yes|no)", out)

@@ -1,8 +1,9 @@
-"""No warnings we cause: ``vllm serve`` with SPEEDSFI (every method off, and SFI
-on) logs no warning that the same server with vLLM's own ``CPU_ATTN`` does not log, and never vLLM's
-"Unknown vLLM environment variable" (our variables are ``SPEEDSFI_*``). Warnings are compared
-without their timestamps, process names and numbers. SPEEDSFI's start-up line (what the engine runs)
-is in the log once, at INFO."""
+"""No warnings we cause: ``vllm serve`` with SPEEDSFI (SFI on: its short request decodes through the
+dense delegate, its start-up plans every method's kernels) logs no warning that the same server with
+vLLM's own ``CPU_ATTN`` does not log, and never vLLM's "Unknown vLLM environment variable" (our
+variables are ``SPEEDSFI_*``). Warnings are compared without their timestamps, process names and
+numbers. SPEEDSFI's start-up line (what the engine runs) is in the log once, at INFO; its wording for
+every other configuration: tests/test_startup_line.py."""
 
 from __future__ import annotations
 
@@ -47,13 +48,11 @@ def test_speedsfi_adds_no_warning_to_plain_vllm(tiny_models, tmp_path):
     model = tiny_models["llama"]
     plain, none = _served_warnings(model, tmp_path, "cpu_attn", backend="CPU_ATTN")
     assert none == []
-    for name, section, what in (("all_off", {}, "no preset; methods on: none (every row dense); "),
-                                ("sfi", {"sfi": SFI}, "methods on: sfi; sfi k=16 n_sink=4 n_recent=16 ")):
-        ours, startup = _served_warnings(model, tmp_path, name, additional_config={"speedsfi": section})
-        assert len(startup) == 1, startup                # once per engine: not the scheduler's copy too
-        assert " INFO " in startup[0] and what in startup[0], startup
-        assert startup[0].endswith("; dense rows: CPU_ATTN (CPU build)"), startup
-        # an unknown VLLM_* variable the test process inherited warns in both servers; ours may add none
-        unknown = [w for w in ours - plain if "Unknown vLLM environment variable" in w]
-        assert not unknown, unknown
-        assert ours - plain == set(), f"{name}: warnings plain vLLM does not print: {sorted(ours - plain)}"
+    ours, startup = _served_warnings(model, tmp_path, "sfi", additional_config={"speedsfi": {"sfi": SFI}})
+    assert len(startup) == 1, startup                    # once per engine: not the scheduler's copy too
+    assert " INFO " in startup[0] and "methods on: sfi; sfi k=16 n_sink=4 n_recent=16 " in startup[0], startup
+    assert startup[0].endswith("; dense rows: CPU_ATTN (CPU build)"), startup
+    # an unknown VLLM_* variable the test process inherited warns in both servers; ours may add none
+    unknown = [w for w in ours - plain if "Unknown vLLM environment variable" in w]
+    assert not unknown, unknown
+    assert ours - plain == set(), f"warnings plain vLLM does not print: {sorted(ours - plain)}"

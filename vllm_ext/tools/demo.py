@@ -4,14 +4,14 @@ OpenAI client; print the answers and the backend's counters; stop the server(s).
     python -m vllm_ext.tools.demo                      # a real model, a question about a long document,
                                                        # then a batch of long requests timed
     python -m vllm_ext.tools.demo --batch-only [--batch-requests 8 --batch-length 8000]
-    python -m vllm_ext.tools.demo --retrieval-model    # the committed retrieval model, once per method
+    python -m vllm_ext.tools.demo --retrieval-model    # the committed retrieval model, every method
     python -m vllm_ext.tools.demo --model DIR_OR_HF_ID [--additional-config JSON] [-- serve args]
     python -m vllm_ext.tools.demo --model DIR_OR_HF_ID --compare      # the method on any model
 
 By default it serves the real pretrained model of ``vllm_ext.tools.real_model`` (SmolLM2-135M-Instruct,
-built from a PyPI wheel into ``.cache/real_model``) once per method: dense (every method off), SFI's
+built from a PyPI wheel into ``.cache/real_model``) for each method: dense (every method off), SFI's
 default preset (``{"speedsfi": {"preset": "sfi"}}``) and CritiPrefill (a section sparse at this
-length). It asks each, through the chat completions endpoint (the model's chat template), the same
+length); dense is a request with SFI off on SFI's server (:func:`server_plan`). It asks each, through the chat completions endpoint (the model's chat template), the same
 question about a ~5K-token document a person can read (``vllm_ext/quality/document.py``: a survey
 logbook with one locker number in it) and prints the question, the expected answer, every answer,
 whether it is right, the fraction of the KV each method read (from SPEEDSFI's counters), the time of
@@ -23,8 +23,8 @@ prints the tokens per second of each and their ratio (``vllm_ext.tools.demo_batc
 process: one in-process engine; its log goes to a file, its ``[demo]`` lines here).
 
 ``--retrieval-model`` serves ``models/retrieval-llama`` (a 4-layer Llama trained in this repository to
-find a needle in up to 2K tokens; ``bench/QUALITY.md``) once per method (dense, SFI, SPEED and
-CritiPrefill, each alone) and asks each the same long-context retrieval question. SPEED uses
+find a needle in up to 2K tokens; ``bench/QUALITY.md``) for each method (dense, SFI, SPEED and
+CritiPrefill, each alone; dense on SFI's server as above) and asks each the same long-context retrieval question. SPEED uses
 ``models/retrieval-llama-speed`` (the same model fine-tuned under SPEED's visibility rule) when it is
 present. ``--compare`` does the same for any ``--model`` with a RULER text prompt sized by its
 tokenizer. With ``--model`` alone it asks one prompt of one server (``--additional-config``), as
@@ -79,6 +79,23 @@ DOCUMENT_METHODS: dict[str, tuple[dict, tuple[str, ...]]] = {
 }
 DOCUMENT_LENGTH = 5000          # prompt tokens, chat template included
 DOCUMENT_MAX_TOKENS = 24
+
+SFI_OFF = {"sfi": {"enabled": False}}
+
+
+def server_plan(methods: list[str]) -> list[tuple[str, list[tuple[str, dict | None]]]]:
+    """The servers the demo starts, in order, and what is asked of each: (the method whose section
+    the server runs, [(method, the request's speedsfi overrides)]). Dense rides on SFI's server as a
+    request with SFI off (every method off for that request: what the README's examples compare, and
+    the same tokens as dense: tests/e2e/test_sfi_e2e.py), so asking both
+    starts one server; SPEED and CritiPrefill are engine-wide and get a server each."""
+    plan: list[tuple[str, list[tuple[str, dict | None]]]] = []
+    for name in methods:
+        if name == "dense" and "sfi" in methods:
+            continue
+        asks = [("dense", SFI_OFF)] if name == "sfi" and "dense" in methods else []
+        plan.append((name, asks + [(name, None)]))
+    return plan
 
 
 def _free_port() -> int:
@@ -422,59 +439,65 @@ def _compare(args) -> int:
     print()
     rows, failed = [], False
     max_model_len = args.length + max(max_tokens, 32) + (256 if text else 0)
-    for name in methods:
-        section, serve_args, what = METHODS[name]
+    for server_name, asks in server_plan(methods):
+        section, serve_args, _ = METHODS[server_name]
         enabled = [m for m, sec in section.items() if isinstance(sec, dict) and sec.get("enabled")]
         missing = [m for m in enabled if m not in IMPLEMENTED_METHODS]
-        print(f"[demo] ---- {name}: {what}")
         if missing:
-            print(f"[demo] {name}: skipped, not in this build yet")
-            rows.append((name, "(not in this build)", "-", "-", "-", ""))
+            for name, _ in asks:
+                print(f"[demo] ---- {name}: {METHODS[name][2]}")
+                print(f"[demo] {name}: skipped, not in this build yet")
+                rows.append((name, "(not in this build)", "-", "-", "-", ""))
             continue
         served = model
-        if name == "speed" and not text and (SPEED_MODEL / "model.safetensors").is_file():
+        if server_name == "speed" and not text and (SPEED_MODEL / "model.safetensors").is_file():
             served = str(SPEED_MODEL)
-            print(f"[demo] {name}: serving {os.path.relpath(served, REPO)} (fine-tuned for SPEED)")
-        elif name == "speed":
-            print(f"[demo] {name}: note: {os.path.basename(served)} was not fine-tuned for SPEED "
-                  "(ALGORITHMS.md §2), so its upper layers lose the prompt")
         config = json.dumps({"speedsfi": section})
+        print(f"[demo] ---- {asks[0][0]}: {_what(asks[0], METHODS[asks[0][0]][2], server_name)}")
         try:
             with _served(served, config, [*serve_args, *args.serve_args], timeout=args.timeout,
                          max_model_len=max_model_len, quiet=True) as server:
-                before = server.counters()
-                t0 = time.monotonic()
-                resp = server.client().completions.create(
-                    model="speedsfi-demo", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                    extra_body={"return_token_ids": True, "ignore_eos": True})
-                dt = time.monotonic() - t0
-                after = server.wait_idle(before)
-        except ServeFailed as e:
-            print(f"[demo] {name}: refused at start-up: {e.reason or e}")
-            rows.append((name, "(refused at start-up)", "-", "-", "-", ""))
+                for i, (name, overrides) in enumerate(asks):
+                    if i:
+                        print(f"[demo] ---- {name}: {_what(asks[i], METHODS[name][2], server_name)}")
+                    if name == "speed" and served != model:
+                        print(f"[demo] {name}: serving {os.path.relpath(served, REPO)} (fine-tuned for SPEED)")
+                    elif name == "speed":
+                        print(f"[demo] {name}: note: {os.path.basename(served)} was not fine-tuned for SPEED "
+                              "(ALGORITHMS.md §2), so its upper layers lose the prompt")
+                    before = server.counters()
+                    t0 = time.monotonic()
+                    resp = server.client().completions.create(
+                        model="speedsfi-demo", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                        extra_body={"return_token_ids": True, "ignore_eos": True, **_xargs(overrides)})
+                    dt = time.monotonic() - t0
+                    after = server.wait_idle(before)
+                    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                    d = {k: v for k, v in sorted(d.items()) if v}
+                    choice = resp.choices[0]
+                    if text:
+                        answer = choice.text.strip()
+                        score = T.text_score(sample, choice.text)
+                        correct = "yes" if score == 1 else f"{score:.0%}"
+                    else:
+                        ids = list(choice.token_ids or [])
+                        answer = " ".join(T.words_of(ids[:len(sample.answer_ids)]))
+                        correct = "yes" if T.exact_match(sample, ids) else "no"
+                    kept, kept_what = _kept(name, d, _num_layers(served))
+                    print(f"[demo] {name}: answer {answer!r}  correct: {correct}  ({resp.usage.completion_tokens} "
+                          f"tokens in {dt:.1f} s)")
+                    print(f"[demo] {name}: kept {kept} {kept_what}")
+                    print(f"[demo] {name}: counters {json.dumps(d)}")
+                    if not d.get("steps.built"):
+                        print(f"[demo] ERROR: the SPEEDSFI backend never built a step for {name}", file=sys.stderr)
+                        failed = True
+                    fallbacks = {k: v for k, v in d.items() if k.startswith("fallback.")}
+                    rows.append((name, answer, correct, kept, f"{dt:.1f} s", ", ".join(fallbacks) or ""))
+        except ServeFailed as e:                       # raised before the server answers anything
+            for name, _ in asks:
+                print(f"[demo] {name}: refused at start-up: {e.reason or e}")
+                rows.append((name, "(refused at start-up)", "-", "-", "-", ""))
             failed = True
-            continue
-        d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        d = {k: v for k, v in sorted(d.items()) if v}
-        choice = resp.choices[0]
-        if text:
-            answer = choice.text.strip()
-            score = T.text_score(sample, choice.text)
-            correct = "yes" if score == 1 else f"{score:.0%}"
-        else:
-            ids = list(choice.token_ids or [])
-            answer = " ".join(T.words_of(ids[:len(sample.answer_ids)]))
-            correct = "yes" if T.exact_match(sample, ids) else "no"
-        kept, kept_what = _kept(name, d, _num_layers(served))
-        print(f"[demo] {name}: answer {answer!r}  correct: {correct}  ({resp.usage.completion_tokens} "
-              f"tokens in {dt:.1f} s)")
-        print(f"[demo] {name}: kept {kept} {kept_what}")
-        print(f"[demo] {name}: counters {json.dumps(d)}")
-        if not d.get("steps.built"):
-            print(f"[demo] ERROR: the SPEEDSFI backend never built a step for {name}", file=sys.stderr)
-            failed = True
-        fallbacks = {k: v for k, v in d.items() if k.startswith("fallback.")}
-        rows.append((name, answer, correct, kept, f"{dt:.1f} s", ", ".join(fallbacks) or ""))
     print()
     print("[demo] summary (greedy; 'kept': the fraction of the KV each method reads or keeps, from "
           "its counters; 'time': the request only, server start excluded)")
@@ -483,6 +506,20 @@ def _compare(args) -> int:
     for name, answer, correct, kept, dt, fb in rows:
         print(f"    {name:<13} {answer:<{width}}  {correct:<8} {kept:<6} {dt:<8} {fb or '-'}")
     return 1 if failed else 0
+
+
+def _xargs(overrides: dict | None) -> dict:
+    """A request's speedsfi overrides as the OpenAI endpoints take them (``vllm_xargs``)."""
+    return {"vllm_xargs": {"speedsfi": json.dumps(overrides)}} if overrides else {}
+
+
+def _what(ask: tuple[str, dict | None], what: str, server_name: str) -> str:
+    """The header of a method's run: what it does, or, for dense on another method's server, how."""
+    name, overrides = ask
+    if overrides == SFI_OFF and name != server_name:
+        return (f"SFI off for this request, on the {server_name} server (every method off for it: "
+                "the reference)")
+    return what
 
 
 def _describe(section: dict) -> str:
@@ -519,7 +556,7 @@ def _on_cpu() -> bool:
 
 
 def _document(args, model: str) -> int:
-    """The default: the real model, a question about a long document, once per method."""
+    """The default: the real model, a question about a long document, asked of each method."""
     from transformers import AutoTokenizer
 
     from vllm_ext.quality.document import make_document_question
@@ -556,42 +593,48 @@ def _document(args, model: str) -> int:
         serve_args = ["--dtype", "float32", *serve_args]     # the CPU path's tested dtype (bf16 on disk)
     print()
     rows, failed = [], False
-    for name in methods:
-        section, extra = DOCUMENT_METHODS[name]
-        print(f"[demo] ---- {name}: {_describe(section)}")
+    for server_name, asks in server_plan(methods):
+        section, extra = DOCUMENT_METHODS[server_name]
+        print(f"[demo] ---- {asks[0][0]}: {_what(asks[0], _describe(DOCUMENT_METHODS[asks[0][0]][0]), server_name)}")
         config = json.dumps({"speedsfi": section})
         start = "-"
         try:
             with _served(model, config, [*extra, *serve_args], timeout=args.timeout,
                          max_model_len=max_model_len, quiet=True) as server:
                 start = f"{server.start_s:.1f}"
-                before = server.counters()
-                t0 = time.monotonic()
-                resp = server.client().chat.completions.create(
-                    model="speedsfi-demo", messages=q.messages(), max_tokens=max_tokens,
-                    temperature=0)
-                dt = time.monotonic() - t0
-                after = server.wait_idle(before)
-        except ServeFailed as e:
-            print(f"[demo] {name}: refused at start-up: {e.reason or e}")
-            rows.append((name, "(refused at start-up)", "-", "-", "-", start, ""))
+                for i, (name, overrides) in enumerate(asks):
+                    if i:
+                        print(f"[demo] ---- {name}: "
+                              f"{_what(asks[i], _describe(DOCUMENT_METHODS[name][0]), server_name)}")
+                    before = server.counters()
+                    t0 = time.monotonic()
+                    resp = server.client().chat.completions.create(
+                        model="speedsfi-demo", messages=q.messages(), max_tokens=max_tokens,
+                        temperature=0, extra_body=_xargs(overrides))
+                    dt = time.monotonic() - t0
+                    after = server.wait_idle(before)
+                    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                    d = {k: v for k, v in sorted(d.items()) if v}
+                    answer = (resp.choices[0].message.content or "").strip()
+                    correct = "yes" if q.correct(answer) else "no"
+                    kept, kept_what = _kept(name, d, _num_layers(model))
+                    print(f"[demo] {name}: answer {answer!r}  correct: {correct}")
+                    print(f"[demo] {name}: request {dt:.1f} s ({resp.usage.prompt_tokens:,} prompt + "
+                          f"{resp.usage.completion_tokens} answer tokens; the request only), server start {start} s"
+                          f"{'' if i == 0 else ' (shared)'}")
+                    print(f"[demo] {name}: KV read {kept} {kept_what}")
+                    print(f"[demo] {name}: counters {json.dumps(d)}")
+                    if not d.get("steps.built"):
+                        print(f"[demo] ERROR: the SPEEDSFI backend never built a step for {name}", file=sys.stderr)
+                        failed = True
+                    fallbacks = {k: v for k, v in d.items() if k.startswith("fallback.")}
+                    rows.append((name, answer, correct, kept, f"{dt:.1f}", start if i == 0 else "shared",
+                                 ", ".join(fallbacks)))
+        except ServeFailed as e:                       # raised before the server answers anything
+            for name, _ in asks:
+                print(f"[demo] {name}: refused at start-up: {e.reason or e}")
+                rows.append((name, "(refused at start-up)", "-", "-", "-", start, ""))
             failed = True
-            continue
-        d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        d = {k: v for k, v in sorted(d.items()) if v}
-        answer = (resp.choices[0].message.content or "").strip()
-        correct = "yes" if q.correct(answer) else "no"
-        kept, kept_what = _kept(name, d, _num_layers(model))
-        print(f"[demo] {name}: answer {answer!r}  correct: {correct}")
-        print(f"[demo] {name}: request {dt:.1f} s ({resp.usage.prompt_tokens:,} prompt + "
-              f"{resp.usage.completion_tokens} answer tokens; the request only), server start {start} s")
-        print(f"[demo] {name}: KV read {kept} {kept_what}")
-        print(f"[demo] {name}: counters {json.dumps(d)}")
-        if not d.get("steps.built"):
-            print(f"[demo] ERROR: the SPEEDSFI backend never built a step for {name}", file=sys.stderr)
-            failed = True
-        fallbacks = {k: v for k, v in d.items() if k.startswith("fallback.")}
-        rows.append((name, answer, correct, kept, f"{dt:.1f}", start, ", ".join(fallbacks)))
     print()
     print(f"[demo] summary: {os.path.basename(model)}, a {n_prompt:,}-token document question, greedy, "
           f"expected answer {q.answer}")
@@ -599,7 +642,8 @@ def _document(args, model: str) -> int:
           "of it; sfi: of the context, on its fast decode steps; critiprefill: of the candidate key "
           "blocks, in its sparse prefill segments)")
     print("    'request s': the chat completion request only (prefill + decode, as the client saw it), "
-          "server start excluded; 'start s': `vllm serve` until healthy")
+          "server start excluded; 'start s': `vllm serve` until healthy ('shared': the row above's "
+          "server, dense being a request with SFI off on SFI's)")
     width = max([len(r[1]) for r in rows] + [6])
     print(f"    {'method':<13} {'answer':<{width}}  {'correct':<8} {'KV read':<8} {'request s':<10} "
           f"{'start s':<8} fallbacks")
