@@ -94,6 +94,11 @@ def test_dense_rides_on_sfis_server_with_sfi_off_for_its_request():
     sent = demo._xargs(demo.SFI_OFF)["vllm_xargs"]["speedsfi"]
     assert request_overrides({"speedsfi": json.loads(sent)}) == {"sfi": {"enabled": False}}
     assert demo._xargs(None) == {}
+    # a shared server prefills each request whole (no prefix-cache hit makes the second one look fast)
+    shared, alone = demo.server_plan(["dense", "sfi"])[0][1], demo.server_plan(["sfi"])[0][1]
+    assert demo._shared_args(shared, ["--dtype", "float32"]) == ["--dtype", "float32", "--no-enable-prefix-caching"]
+    assert demo._shared_args(alone, ["--dtype", "float32"]) == ["--dtype", "float32"]
+    assert demo._shared_args(shared, ["--no-enable-prefix-caching"]) == ["--no-enable-prefix-caching"]
 
 
 class _FakeChild:

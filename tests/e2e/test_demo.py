@@ -38,6 +38,7 @@ def test_demo_shows_dense_and_sfi_on_the_retrieval_model(capsys):
     assert f"[demo] expected answer: {expected!r}" in out
     assert out.count("[demo] server healthy after") == 1                 # dense asked of SFI's server
     assert "[demo] ---- dense: SFI off for this request, on the sfi server" in out
+    assert "--no-enable-prefix-caching" in out              # each request prefills its prompt whole
     # the committed model answers this densely (bench/QUALITY.md: 100 % on niah_multikey)
     assert f"[demo] dense: answer {expected!r}  correct: yes" in out
     assert re.search(r"\[demo\] sfi: answer '.*'  correct: (yes|no)", out)

@@ -87,8 +87,8 @@ def server_plan(methods: list[str]) -> list[tuple[str, list[tuple[str, dict | No
     """The servers the demo starts, in order, and what is asked of each: (the method whose section
     the server runs, [(method, the request's speedsfi overrides)]). Dense rides on SFI's server as a
     request with SFI off (every method off for that request: what the README's examples compare, and
-    the same tokens as dense: tests/e2e/test_sfi_e2e.py), so asking both
-    starts one server; SPEED and CritiPrefill are engine-wide and get a server each."""
+    the same tokens as dense: tests/e2e/test_sfi_e2e.py), so asking both starts one server (its prefix
+    cache off: :func:`_shared_args`); SPEED and CritiPrefill are engine-wide and get a server each."""
     plan: list[tuple[str, list[tuple[str, dict | None]]]] = []
     for name in methods:
         if name == "dense" and "sfi" in methods:
@@ -455,8 +455,8 @@ def _compare(args) -> int:
         config = json.dumps({"speedsfi": section})
         print(f"[demo] ---- {asks[0][0]}: {_what(asks[0], METHODS[asks[0][0]][2], server_name)}")
         try:
-            with _served(served, config, [*serve_args, *args.serve_args], timeout=args.timeout,
-                         max_model_len=max_model_len, quiet=True) as server:
+            with _served(served, config, _shared_args(asks, [*serve_args, *args.serve_args]),
+                         timeout=args.timeout, max_model_len=max_model_len, quiet=True) as server:
                 for i, (name, overrides) in enumerate(asks):
                     if i:
                         print(f"[demo] ---- {name}: {_what(asks[i], METHODS[name][2], server_name)}")
@@ -506,6 +506,15 @@ def _compare(args) -> int:
     for name, answer, correct, kept, dt, fb in rows:
         print(f"    {name:<13} {answer:<{width}}  {correct:<8} {kept:<6} {dt:<8} {fb or '-'}")
     return 1 if failed else 0
+
+
+def _shared_args(asks: list, serve_args: list[str]) -> list[str]:
+    """A server asked more than once prefills each request whole: with vLLM's prefix cache on, the
+    second request would reuse the first one's prompt KV and its time would say nothing about its
+    method."""
+    if len(asks) > 1 and "--no-enable-prefix-caching" not in serve_args:
+        return [*serve_args, "--no-enable-prefix-caching"]
+    return list(serve_args)
 
 
 def _xargs(overrides: dict | None) -> dict:
@@ -599,7 +608,7 @@ def _document(args, model: str) -> int:
         config = json.dumps({"speedsfi": section})
         start = "-"
         try:
-            with _served(model, config, [*extra, *serve_args], timeout=args.timeout,
+            with _served(model, config, _shared_args(asks, [*extra, *serve_args]), timeout=args.timeout,
                          max_model_len=max_model_len, quiet=True) as server:
                 start = f"{server.start_s:.1f}"
                 for i, (name, overrides) in enumerate(asks):
