@@ -109,3 +109,39 @@ def test_write_entries_twin_equals_triton_and_reads_back(layout, dtype):
         n_written = (~torch.isnan(state.float())).sum().item()
         assert n_written == 2 * G * hkv * 2 * d                # row 2 wrote nothing
     assert torch.equal(out["torch"].nan_to_num(7.0), out["triton"].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("page_dtype, query_dtype", [
+    (torch.float8_e4m3fn, torch.bfloat16), (torch.uint8, torch.float32), (torch.float8_e5m2, torch.float16),
+    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_the_query_carry_round_trips_exactly_through_pages_of_any_dtype(impl, page_dtype, query_dtype):
+    """The carry (a segment's query max and min, in the query's dtype) is stored as its bytes over
+    ``state_layout.carry_entries`` entries of the state pages, whatever their dtype (an fp8 page, as
+    vLLM allocates it: uint8 or its fp8 view), and reads back bit for bit; the key blocks' entries
+    start after it."""
+    from vllm_ext.methods.critiprefill.path import _carry_to_entries, _entries_to_carry
+    from vllm_ext.methods.critiprefill.state_layout import carry_entries
+
+    _skip(impl)
+    write = write_state_entries_torch if impl == "torch" else write_state_entries_triton
+    hq, hkv, d, spage, rows = 6, 2, 32, 4, 3
+    c = carry_entries(hq, hkv, query_dtype.itemsize, page_dtype.itemsize)
+    assert c == (hq // hkv) * -(-query_dtype.itemsize // page_dtype.itemsize)
+    g = torch.Generator().manual_seed(11)
+    carry = (torch.randn(2, rows, hq, d, generator=g) * 40).to(query_dtype)       # (max, min) per head
+    pages_per_row = -(-(c + 2) // spage)
+    state = torch.zeros(rows * pages_per_row + 1, hkv, spage, 2 * d, dtype=torch.uint8, device=DEV)
+    state = state.view(page_dtype) if page_dtype.itemsize == 1 else \
+        torch.zeros(rows * pages_per_row + 1, hkv, spage, 2 * d, dtype=page_dtype, device=DEV)
+    table = torch.randperm(rows * pages_per_row, generator=g).view(rows, pages_per_row).to(torch.int32).to(DEV)
+    as_bytes = state.view(torch.uint8)
+    entries = _carry_to_entries(carry.float().to(DEV), hkv, query_dtype, as_bytes.shape[-1])
+    assert entries.shape == (rows, c, hkv, as_bytes.shape[-1]) and entries.dtype == torch.uint8
+    zero = torch.zeros(rows, dtype=torch.int32, device=DEV)
+    write(as_bytes, table, zero, torch.full((rows,), c, dtype=torch.int32, device=DEV), entries)
+    back = _entries_to_carry(read_state_entries(as_bytes, table, 0, c), hq // hkv, query_dtype, d)
+    assert torch.equal(back.to(query_dtype).cpu(), carry.permute(1, 0, 2, 3))   # [R, 2, Hq, D], bit for bit
+    # the first key block's entry (entry c) is untouched by the carry
+    first_key = read_state_entries(as_bytes, table, c, 1)
+    assert (first_key == 0).all()

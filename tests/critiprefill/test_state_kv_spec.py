@@ -22,7 +22,7 @@ def _spec(max_len=4096):
 
     cfg = CritiPrefillConfig(enabled=True, segment_size=64, block_size=16, budget=64, min_len=256)
     full = FullAttentionSpec(block_size=PAGE, num_kv_heads=HKV, head_size=32, dtype=torch.float32)
-    return cfg, full, state_spec_for(full, cfg, num_heads=HQ, max_len=max_len)
+    return cfg, full, state_spec_for(full, cfg, num_heads=HQ, max_len=max_len, query_dtype=torch.float32)
 
 
 def _manager(num_blocks=64):
@@ -135,3 +135,25 @@ def test_never_a_prefix_hit():
     spec, pool, _ = _manager()
     blocks, hit = CritiPrefillStateManager.find_longest_cache_hit([], 1000, [1], pool, spec, False, 16)
     assert blocks == ([],) and hit == 0
+
+
+def test_the_carry_takes_the_bytes_of_the_querys_dtype():
+    """A query head's carry (max and min, D values each, in the query's dtype) takes as many page
+    entries as its bytes need: one where the pages hold the query's dtype, two of an fp8 page for a
+    bf16 query, four for fp32; the pages' count follows."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
+    from vllm_ext.methods.critiprefill.kv_spec import state_spec_for
+    from vllm_ext.methods.critiprefill.state_layout import carry_entries
+
+    cfg = CritiPrefillConfig(enabled=True, segment_size=64, block_size=16, budget=64, min_len=256)
+    g = HQ // HKV
+    for page_dtype, query_dtype, per_head in ((torch.bfloat16, torch.bfloat16, 1), (torch.float32, torch.float32, 1),
+                                              (torch.uint8, torch.bfloat16, 2), (torch.uint8, torch.float32, 4),
+                                              (torch.float32, torch.bfloat16, 1)):
+        full = FullAttentionSpec(block_size=PAGE, num_kv_heads=HKV, head_size=32, dtype=page_dtype)
+        spec = state_spec_for(full, cfg, num_heads=HQ, max_len=4096, query_dtype=query_dtype)
+        assert spec.carry_entries == carry_entries(HQ, HKV, query_dtype.itemsize, page_dtype.itemsize) == g * per_head
+        assert spec.blocks_per_request == state_pages(4096, g * per_head, 16, PAGE)

@@ -21,20 +21,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ext import metrics
 from vllm_ext.method_kv_spec import GrowingPagesManager, GrowingPagesSpec, page_format, register_method_spec
 from vllm_ext.methods.critiprefill.config import CritiPrefillConfig
 from vllm_ext.methods.critiprefill.chunking import is_critiprefill_prompt
-from vllm_ext.methods.critiprefill.state_layout import state_pages
+from vllm_ext.methods.critiprefill.state_layout import carry_entries, state_pages
 
 
 @dataclass(frozen=True, kw_only=True)
 class CritiPrefillStateSpec(GrowingPagesSpec):
     """One sparse layer's CritiPrefill state: pages of the layer's format, growing with the prompt."""
 
-    carry_entries: int = 1          # G = Hq / Hkv
+    carry_entries: int = 1          # G = Hq / Hkv times the page entries a query head's carry takes
     cp_block_size: int = 16         # critiprefill.block_size (key block)
     segment_size: int = 512
     budget: int = 2048
@@ -107,10 +109,12 @@ def register_critiprefill_kv_spec() -> None:
     register_method_spec(CritiPrefillStateSpec, CritiPrefillStateManager)
 
 
-def state_spec_for(spec: AttentionSpec, cfg: CritiPrefillConfig, *, num_heads: int,
-                   max_len: int) -> CritiPrefillStateSpec:
-    """The state spec beside an attention layer's ``spec`` (same page format)."""
-    return CritiPrefillStateSpec(**page_format(spec), carry_entries=max(1, num_heads // spec.num_kv_heads),
+def state_spec_for(spec: AttentionSpec, cfg: CritiPrefillConfig, *, num_heads: int, max_len: int,
+                   query_dtype: torch.dtype) -> CritiPrefillStateSpec:
+    """The state spec beside an attention layer's ``spec`` (same page format; the query carry in the
+    bytes of ``query_dtype``: ``state_layout.carry_entries``)."""
+    carry = carry_entries(num_heads, spec.num_kv_heads, query_dtype.itemsize, spec.dtype.itemsize)
+    return CritiPrefillStateSpec(**page_format(spec), carry_entries=carry,
                                  cp_block_size=cfg.block_size, segment_size=cfg.segment_size,
                                  budget=cfg.budget, min_len=cfg.min_len, sink_block=cfg.sink_block,
                                  max_len=max_len)

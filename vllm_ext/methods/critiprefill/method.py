@@ -105,7 +105,7 @@ class CritiPrefillLayer(MethodLayer):
         from vllm_ext.methods.critiprefill.state_cache import register_state_layer
 
         state = register_state_layer(forward_context, self.g.layer_name, self.cfg,
-                                     num_heads=self.g.num_heads, max_len=self.g.max_len)
+                                     num_heads=self.g.num_heads, max_len=self.g.max_len, query_dtype=act_dtype)
         if self.g.layer_index not in self.cfg.dense_layers:
             self.state = state
             if self.g.device.type == "cpu":

@@ -36,6 +36,7 @@ from vllm_ext.methods.critiprefill.criticality import fuse_scores
 from vllm_ext.methods.critiprefill.plan import build_plan, max_segments_bound
 from vllm_ext.methods.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
                                          STAT_SPARSE_SEGMENTS, CritiPrefillStep)
+from vllm_ext.methods.critiprefill.state_layout import carry_entries
 from vllm_ext.kernels.block_representatives import query_segment_representatives
 from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill, block_sparse_prefill_cpu
 from vllm_ext.kernels.triton_utils import use_triton
@@ -60,18 +61,27 @@ class StepFusion:
         return fused
 
 
-def _carry_to_entries(last: torch.Tensor, hkv: int) -> torch.Tensor:
-    """``[2, R, Hq, D]`` (max, min) -> state entries ``[R, G, Hkv, 2D]`` (query head ``h*G + g`` in
-    entry ``g`` of KV head ``h``)."""
+def _carry_to_entries(last: torch.Tensor, hkv: int, query_dtype: torch.dtype, entry_bytes: int) -> torch.Tensor:
+    """``[2, R, Hq, D]`` (max, min) -> the carry's state entries as bytes ``[R, C, Hkv, entry_bytes]``
+    (``state_layout``: query head ``h*G + g`` in entries ``g*m .. g*m + m - 1`` of KV head ``h``, the
+    bytes of its max then its min in ``query_dtype``, zero-padded to ``m`` entries)."""
     _, r, hq, d = last.shape
-    x = last.view(2, r, hkv, hq // hkv, d).permute(1, 3, 2, 0, 4)           # [R, G, Hkv, 2, D]
-    return x.reshape(r, hq // hkv, hkv, 2 * d)
+    g = hq // hkv
+    x = last.to(query_dtype).view(2, r, hkv, g, d).permute(1, 3, 2, 0, 4).reshape(r, g, hkv, 2 * d)
+    b = x.contiguous().view(torch.uint8)                                   # [R, G, Hkv, 2D * itemsize]
+    m = -(-b.shape[-1] // entry_bytes)
+    if m * entry_bytes != b.shape[-1]:
+        b = torch.nn.functional.pad(b, (0, m * entry_bytes - b.shape[-1]))
+    return b.view(r, g, hkv, m, entry_bytes).permute(0, 1, 3, 2, 4).reshape(r, g * m, hkv, entry_bytes)
 
 
-def _entries_to_carry(x: torch.Tensor) -> torch.Tensor:
-    """The inverse: ``[R, G, Hkv, 2D]`` -> ``[R, 2, Hq, D]`` fp32."""
-    r, g, hkv, d2 = x.shape
-    return x.view(r, g, hkv, 2, d2 // 2).permute(0, 3, 2, 1, 4).reshape(r, 2, hkv * g, d2 // 2).float()
+def _entries_to_carry(x: torch.Tensor, g: int, query_dtype: torch.dtype, d: int) -> torch.Tensor:
+    """The inverse: byte entries ``[R, C, Hkv, entry_bytes]`` -> ``[R, 2, Hq, D]`` fp32."""
+    r, c, hkv, e = x.shape
+    m = c // g
+    b = x.view(r, g, m, hkv, e).permute(0, 1, 3, 2, 4).reshape(r, g, hkv, m * e)
+    vals = b[..., :2 * d * query_dtype.itemsize].contiguous().view(query_dtype)      # [R, G, Hkv, 2D]
+    return vals.view(r, g, hkv, 2, d).permute(0, 3, 2, 1, 4).reshape(r, 2, hkv * g, d).float()
 
 
 def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -90,26 +100,27 @@ def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     out = output[t0:t1]
     bt = block_table[step.first_row:step.num_reqs]
     qsl, seq = step.query_start_loc, step.seq_lens
-    hkv = kv_cache.shape[1]
-    g = q.shape[1] // hkv                                                  # carry entries
+    hkv, d = kv_cache.shape[1], kv_cache.shape[-1] // 2
+    g = q.shape[1] // hkv
+    c = carry_entries(q.shape[1], hkv, q.element_size(), state_cache.element_size())
+    state_bytes = state_cache.view(torch.uint8)                            # the carry's view
     # 1. the blocks this chunk wrote (and any not kept yet), into the request's state pages
     update_block_representatives_paged(kv_cache, bt, step.rep_seq, step.update_first, bk,
-                                       step.max_update_blocks, state_cache, state_table, g)
+                                       step.max_update_blocks, state_cache, state_table, c)
     # 2. query segments, merged with the carried part of a cut segment; the last one carried on
     n_seg = max_segments_bound(step.max_query_len, sq)
     qreps = query_segment_representatives(q, qsl, seq, sq, n_seg)          # [2, R, S, Hq, D]
-    carry = _entries_to_carry(read_state_entries(state_cache, state_table, 0, g))   # [R, 2, Hq, D]
+    carry = _entries_to_carry(read_state_entries(state_bytes, state_table, 0, c), g, q.dtype, d)   # [R, 2, Hq, D]
     valid = step.carry_valid[:, None, None]
     qreps[0, :, 0] = torch.where(valid, torch.maximum(qreps[0, :, 0], carry[:, 0]), qreps[0, :, 0])
     qreps[1, :, 0] = torch.where(valid, torch.minimum(qreps[1, :, 0], carry[:, 1]), qreps[1, :, 0])
     rows = torch.arange(step.rows, device=q.device)
     last = qreps[:, rows, step.last_segment]                               # [2, R, Hq, D]
-    write_state_entries(state_cache, state_table, torch.zeros_like(step.holds_state),
-                        step.holds_state * g, _carry_to_entries(last, hkv))
+    write_state_entries(state_bytes, state_table, torch.zeros_like(step.holds_state),
+                        step.holds_state * c, _carry_to_entries(last, hkv, q.dtype, state_bytes.shape[-1]))
     # 3. scores, fusion, selection
     nb = -(-step.max_seq_len // bk)
-    d = kv_cache.shape[-1] // 2
-    key_reps = read_state_entries(state_cache, state_table, g, nb)          # [R, NB, Hkv, 2D]
+    key_reps = read_state_entries(state_cache, state_table, c, nb)          # [R, NB, Hkv, 2D]
     # blocks the row keeps no representative for (past its chunk, or a row without pages) read as
     # 0, never as whatever a page held before: they are never candidates, but 0 * NaN is NaN
     kept = torch.arange(nb, device=q.device)[None, :] * bk < (step.rep_seq * step.holds_state)[:, None]

@@ -14,8 +14,8 @@ STATE = CacheKind(STATE_SUFFIX, "SPEEDSFI_CRITIPREFILL_STATE")
 
 
 def register_state_layer(forward_context: dict, attn_layer_name: str, cp_config, *, num_heads: int,
-                         max_len: int) -> MethodCacheLayer:
+                         max_len: int, query_dtype) -> MethodCacheLayer:
     from vllm_ext.methods.critiprefill.kv_spec import state_spec_for
 
     return register_cache_layer(forward_context, attn_layer_name, STATE, lambda spec, attn, vc: (
-        state_spec_for(spec, cp_config, num_heads=num_heads, max_len=max_len)))
+        state_spec_for(spec, cp_config, num_heads=num_heads, max_len=max_len, query_dtype=query_dtype)))

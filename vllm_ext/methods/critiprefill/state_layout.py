@@ -5,13 +5,16 @@ The state of one (request, sparse layer) is a run of *entries* in the attention 
 through the request's block-table row of CritiPrefill's KV-cache group: entry ``e`` of KV head ``h``
 is ``cache[table[e // page_size], h, e % page_size]``.
 
-- entries ``0 .. G-1`` (``G = Hq / Hkv``): the query carry, query head ``h*G + g`` in entry ``g`` of
-  KV head ``h`` (max in the K half, min in the V half; a max or min of queries is exact in the query
-  dtype, which is the KV dtype unless ``--kv-cache-dtype`` names another);
-- entries ``G + b``: key block ``b``'s representatives (max in the K half, min in the V half), for
+- entries ``0 .. C-1``: the query carry, the bytes of the query's dtype whatever the pages' (a max
+  or min of queries is exact in the query's dtype; an fp8 page would round it, and the carried part
+  of a segment cut by a chunk would then depend on the chunking): query head ``h*G + g``
+  (``G = Hq / Hkv``) in entries ``g*m .. g*m + m - 1`` of KV head ``h``, its max then its min (``D``
+  values each), ``m = ceil(query itemsize / page itemsize)`` entries of ``2*D`` page elements each
+  (:func:`carry_entries`: ``C = G * m``; ``m = 1`` when the pages hold the query's dtype);
+- entries ``C + b``: key block ``b``'s representatives (max in the K half, min in the V half), for
   the blocks ``0 .. ceil(n / Bk) - 1`` of the ``n`` tokens computed so far.
 
-A prompt of ``P`` tokens thus takes ``ceil((G + ceil(P / Bk)) / page_size)`` pages at its prefill's
+A prompt of ``P`` tokens thus takes ``ceil((C + ceil(P / Bk)) / page_size)`` pages at its prefill's
 end, grown chunk by chunk. Pure arithmetic (no torch, no vLLM).
 """
 
@@ -19,6 +22,11 @@ from __future__ import annotations
 
 # the state cache layer of attention layer ``name`` is ``name + STATE_SUFFIX`` in vLLM's forward context
 STATE_SUFFIX = ".critiprefill_state"
+
+
+def carry_entries(num_heads: int, num_kv_heads: int, query_itemsize: int, page_itemsize: int) -> int:
+    """Entries per KV head of the query carry (``C`` above)."""
+    return max(1, num_heads // num_kv_heads) * -(-query_itemsize // page_itemsize)
 
 
 def state_entries(num_tokens: int, carry_entries: int, cp_block_size: int) -> int:
