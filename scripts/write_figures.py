@@ -810,6 +810,42 @@ def speed_adapt_cpu_tasks() -> str:
                                 "adaptation's prompts come from the same generators at seeds from 1,000,000")
 
 
+def speed_adapt_cpu_dense_kept() -> str:
+    """The second adaptation (KL plus the term that keeps the adapted model's own dense run) beside the
+    first, on the three held-out sets (bench/speed_adapt_report.py of each)."""
+    sets = (("`niah_single` (10)", "speed_adapt_eval_cpu_smollm2.json", "speed_adapt_eval_cpu_smollm2_dense_kept.json"),
+            ("needles as a user writes them (12)", "speed_adapt_eval_cpu_smollm2_needles.json",
+             "speed_adapt_eval_cpu_smollm2_needles_dense_kept.json"),
+            ("RULER multi-key / multi-value (12)", "speed_adapt_eval_cpu_smollm2_tasks.json",
+             "speed_adapt_eval_cpu_smollm2_tasks_dense_kept.json"))
+
+    def right(d: dict, model: str, config: str) -> str:
+        r = next(x for x in d["rows"] if x["label"].startswith(model + ",") and x["config"] == config)
+        return f"{r['correct']:g}"
+
+    lines = ["| held-out set | original: dense | original: SPEED | adapted, KL only: SPEED / dense | "
+             "adapted, KL + dense kept: SPEED / dense |", "|---|---|---|---|---|"]
+    for what, first, second in sets:
+        a, b = _load(first), _load(second)
+        lines.append(f"| {what} | {right(a, 'original', 'dense')} | {right(a, 'original', 'speed')} | "
+                     f"{right(a, 'adapted', 'speed')} / {right(a, 'adapted', 'dense')} | "
+                     f"**{right(b, 'adapted', 'speed')} / {right(b, 'adapted', 'dense')}** |")
+    d = _load(sets[0][2])
+    t, m, t1 = d["training"], d["meta"], _load(sets[0][1])["training"]
+    hb, ha, dr = t["heldout_before"], t["heldout_after"], t["dense_drift_heldout"]
+    note = (f"The second adaptation: `{t['command']}`: {t['training_prompts']} prompts, "
+            f"{t['training_records']} records, {t['steps']} steps, {_minutes(t['wall_s']['total'])} of wall time; "
+            f"held-out KL(dense || SPEED) {hb['kl']:.3f} before, {ha['kl']:.3f} after; its dense run against "
+            f"the original's: KL {dr['kl']:.4f}, top-1 {dr['top1_agreement']:.3f} (the first adaptation, "
+            f"{t1['training_prompts']} prompts and the KL term alone: {t1['heldout_after']['kl']:.3f} after; "
+            f"its dense run KL {t1['dense_drift_heldout']['kl']:.4f}, top-1 "
+            f"{t1['dense_drift_heldout']['top1_agreement']:.3f}). The held-out prompts and "
+            f"commands of each set as in the tables above, the adapted model "
+            f"`{t['out']}`; {m['device_desc']} (shared), vLLM {m['vllm']}, fp32, greedy; {m['date'][:10]}; "
+            f"commit {m['commit']}; {_source(sets[0][2])}, " + ", ".join(f"`{RESULTS}/{x[2]}`" for x in sets[1:]) + ".")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def speed_adapt_cpu_needles() -> str:
     """Needles as a user writes them (vllm_ext.quality.user_needles)."""
     return _speed_adapt_by_task("speed_adapt_eval_cpu_smollm2_needles.json",
@@ -916,7 +952,8 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch, "first_hour": first_hour, "gpu_
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill,
            "quality_user_needles": quality_user_needles, "long_answers": long_answers,
            "long_answers_summary": long_answers_summary, "speed_adapt_cpu": speed_adapt_cpu,
-           "speed_adapt_cpu_tasks": speed_adapt_cpu_tasks, "speed_adapt_cpu_needles": speed_adapt_cpu_needles}
+           "speed_adapt_cpu_tasks": speed_adapt_cpu_tasks, "speed_adapt_cpu_needles": speed_adapt_cpu_needles,
+           "speed_adapt_cpu_dense_kept": speed_adapt_cpu_dense_kept}
 
 
 def documents() -> list[pathlib.Path]:
