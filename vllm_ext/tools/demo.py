@@ -11,20 +11,22 @@ OpenAI client; print the answers and the backend's counters; stop the server(s).
 By default it serves the real pretrained model of ``vllm_ext.tools.real_model`` (SmolLM2-135M-Instruct,
 built from a PyPI wheel into ``.cache/real_model``) for each method: dense (every method off), SFI's
 default preset (``{"speedsfi": {"preset": "sfi"}}``) and CritiPrefill (a section sparse at this
-length); dense is a request with SFI off on SFI's server (:func:`server_plan`). It asks each, through the chat completions endpoint (the model's chat template), the same
-question about a ~5K-token document a person can read (``vllm_ext/quality/document.py``: a survey
-logbook with one locker number in it) and prints the question, the expected answer, every answer,
-whether it is right, the fraction of the KV each method read (from SPEEDSFI's counters), the time of
-each request (the request only; each server's start-up is printed separately) and a summary table.
-When the model cannot be had (no network on a fresh machine), it says why and runs the retrieval
-demo instead. Then (``--no-batch`` skips it, ``--batch-only`` runs it alone, on ``--model`` when given)
+length); dense is a request with SFI off on SFI's server (:func:`server_plan`). It asks each,
+through the chat completions endpoint (the model's chat template), the same question about a
+~5K-token document a person can read (``vllm_ext/quality/document.py``: a survey logbook with one
+locker number in it) and prints the question, the expected answer, every answer, whether it is
+right, the fraction of the KV each method read (from SPEEDSFI's counters), the time of each request
+(the request only; each server's start-up is printed separately) and a summary table. When the
+model cannot be had (no network on a fresh machine), it says why and runs the retrieval demo
+instead. Then (``--no-batch`` skips it, ``--batch-only`` runs it alone, on ``--model`` when given)
 it times a batch of long requests decoding together, with SFI off for them and with the preset, and
 prints the tokens per second of each and their ratio (``vllm_ext.tools.demo_batch``, in a child
 process: one in-process engine; its log goes to a file, its ``[demo]`` lines here).
 
 ``--retrieval-model`` serves ``models/retrieval-llama`` (a 4-layer Llama trained in this repository to
 find a needle in up to 2K tokens; ``bench/QUALITY.md``) for each method (dense, SFI, SPEED and
-CritiPrefill, each alone; dense on SFI's server as above) and asks each the same long-context retrieval question. SPEED uses
+CritiPrefill, each alone; dense on SFI's server as above) and asks each the same long-context
+retrieval question. SPEED uses
 ``models/retrieval-llama-speed`` (the same model fine-tuned under SPEED's visibility rule) when it is
 present. ``--compare`` does the same for any ``--model`` with a RULER text prompt sized by its
 tokenizer. With ``--model`` alone it asks one prompt of one server (``--additional-config``), as
@@ -472,8 +474,7 @@ def _compare(args) -> int:
                         extra_body={"return_token_ids": True, "ignore_eos": True, **_xargs(overrides)})
                     dt = time.monotonic() - t0
                     after = server.wait_idle(before)
-                    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                    d = {k: v for k, v in sorted(d.items()) if v}
+                    d = _request_counters(before, after)
                     choice = resp.choices[0]
                     if text:
                         answer = choice.text.strip()
@@ -487,12 +488,9 @@ def _compare(args) -> int:
                     print(f"[demo] {name}: answer {answer!r}  correct: {correct}  ({resp.usage.completion_tokens} "
                           f"tokens in {dt:.1f} s)")
                     print(f"[demo] {name}: kept {kept} {kept_what}")
-                    print(f"[demo] {name}: counters {json.dumps(d)}")
-                    if not d.get("steps.built"):
-                        print(f"[demo] ERROR: the SPEEDSFI backend never built a step for {name}", file=sys.stderr)
-                        failed = True
-                    fallbacks = {k: v for k, v in d.items() if k.startswith("fallback.")}
-                    rows.append((name, answer, correct, kept, f"{dt:.1f} s", ", ".join(fallbacks) or ""))
+                    fallbacks, built = _report_counters(name, d)
+                    failed |= not built
+                    rows.append((name, answer, correct, kept, f"{dt:.1f} s", fallbacks))
         except ServeFailed as e:                       # raised before the server answers anything
             for name, _ in asks:
                 print(f"[demo] {name}: refused at start-up: {e.reason or e}")
@@ -506,6 +504,22 @@ def _compare(args) -> int:
     for name, answer, correct, kept, dt, fb in rows:
         print(f"    {name:<13} {answer:<{width}}  {correct:<8} {kept:<6} {dt:<8} {fb or '-'}")
     return 1 if failed else 0
+
+
+def _request_counters(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters one request moved (the server's totals after it minus before), sorted, zeros out."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return {k: v for k, v in sorted(d.items()) if v}
+
+
+def _report_counters(name: str, d: dict[str, int]) -> tuple[str, bool]:
+    """Print a request's counters and say whether SPEEDSFI built a step for it (an error line when
+    not); returns (its fallbacks, comma-separated, "" for none; built)."""
+    print(f"[demo] {name}: counters {json.dumps(d)}")
+    built = bool(d.get("steps.built"))
+    if not built:
+        print(f"[demo] ERROR: the SPEEDSFI backend never built a step for {name}", file=sys.stderr)
+    return ", ".join(k for k in d if k.startswith("fallback.")), built
 
 
 def _shared_args(asks: list, serve_args: list[str]) -> list[str]:
@@ -622,8 +636,7 @@ def _document(args, model: str) -> int:
                         temperature=0, extra_body=_xargs(overrides))
                     dt = time.monotonic() - t0
                     after = server.wait_idle(before)
-                    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                    d = {k: v for k, v in sorted(d.items()) if v}
+                    d = _request_counters(before, after)
                     answer = (resp.choices[0].message.content or "").strip()
                     correct = "yes" if q.correct(answer) else "no"
                     kept, kept_what = _kept(name, d, _num_layers(model))
@@ -632,13 +645,10 @@ def _document(args, model: str) -> int:
                           f"{resp.usage.completion_tokens} answer tokens; the request only), server start {start} s"
                           f"{'' if i == 0 else ' (shared)'}")
                     print(f"[demo] {name}: KV read {kept} {kept_what}")
-                    print(f"[demo] {name}: counters {json.dumps(d)}")
-                    if not d.get("steps.built"):
-                        print(f"[demo] ERROR: the SPEEDSFI backend never built a step for {name}", file=sys.stderr)
-                        failed = True
-                    fallbacks = {k: v for k, v in d.items() if k.startswith("fallback.")}
+                    fallbacks, built = _report_counters(name, d)
+                    failed |= not built
                     rows.append((name, answer, correct, kept, f"{dt:.1f}", start if i == 0 else "shared",
-                                 ", ".join(fallbacks)))
+                                 fallbacks))
         except ServeFailed as e:                       # raised before the server answers anything
             for name, _ in asks:
                 print(f"[demo] {name}: refused at start-up: {e.reason or e}")
