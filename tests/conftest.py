@@ -21,6 +21,10 @@ def _has_cuda() -> bool:
 # test asks for the kernels (tests/e2e/engine.py).
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import skip_repeated_language_patch
+
+    skip_repeated_language_patch()
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
