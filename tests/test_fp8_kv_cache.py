@@ -137,22 +137,18 @@ def test_cpu_selector_refuses_fp8_with_vllm_reason_on_this_cpu():
             plat.get_attn_backend_cls(AttentionBackendEnum["SPEEDSFI"], cfg)
 
 
-def test_critiprefill_with_fp8_is_refused_at_start_up():
-    """CritiPrefill's block-sparse prefill does not read fp8 pages yet: refused naming the field, in
-    the front end; SFI and SPEED take fp8; CritiPrefill takes a 16-bit cache."""
+def test_every_method_takes_fp8_at_start_up():
+    """No method refuses an fp8 cache (every kernel reads fp8 pages with the layer's scales): the
+    front end's checks pass with each spelling and every method on."""
     from vllm_ext.backend.startup import check_front_end_model
-    from vllm_ext.config import FP8_KV_CACHE_DTYPES, ConfigError, SpeedSfiConfig
+    from vllm_ext.config import SpeedSfiConfig
 
-    assert FP8_KV_CACHE_DTYPES == kv_quant.FP8_KV_CACHE_DTYPES
     model = SimpleNamespace(get_total_num_hidden_layers=lambda: 4, max_model_len=4096)
-    cp = SpeedSfiConfig.from_dict({"critiprefill": {"enabled": True}})
+    every = SpeedSfiConfig.from_dict({"critiprefill": {"enabled": True}, "sfi": {"enabled": True},
+                                      "speed": {"enabled": True, "l_cut": 3}})
     for spelling in FP8_SPELLINGS:
-        with pytest.raises(ConfigError, match="speedsfi.critiprefill.enabled: .*fp8 KV cache"):
-            check_front_end_model(cp, SimpleNamespace(model_config=model,
-                                                      cache_config=SimpleNamespace(cache_dtype=spelling)))
-    check_front_end_model(cp, SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype="auto")))
-    others = SpeedSfiConfig.from_dict({"sfi": {"enabled": True}, "speed": {"enabled": True, "l_cut": 3}})
-    others.validate_for_kv_cache("fp8")
+        check_front_end_model(every, SimpleNamespace(model_config=model,
+                                                     cache_config=SimpleNamespace(cache_dtype=spelling)))
 
 
 # ---------------------------------------------------------------------------------- page views

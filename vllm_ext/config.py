@@ -27,8 +27,6 @@ from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.methods.speed.config import SpeedConfig
 
 BACKEND_NAME = "SPEEDSFI"            # the registered attention backend (--attention-backend speedsfi)
-# vLLM's spellings of a per-tensor fp8 KV cache (as vllm_ext.kernels.kv_quant; no torch import here)
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 PRESET_DIRS = (
     Path(__file__).resolve().parent / "presets",      # installed package (symlink to configs/ in the repo)
     Path(__file__).resolve().parent.parent / "configs",
@@ -91,14 +89,6 @@ class SpeedSfiConfig:
             if self.critiprefill.enabled and layer >= num_layers:
                 raise ConfigError(f"speedsfi.critiprefill.dense_layers: layer {layer} does not exist "
                                   f"(the model has {num_layers} layers)")
-
-    def validate_for_kv_cache(self, kv_cache_dtype: str | None) -> None:
-        """Checks against vLLM's ``--kv-cache-dtype`` (its spelling); called at start-up."""
-        if self.critiprefill.enabled and kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-            raise ConfigError(f"speedsfi.critiprefill.enabled: CritiPrefill's block-sparse prefill does "
-                              f"not read an fp8 KV cache yet (--kv-cache-dtype {kv_cache_dtype}); use "
-                              f"--kv-cache-dtype auto with CritiPrefill, or turn it off (SFI and SPEED "
-                              f"take fp8)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -286,7 +286,7 @@ inline void store_out(float* p, float f) { *p = f; }
 template <typename T, typename Q>
 void run_item(const Item& it, const Q* query, int64_t q_ts, int64_t q_hs, Q* out, int64_t o_ts, int64_t o_hs,
               const int32_t* qsl, const int32_t* seq_lens, const int32_t* table, int64_t t_rs, bool dense,
-              const Plan& pl, PageReader<T>& rd, int g, int d, int dp, float qscale, float* buf) {
+              const Plan& pl, PageReader<T>& rd, int g, int d, int dp, float qscale, float vscale, float* buf) {
   const int64_t seq = seq_lens[it.r], qs = qsl[it.r], ctx = seq - (qsl[it.r + 1] - qs);
   const int nq = static_cast<int>(it.q1 - it.q0), m = nq * g;
   // buf: the key tile (K^T [dp][kTileKeys], V [kTileKeys][dp]; rows / columns past d stay 0), then the rows
@@ -348,7 +348,7 @@ void run_item(const Item& it, const Q* query, int64_t q_ts, int64_t q_hs, Q* out
   for (int qi = 0; qi < nq; ++qi)
     for (int gg = 0; gg < g; ++gg) {
       const int r = qi * g + gg;
-      const float inv = rows.sum[r] > 0.0f ? 1.0f / rows.sum[r] : 0.0f;
+      const float inv = rows.sum[r] > 0.0f ? vscale / rows.sum[r] : 0.0f;
       const float* a = rows.acc + r * dp;
       Q* dst = out + (qs + it.q0 + qi - ctx) * o_ts + (it.h * g + gg) * o_hs;
       for (int i = 0; i < d; ++i) store_out(dst + i, a[i] * inv);
@@ -359,7 +359,7 @@ template <typename T, typename Q>
 void run_items(const std::vector<Item>& items, const Q* query, int64_t q_ts, int64_t q_hs, Q* out, int64_t o_ts,
                int64_t o_hs, const T* kb, const T* vb, const PageViews& pg, const int32_t* qsl,
                const int32_t* seq_lens, const int32_t* table, int64_t t_rs, const bool* dense, int64_t dn_r,
-               int64_t dn_s, const Plan& pl, int g, int d, float qscale) {
+               int64_t dn_s, const Plan& pl, int g, int d, float qscale, float vscale) {
   const int dp = (d + kPad - 1) / kPad * kPad;
   int max_rows = 0;
   for (const Item& it : items) max_rows = std::max(max_rows, static_cast<int>(it.q1 - it.q0) * g);
@@ -377,7 +377,7 @@ void run_items(const std::vector<Item>& items, const Q* query, int64_t q_ts, int
       const Item& it = items[i];
       rd.unpacked_from = nullptr;
       run_item<T, Q>(it, query, q_ts, q_hs, out, o_ts, o_hs, qsl, seq_lens, table, t_rs,
-                     dense[it.r * dn_r + it.s_local * dn_s], pl, rd, g, d, dp, qscale, buf);
+                     dense[it.r * dn_r + it.s_local * dn_s], pl, rd, g, d, dp, qscale, vscale, buf);
     }
   });
 }
@@ -390,7 +390,8 @@ void check_cpu(const at::Tensor& t, const char* what, at::ScalarType dtype, int6
 
 // torch.ops.speedsfi.block_sparse_prefill. out / query: [T, Hq, D] bf16 or fp32 (one dtype), unit
 // stride in D; rows query_start_loc[0] .. query_start_loc[R] written. k_pages / v_pages: vLLM's pages
-// (page_views.h). block_table [R, >= ceil(seq / bs)] int32; query_start_loc [R + 1], seq_lens [R]
+// (page_views.h): bf16, fp32 or fp8 (e4m3, e5m2), with k_scale / v_scale the layer's per-tensor scales
+// of fp8 pages (1 otherwise): k_scale folds into the score scale, v_scale into the normalised output. block_table [R, >= ceil(seq / bs)] int32; query_start_loc [R + 1], seq_lens [R]
 // int32 (the chunk's K/V already in the pages). The plan (vllm_ext.methods.critiprefill.plan):
 // sel_blocks int32 [R, S, Hkv, W], num_sel int32 [R, S, Hkv], dense bool [R, S], indexed by the
 // segment's place in its chunk (segment ctx / segment_size first); block_size: the plan's
@@ -399,10 +400,14 @@ void block_sparse_prefill_op(const at::Tensor& out, const at::Tensor& query, con
                              const at::Tensor& v_pages, const at::Tensor& block_table,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                              const at::Tensor& sel_blocks, const at::Tensor& num_sel, const at::Tensor& dense,
-                             int64_t segment_size, int64_t block_size, double scale, bool amx) {
+                             int64_t segment_size, int64_t block_size, double scale, bool amx, double k_scale,
+                             double v_scale) {
   const at::ScalarType qt = query.scalar_type(), dt = k_pages.scalar_type();
   TORCH_CHECK(qt == at::kBFloat16 || qt == at::kFloat, "block_sparse_prefill: bf16 or fp32 query expected, got ", qt);
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "block_sparse_prefill: bf16 or fp32 pages expected, got ", dt);
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2,
+              "block_sparse_prefill: bf16, fp32, float8_e4m3fn or float8_e5m2 pages expected, got ", dt);
+  TORCH_CHECK(k_scale > 0.0 && v_scale > 0.0, "block_sparse_prefill: positive k_scale and v_scale expected, got ",
+              k_scale, " / ", v_scale);
   check_cpu(query, "query", qt, 3);
   check_cpu(out, "out", qt, 3);
   TORCH_CHECK(out.sizes() == query.sizes() && query.stride(2) == 1 && out.stride(2) == 1,
@@ -484,17 +489,23 @@ void block_sparse_prefill_op(const at::Tensor& out, const at::Tensor& query, con
   }
   if (items.empty()) return;
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const float qscale = static_cast<float>(scale) * 1.4426950408889634f;    // scores in base 2
+  // scores in base 2; q . (k_scale k) = k_scale (q . k)
+  const float qscale = static_cast<float>(scale * k_scale) * 1.4426950408889634f;
+  const float vscale = static_cast<float>(v_scale);
 #define SPEEDSFI_BSP(T, Q)                                                                                      \
   run_items<T, Q>(items, static_cast<const Q*>(query.data_ptr()), query.stride(0), query.stride(1),             \
                   static_cast<Q*>(out.data_ptr()), out.stride(0), out.stride(1),                                 \
                   static_cast<const T*>(k_pages.data_ptr()), static_cast<const T*>(v_pages.data_ptr()), pg, qsl, \
                   sl, bt, block_table.stride(0), dn, dense.stride(0), dense.stride(1), pl, g, static_cast<int>(d), \
-                  qscale)
-  if (dt == at::kBFloat16 && qt == at::kBFloat16) SPEEDSFI_BSP(uint16_t, uint16_t);
-  else if (dt == at::kBFloat16) SPEEDSFI_BSP(uint16_t, float);
-  else if (qt == at::kBFloat16) SPEEDSFI_BSP(float, uint16_t);
-  else SPEEDSFI_BSP(float, float);
+                  qscale, vscale)
+#define SPEEDSFI_BSP_Q(T)                                   \
+  if (qt == at::kBFloat16) SPEEDSFI_BSP(T, uint16_t);       \
+  else SPEEDSFI_BSP(T, float)
+  if (dt == at::kBFloat16) SPEEDSFI_BSP_Q(uint16_t);
+  else if (dt == at::kFloat) SPEEDSFI_BSP_Q(float);
+  else if (dt == at::kFloat8_e4m3fn) SPEEDSFI_BSP_Q(fp8e4m3);
+  else SPEEDSFI_BSP_Q(fp8e5m2);
+#undef SPEEDSFI_BSP_Q
 #undef SPEEDSFI_BSP
 }
 
@@ -503,7 +514,7 @@ void block_sparse_prefill_op(const at::Tensor& out, const at::Tensor& query, con
 TORCH_LIBRARY_FRAGMENT(speedsfi, m) {
   m.def("block_sparse_prefill(Tensor(a!) out, Tensor query, Tensor k_pages, Tensor v_pages, Tensor block_table, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor sel_blocks, Tensor num_sel, Tensor dense, "
-        "int segment_size, int block_size, float scale, bool amx) -> ()");
+        "int segment_size, int block_size, float scale, bool amx, float k_scale=1., float v_scale=1.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(speedsfi, CPU, m) {

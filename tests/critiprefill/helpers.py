@@ -127,3 +127,22 @@ def reference_output(plan, b: Batch, scale: float) -> torch.Tensor:
         o, _ = attention_over(q[qsl[i]:qsl[i + 1]], k, v, scale, mask)
         out[qsl[i]:qsl[i + 1]] = o
     return out
+
+
+def fp8_batch(b: Batch, dtype: torch.dtype, k_scale: float, v_scale: float,
+              query_dtype: torch.dtype) -> tuple[Batch, Batch]:
+    """``b`` on fp8 pages (K stored as ``K / k_scale``, V as ``V / v_scale``, saturated: vLLM's write;
+    the strides kept) with its query in ``query_dtype``, and the reference batch: the same stored
+    values dequantised to fp32 (the cache every reader of the fp8 pages must behave as)."""
+    from vllm_ext.kernels.kv_quant import quantize
+
+    d = b.kv_cache.shape[-1] // 2
+    kv8 = torch.empty_like(b.kv_cache, dtype=dtype)
+    kv8[..., :d] = quantize(b.kv_cache[..., :d], k_scale, dtype)
+    kv8[..., d:] = quantize(b.kv_cache[..., d:], v_scale, dtype)
+    deq = torch.empty_like(b.kv_cache, dtype=torch.float32)
+    deq[..., :d] = kv8[..., :d].float() * k_scale
+    deq[..., d:] = kv8[..., d:].float() * v_scale
+    q = b.query.to(query_dtype)
+    return (dataclasses.replace(b, query=q, kv_cache=kv8),
+            dataclasses.replace(b, query=q, kv_cache=deq))

@@ -161,14 +161,14 @@ def run_engine_path(cfg: CritiPrefillConfig, data: dict, chunks: list[int], monk
     plans = []
     attend = path_module.block_sparse_prefill
 
-    def recording(query, kv_cache, block_table, qsl, seq, plan, scale, *, output=None):
+    def recording(query, kv_cache, block_table, qsl, seq, plan, scale, *, output=None, **scales):
         plans.append((ctx, layer, plan.to("cpu")))          # the chunk and layer the loop below is at
-        return attend(query, kv_cache, block_table, qsl, seq, plan, scale, output=output)
+        return attend(query, kv_cache, block_table, qsl, seq, plan, scale, output=output, **scales)
 
     attend_cpu = path_module.block_sparse_prefill_cpu
 
-    def recording_cpu(query, kv_cache, block_table, qsl, seq, plan, scale, *, output):
-        done = attend_cpu(query, kv_cache, block_table, qsl, seq, plan, scale, output=output)
+    def recording_cpu(query, kv_cache, block_table, qsl, seq, plan, scale, *, output, **scales):
+        done = attend_cpu(query, kv_cache, block_table, qsl, seq, plan, scale, output=output, **scales)
         if done:                                              # else the path calls block_sparse_prefill
             plans.append((ctx, layer, plan.to("cpu")))
         return done

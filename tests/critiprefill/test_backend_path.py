@@ -23,7 +23,8 @@ from vllm_ext.methods.critiprefill.criticality import LayerFusion, select_for_se
 from vllm_ext.methods.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
                                          STAT_SPARSE_SEGMENTS, CritiPrefillSlots, first_sparse_segment,
                                          sparse_range)
-from vllm_ext.methods.critiprefill.state_layout import STATE_SUFFIX, state_pages
+from vllm_ext.kernels import kv_quant
+from vllm_ext.methods.critiprefill.state_layout import STATE_SUFFIX, carry_entries, state_pages
 from vllm_ext.kernels.paged_reference import attention_over
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -71,31 +72,52 @@ def _paged(k, v, seed):
     return cache, perm[:pages].to(torch.int32)
 
 
-def _state_caches():
+def _state_caches(dtype=torch.float32):
     """Each sparse layer's state pages (NaN: a read of a page never written shows) and the prompt's
     block-table row of the state group (shuffled pages)."""
     perm = torch.randperm(STATE_PAGES, generator=torch.Generator().manual_seed(7)).to(torch.int32)
-    caches = {layer: torch.full((STATE_PAGES, PAGE, HKV, 2 * D), float("nan")).transpose(1, 2)
+    caches = {layer: torch.full((STATE_PAGES, PAGE, HKV, 2 * D), float("nan")).to(dtype).transpose(1, 2)
               for layer in SPARSE_LAYERS}
     return caches, perm
 
 
-def run_path(cfg, data, chunks, *, companion=True, stats=None):
+def _quantized(cache, fp8):
+    """A cache's entries stored as ``fp8 = (dtype, k_scale, v_scale)`` (vLLM's write)."""
+    dtype, ks, vs = fp8
+    out = torch.empty_like(cache, dtype=dtype)
+    out[..., :D] = kv_quant.quantize(cache[..., :D], ks, dtype)
+    out[..., D:] = kv_quant.quantize(cache[..., D:], vs, dtype)
+    return out
+
+
+def _dequantized_data(data, fp8):
+    """``data`` with K and V as the fp8 cache holds them: what the oracle attends to."""
+    dtype, ks, vs = fp8
+    return {layer: (q, kv_quant.quantize(k, ks, dtype).float() * ks, kv_quant.quantize(v, vs, dtype).float() * vs)
+            for layer, (q, k, v) in data.items()}
+
+
+def run_path(cfg, data, chunks, *, companion=True, stats=None, fp8=None):
     """The prompt prefilled in ``chunks`` (lengths) through the backend path, its state in pages of
     a state group as vLLM allocates them (grown with the chunks). Each step also holds a decode row
     of another request (before the sub-batch) and, after the prompt's row, the chunk of a short
     prompt that stays dense; both hold no state pages and their stale table rows point at the
-    prompt's (they must never write there). Returns ``{layer: output [N, Hq, D]}``."""
+    prompt's (they must never write there). ``fp8``: ``(dtype, k_scale, v_scale)``: the KV pages and
+    the state pages in that fp8 format, the scales passed as the layer's. Returns
+    ``{layer: output [N, Hq, D]}``."""
     n = sum(chunks)
     slots = CritiPrefillSlots(4, max_rows=4, cfg=cfg, device=torch.device("cpu"))
-    spec = SimpleNamespace(carry_entries=HQ // HKV, block_size=PAGE)
+    page_dtype = fp8[0] if fp8 else torch.float32
+    carry = carry_entries(HQ, HKV, 4, page_dtype.itemsize)      # fp32 queries
+    spec = SimpleNamespace(carry_entries=carry, block_size=PAGE)
     slots.bind_kv_groups({GID: (STATE_PAGES, [f"layer{l}" + STATE_SUFFIX for l in SPARSE_LAYERS], spec)})
-    state, state_row = _state_caches()
+    state, state_row = _state_caches(page_dtype)
+    scales = dict(k_scale=torch.tensor([fp8[1]]), v_scale=torch.tensor(fp8[2])) if fp8 else {}
     caches = {}
     for layer, (q, k, v) in data.items():
         # the full prompt is in the cache from the start: the path must only read positions < seq
         cache, bt = _paged(k, v, seed=layer)
-        caches[layer] = (cache, bt)
+        caches[layer] = (_quantized(cache, fp8) if fp8 else cache, bt)
     outs = {layer: torch.zeros(n, HQ, D) for layer in SPARSE_LAYERS}
     short = 40                                                    # the dense companion prompt
     ctx = 0
@@ -108,7 +130,7 @@ def run_path(cfg, data, chunks, *, companion=True, stats=None):
         slots_np = np.array([1, 0, 2] if companion else [0])
         decode = np.array([1, 0, 0] if companion else [0])
         prompt_len = np.array([n, 50, short])
-        held = state_pages(seq, HQ // HKV, cfg.block_size, PAGE)
+        held = state_pages(seq, carry, cfg.block_size, PAGE)
         assert held <= STATE_PAGES
         counts = np.array([0, held, 0] if companion else [held])
         group = {GID: (state_row[None, :].repeat(len(rows_q), 1), counts > 0, counts)}
@@ -125,7 +147,7 @@ def run_path(cfg, data, chunks, *, companion=True, stats=None):
             out = torch.full_like(query, float("nan"))
             if step is not None:
                 critiprefill_prefill(query, cache, table, step, cfg, state[layer],
-                                     step.state_table(f"layer{layer}"), layer, SCALE, out, stats=stats)
+                                     step.state_table(f"layer{layer}"), layer, SCALE, out, stats=stats, **scales)
                 assert step.first_row == (1 if companion else 0)
                 assert torch.isnan(out[:int(qsl[step.first_row])]).all()   # rows before: untouched
                 outs[layer][ctx:seq] = out[mine]
@@ -241,6 +263,22 @@ def _oracle_tail(cfg, data, layer):
     return out
 
 
+@pytest.mark.parametrize("fp8", [(torch.float8_e4m3fn, 0.5, 3.0), (torch.float8_e5m2, 3.0, 0.25)],
+                         ids=["e4m3", "e5m2"])
+def test_fp8_pages_equal_the_oracle_of_their_dequantised_values(fp8):
+    """An fp8 KV cache and fp8 state pages with the layer's scales: the key-block representatives
+    (kept in stored units, scaled where scored) select what the oracle selects on the dequantised
+    keys, and the attention reads the dequantised values; the query carry of a cut segment spans
+    several one-byte entries and comes back exact."""
+    cfg = _cfg(score="code", fusion="ema")
+    data = _data(2)
+    chunks = [100, 37, 196]
+    got = run_path(cfg, data, chunks, fp8=fp8)
+    want = oracle(cfg, _dequantized_data(data, fp8), chunks)
+    for layer in SPARSE_LAYERS:
+        _close(got[layer], want[layer])
+
+
 def test_what_depends_on_the_chunk_boundaries():
     cfg = _cfg()
     data = _data(4)                  # (with some seeds the partial queries happen to select the same)
@@ -296,7 +334,8 @@ def test_min_len_and_short_prompts_stay_dense():
     assert step is None
 
 
-def test_triton_kernels_in_the_path_match_the_twins(monkeypatch):
+@pytest.mark.parametrize("fp8", [None, (torch.float8_e4m3fn, 0.5, 3.0)], ids=["fp32", "e4m3"])
+def test_triton_kernels_in_the_path_match_the_twins(monkeypatch, fp8):
     from vllm_ext.kernels.triton_utils import HAS_TRITON, interpret_mode
 
     if not HAS_TRITON or not (torch.cuda.is_available() or interpret_mode()):
@@ -304,7 +343,7 @@ def test_triton_kernels_in_the_path_match_the_twins(monkeypatch):
     cfg = _cfg()
     data = _data(5, n=200)
     chunks = [90, 110]
-    twin = run_path(cfg, data, chunks)
+    twin = run_path(cfg, data, chunks, fp8=fp8)
     monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "0")
     from vllm_ext.kernels import block_representatives, block_sparse_prefill, paged_state
 
@@ -316,6 +355,6 @@ def test_triton_kernels_in_the_path_match_the_twins(monkeypatch):
                          (paged_state, "write_state_entries_torch"),
                          (block_representatives, "query_segment_representatives_torch")]:
         monkeypatch.setattr(module, name, twin_ran)
-    tri = run_path(cfg, data, chunks)
+    tri = run_path(cfg, data, chunks, fp8=fp8)
     for layer in SPARSE_LAYERS:
         torch.testing.assert_close(tri[layer], twin[layer], rtol=1e-4, atol=1e-5)

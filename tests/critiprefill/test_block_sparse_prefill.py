@@ -6,13 +6,14 @@ plus on CUDA the rounding of the probabilities to the input dtype before the PV 
 O(1) (unit-variance V), so these are a few ulps of the output dtype.
 """
 
+import dataclasses
 import itertools
 import math
 
 import pytest
 import torch
 
-from helpers import cfg, make_batch, reference_output
+from helpers import cfg, fp8_batch, make_batch, reference_output
 from vllm_ext.methods.critiprefill.plan import build_plan, dense_plan
 from vllm_ext.kernels.block_sparse_prefill import (
     block_sparse_prefill,
@@ -133,6 +134,48 @@ def test_sparse_differs_from_dense():
     torch.testing.assert_close(sparse[256:], dense[256:], rtol=0, atol=1e-5)
     assert (sparse[64:128] - dense[64:128]).abs().max() > 1e-3
     assert (sparse[192:256] - dense[192:256]).abs().max() > 1e-3
+
+
+# fp8 pages: both formats, scales below and above 1, the query in bf16 and fp32
+FP8_CASES = [("chunked", torch.float8_e4m3fn, 0.5, 3.0, torch.bfloat16, 4, "NHD"),
+             ("single", torch.float8_e5m2, 3.0, 0.5, torch.float32, 1, "HND")]
+
+
+@pytest.mark.parametrize("scenario,fp8,k_scale,v_scale,qdtype,g,layout", FP8_CASES,
+                         ids=lambda x: str(x).replace("torch.", ""))
+def test_fp8_pages_read_as_their_dequantised_values(scenario, fp8, k_scale, v_scale, qdtype, g, layout):
+    """The kernel and the twin on fp8 pages with the layer's scales (one-element fp32 tensors, as
+    vLLM keeps them) equal fp32 attention over the dequantised pages under the same plan."""
+    hkv, d = 2, 64
+    b, _ = _batches(scenario, g * hkv, hkv, d, 16, layout, torch.float32, seed=11)
+    b8, ref_b = fp8_batch(b, fp8, k_scale, v_scale, qdtype)
+    c = cfg(segment_size=64, block_size=32, budget=64, score="code")
+    plan = build_plan(ref_b.query.float(), ref_b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, c,
+                      layer_idx=1)
+    assert sparse_somewhere(plan)
+    scale = 1.0 / math.sqrt(d)
+    ref = reference_output(plan, dataclasses.replace(ref_b, query=ref_b.query.float()), scale)
+    n = int(b.query_start_loc[-1])
+    tol = TOL[qdtype] if qdtype != torch.float32 else 5e-5
+    ks = torch.tensor([k_scale], device=DEV)
+    vs = torch.tensor(v_scale, device=DEV)
+    twin = block_sparse_prefill_torch(b8.query, b8.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, plan,
+                                      scale, output=torch.full_like(b8.query, 7.0), k_scale=ks.cpu(),
+                                      v_scale=vs.cpu())
+    torch.testing.assert_close(twin[:n].float(), ref[:n], rtol=0, atol=tol)
+    assert torch.all(twin[n:] == 7.0)
+    # without the scales the pages read as their stored values: a different output
+    plain = block_sparse_prefill_torch(b8.query, b8.kv_cache, b.block_table, b.query_start_loc, b.seq_lens,
+                                       plan, scale)
+    assert (plain[:n].float() - ref[:n]).abs().max() > 0.1
+    if HAS_TRITON:
+        dev = lambda t: t.to(DEV)                                         # noqa: E731
+        out = torch.full_like(dev(b8.query), 7.0)
+        tri = block_sparse_prefill_triton(dev(b8.query), dev(b8.kv_cache), dev(b.block_table),
+                                          dev(b.query_start_loc), dev(b.seq_lens), plan.to(DEV), scale,
+                                          output=out, k_scale=ks, v_scale=vs)
+        torch.testing.assert_close(tri[:n].float().cpu(), ref[:n], rtol=0, atol=tol)
+        assert torch.all(tri[n:].cpu() == 7.0)
 
 
 def test_dispatch_uses_the_twin_when_forced(monkeypatch):

@@ -12,8 +12,7 @@ Where ``CPU_ATTN`` serves fp8 (x86 with AVX-512 or AMX):
   requests and leaks nothing, and a server refuses bad input naming the field, all on fp8.
 
 Where it does not (this project's development machine: AVX2 only), SPEEDSFI refuses fp8 at start-up
-with ``CPU_ATTN``'s own reason; the tests that need fp8 served skip with that reason. CritiPrefill
-does not read fp8 pages yet: refused at start-up on any CPU.
+with ``CPU_ATTN``'s own reason; the tests that need fp8 served skip with that reason.
 """
 
 from __future__ import annotations
@@ -67,17 +66,6 @@ def test_fp8_is_refused_at_start_up_with_cpu_attn_reason(tiny_models):
     assert CPU_FP8_REASON in str(e.value)
 
 
-def test_critiprefill_on_fp8_is_refused_in_the_front_end(tiny_models):
-    """Before any engine starts (so on any CPU), naming the field."""
-    from vllm_ext.config import ConfigError
-
-    cp = {"enabled": True, "segment_size": 64, "block_size": 16, "budget": 128, "min_len": 128}
-    with pytest.raises(ConfigError, match="speedsfi.critiprefill.enabled: .*fp8 KV cache"):
-        with engine(tiny_models["qwen3"], "SPEEDSFI", multiprocessing=True,
-                    additional_config={"speedsfi": {"critiprefill": cp}}, **FP8):
-            pass
-
-
 # ----------------------------------------------------------------------------- token for token
 @needs_fp8
 @pytest.mark.parametrize("arch, spelling", [("llama", "fp8"), ("qwen2", "fp8_e4m3"), ("qwen3", "fp8"),
@@ -128,14 +116,21 @@ def test_sfi_on_fp8_pages(tiny_models, spelling):
     assert sparse != reference                              # the budget is small enough to matter
 
 
+# CritiPrefill sparse from the second 64-token segment on (the final segment stays dense)
+CP = {"enabled": True, "segment_size": 64, "block_size": 16, "budget": 32, "min_len": 64}
+
+
 @needs_fp8
 @pytest.mark.parametrize("section", [
     {"sfi": dict(SMALL, selector="quest", page_size=16)},
     {"sfi": SMALL, "speed": {"enabled": True, "l_cut": 3}},
-], ids=["sfi-quest", "sfi+speed"])
+    {"critiprefill": CP},
+    {"sfi": SMALL, "speed": {"enabled": True, "l_cut": 3}, "critiprefill": CP},
+], ids=["sfi-quest", "sfi+speed", "critiprefill", "all three"])
 def test_method_combinations_serve_fp8(four_layer_qwen3, section):
-    """The other methods on fp8 (CritiPrefill is refused), on a 4-layer Qwen3 (SPEED's upper layer 3):
-    every request finishes, the methods run, nothing falls back but the compiled passes' fp8 decline."""
+    """Every method and their combination on fp8, on a 4-layer Qwen3 (SPEED's upper layer 3): every
+    request finishes, the methods run (CritiPrefill's block-sparse prefill over the fp8 pages),
+    nothing falls back but the compiled passes' fp8 decline."""
     from vllm_ext import metrics
 
     metrics.reset()
@@ -144,7 +139,10 @@ def test_method_combinations_serve_fp8(four_layer_qwen3, section):
         tokens = greedy(llm, PROMPTS, max_tokens=40)
     counts = metrics.snapshot()
     assert [len(t) for t in tokens] == [40] * len(PROMPTS)
-    assert counts["sfi.fast_steps"] > 0, counts
+    if "sfi" in section:
+        assert counts["sfi.fast_steps"] > 0, counts
+    if "critiprefill" in section:
+        assert counts["critiprefill.prefill_tokens"] > 0 and counts["critiprefill.key_blocks_skipped"] > 0, counts
     if "speed" in section:
         assert counts["speed.upper_tokens_skipped"] > 0, counts
     assert _fallbacks(counts) <= FP8_FALLBACKS | {"fallback.speed_compute_compiled"}, counts

@@ -10,6 +10,7 @@ long; dense and sparse segments mixed (``min_len``), budgets below and above the
 the same output whatever the thread count, and ids that would read outside the cache or past the
 segment's start raise."""
 
+import dataclasses
 import math
 import os
 import sys
@@ -19,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "critiprefill"))
 
-from helpers import cfg, make_batch, reference_output  # noqa: E402
+from helpers import cfg, fp8_batch, make_batch, reference_output  # noqa: E402
 from vllm_ext.kernels import cpu_native  # noqa: E402
 from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill_cpu, block_sparse_prefill_torch  # noqa: E402
 from vllm_ext.kernels.packed_pages import PackedPages  # noqa: E402
@@ -116,6 +117,49 @@ def test_matches_twin_and_reference(case):
     torch.testing.assert_close(got[:n].float(), twin[:n].float(), atol=tol, rtol=tol)
     ref = reference_output(plan, b, scale)
     torch.testing.assert_close(got[:n].float(), ref[:n], atol=tol, rtol=tol)
+
+
+# fp8 pages (vLLM's e4m3 and e5m2 caches; CPU_ATTN packs them as it packs bf16, one byte an element)
+# in each layout the pass reads, the layer's scales below and above 1, bf16 and fp32 queries
+FP8_CASES = [
+    ("chunked", 3, 64, 32, "vec", torch.float8_e4m3fn, 0.5, 3.0, torch.bfloat16),
+    ("single", 2, 64, 16, "amx", torch.float8_e5m2, 3.0, 0.5, torch.float32),
+    ("chunked", 4, 48, 16, "NHD", torch.float8_e5m2, 0.25, 2.0, torch.bfloat16),
+    ("single", 1, 128, 32, "HND", torch.float8_e4m3fn, 2.0, 0.25, torch.float32),
+]
+
+
+@needs_native
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_fp8_pages_match_twin_and_reference(case):
+    """The pass on fp8 pages with the layer's scales (K folded into the score scale, V into the
+    output) equals the twin on the same pages and the reference over the dequantised pages."""
+    scenario, g, d, page, layout, fp8, ks, vs, qdtype = case
+    b, _, _ = _problem(scenario, g, d, page, layout, torch.float32, 32, 64, 64, 0, seed=g + d)
+    b8, ref_b = fp8_batch(b, fp8, ks, vs, qdtype)
+    c = cfg(segment_size=64, block_size=32, budget=64, min_len=0)
+    plan = build_plan(ref_b.query.float(), ref_b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, c,
+                      layer_idx=1)
+    assert "sparse" in _kinds(plan)
+    pages = _pages(b8, layout)
+    scale = 1.0 / math.sqrt(d)
+    n = int(b.query_start_loc[-1])
+    got = torch.full_like(b8.query, SENTINEL)
+    assert cpu_native.block_sparse_prefill(b8.query, pages, b.block_table, b.query_start_loc, b.seq_lens, plan,
+                                           scale, got, k_scale=ks, v_scale=vs)
+    assert (got[n:] == SENTINEL).all()
+    twin = block_sparse_prefill_torch(b8.query, pages, b.block_table, b.query_start_loc, b.seq_lens, plan, scale,
+                                      output=torch.full_like(b8.query, SENTINEL), k_scale=torch.tensor([ks]),
+                                      v_scale=torch.tensor(vs))
+    tol = TOL[qdtype] if qdtype != torch.float32 else 5e-5
+    torch.testing.assert_close(got[:n].float(), twin[:n].float(), atol=tol, rtol=tol)
+    ref = reference_output(plan, dataclasses.replace(ref_b, query=ref_b.query.float()), scale)
+    torch.testing.assert_close(got[:n].float(), ref[:n], atol=tol, rtol=tol)
+    # the dispatcher hands the layer's scales (CPU tensors) to the pass
+    out = torch.full_like(b8.query, SENTINEL)
+    assert block_sparse_prefill_cpu(b8.query, pages, b.block_table, b.query_start_loc, b.seq_lens, plan, scale,
+                                    output=out, k_scale=torch.tensor([ks]), v_scale=torch.tensor(vs))
+    assert torch.equal(out, got)
 
 
 @needs_native

@@ -49,16 +49,13 @@ def front_end_config(additional_config) -> SpeedSfiConfig | None:
 
 
 def check_front_end_model(cfg: SpeedSfiConfig, vllm_config) -> None:
-    """The checks of ``cfg`` against the served model and cache that need no engine (``speed.l_cut``,
-    ``critiprefill.dense_layers``, the methods that take ``--kv-cache-dtype``), run in the front-end
-    process once vLLM has read the model's config."""
+    """The checks of ``cfg`` against the served model that need no engine (``speed.l_cut``,
+    ``critiprefill.dense_layers``), run in the front-end process once vLLM has read the model's
+    config."""
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is not None:
         cfg.validate_for_model(num_layers=model_config.get_total_num_hidden_layers(),
                                max_model_len=model_config.max_model_len)
-    cache_config = getattr(vllm_config, "cache_config", None)
-    if cache_config is not None:
-        cfg.validate_for_kv_cache(cache_config.cache_dtype)
 
 
 class Engine:
@@ -180,7 +177,6 @@ def check_engine(cfg: SpeedSfiConfig, vllm_config) -> None:
     parallel = vllm_config.parallel_config
     num_layers = model_config.get_total_num_hidden_layers()
     cfg.validate_for_model(num_layers=num_layers, max_model_len=model_config.max_model_len)
-    cfg.validate_for_kv_cache(vllm_config.cache_config.cache_dtype)
 
     for f in dataclasses.fields(cfg):
         if getattr(getattr(cfg, f.name), "enabled", False) and f.name not in IMPLEMENTED_METHODS:

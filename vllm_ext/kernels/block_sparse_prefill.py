@@ -3,7 +3,8 @@
 Public function (Triton on CUDA / under ``TRITON_INTERPRET=1``, else the ``*_torch`` twin of the same
 signature; the CPU build's engine calls the compiled pass first, :func:`block_sparse_prefill_cpu`):
 
-``block_sparse_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, plan, scale, *, output=None)``
+``block_sparse_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, plan, scale, *, output=None,
+k_scale=None, v_scale=None)``
     ``query`` ``[T, Hq, D]``; ``kv_cache`` ``[pages, Hkv, page_size, 2D]`` (vLLM's logical view, any
     strides, K = ``[..., :D]``, V = ``[..., D:]``); ``block_table`` int32 ``[R, max_pages]``;
     ``query_start_loc`` int ``[R + 1]``; ``seq_lens`` int ``[R]`` (the chunk included; its K/V are
@@ -18,6 +19,9 @@ signature; the CPU build's engine calls the compiled pass first, :func:`block_sp
 
     Softmax in fp32 (online, exp2), fp32 accumulation; ``output`` ``[T, Hq, D]`` (default: new, the
     query's dtype) gets rows ``query_start_loc[0]:query_start_loc[R]``; other rows are untouched.
+    fp8 pages (``kernels.kv_quant``): ``kv_cache`` the fp8 view, ``k_scale`` / ``v_scale`` the layer's
+    per-tensor scales (``None``: 1); the kernel folds ``k_scale`` into the score scale and ``v_scale``
+    into the normalised output, reading K and V as stored (one byte an element).
 
 The plan's criticality block size is independent of the page size (16, 32, 64 ... either a whole
 number of pages or a divisor of one): every key is addressed through the block table.
@@ -35,6 +39,7 @@ import math
 
 import torch
 
+from vllm_ext.kernels import kv_quant
 from vllm_ext.kernels.paged_reference import gather_kv
 from vllm_ext.kernels.triton_utils import HAS_TRITON, dot_in_fp32, next_pow2, use_triton
 
@@ -53,6 +58,9 @@ if HAS_TRITON:
         lm = kok[:, None] & dmask[None, :]
         k = tl.load(kptr, mask=lm, other=0.0)
         v = tl.load(kptr + D * s_kv_d, mask=lm, other=0.0)
+        if k.dtype.is_fp8():                  # widened exactly; the scales act on scores and output
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if F32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -72,7 +80,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _bsp_prefill_kernel(
-            Q, KV, BT, QSL, SEQ, TILE_REQ, TILE_POS, SEL, NSEL, DENSE, O,
+            Q, KV, BT, QSL, SEQ, TILE_REQ, TILE_POS, SEL, NSEL, DENSE, O, KS, VS,
             s_q_t, s_q_h, s_q_d,
             s_kv_p, s_kv_h, s_kv_n, s_kv_d,
             s_bt_r, s_bt_p,
@@ -84,7 +92,7 @@ if HAS_TRITON:
             G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
             D: tl.constexpr, D_PAD: tl.constexpr,
             PAGE: tl.constexpr, BK: tl.constexpr, BK_PAD: tl.constexpr, NPI: tl.constexpr, SEG: tl.constexpr,
-            F32_DOT: tl.constexpr):
+            F32_DOT: tl.constexpr, KV_SCALED: tl.constexpr):
         pid = tl.program_id(0)
         h = tl.program_id(1)
         r = tl.load(TILE_REQ + pid)
@@ -115,6 +123,10 @@ if HAS_TRITON:
                     mask=row_ok[:, None] & dmask[None, :], other=0.0)
         if F32_DOT:
             q = q.to(tl.float32)
+        vsc = qk_scale * 0.0 + 1.0
+        if KV_SCALED:                          # fp8 pages: q . (k_s k) = k_s (q . k); V likewise
+            qk_scale = qk_scale * tl.load(KS)
+            vsc = tl.load(VS)
 
         m_i = tl.full((M,), -1.0e30, tl.float32)
         l_i = tl.zeros((M,), tl.float32)
@@ -160,7 +172,7 @@ if HAS_TRITON:
                                          s_bt_p, s_kv_p, s_kv_n, s_kv_d, qk_scale, D, PAGE, F32_DOT)
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_safe[:, None]
+        out = acc * (vsc / l_safe)[:, None]
         tl.store(O + tok[:, None] * s_o_t + head[:, None] * s_o_h + offs_d[None, :] * s_o_d,
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
 
@@ -219,7 +231,9 @@ def tile_table(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_q: i
 def block_sparse_prefill_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan, scale: float, *,
                                 output: torch.Tensor | None = None, block_n: int = 64, tile_rows: int = 128,
-                                num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                                num_warps: int | None = None, num_stages: int = 2,
+                                k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton path. ``block_n``: keys per inner step (``block_n // block_size`` selected blocks at once);
     ``tile_rows``: query rows (queries x group heads) per program."""
     t, hq, hkv = _check(query, kv_cache, plan)
@@ -246,14 +260,16 @@ def block_sparse_prefill_triton(query: torch.Tensor, kv_cache: torch.Tensor, blo
     if num_warps is None:
         num_warps = 4 if bq * g_pad * d_pad <= 128 * 64 else 8
     grid = (tile_req.shape[0], hkv)
+    ks, vs, kv_scaled = kv_quant.launch_scales(kv_cache.dtype, k_scale, v_scale, output)
     _bsp_prefill_kernel[grid](
         query, kv_cache, block_table, query_start_loc, seq_lens, tile_req, tile_pos, sel, nsel, dense, output,
+        ks, vs,
         *query.stride(), *kv_cache.stride(), *block_table.stride(), *sel.stride(), *nsel.stride(),
         *dense.stride(), *output.stride(),
         float(scale) * math.log2(math.e),
         G=g, G_PAD=g_pad, BLOCK_Q=bq, D=d, D_PAD=d_pad,
         PAGE=kv_cache.shape[2], BK=bk, BK_PAD=bk_pad, NPI=npi, SEG=plan.segment_size,
-        F32_DOT=dot_in_fp32(kv_cache.dtype) or dot_in_fp32(query.dtype),
+        F32_DOT=dot_in_fp32(kv_cache.dtype, query.dtype) or dot_in_fp32(query.dtype), KV_SCALED=kv_scaled,
         num_warps=num_warps, num_stages=num_stages,
     )
     return output
@@ -262,7 +278,8 @@ def block_sparse_prefill_triton(query: torch.Tensor, kv_cache: torch.Tensor, blo
 # -------------------------------------------------------------------------------------------- torch
 def block_sparse_prefill_torch(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan, scale: float, *,
-                               output: torch.Tensor | None = None) -> torch.Tensor:
+                               output: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch twin: per (request, segment), all KV heads at once, gathering only the visible keys.
 
     Each request's K/V are gathered and converted to fp32 once; each segment is one
@@ -285,13 +302,15 @@ def block_sparse_prefill_torch(query: torch.Tensor, kv_cache: torch.Tensor, bloc
     nsel_cpu = plan.num_sel
     offs = torch.arange(bk, device=dev)
     hidx = torch.arange(hkv, device=dev)[:, None]
+    ks = kv_quant.twin_scale(kv_cache.dtype, k_scale)
+    vs = kv_quant.twin_scale(kv_cache.dtype, v_scale)
     for i, seq in enumerate(seqs):
         qs, qe = qsl[i], qsl[i + 1]
         if qe <= qs:
             continue
         ctx = seq - (qe - qs)
         k_all, v_all = gather_kv(kv_cache, block_table[i], torch.arange(seq, device=kv_cache.device))
-        k_all, v_all = k_all.float(), v_all.float()                  # [Hkv, seq, D], once per request
+        k_all, v_all = kv_quant.dequantize(k_all, ks), kv_quant.dequantize(v_all, vs)   # [Hkv, seq, D] fp32
         first = ctx // sq
         for j in range(first, (seq - 1) // sq + 1):
             s_local = j - first
@@ -328,24 +347,27 @@ def block_sparse_prefill_torch(query: torch.Tensor, kv_cache: torch.Tensor, bloc
 # ------------------------------------------------------------------------------------------ CPU build
 def block_sparse_prefill_cpu(query: torch.Tensor, kv_cache, block_table: torch.Tensor,
                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan, scale: float, *,
-                             output: torch.Tensor) -> bool:
+                             output: torch.Tensor, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None) -> bool:
     """The CPU build's compiled pass (:func:`vllm_ext.kernels.cpu_native.block_sparse_prefill`: every
     row, segment and KV head at once, ``kv_cache`` read in place: the logical layout or ``CPU_ATTN``'s
     packed pages). False (nothing written) where it does not apply (no compiled library, another
-    dtype or layout): the caller runs the twin."""
+    dtype or layout): the caller runs the twin. fp8 pages: the scales are CPU tensors (read on the
+    host, which costs nothing there)."""
     from vllm_ext.kernels import cpu_native
 
+    dtype = getattr(kv_cache, "dtype", None)
     return cpu_native.block_sparse_prefill(query, kv_cache, block_table, query_start_loc, seq_lens, plan, scale,
-                                           output)
+                                           output, k_scale=kv_quant.host_scale(dtype, k_scale),
+                                           v_scale=kv_quant.host_scale(dtype, v_scale))
 
 
 # ----------------------------------------------------------------------------------------- dispatch
 def block_sparse_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan, scale: float, *,
-                         output: torch.Tensor | None = None) -> torch.Tensor:
+                         output: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Block-sparse paged prefill (see the module docstring)."""
-    if use_triton(query):
-        return block_sparse_prefill_triton(query, kv_cache, block_table, query_start_loc, seq_lens, plan,
-                                           scale, output=output)
-    return block_sparse_prefill_torch(query, kv_cache, block_table, query_start_loc, seq_lens, plan,
-                                      scale, output=output)
+    fn = block_sparse_prefill_triton if use_triton(query) else block_sparse_prefill_torch
+    return fn(query, kv_cache, block_table, query_start_loc, seq_lens, plan, scale, output=output,
+              k_scale=k_scale, v_scale=v_scale)

@@ -26,7 +26,8 @@ The operators (``torch.ops.speedsfi``; each has a fake implementation registered
   Tensor? seq_lens, Tensor? offset, Tensor? row_mask, int n_sink, bool amx) -> ()``
 - ``block_sparse_prefill(Tensor(a!) out, Tensor query, Tensor k_pages, Tensor v_pages, Tensor block_table,
   Tensor query_start_loc, Tensor seq_lens, Tensor sel_blocks, Tensor num_sel, Tensor dense, int segment_size,
-  int block_size, float scale, bool amx) -> ()`` (CritiPrefill's prefill, ``block_sparse_prefill_cpu.cpp``)
+  int block_size, float scale, bool amx, float k_scale=1., float v_scale=1.) -> ()`` (CritiPrefill's prefill,
+  ``block_sparse_prefill_cpu.cpp``)
 
 Built once per machine, at the first :func:`library` call of a process (the CPU impl makes it at
 engine start): ``g++ -O3 -march=native`` against torch's headers (one compiler per source, side by
@@ -285,8 +286,8 @@ PAGE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_
 
 
 def reads_pages(dtype: torch.dtype) -> bool:
-    """Whether the compiled passes (:func:`evidence`, :func:`gather_compact`, :func:`two_segment`)
-    read pages of ``dtype``: bf16, fp32 and fp8 (e4m3, e5m2)."""
+    """Whether the compiled passes (:func:`evidence`, :func:`gather_compact`, :func:`two_segment`,
+    :func:`block_sparse_prefill`) read pages of ``dtype``: bf16, fp32 and fp8 (e4m3, e5m2)."""
     return dtype in PAGE_DTYPES
 
 
@@ -485,25 +486,28 @@ def gather_compact(pages, block_table: torch.Tensor, slot_idx: torch.Tensor, sel
 
 # ------------------------------------------------------------ CritiPrefill's block-sparse prefill
 def _block_sparse_prefill_fake(out, query, k_pages, v_pages, block_table, query_start_loc, seq_lens, sel_blocks,
-                               num_sel, dense, segment_size, block_size, scale, amx) -> None:
+                               num_sel, dense, segment_size, block_size, scale, amx, k_scale=1.0,
+                               v_scale=1.0) -> None:
     """Writes ``out`` in place; returns nothing."""
     return None
 
 
 def block_sparse_prefill(query: torch.Tensor, pages, block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                         seq_lens: torch.Tensor, plan, scale: float, out: torch.Tensor) -> bool:
+                         seq_lens: torch.Tensor, plan, scale: float, out: torch.Tensor, *, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> bool:
     """CritiPrefill's block-sparse prefill of every row and segment of a chunk batch at once
     (``block_sparse_prefill_cpu.cpp``): what :func:`vllm_ext.kernels.block_sparse_prefill.block_sparse_prefill_torch`
     writes, the pages read in place. ``pages``: the KV cache (the logical layout) or
     :class:`vllm_ext.kernels.packed_pages.PackedPages`; ``plan``: a ``CritiPrefillPlan`` (CPU tensors),
     dense segments included (the pass beats ``CPU_ATTN``'s own prefill on them: docs/critiprefill.md). False
-    (nothing written) where the kernel does not apply: no library, dtypes other than bf16 / fp32, head
-    sizes over 256, another page layout."""
+    (nothing written) where the kernel does not apply: no library, a query other than bf16 / fp32, pages
+    other than bf16 / fp32 / fp8 (e4m3, e5m2), head sizes over 256, another page layout. fp8 pages:
+    ``k_scale`` / ``v_scale``, the layer's per-tensor scales (host floats)."""
     ops, layout = _query_pass(query, out, pages)
     if layout is None:
         return False
     k_pages, v_pages, amx = layout
-    if (query.dtype not in (torch.bfloat16, torch.float32) or k_pages.dtype not in (torch.bfloat16, torch.float32)
+    if (query.dtype not in (torch.bfloat16, torch.float32) or not reads_pages(k_pages.dtype)
             or query.device.type != "cpu" or query.stride(-1) != 1 or out.stride(-1) != 1
             or query.shape[-1] > 256):
         return False
@@ -511,5 +515,5 @@ def block_sparse_prefill(query: torch.Tensor, pages, block_table: torch.Tensor, 
     sel = plan.sel_blocks if plan.sel_blocks.stride(-1) == 1 else plan.sel_blocks.contiguous()
     ops.block_sparse_prefill(out, query, k_pages, v_pages, _int32(block_table), _int32(query_start_loc),
                              _int32(seq_lens), _int32(sel), _int32(plan.num_sel), dense, int(plan.segment_size),
-                             int(plan.block_size), float(scale), amx)
+                             int(plan.block_size), float(scale), amx, float(k_scale), float(v_scale))
     return True

@@ -96,14 +96,20 @@ class CritiPrefillLayer(MethodLayer):
         self.g = geometry
         self.rows = method.row_counters
         self.state = None           # the state holder of a sparse layer
+        self.attn = None            # vLLM's attention layer (its KV scales)
+        self.page_dtype = None      # an fp8 cache's stored dtype (None: not fp8)
+        self._state_view = (None, None)
 
     def prepare(self, forward_context: dict, act_dtype: torch.dtype) -> None:
         """Every layer that has a share registers a state holder, its dense layers included (their
         pages are never read): the state layers then match the attention layers (and SFI's compact
         layers) one for one, so vLLM keeps one group pattern for all; fewer state layers would split
         the attention layers into groups of their own block tables."""
+        from vllm_ext.kernels import kv_quant
         from vllm_ext.methods.critiprefill.state_cache import register_state_layer
 
+        self.attn = forward_context.get(self.g.layer_name)
+        self.page_dtype = kv_quant.stored_dtype(getattr(self.attn, "kv_cache_dtype", "auto"))
         state = register_state_layer(forward_context, self.g.layer_name, self.cfg,
                                      num_heads=self.g.num_heads, max_len=self.g.max_len, query_dtype=act_dtype)
         if self.g.layer_index not in self.cfg.dense_layers:
@@ -117,16 +123,28 @@ class CritiPrefillLayer(MethodLayer):
     def claim_rows(self, rows: DenseRows, query, kv_cache, md, plan) -> None:
         rows.end = min(rows.end, plan.first_row)
 
+    def _state_pages(self) -> torch.Tensor:
+        """The state pages in the attention pages' dtype (an fp8 cache's view; kept while vLLM's
+        allocation is the same tensor)."""
+        from vllm_ext.kernels import kv_quant
+
+        raw = self.state.kv_cache
+        if self._state_view[0] is not raw:
+            self._state_view = (raw, kv_quant.page_view(raw, self.page_dtype))
+        return self._state_view[1]
+
     def attend_claimed(self, query, kv_cache, md, cp, output, rows: DenseRows) -> None:
+        from vllm_ext.kernels.kv_quant import layer_scales
         from vllm_ext.methods.critiprefill.path import critiprefill_prefill
 
         state_table = cp.state_table(self.g.layer_name)
         if state_table is None:
             raise RuntimeError(f"vllm_ext: no KV-cache group holds {self.g.layer_name}'s CritiPrefill "
                                "state (vLLM did not page its state cache layer)")
-        critiprefill_prefill(query, kv_cache, md.block_table, cp, self.cfg, self.state.kv_cache, state_table,
+        k_scale, v_scale = layer_scales(self.attn)
+        critiprefill_prefill(query, kv_cache, md.block_table, cp, self.cfg, self._state_pages(), state_table,
                              self.g.layer_index, self.g.scale, output,
-                             stats=md.step.table.method_tables[self.name].stats)
+                             stats=md.step.table.method_tables[self.name].stats, k_scale=k_scale, v_scale=v_scale)
         if self.rows is not None:
             from vllm_ext import row_counters
 

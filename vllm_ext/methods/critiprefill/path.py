@@ -37,6 +37,7 @@ from vllm_ext.methods.critiprefill.plan import build_plan, max_segments_bound
 from vllm_ext.methods.critiprefill.slots import (STAT_BLOCKS_CANDIDATE, STAT_BLOCKS_SELECTED,
                                          STAT_SPARSE_SEGMENTS, CritiPrefillStep)
 from vllm_ext.methods.critiprefill.state_layout import carry_entries
+from vllm_ext.kernels import kv_quant
 from vllm_ext.kernels.block_representatives import query_segment_representatives
 from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill, block_sparse_prefill_cpu
 from vllm_ext.kernels.triton_utils import use_triton
@@ -87,12 +88,16 @@ def _entries_to_carry(x: torch.Tensor, g: int, query_dtype: torch.dtype, d: int)
 def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                          step: CritiPrefillStep, cfg: CritiPrefillConfig, state_cache: torch.Tensor,
                          state_table: torch.Tensor, layer_index: int, scale: float, output: torch.Tensor,
-                         stats: torch.Tensor | None = None) -> torch.Tensor:
+                         stats: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the step's CritiPrefill sub-batch in one sparse layer (see the module doc).
 
     ``query``/``output``: the step's ``[T, Hq, D]`` (the sub-batch's token rows are written);
     ``block_table``: the step's ``[R, pages]``; the sub-batch's K/V are already in ``kv_cache``;
-    ``state_cache``/``state_table``: this layer's state pages and the sub-batch's rows of them.
+    ``state_cache``/``state_table``: this layer's state pages (in the pages' dtype: an fp8 cache's
+    view) and the sub-batch's rows of them. ``k_scale`` / ``v_scale``: the layer's per-tensor scales
+    of fp8 pages (``None``: 1): the key-block representatives are kept in the pages' stored units
+    (exact) and scaled where they are scored; the attention folds both in.
     """
     sq, bk = cfg.segment_size, cfg.block_size
     t0, t1 = step.token_start, step.token_end
@@ -120,7 +125,8 @@ def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
                         step.holds_state * c, _carry_to_entries(last, hkv, q.dtype, state_bytes.shape[-1]))
     # 3. scores, fusion, selection
     nb = -(-step.max_seq_len // bk)
-    key_reps = read_state_entries(state_cache, state_table, c, nb)          # [R, NB, Hkv, 2D]
+    key_reps = kv_quant.dequantize(read_state_entries(state_cache, state_table, c, nb),
+                                   kv_quant.twin_scale(state_cache.dtype, k_scale))   # [R, NB, Hkv, 2D] fp32
     # blocks the row keeps no representative for (past its chunk, or a row without pages) read as
     # 0, never as whatever a page held before: they are never candidates, but 0 * NaN is NaN
     kept = torch.arange(nb, device=q.device)[None, :] * bk < (step.rep_seq * step.holds_state)[:, None]
@@ -132,7 +138,8 @@ def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
                       query_reps=(qreps[0], qreps[1]), row_dense=step.row_dense)
     # 4. attention
     on_cpu = q.device.type == "cpu" and not use_triton(q)
-    if not (on_cpu and block_sparse_prefill_cpu(q, kv_cache, bt, qsl, seq, plan, scale, output=out)):
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    if not (on_cpu and block_sparse_prefill_cpu(q, kv_cache, bt, qsl, seq, plan, scale, output=out, **scales)):
         if on_cpu:
             from vllm_ext.kernels import cpu_native
 
@@ -140,7 +147,7 @@ def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
                              "(%s; query %s, cache %s): the PyTorch twin attends its segments (slower, same "
                              "outputs)", cpu_native.unavailable_reason() or "dtype, head size or page layout",
                              q.dtype, getattr(kv_cache, "dtype", None))
-        block_sparse_prefill(q, kv_cache, bt, qsl, seq, plan, scale, output=out)
+        block_sparse_prefill(q, kv_cache, bt, qsl, seq, plan, scale, output=out, **scales)
     # 5. counters (device): sparse segments that read fewer blocks than precede them, their blocks
     if stats is not None:
         seg_abs = plan.first_segment.long()[:, None] + torch.arange(plan.max_segments, device=q.device)
