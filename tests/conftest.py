@@ -53,6 +53,9 @@ def pytest_collection_modifyitems(config, items):
         rel = os.path.relpath(str(item.fspath), _TESTS).replace(os.sep, "/")
         if not _has_cuda() and any(rel == m or (m.endswith("/") and rel.startswith(m)) for m in HEAVY_MODULES):
             item.add_marker(slow)
+    # Slow tests first: with two xdist workers taking whole files as they free up, the quick unit
+    # tests then fill the end, where a long file started last would keep one worker busy alone.
+    items[:] = sorted(items, key=lambda item: "slow" not in item.keywords)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
