@@ -391,8 +391,9 @@ void check_cpu(const at::Tensor& t, const char* what, at::ScalarType dtype, int6
 // torch.ops.speedsfi.block_sparse_prefill. out / query: [T, Hq, D] bf16 or fp32 (one dtype), unit
 // stride in D; rows query_start_loc[0] .. query_start_loc[R] written. k_pages / v_pages: vLLM's pages
 // (page_views.h): bf16, fp32 or fp8 (e4m3, e5m2), with k_scale / v_scale the layer's per-tensor scales
-// of fp8 pages (1 otherwise): k_scale folds into the score scale, v_scale into the normalised output. block_table [R, >= ceil(seq / bs)] int32; query_start_loc [R + 1], seq_lens [R]
-// int32 (the chunk's K/V already in the pages). The plan (vllm_ext.methods.critiprefill.plan):
+// of fp8 pages (1 otherwise): k_scale folds into the score scale, v_scale into the normalised output.
+// block_table [R, >= ceil(seq / bs)] int32; query_start_loc [R + 1], seq_lens [R] int32 (the chunk's
+// K/V already in the pages). The plan (vllm_ext.methods.critiprefill.plan):
 // sel_blocks int32 [R, S, Hkv, W], num_sel int32 [R, S, Hkv], dense bool [R, S], indexed by the
 // segment's place in its chunk (segment ctx / segment_size first); block_size: the plan's
 // criticality block.

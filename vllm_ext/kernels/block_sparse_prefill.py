@@ -47,6 +47,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from vllm_ext.kernels.two_segment_decode import _kv_scale_factors, _widen
+
     @triton.jit
     def _attend_keys(q, m_i, l_i, acc, kv_head, bt_row, kpos, kok, vis, offs_d, dmask, s_bt_p, s_kv_p, s_kv_n,
                      s_kv_d, qk_scale, D: tl.constexpr, PAGE: tl.constexpr, F32_DOT: tl.constexpr):
@@ -58,9 +60,8 @@ if HAS_TRITON:
         lm = kok[:, None] & dmask[None, :]
         k = tl.load(kptr, mask=lm, other=0.0)
         v = tl.load(kptr + D * s_kv_d, mask=lm, other=0.0)
-        if k.dtype.is_fp8():                  # widened exactly; the scales act on scores and output
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        k = _widen(k, q)                        # fp8: exact; the scales act on scores and output
+        v = _widen(v, q)
         if F32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -123,10 +124,7 @@ if HAS_TRITON:
                     mask=row_ok[:, None] & dmask[None, :], other=0.0)
         if F32_DOT:
             q = q.to(tl.float32)
-        vsc = qk_scale * 0.0 + 1.0
-        if KV_SCALED:                          # fp8 pages: q . (k_s k) = k_s (q . k); V likewise
-            qk_scale = qk_scale * tl.load(KS)
-            vsc = tl.load(VS)
+        qk_scale, vsc = _kv_scale_factors(qk_scale, KS, VS, KV_SCALED)
 
         m_i = tl.full((M,), -1.0e30, tl.float32)
         l_i = tl.zeros((M,), tl.float32)
