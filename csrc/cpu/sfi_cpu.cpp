@@ -1,11 +1,11 @@
-// SFI's slow-step work on the CPU build, one request at a time: the dense pass with evidence over
-// CPU_ATTN's packed pages (attention output, evidence and key norms from one set of scores) and the
-// closed-form selector over the request's allowed set (ALGORITHMS.md §1).
+// SFI's slow-step work on the CPU build, every slow row of a layer in one call: the dense pass with
+// evidence over CPU_ATTN's packed pages (attention output, evidence and key norms from one set of
+// scores) and the closed-form selector over each request's allowed set (ALGORITHMS.md §1).
 // Twins: vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu and
 // vllm_ext.kernels.sfi_selector_cpu.select_rows; tests/kernels/test_cpu_native.py compares them.
 //
 // Registered as the torch operators torch.ops.speedsfi.sfi_evidence and
-// torch.ops.speedsfi.sfi_select_row (CPU kernels at the end of this file; their fake
+// torch.ops.speedsfi.sfi_select_rows (CPU kernels at the end of this file; their fake
 // implementations for torch.compile are registered in Python). Built once per machine by
 // vllm_ext/kernels/cpu_native.py (g++ -O3 -march=native against torch's headers, cached) and loaded
 // with torch.ops.load_library. Every loop over positions is written so that the compiler vectorises
@@ -20,6 +20,7 @@
 #include <optional>
 #include <vector>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -244,9 +245,9 @@ void attend(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int 
 }
 
 
-// The slow step's evidence and key norms of one request (ALGORITHMS.md §1, "Slow step"; the twin
-// writes the same), and with attn_out its dense attention, called by the operator at the end of
-// the file. amx 0: K pages: element (d, t) of block b, KV head h at k_base + b * s_block
+// The slow step's evidence and key norms of one request's KV heads [h0, h1) (ALGORITHMS.md §1, "Slow
+// step"; the twin writes the same), and with attn_out their dense attention, called by the operator at
+// the end of the file. amx 0: K pages: element (d, t) of block b, KV head h at k_base + b * s_block
 // + h * s_head + d * bs + t (CPU_ATTN's vec packing); V pages (when attn_out is given): element (t, d)
 // at v_base + b * s_block + h * s_head + t * D + d. amx 1: the pages at the same bases hold CPU_ATTN's
 // amx packing (unpack_amx_k / unpack_amx_v; bs and D multiples of 16). q: [Hkv, G, D] fp32. ev / kn:
@@ -254,7 +255,7 @@ void attend(const T* v_base, int64_t s_block, int64_t h_off, int bs, int d, int 
 // -inf outside [lo, hi), lim = min(seq, max_len). attn_out: [Hkv * G, D] fp32 or null. scratch:
 // G * seq + (G + 2) * bs floats, and G * seq + G * D more with attn_out.
 template <typename T>
-void evidence_pass(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, int hkv, int g,
+void evidence_pass(const T* k_base, int64_t s_block, int64_t s_head, int bs, int d, int h0, int h1, int g,
                    const int32_t* blocks, int64_t seq, int64_t lo, int64_t hi, int64_t lim, const float* q,
                    float scale, float alpha, float* ev, int64_t ev_hs, float* kn, int64_t kn_hs, float* scratch,
                    const T* v_base, float* attn_out, int amx, float k_scale, float v_scale) {
@@ -278,7 +279,7 @@ void evidence_pass(const T* k_base, int64_t s_block, int64_t s_head, int bs, int
   T* vpages = amx && attn_out != nullptr ? kpage + page_elems : nullptr;
   int32_t* ident = amx && attn_out != nullptr ? scratch_of<int32_t>(nb) : nullptr;
   for (int64_t j = 0; ident != nullptr && j < nb; ++j) ident[j] = static_cast<int32_t>(j);
-  for (int h = 0; h < hkv; ++h) {
+  for (int h = h0; h < h1; ++h) {
     const float* qh = q + static_cast<int64_t>(h) * g * d;
     for (int64_t j = 0; j < nb; ++j) {
       const T* page = k_base + static_cast<int64_t>(blocks[j]) * s_block + static_cast<int64_t>(h) * s_head;
@@ -461,25 +462,49 @@ float* op_scratch(int64_t n) {
   return buf.data();
 }
 
-void check_row(const at::Tensor& t, const char* what, int64_t rows, int64_t len, at::ScalarType dtype) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, what, ": ", dtype, " on the CPU expected, got ",
-              t.scalar_type(), " on ", t.device());
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) >= len && t.stride(1) == 1, what, ": [", rows,
-              ", >= ", len, "] rows of unit stride expected, got ", t.sizes(), " strides ", t.strides());
+// A [n] int32 (or int64 with wide) contiguous CPU vector, read as int64.
+struct IntVec {
+  const int32_t* i32 = nullptr;
+  const int64_t* i64 = nullptr;
+  int64_t operator[](int64_t i) const { return i32 != nullptr ? i32[i] : i64[i]; }
+};
+
+IntVec int_vec(const at::Tensor& t, const char* what, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong) &&
+                  t.dim() == 1 && t.size(0) >= n && t.is_contiguous(),
+              what, ": [>= ", n, "] int32 or int64 contiguous on the CPU expected, got ", t.sizes(), " ",
+              t.scalar_type());
+  IntVec v;
+  if (t.scalar_type() == at::kInt) v.i32 = t.data_ptr<int32_t>();
+  else v.i64 = t.data_ptr<int64_t>();
+  return v;
 }
 
-// torch.ops.speedsfi.sfi_evidence: evidence_pass on tensors. k_pages / v_pages:
-// the KV cache's K and V views over the same storage, [blocks, Hkv, bs, D] with K transposed per page
-// (strides [s_block, s_head, 1, bs]; V: [s_block, s_head, D, 1]), or with amx the 6-d VNNI views
-// [blocks, Hkv, bs / 16, 16, D / 2, 2] (K) and [blocks, Hkv, bs / 2, 2, D / 16, 16] (V); bf16, fp32 or
-// fp8 (e4m3, e5m2; k_scale / v_scale: the layer's per-tensor scales, 1 otherwise).
-// blocks: the request's block ids, int32, >= ceil(seq / bs). query: [Hq, D] fp32 contiguous.
-// evidence / key_norms: [Hkv, >= lim] fp32 rows (key_norms may be None); out: [Hq, D] fp32 contiguous
-// or None (then V is not read).
+void check_rows3(const at::Tensor& t, const char* what, int64_t n, int64_t heads, int64_t len, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, what, ": ", dtype, " on the CPU expected, got ",
+              t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == n && t.size(1) == heads && t.size(2) >= len && t.stride(2) == 1, what,
+              ": [", n, ", ", heads, ", >= ", len, "] rows of unit stride expected, got ", t.sizes(), " strides ",
+              t.strides());
+}
+
+// torch.ops.speedsfi.sfi_evidence: evidence_pass over a step's slow rows at once, the (entry, KV head)
+// pairs shared among torch's intra-op threads (each pair's result is computed by one thread, the same
+// on any number of threads). k_pages / v_pages: the KV cache's K and V views over the same storage,
+// [blocks, Hkv, bs, D] with K transposed per page (strides [s_block, s_head, 1, bs]; V: [s_block,
+// s_head, D, 1]), or with amx the 6-d VNNI views [blocks, Hkv, bs / 16, 16, D / 2, 2] (K) and
+// [blocks, Hkv, bs / 2, 2, D / 16, 16] (V); bf16, fp32 or fp8 (e4m3, e5m2; k_scale / v_scale: the
+// layer's per-tensor scales, 1 otherwise). query: [R, Hq, D] fp32 contiguous; block_table [R, W] int32
+// rows of unit stride; seq_lens, lo, hi: [R] int32 / int64. rows: [E] int32 / int64, the row of each
+// entry (one outside [0, R), or a row of length <= 0: the entry is skipped, nothing written).
+// evidence / key_norms: [E, Hkv, >= L] fp32 (key_norms may be None): entry e's positions [0, lim)
+// are written, lim = min(seq, L), -inf outside [max(lo, 0), min(hi, lim)). out: [R, Hq, D] fp32
+// contiguous or None (then V is not read): the entries' rows are written.
 void evidence_op(const at::Tensor& evidence, const std::optional<at::Tensor>& key_norms,
                  const std::optional<at::Tensor>& out, const at::Tensor& query, const at::Tensor& k_pages,
-                 const at::Tensor& v_pages, const at::Tensor& blocks, int64_t seq, int64_t lo, int64_t hi,
-                 int64_t lim, double scale, double alpha, bool amx, double k_scale, double v_scale) {
+                 const at::Tensor& v_pages, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                 const at::Tensor& lo_t, const at::Tensor& hi_t, const at::Tensor& rows_t, double scale,
+                 double alpha, bool amx, double k_scale, double v_scale) {
   const at::ScalarType dt = k_pages.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2,
               "sfi_evidence: bf16, fp32, float8_e4m3fn or float8_e5m2 pages expected, got ", dt);
@@ -506,72 +531,129 @@ void evidence_op(const at::Tensor& evidence, const std::optional<at::Tensor>& ke
   TORCH_CHECK(layout, "sfi_evidence: pages not in CPU_ATTN's ", amx ? "amx" : "vec", " packing (sizes ",
               k_pages.sizes(), " / ", v_pages.sizes(), ", strides ", ks, " / ", vs, ")");
   TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.is_contiguous() &&
-                  query.dim() == 2 && query.size(1) == d && query.size(0) > 0 && query.size(0) % hkv == 0,
-              "sfi_evidence: query [Hq, ", d, "] fp32 contiguous with Hq a multiple of ", hkv, " expected, got ",
-              query.sizes());
-  const int64_t hq = query.size(0), g = hq / hkv;
-  TORCH_CHECK(0 < lim && lim <= seq, "sfi_evidence: 0 < lim <= seq expected, got lim ", lim, ", seq ", seq);
-  TORCH_CHECK(hi <= lo || (0 <= lo && hi <= lim), "sfi_evidence: 0 <= lo < hi <= lim expected, got ", lo, ", ",
-              hi, ", ", lim);
-  const int64_t nb = (seq + bs - 1) / bs;
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kInt && blocks.is_contiguous() &&
-                  blocks.numel() >= nb,
-              "sfi_evidence: >= ", nb, " int32 block ids expected, got ", blocks.numel(), " ", blocks.scalar_type());
-  const int32_t* bp = blocks.data_ptr<int32_t>();
-  for (int64_t j = 0; j < nb; ++j)
-    TORCH_CHECK(bp[j] >= 0 && bp[j] < nb_all, "sfi_evidence: block id ", bp[j], " outside [0, ", nb_all, ")");
-  check_row(evidence, "sfi_evidence: evidence", hkv, lim, at::kFloat);
-  if (key_norms.has_value()) check_row(*key_norms, "sfi_evidence: key_norms", hkv, lim, at::kFloat);
+                  query.dim() == 3 && query.size(2) == d && query.size(1) > 0 && query.size(1) % hkv == 0,
+              "sfi_evidence: query [R, Hq, ", d, "] fp32 contiguous with Hq a multiple of ", hkv,
+              " expected, got ", query.sizes());
+  const int64_t n_rows = query.size(0), hq = query.size(1), g = hq / hkv;
+  TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.size(0) == n_rows && block_table.stride(1) == 1,
+              "sfi_evidence: block_table [", n_rows, ", W] int32 rows of unit stride expected, got ",
+              block_table.sizes(), " ", block_table.scalar_type());
+  const IntVec seqs = int_vec(seq_lens, "sfi_evidence: seq_lens", n_rows);
+  const IntVec los = int_vec(lo_t, "sfi_evidence: lo", n_rows), his = int_vec(hi_t, "sfi_evidence: hi", n_rows);
+  TORCH_CHECK(rows_t.dim() == 1, "sfi_evidence: rows [E] expected, got ", rows_t.sizes());
+  const int64_t n_ent = rows_t.size(0);
+  const IntVec rows = int_vec(rows_t, "sfi_evidence: rows", n_ent);
+  TORCH_CHECK(evidence.dim() == 3, "sfi_evidence: evidence [E, Hkv, L] expected, got ", evidence.sizes());
+  const int64_t max_len = evidence.size(2);
+  check_rows3(evidence, "sfi_evidence: evidence", n_ent, hkv, max_len, at::kFloat);
+  if (key_norms.has_value()) check_rows3(*key_norms, "sfi_evidence: key_norms", n_ent, hkv, max_len, at::kFloat);
   if (out.has_value())
     TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == at::kFloat && out->is_contiguous() &&
-                    out->dim() == 2 && out->size(0) == hq && out->size(1) == d,
-                "sfi_evidence: out [", hq, ", ", d, "] fp32 contiguous expected, got ", out->sizes());
-  float* scratch = op_scratch(g * seq + (g + 2) * bs + (out.has_value() ? g * seq + g * d : 0));
-  float* kn = key_norms.has_value() ? key_norms->data_ptr<float>() : nullptr;
-  const int64_t kn_hs = key_norms.has_value() ? key_norms->stride(0) : 0;
+                    out->dim() == 3 && out->size(0) == n_rows && out->size(1) == hq && out->size(2) == d,
+                "sfi_evidence: out [", n_rows, ", ", hq, ", ", d, "] fp32 contiguous expected, got ", out->sizes());
+  const int64_t width = block_table.size(1), t_rs = block_table.stride(0);
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  int64_t longest = 0;
+  for (int64_t e = 0; e < n_ent; ++e) {                 // what the C++ reads, checked before any thread starts
+    const int64_t r = rows[e];
+    if (r < 0 || r >= n_rows || seqs[r] <= 0) continue;
+    const int64_t seq = seqs[r], nb = (seq + bs - 1) / bs;
+    TORCH_CHECK(nb <= width, "sfi_evidence: row ", r, " of length ", seq, " needs ", nb, " blocks, the table has ",
+                width);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int32_t b = table[r * t_rs + j];
+      TORCH_CHECK(b >= 0 && b < nb_all, "sfi_evidence: block id ", b, " outside [0, ", nb_all, ")");
+    }
+    longest = std::max(longest, seq);
+  }
+  if (longest == 0 || max_len == 0) return;
+  const int64_t scratch_n = g * longest + (g + 2) * bs + (out.has_value() ? g * longest + g * d : 0);
+  float* ev_base = evidence.data_ptr<float>();
+  float* kn_base = key_norms.has_value() ? key_norms->data_ptr<float>() : nullptr;
+  const int64_t ev_es = evidence.stride(0), ev_hs = evidence.stride(1);
+  const int64_t kn_es = key_norms.has_value() ? key_norms->stride(0) : 0;
+  const int64_t kn_hs = key_norms.has_value() ? key_norms->stride(1) : 0;
   float* attn = out.has_value() ? out->data_ptr<float>() : nullptr;
-#define SFI_EVIDENCE(T)                                                                                     \
-  evidence_pass<T>(static_cast<const T*>(k_pages.data_ptr()), ks[0], ks[1], static_cast<int>(bs),                \
-                   static_cast<int>(d), static_cast<int>(hkv), static_cast<int>(g), bp, seq, lo, hi, lim,          \
-                   query.data_ptr<float>(), static_cast<float>(scale), static_cast<float>(alpha),                  \
-                   evidence.data_ptr<float>(), evidence.stride(0), kn, kn_hs, scratch,                            \
-                   out.has_value() ? static_cast<const T*>(v_pages.data_ptr()) : nullptr, attn, amx ? 1 : 0,       \
+  const float* q_base = query.data_ptr<float>();
+  at::parallel_for(0, n_ent * hkv, 1, [&](int64_t begin, int64_t end) {
+    float* scratch = op_scratch(scratch_n);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = item / hkv;
+      const int h = static_cast<int>(item % hkv);
+      const int64_t r = rows[e];
+      if (r < 0 || r >= n_rows || seqs[r] <= 0) continue;
+      const int64_t seq = seqs[r], lim = std::min(seq, max_len);
+      const int64_t lo = std::max<int64_t>(los[r], 0), hi = std::min<int64_t>(his[r], lim);
+      float* kn = kn_base == nullptr ? nullptr : kn_base + e * kn_es;
+      float* ao = attn == nullptr ? nullptr : attn + r * hq * d;
+#define SFI_EVIDENCE(T)                                                                                             \
+  evidence_pass<T>(static_cast<const T*>(k_pages.data_ptr()), ks[0], ks[1], static_cast<int>(bs), static_cast<int>(d), \
+                   h, h + 1, static_cast<int>(g), table + r * t_rs, seq, lo, hi, lim, q_base + r * hq * d,             \
+                   static_cast<float>(scale), static_cast<float>(alpha), ev_base + e * ev_es, ev_hs, kn, kn_hs,        \
+                   scratch, out.has_value() ? static_cast<const T*>(v_pages.data_ptr()) : nullptr, ao, amx ? 1 : 0,   \
                    static_cast<float>(k_scale), static_cast<float>(v_scale))
-  if (dt == at::kBFloat16) SFI_EVIDENCE(uint16_t);
-  else if (dt == at::kFloat) SFI_EVIDENCE(float);
-  else if (dt == at::kFloat8_e4m3fn) SFI_EVIDENCE(fp8e4m3);
-  else SFI_EVIDENCE(fp8e5m2);
+      if (dt == at::kBFloat16) SFI_EVIDENCE(uint16_t);
+      else if (dt == at::kFloat) SFI_EVIDENCE(float);
+      else if (dt == at::kFloat8_e4m3fn) SFI_EVIDENCE(fp8e4m3);
+      else SFI_EVIDENCE(fp8e5m2);
 #undef SFI_EVIDENCE
+    }
+  });
 }
 
-// torch.ops.speedsfi.sfi_select_row: sfi_select_row on tensors. sel: [H, >= n_sel] int32 rows of unit
-// stride; evidence / key_norms: [H, >= hi] fp32 rows of unit stride; cfg: the 12 constants in
-// sfi_select_row's order; exclude: [H, E] int64 contiguous or None.
-void select_row_op(const at::Tensor& sel, const at::Tensor& evidence, const at::Tensor& key_norms, int64_t lo,
-                   int64_t hi, at::ArrayRef<double> cfg, int64_t nms_radius, int64_t span, int64_t span_back,
-                   int64_t n_sel, const std::optional<at::Tensor>& exclude) {
-  const int64_t heads = evidence.dim() == 2 ? evidence.size(0) : -1;
-  TORCH_CHECK(0 <= lo && lo < hi && 0 < n_sel && n_sel <= hi - lo,
-              "sfi_select_row: 0 <= lo < hi and 0 < n_sel <= hi - lo expected, got ", lo, ", ", hi, ", ", n_sel);
-  TORCH_CHECK(cfg.size() == 12, "sfi_select_row: 12 constants expected, got ", cfg.size());
-  check_row(evidence, "sfi_select_row: evidence", heads, hi, at::kFloat);
-  check_row(key_norms, "sfi_select_row: key_norms", heads, hi, at::kFloat);
-  check_row(sel, "sfi_select_row: sel", heads, n_sel, at::kInt);
+// torch.ops.speedsfi.sfi_select_rows: sfi_select_row for every row of a step's slow list at once, the
+// rows shared among torch's intra-op threads. sel: [N, H, >= max n_sel] int32 (unit stride);
+// evidence / key_norms: [N, H, >= max hi] fp32 (unit stride); lo, hi, n_sel: [N] int32 / int64, a row
+// with n_sel <= 0 skipped (nothing written), otherwise 0 <= lo < hi, n_sel <= hi - lo; cfg: the 12
+// constants in sfi_select_row's order; exclude: [N, H, E] int64 contiguous or None.
+void select_rows_op(const at::Tensor& sel, const at::Tensor& evidence, const at::Tensor& key_norms,
+                    const at::Tensor& lo_t, const at::Tensor& hi_t, const at::Tensor& n_sel_t,
+                    at::ArrayRef<double> cfg, int64_t nms_radius, int64_t span, int64_t span_back,
+                    const std::optional<at::Tensor>& exclude) {
+  TORCH_CHECK(evidence.dim() == 3, "sfi_select_rows: evidence [N, H, L] expected, got ", evidence.sizes());
+  const int64_t n = evidence.size(0), heads = evidence.size(1);
+  TORCH_CHECK(cfg.size() == 12, "sfi_select_rows: 12 constants expected, got ", cfg.size());
+  const IntVec los = int_vec(lo_t, "sfi_select_rows: lo", n), his = int_vec(hi_t, "sfi_select_rows: hi", n);
+  const IntVec ns = int_vec(n_sel_t, "sfi_select_rows: n_sel", n);
+  int64_t max_hi = 0, max_sel = 0, max_n = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    if (ns[r] <= 0) continue;
+    TORCH_CHECK(0 <= los[r] && los[r] < his[r] && ns[r] <= his[r] - los[r], "sfi_select_rows: row ", r,
+                ": 0 <= lo < hi and n_sel <= hi - lo expected, got ", los[r], ", ", his[r], ", ", ns[r]);
+    max_hi = std::max(max_hi, his[r]);
+    max_sel = std::max(max_sel, ns[r]);
+    max_n = std::max(max_n, his[r] - los[r]);
+  }
+  check_rows3(evidence, "sfi_select_rows: evidence", n, heads, max_hi, at::kFloat);
+  check_rows3(key_norms, "sfi_select_rows: key_norms", n, heads, max_hi, at::kFloat);
+  check_rows3(sel, "sfi_select_rows: sel", n, heads, max_sel, at::kInt);
   const int64_t* ex = nullptr;
   int64_t n_ex = 0;
   if (exclude.has_value()) {
     TORCH_CHECK(exclude->device().is_cpu() && exclude->scalar_type() == at::kLong && exclude->is_contiguous() &&
-                    exclude->dim() == 2 && exclude->size(0) == heads,
-                "sfi_select_row: exclude [", heads, ", E] int64 contiguous expected, got ", exclude->sizes());
+                    exclude->dim() == 3 && exclude->size(0) == n && exclude->size(1) == heads,
+                "sfi_select_rows: exclude [", n, ", ", heads, ", E] int64 contiguous expected, got ", exclude->sizes());
     ex = exclude->data_ptr<int64_t>();
-    n_ex = exclude->size(1);
+    n_ex = exclude->size(2);
   }
+  if (max_sel == 0) return;
   float consts[12];
   for (int i = 0; i < 12; ++i) consts[i] = static_cast<float>(cfg[i]);
-  float* scratch = op_scratch((2 * heads + 2) * (hi - lo));
-  sfi_select_row(evidence.data_ptr<float>(), evidence.stride(0), key_norms.data_ptr<float>(), key_norms.stride(0),
-                 static_cast<int>(heads), lo, hi, consts, static_cast<int>(nms_radius), static_cast<int>(span),
-                 static_cast<int>(span_back), n_sel, ex, n_ex, sel.data_ptr<int32_t>(), sel.stride(0), scratch);
+  const float* ev = evidence.data_ptr<float>();
+  const float* kn = key_norms.data_ptr<float>();
+  int32_t* sp = sel.data_ptr<int32_t>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    float* scratch = op_scratch((2 * heads + 2) * max_n);
+    for (int64_t r = begin; r < end; ++r) {
+      if (ns[r] <= 0) continue;
+      sfi_select_row(ev + r * evidence.stride(0), evidence.stride(1), kn + r * key_norms.stride(0),
+                     key_norms.stride(1), static_cast<int>(heads), los[r], his[r], consts,
+                     static_cast<int>(nms_radius), static_cast<int>(span), static_cast<int>(span_back), ns[r],
+                     ex == nullptr ? nullptr : ex + r * heads * n_ex, n_ex, sp + r * sel.stride(0), sel.stride(1),
+                     scratch);
+    }
+  });
 }
 
 }  // namespace
@@ -579,13 +661,13 @@ void select_row_op(const at::Tensor& sel, const at::Tensor& evidence, const at::
 TORCH_LIBRARY(speedsfi, m) {
   m.set_python_module("vllm_ext.kernels.cpu_native");
   m.def("sfi_evidence(Tensor(a!) evidence, Tensor(b!)? key_norms, Tensor(c!)? out, Tensor query, Tensor k_pages, "
-        "Tensor v_pages, Tensor blocks, int seq, int lo, int hi, int lim, float scale, float alpha, bool amx, "
-        "float k_scale=1., float v_scale=1.) -> ()");
-  m.def("sfi_select_row(Tensor(a!) sel, Tensor evidence, Tensor key_norms, int lo, int hi, float[] cfg, "
-        "int nms_radius, int span, int span_back, int n_sel, Tensor? exclude) -> ()");
+        "Tensor v_pages, Tensor block_table, Tensor seq_lens, Tensor lo, Tensor hi, Tensor rows, float scale, "
+        "float alpha, bool amx, float k_scale=1., float v_scale=1.) -> ()");
+  m.def("sfi_select_rows(Tensor(a!) sel, Tensor evidence, Tensor key_norms, Tensor lo, Tensor hi, Tensor n_sel, "
+        "float[] cfg, int nms_radius, int span, int span_back, Tensor? exclude) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(speedsfi, CPU, m) {
   m.impl("sfi_evidence", &evidence_op);
-  m.impl("sfi_select_row", &select_row_op);
+  m.impl("sfi_select_rows", &select_rows_op);
 }

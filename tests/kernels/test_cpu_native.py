@@ -37,9 +37,16 @@ def _run(native, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_ou
     ev = torch.full((e, hkv, max_len), SENTINEL)
     kn = torch.full((e, hkv, max_len), SENTINEL) if norms else None
     out = torch.full(q.shape, SENTINEL, dtype=torch.float32) if with_out else None
-    dense_decode_with_evidence_cpu(q, pages, bt, seq, lo, hi, q.shape[-1] ** -0.5, out, ev, None, alpha,
-                                   evidence_rows=rows, key_norms=kn, native=native, k_scale=scales[0],
-                                   v_scale=scales[1])
+    calls = []
+    took = cpu_native.evidence
+    cpu_native.evidence = lambda *a, **k: calls.append(took(*a, **k)) or calls[-1]
+    try:
+        dense_decode_with_evidence_cpu(q, pages, bt, seq, lo, hi, q.shape[-1] ** -0.5, out, ev, None, alpha,
+                                       evidence_rows=rows, key_norms=kn, native=native, k_scale=scales[0],
+                                       v_scale=scales[1])
+    finally:
+        cpu_native.evidence = took
+    assert calls == ([True] if native else []), "the compiled pass did not take the rows"
     return ev, kn, out
 
 
@@ -94,8 +101,8 @@ def _check_evidence(isa, dtype, bs, g, d, alpha, scales=(None, None)):
                                      (6 * bs, True, True)):   # 6 blocks: shorter than rows 0 and 3
         ref = _run(False, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out, scales)
         if scales[0] is not None:                               # the compiled pass must take fp8 pages
-            ev = torch.full((hkv, max_len), SENTINEL)
-            assert cpu_native.evidence(q[0], pages, bt[0], lens[0], 4, 9, 9, 0.1, alpha, ev, None,
+            ev = torch.full((1, hkv, max_len), SENTINEL)
+            assert cpu_native.evidence(q, pages, bt, seq, lo, hi, torch.tensor([0]), 0.1, alpha, ev, None,
                                        k_scale=float(scales[0]), v_scale=float(scales[1]))
         got = _run(True, q, pages, bt, seq, lo, hi, rows, max_len, alpha, norms, with_out, scales)
         for a, b, what in zip(got, ref, ("evidence", "key norms", "attention output")):
@@ -135,6 +142,51 @@ def test_evidence_is_a_distribution_over_the_allowed_set():
 
 
 @needs_native
+def test_a_bf16_output_gets_the_entries_rows_only():
+    """The model's dtype for the output (bf16): the entries' rows written as the fp32 pass rounds them,
+    a row that is no entry's (or masked off) untouched."""
+    gen = torch.Generator().manual_seed(5)
+    pages = _pages(12, 2, 32, 64, torch.bfloat16, gen)
+    bt = torch.randperm(12, generator=gen)[:9].to(torch.int32).view(3, 3)
+    seq = torch.tensor([70, 90, 40], dtype=torch.int32)
+    lo, hi = torch.tensor([0, 4, 0], dtype=torch.int32), torch.tensor([70, 80, 40], dtype=torch.int32)
+    q = torch.randn(3, 4, 64, generator=gen).to(torch.bfloat16)
+    rows = torch.tensor([2, 0], dtype=torch.int32)
+    ref = torch.full((3, 4, 64), SENTINEL)
+    ev = torch.empty(2, 2, 96)
+    dense_decode_with_evidence_cpu(q, pages, bt, seq, lo, hi, 0.125, ref, ev, None, 0.5, evidence_rows=rows)
+    out = torch.full((3, 4, 64), 7.0, dtype=torch.bfloat16)
+    mask = torch.tensor([True, True, False])
+    dense_decode_with_evidence_cpu(q, pages, bt, seq, lo, hi, 0.125, out, ev, mask, 0.5, evidence_rows=rows,
+                                   native=True)
+    torch.testing.assert_close(out[0], ref[0].to(torch.bfloat16), atol=0, rtol=0.01)
+    assert (out[1:] == 7.0).all()                           # row 1: no entry; row 2: masked off
+
+
+@needs_native
+def test_threads_do_not_change_the_values():
+    """The (entry, KV head) pairs shared among threads: each computed whole by one thread, so one
+    thread and two give the same bits."""
+    gen = torch.Generator().manual_seed(6)
+    pages = _pages(40, 2, 32, 64, torch.bfloat16, gen)
+    bt = torch.randperm(40, generator=gen)[:36].to(torch.int32).view(4, 9)
+    seq = torch.tensor([270, 200, 33, 288], dtype=torch.int32)
+    lo, hi = torch.tensor([4, 0, 2, 10], dtype=torch.int32), torch.tensor([260, 200, 30, 280], dtype=torch.int32)
+    q = torch.randn(4, 6, 64, generator=gen).to(torch.bfloat16)
+    rows = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
+    got = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append(_run(True, q, pages, bt, seq, lo, hi, rows, 288, 0.5, True, with_out=True))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*got):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@needs_native
 def test_layouts_it_does_not_read_go_to_the_twin():
     """A cache that is not CPU_ATTN's packed pages, or a KV dtype without a kernel: the wrapper
     declines (nothing written) and the twin's values come out."""
@@ -142,14 +194,14 @@ def test_layouts_it_does_not_read_go_to_the_twin():
 
     gen = torch.Generator().manual_seed(2)
     pages = _pages(6, 2, 16, 64, torch.float16, gen)
-    ev = torch.full((2, 64), SENTINEL)
-    assert not cpu_native.evidence(torch.randn(4, 64), pages, torch.arange(4, dtype=torch.int32), 60, 0, 50,
-                                   60, 0.125, 0.5, ev, None)
+    ev = torch.full((1, 2, 64), SENTINEL)
+    args = (torch.arange(4, dtype=torch.int32)[None], torch.tensor([60]), torch.tensor([0]), torch.tensor([50]),
+            torch.tensor([0]), 0.125, 0.5, ev, None)
+    assert not cpu_native.evidence(torch.randn(1, 4, 64), pages, *args)
     assert (ev == SENTINEL).all()
     kv = torch.randn(6, 2, 16, 128).to(torch.bfloat16)                       # a logical cache: K then V
     logical = SimpleNamespace(k=kv[..., :64], v=kv[..., 64:])
-    assert not cpu_native.evidence(torch.randn(4, 64), logical, torch.arange(4, dtype=torch.int32), 60, 0, 50,
-                                   60, 0.125, 0.5, ev, None)
+    assert not cpu_native.evidence(torch.randn(1, 4, 64), logical, *args)
     assert (ev == SENTINEL).all()
 
 
@@ -171,13 +223,14 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path):
     _failing_build(monkeypatch, tmp_path)
     assert cpu_native.library() is None
     assert "/bin/false failed" in cpu_native.unavailable_reason()
-    ev = torch.full((1, 8), SENTINEL)
-    sel = torch.full((1, 2), -7, dtype=torch.int32)
-    assert not cpu_native.select_row(ev, ev, 0, 8, None, 2, None, sel)
+    ev = torch.full((1, 1, 8), SENTINEL)
+    sel = torch.full((1, 1, 2), -7, dtype=torch.int32)
+    one = torch.tensor([0])
+    assert not cpu_native.select_rows(ev, ev, one, torch.tensor([8]), torch.tensor([2]), None, None, sel)
     assert (sel == -7).all() and (ev == SENTINEL).all()
     pages = _pages(2, 1, 16, 64, torch.bfloat16, torch.Generator().manual_seed(0))
-    assert not cpu_native.evidence(torch.randn(1, 64), pages, torch.arange(2, dtype=torch.int32), 20, 0, 8, 8,
-                                   0.125, 0.5, ev, None)
+    assert not cpu_native.evidence(torch.randn(1, 1, 64), pages, torch.arange(2, dtype=torch.int32)[None],
+                                   torch.tensor([20]), one, torch.tensor([8]), one, 0.125, 0.5, ev, None)
     assert (ev == SENTINEL).all()
     assert not list(tmp_path.glob("*.so*"))                 # no partial library left behind
 
@@ -212,16 +265,24 @@ def test_the_operators_trace():
     """Schemas (what each operator writes), fake implementations and ahead-of-time tracing, as
     ``torch.compile`` needs them (``torch.library.opcheck``)."""
     gen = torch.Generator().manual_seed(3)
-    ev, kn = torch.randn(2, 40, generator=gen), torch.rand(2, 40, generator=gen) + 0.1
-    sel = torch.zeros(2, 5, dtype=torch.int32)
+    ev, kn = torch.randn(2, 2, 40, generator=gen), torch.rand(2, 2, 40, generator=gen) + 0.1
+    sel = torch.zeros(2, 2, 5, dtype=torch.int32)
     cfg = [float(v) for v in range(1, 13)]
-    torch.library.opcheck(torch.ops.speedsfi.sfi_select_row.default, (sel, ev, kn, 3, 40, cfg, 2, 1, 0, 5, None))
+    torch.library.opcheck(torch.ops.speedsfi.sfi_select_rows.default,
+                          (sel, ev, kn, torch.tensor([3, 0]), torch.tensor([40, 20]), torch.tensor([5, 3]), cfg, 2, 1,
+                           0, None))
     pages = _pages(8, 2, 16, 32, torch.bfloat16, gen)
-    args = (torch.zeros(2, 60), torch.zeros(2, 60), torch.zeros(4, 32), torch.randn(4, 32, generator=gen),
-            pages.k, pages.v, torch.arange(4, dtype=torch.int32), 60, 2, 50, 60, 0.2, 0.5, False)
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    args = (torch.zeros(2, 2, 60), torch.zeros(2, 2, 60), torch.zeros(2, 4, 32), torch.randn(2, 4, 32, generator=gen),
+            pages.k, pages.v, table, torch.tensor([60, 33], dtype=torch.int32), torch.tensor([2, 0]),
+            torch.tensor([50, 33]), torch.tensor([1, 0]), 0.2, 0.5, False)
     torch.library.opcheck(torch.ops.speedsfi.sfi_evidence.default, args)
+    bad = table.clone()
+    bad[1, 2] = 8
     with pytest.raises(RuntimeError, match="block id"):     # the operator checks what the C++ reads
-        torch.ops.speedsfi.sfi_evidence(*args[:6], torch.tensor([0, 1, 2, 8], dtype=torch.int32), *args[7:])
+        torch.ops.speedsfi.sfi_evidence(*args[:6], bad, *args[7:])
+    with pytest.raises(RuntimeError, match="needs 4 blocks"):
+        torch.ops.speedsfi.sfi_evidence(*args[:6], table[:, :3], *args[7:])
 
 
 _BUILD = """

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_ext.methods.sfi.config import SfiConfig
+from vllm_ext.kernels import cpu_native
 from vllm_ext.kernels import sfi_selector as K
 from vllm_ext.kernels import sfi_selector_cpu as C
 from vllm_ext.kernels import sfi_selector_torch as S
@@ -49,8 +50,16 @@ def check(ev, norms, lo, hi, cfg, k, **kw):
         empty = S.select(ev, norms, lo, lo, cfg, k, k_cap=k_cap)
         ref = (torch.cat([ref[0][:n], empty[0][n:]]), torch.cat([ref[1][:n], empty[1][n:]]))
     for native in (False, True):            # the PyTorch form, then the compiled kernel (where built)
-        got = C.select_rows(ev, norms, lo, hi, cfg, k, k_cap, count, kw.get("exclude"), kw.get("exclude_slot"),
-                            kw.get("exclude_count"), native=native)
+        calls = []
+        took = cpu_native.select_rows
+        cpu_native.select_rows = lambda *a: calls.append(took(*a)) or calls[-1]
+        try:
+            got = C.select_rows(ev, norms, lo, hi, cfg, k, k_cap, count, kw.get("exclude"), kw.get("exclude_slot"),
+                                kw.get("exclude_count"), native=native)
+        finally:
+            cpu_native.select_rows = took
+        if native and cpu_native.library() is not None and int(ref[1].max()) > 0:
+            assert calls == [True], "the compiled selector did not take the rows"
         assert got[0].dtype == torch.int32 and got[1].dtype == torch.int32
         assert torch.equal(got[1], ref[1]), (native, got[1], ref[1])
         assert torch.equal(got[0], ref[0]), (native, got[0], ref[0])

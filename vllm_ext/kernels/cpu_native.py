@@ -1,6 +1,6 @@
 """SFI's decode work on the CPU build as compiled torch operators (``csrc/cpu/``): the slow step's
 dense pass with evidence over ``CPU_ATTN``'s packed pages (the row's attention output, the evidence
-and the key norms from one set of scores) and the closed-form selector, one request at a time
+and the key norms from one set of scores) and the closed-form selector, every slow row of a layer in one call
 (``sfi_cpu.cpp``), the gather of the selection into the compact segment (``gather_compact_cpu.cpp``)
 and the fast step over every fast row of a layer at once (``two_segment_cpu.cpp``).
 
@@ -13,10 +13,10 @@ The operators (``torch.ops.speedsfi``; each has a fake implementation registered
 ``torch.compile`` traces past it):
 
 - ``sfi_evidence(Tensor(a!) evidence, Tensor(b!)? key_norms, Tensor(c!)? out, Tensor query,
-  Tensor k_pages, Tensor v_pages, Tensor blocks, int seq, int lo, int hi, int lim, float scale,
-  float alpha, bool amx, float k_scale=1., float v_scale=1.) -> ()``
-- ``sfi_select_row(Tensor(a!) sel, Tensor evidence, Tensor key_norms, int lo, int hi, float[] cfg,
-  int nms_radius, int span, int span_back, int n_sel, Tensor? exclude) -> ()``
+  Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, Tensor lo, Tensor hi, Tensor rows,
+  float scale, float alpha, bool amx, float k_scale=1., float v_scale=1.) -> ()``
+- ``sfi_select_rows(Tensor(a!) sel, Tensor evidence, Tensor key_norms, Tensor lo, Tensor hi, Tensor n_sel,
+  float[] cfg, int nms_radius, int span, int span_back, Tensor? exclude) -> ()``
 - ``two_segment_decode(Tensor(a!) out, Tensor query, Tensor k_pages, Tensor v_pages, Tensor block_table,
   Tensor seq_lens, Tensor recent_start, Tensor compact_kv, Tensor compact_table, int cap,
   Tensor compact_len, Tensor slot_idx, Tensor? row_mask, int window, float scale, bool amx,
@@ -80,7 +80,7 @@ HEADERS = (CSRC / "cpu_vec.h", CSRC / "page_views.h")
 # -O3 -march=native and the math flags the kernels' results are checked with; torch's headers need C++20
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-fPIC")
 NAMESPACE = "speedsfi"
-OPS = ("sfi_evidence", "sfi_select_row", "two_segment_decode", "gather_compact", "block_sparse_prefill")
+OPS = ("sfi_evidence", "sfi_select_rows", "two_segment_decode", "gather_compact", "block_sparse_prefill")
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -207,14 +207,14 @@ def _ops_loaded() -> bool:
         return False
 
 
-def _evidence_fake(evidence, key_norms, out, query, k_pages, v_pages, blocks, seq, lo, hi, lim, scale, alpha,
-                   amx, k_scale=1.0, v_scale=1.0) -> None:
+def _evidence_fake(evidence, key_norms, out, query, k_pages, v_pages, block_table, seq_lens, lo, hi, rows, scale,
+                   alpha, amx, k_scale=1.0, v_scale=1.0) -> None:
     """Writes ``evidence``, ``key_norms`` and ``out`` in place; returns nothing."""
     return None
 
 
-def _select_row_fake(sel, evidence, key_norms, lo, hi, cfg, nms_radius, span, span_back, n_sel,
-                     exclude) -> None:
+def _select_rows_fake(sel, evidence, key_norms, lo, hi, n_sel, cfg, nms_radius, span, span_back,
+                      exclude) -> None:
     """Writes ``sel`` in place; returns nothing."""
     return None
 
@@ -236,7 +236,7 @@ def _register_fakes() -> None:
     global _fakes_registered
     if not _fakes_registered:
         torch.library.register_fake(f"{NAMESPACE}::sfi_evidence", _evidence_fake)
-        torch.library.register_fake(f"{NAMESPACE}::sfi_select_row", _select_row_fake)
+        torch.library.register_fake(f"{NAMESPACE}::sfi_select_rows", _select_rows_fake)
         torch.library.register_fake(f"{NAMESPACE}::two_segment_decode", _two_segment_fake)
         torch.library.register_fake(f"{NAMESPACE}::gather_compact", _gather_compact_fake)
         torch.library.register_fake(f"{NAMESPACE}::block_sparse_prefill", _block_sparse_prefill_fake)
@@ -291,24 +291,21 @@ def reads_pages(dtype: torch.dtype) -> bool:
     return dtype in PAGE_DTYPES
 
 
-def _rows_ok(t: torch.Tensor, rows: int, length: int, dtype: torch.dtype = torch.float32) -> bool:
-    """``t`` is ``[rows, >= length]`` of ``dtype`` on the CPU with unit-stride rows."""
-    return (t.dtype == dtype and t.device.type == "cpu" and t.dim() == 2 and t.shape[0] == rows
-            and t.shape[1] >= length and t.stride(-1) == 1)
-
-
-def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int, hi: int, lim: int,
-             scale: float, alpha: float, ev: torch.Tensor, kn: torch.Tensor | None,
-             out: torch.Tensor | None = None, *, k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
-    """One request's evidence ``ev [Hkv, >= lim]`` and key norms ``kn`` (or None) over its positions
-    ``[0, seq)`` (``lim = min(seq, max_len)`` written; ``-inf`` outside ``[lo, hi)``), and with ``out``
-    (``[Hq, D]``, any float dtype) its dense attention over them from the same scores: what
-    :func:`vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu` writes. ``query
-    [Hq, D]``; ``pages``: :class:`vllm_ext.kernels.packed_pages.PackedPages` (the vec packing, K
-    transposed per page, or the amx one, which the C++ unpacks a page at a time); ``table``: the
-    request's block-table row; fp8 pages: ``k_scale`` / ``v_scale``, the layer's per-tensor scales
-    (host floats). False (nothing written) where the kernel does not apply: no library, a KV dtype
-    other than bf16 / fp32 / fp8, another page layout, rows that are not fp32 and unit-stride."""
+def evidence(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens: torch.Tensor, lo: torch.Tensor,
+             hi: torch.Tensor, rows: torch.Tensor, scale: float, alpha: float, ev: torch.Tensor,
+             kn: torch.Tensor | None, out: torch.Tensor | None = None, *, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> bool:
+    """The evidence ``ev [E, Hkv, L]`` and key norms ``kn`` (or None) of a step's slow rows in one
+    call: entry ``e`` is row ``rows[e]`` of ``query [R, Hq, D]`` (one outside ``[0, R)`` or of
+    length <= 0 is skipped) over its positions ``[0, seq_lens[r])``, ``lim = min(seq, L)`` written,
+    ``-inf`` outside ``[max(lo[r], 0), min(hi[r], lim))``; with ``out`` (``[R, Hq, D]``, any float
+    dtype) the entries' rows of its dense attention from the same scores: what
+    :func:`vllm_ext.kernels.dense_decode_evidence.dense_decode_with_evidence_cpu` writes. ``pages``:
+    :class:`vllm_ext.kernels.packed_pages.PackedPages` (the vec packing, K transposed per page, or the
+    amx one, which the C++ unpacks a page at a time); ``block_table [R, W]``; fp8 pages: ``k_scale`` /
+    ``v_scale``, the layer's per-tensor scales (host floats). False (nothing written) where the kernel
+    does not apply: no library, a KV dtype other than bf16 / fp32 / fp8, another page layout, evidence
+    rows that are not fp32 with unit stride."""
     ops = library()
     if ops is None:
         return False
@@ -316,29 +313,33 @@ def evidence(query: torch.Tensor, pages, table: torch.Tensor, seq: int, lo: int,
     if layout is None:
         return False
     k_pages, v_pages, amx = layout
-    nb_all, hkv, bs, d = pages.k.shape
-    hq = query.shape[0]
-    if (not reads_pages(pages.k.dtype) or k_pages.device.type != "cpu"
-            or query.dim() != 2 or hq == 0 or hq % hkv or query.shape[1] != d or not 0 < lim <= seq
-            or not (hi <= lo or 0 <= lo and hi <= lim) or not _rows_ok(ev, hkv, lim)
-            or (kn is not None and not _rows_ok(kn, hkv, lim))
-            or (out is not None and tuple(out.shape) != (hq, d))):
-        return False
-    n_blocks = -(-seq // bs)
-    blocks = table[:n_blocks].to(torch.int32).contiguous()
-    if blocks.numel() < n_blocks or int(blocks.min()) < 0 or int(blocks.max()) >= nb_all:
+    hkv, d = pages.k.shape[1], pages.k.shape[3]
+    if (not reads_pages(pages.k.dtype) or k_pages.device.type != "cpu" or query.dim() != 3
+            or query.shape[1] == 0 or query.shape[1] % hkv or query.shape[2] != d
+            or not _entries_ok(ev, rows.shape[0], hkv) or (kn is not None and not _entries_ok(kn, rows.shape[0], hkv))
+            or (out is not None and out.shape != query.shape)):
         return False
     q = query.float().contiguous()
     attn = out
     if out is not None and not (out.dtype == torch.float32 and out.is_contiguous()):
         from vllm_ext.kernels.paged_reference import _scratch_buffer
 
-        attn = _scratch_buffer(hq * d, torch.float32, query.device, tag="cpu_native_out").view(hq, d)
-    ops.sfi_evidence(ev, kn, attn, q, k_pages, v_pages, blocks, seq, lo, hi, lim, scale, alpha, amx,
-                     float(k_scale), float(v_scale))
+        attn = _scratch_buffer(q.numel(), torch.float32, query.device, tag="cpu_native_out").view(q.shape)
+    ops.sfi_evidence(ev, kn, attn, q, k_pages, v_pages, block_table.to(torch.int32), seq_lens.contiguous(),
+                     lo.contiguous(), hi.contiguous(), rows.contiguous(), scale, alpha, amx, float(k_scale),
+                     float(v_scale))
     if attn is not out:
-        out.copy_(attn)
+        r = rows.long()
+        r = r[(r >= 0) & (r < query.shape[0])]
+        r = r[seq_lens.long()[r] > 0]
+        out[r] = attn[r].to(out.dtype)
     return True
+
+
+def _entries_ok(t: torch.Tensor, entries: int, heads: int) -> bool:
+    """``t`` is ``[entries, heads, L]`` fp32 on the CPU with unit-stride rows."""
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 3 and t.shape[0] == entries
+            and t.shape[1] == heads and t.stride(-1) == 1)
 
 
 def _page_layout(pages) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
@@ -366,25 +367,29 @@ _CFG_FIELDS = ("alpha", "gamma_k", "pos_power", "pos_eta", "pos_beta", "w_k", "w
                "cross_head_temperature", "lam_x", "eps")
 
 
-def select_row(ev: torch.Tensor, kn: torch.Tensor, lo: int, hi: int, cfg, n_sel: int,
-               exclude: torch.Tensor | None, sel: torch.Tensor) -> bool:
-    """One request's selection (:func:`vllm_ext.kernels.sfi_selector_cpu.select_rows`, one row):
-    ``ev``, ``kn`` ``[H, >= hi]`` fp32 rows, ``0 <= lo < hi``, ``n_sel <= hi - lo`` positions per
-    head into ``sel [H, >= n_sel]`` (int32, ascending); ``exclude [H, E]`` absolute positions (any
-    value) or None. False (nothing written) where the kernel does not apply."""
+def select_rows(ev: torch.Tensor, kn: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_sel: torch.Tensor,
+                cfg, exclude: torch.Tensor | None, sel: torch.Tensor) -> bool:
+    """The selections of a step's slow rows in one call (:func:`vllm_ext.kernels.sfi_selector_cpu.select_rows`):
+    ``ev``, ``kn`` ``[N, H, >= max hi]`` fp32 rows; per row ``lo``, ``hi``, ``n_sel`` (``[N]``; a row
+    with ``n_sel <= 0`` is skipped, otherwise ``0 <= lo < hi`` and ``n_sel <= hi - lo``) positions per
+    head into ``sel [N, H, >= max n_sel]`` (int32, ascending); ``exclude [N, H, E]`` absolute positions
+    (any value) or None. False (nothing written) where the kernel does not apply."""
     ops = library()
     if ops is None:
         return False
-    heads = ev.shape[0] if ev.dim() == 2 else -1
-    if (not 0 <= lo < hi or n_sel <= 0 or n_sel > hi - lo or not _rows_ok(ev, heads, hi)
-            or not _rows_ok(kn, heads, hi) or not _rows_ok(sel, heads, n_sel, torch.int32)):
+    if ev.dim() != 3:
+        return False
+    n, heads = ev.shape[:2]
+    if (not _entries_ok(ev, n, heads) or not _entries_ok(kn, n, heads) or sel.dtype != torch.int32
+            or sel.dim() != 3 or sel.shape[:2] != (n, heads) or sel.stride(-1) != 1):
         return False
     if exclude is not None:
         exclude = exclude.to(torch.int64).contiguous()
-        if exclude.dim() != 2 or exclude.shape[0] != heads or exclude.device.type != "cpu":
+        if exclude.dim() != 3 or exclude.shape[:2] != (n, heads) or exclude.device.type != "cpu":
             return False
-    ops.sfi_select_row(sel, ev, kn, lo, hi, [float(getattr(cfg, f)) for f in _CFG_FIELDS], int(cfg.nms_radius),
-                       int(cfg.select_span), int(cfg.select_span_back), n_sel, exclude)
+    ops.sfi_select_rows(sel, ev, kn, lo.contiguous(), hi.contiguous(), n_sel.contiguous(),
+                        [float(getattr(cfg, f)) for f in _CFG_FIELDS], int(cfg.nms_radius), int(cfg.select_span),
+                        int(cfg.select_span_back), exclude)
     return True
 
 

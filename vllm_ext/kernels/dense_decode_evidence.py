@@ -551,7 +551,7 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
     by one matmul, then output, evidence over ``A`` (on the allowed span only) and ``||k||`` from
     those scores and that K. The batched form pads every row to the longest and converts K/V
     piecewise: 2-4x slower at 2K on the real model's slow steps. ``native`` (the CPU build's
-    dispatch): an entry on ``CPU_ATTN``'s packed pages goes to the compiled kernel
+    dispatch): on ``CPU_ATTN``'s packed pages every entry goes to the compiled kernel in one call
     (:func:`vllm_ext.kernels.cpu_native.evidence`, the same values up to summation order) when it
     applies. fp8 pages: ``k_scale`` folded into the score scale and the key norms, ``v_scale`` into
     the output."""
@@ -563,6 +563,17 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
     hkv = kv_cache.shape[1]
     g = hq // hkv
     max_len = log_evidence.shape[-1]
+    ks = kv_quant.host_scale(kv_cache.dtype, k_scale)
+    vs = kv_quant.host_scale(kv_cache.dtype, v_scale)
+    native = native and isinstance(kv_cache, PackedPages)
+    if native:
+        rows = (torch.arange(r_all, dtype=torch.int32) if evidence_rows is None
+                else evidence_rows.to(torch.int32))
+        if row_mask is not None:
+            rows = torch.where(row_mask.bool()[rows.long().clamp(0, r_all - 1)], rows, -1)
+        if cpu_native.evidence(query, kv_cache, block_table, seq_lens, allowed_lo, allowed_hi, rows, scale,
+                               alpha, log_evidence, key_norms, out, k_scale=ks, v_scale=vs):
+            return out
     seqs, los, his = seq_lens.tolist(), allowed_lo.tolist(), allowed_hi.tolist()
     on = [True] * r_all if row_mask is None else [bool(m) for m in row_mask.tolist()]
     if evidence_rows is None:
@@ -570,20 +581,12 @@ def dense_decode_with_evidence_cpu(query, kv_cache, block_table, seq_lens, allow
     else:
         pairs = [(e, r) for e, r in enumerate(evidence_rows.tolist()) if 0 <= r < r_all]
     log_g = math.log(g)
-    ks = kv_quant.host_scale(kv_cache.dtype, k_scale)
-    vs = kv_quant.host_scale(kv_cache.dtype, v_scale)
-    native = native and isinstance(kv_cache, PackedPages)
     for e, r in pairs:
         seq = int(seqs[r])
         if seq <= 0 or not on[r]:
             continue
         lim = min(seq, max_len)
         lo, hi = max(int(los[r]), 0), min(int(his[r]), lim)
-        if native and cpu_native.evidence(query[r], kv_cache, block_table[r], seq, lo, hi, lim, scale,
-                                          alpha, log_evidence[e],
-                                          None if key_norms is None else key_norms[e],
-                                          None if out is None else out[r], k_scale=ks, v_scale=vs):
-            continue
         kt, v = gather_prefix_kt_into(kv_cache, block_table[r], seq, torch.float32,
                                       values=out is not None)                         # [Hkv, D, seq]
         q = query[r].float().view(hkv, g, d)

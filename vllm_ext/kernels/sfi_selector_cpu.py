@@ -119,8 +119,8 @@ def select_rows(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tenso
                 *, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`vllm_ext.kernels.sfi_selector_torch.select` for pooled evidence ``[rows, Hkv, L]`` on the
     CPU, per live row (``count``; every row without it) over its allowed set. ``native`` (the CPU
-    build's dispatch): each row through the compiled kernel
-    (:func:`vllm_ext.kernels.cpu_native.select_row`) when it applies."""
+    build's dispatch): every row through the compiled kernel in one call
+    (:func:`vllm_ext.kernels.cpu_native.select_rows`) when it applies."""
     rows, heads, length = evidence.shape
     width, k_eff = _ref.resolve_k(k, params, rows, evidence.device, k_cap)
     live = rows if count is None else max(0, min(rows, int(count.reshape(-1)[0])))
@@ -128,17 +128,15 @@ def select_rows(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tenso
     n_sel = torch.zeros(rows, dtype=torch.int32)
     if live == 0:
         return sel, n_sel
-    lo_l, hi_l, k_l = lo.reshape(-1)[:live].tolist(), hi.reshape(-1)[:live].tolist(), k_eff[:live].tolist()
+    a_t = lo.reshape(-1)[:live].long().clamp(0, length)
+    b_t = torch.maximum(hi.reshape(-1)[:live].long().clamp(max=length), a_t)
+    n_sel[:live] = torch.minimum(k_eff[:live].long(), b_t - a_t).to(torch.int32)
     excl = _exclusions(exclude, exclude_slot, exclude_count, live)
-    for r in range(live):
-        a = min(max(int(lo_l[r]), 0), length)
-        b = max(min(int(hi_l[r]), length), a)
-        n_sel[r] = min(int(k_l[r]), b - a)
-        n = min(int(k_l[r]), b - a, width)
+    if native and cpu_native.select_rows(evidence[:live], key_norms[:live], a_t, b_t,
+                                         n_sel[:live].long().clamp(max=width), params, excl, sel[:live]):
+        return sel, n_sel
+    for r, (a, b, n) in enumerate(zip(a_t.tolist(), b_t.tolist(), n_sel[:live].clamp(max=width).tolist())):
         if n <= 0:
-            continue
-        if native and cpu_native.select_row(evidence[r], key_norms[r], a, b, params, n,
-                                            None if excl is None else excl[r], sel[r]):
             continue
         score = _dilate(_scores(evidence[r, :, a:b], key_norms[r, :, a:b], params), params.select_span,
                         params.select_span_back)
