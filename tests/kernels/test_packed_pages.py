@@ -118,6 +118,31 @@ def test_vllm_cpu_attn_writes_what_packed_pages_reads(isa, bs, dtype):
     assert layout_matches(write, bs, 64, dtype)
 
 
+@pytest.mark.parametrize("spelling,fmt", [("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
+                                          ("fp8_e5m2", torch.float8_e5m2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_vllm_cpu_attn_fp8_writes_what_packed_pages_reads(spelling, fmt, dtype):
+    """The contract on an fp8 cache (x86 with AVX-512 or AMX, where vLLM's CPU build takes one): the
+    vec packing a byte an element. vLLM's CPU write rounds toward zero (torch's conversion to
+    nearest), so the check writes fp8 values; a write that moved them would still fail it."""
+    ops = _vllm_cpu_ops()
+    if ops is None:
+        pytest.skip("needs vLLM's CPU build (cpu_attn ops)")
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        pytest.skip("FP8 KV cache on CPU requires x86 with AVX-512 or AMX (vLLM's condition)")
+
+    def write(k, v, kc, vc, slots):
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "vec", k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype=spelling)
+
+    assert layout_matches(write, 32, 64, dtype, cache_dtype=fmt)
+
+    def shifted(k, v, kc, vc, slots):                        # one token further into the page
+        write(k, v, kc, vc, slots + 1)
+
+    assert not layout_matches(shifted, 32, 64, dtype, cache_dtype=fmt)
+
+
 @pytest.mark.parametrize("bs", [32, 64, 128])
 @pytest.mark.parametrize("d", [64, 128])
 def test_vllm_cpu_attn_amx_writes_what_packed_pages_reads(bs, d):

@@ -168,7 +168,8 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | float | None) -> torch.Ten
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch.dtype) -> torch.Tensor:
     """``x`` stored as ``dtype``: for fp8, ``x / scale`` saturated to the format's finite range and
-    rounded to nearest (vLLM's write); otherwise a plain conversion."""
+    rounded to nearest (vLLM's CUDA write; its CPU build's write rounds toward zero); otherwise a
+    plain conversion."""
     if not is_fp8(dtype):
         return x.to(dtype)
     y = x.float()
