@@ -17,8 +17,9 @@ and wall time, mean (slow steps included) and median per step.
 
 Bytes a step reads: the weights (the checkpoint's bytes) plus K and V of the tokens each row's
 attention reads: a dense row its whole context, a fast SFI row its retained tokens (the
-``sfi.fast_retained_tokens`` counter), a slow row its context once for ``CPU_ATTN``'s attention and
-its K once more for the evidence (the CPU build's slow pass scores K only). The achieved rate
+``sfi.fast_retained_tokens`` counter), a slow row its context once (the compiled evidence pass
+attends and scores from one read of K and V; without the compiled kernels, ``CPU_ATTN`` attends
+and the twin reads K once more for the evidence: 1.5 times the context). The achieved rate
 (bytes / mean step time) stands beside the machine's measured read rate (a 256 MiB copy on one
 thread and on every core). Writes ``bench/results/<name>.json`` and a plot.
 """
@@ -212,7 +213,7 @@ def run_point(eng, ids: list[list[int]], steps: int, threads: int, profile: bool
 
 
 def summarise(raw: dict, batch: int, length: int, weights: int, per_token: int, kv_elem: float,
-              quest: bool) -> dict:
+              quest: bool, slow_reads: float = 1.0) -> dict:
     """Per-step means and the bytes a step reads (module doc). Quest's selection rows read page
     bounds and candidates, counted as their retained tokens only (a lower bound)."""
     steps = len(raw["cpu_ms"])
@@ -221,7 +222,7 @@ def summarise(raw: dict, batch: int, length: int, weights: int, per_token: int, 
     fast, slow = raw["fast_row_steps"], raw["slow_row_steps"]
     dense = raw["dense_row_steps"] if fast or slow else row_steps
     tok_bytes = per_token * kv_elem / 2
-    kv = tok_bytes * (raw["fast_retained_tokens"] + dense * ctx + (0 if quest else slow * ctx * 1.5))
+    kv = tok_bytes * (raw["fast_retained_tokens"] + dense * ctx + (0 if quest else slow * ctx * slow_reads))
     step_bytes = weights + kv / steps
     out = {k: v for k, v in raw.items()}
     for unit in ("cpu", "wall"):
@@ -253,6 +254,9 @@ def run_config(args, name: str, lengths: list[int], batches: list[int], weights:
     llm = LLM(model=args.model, **settings)
     eng = llm.llm_engine
     kv_elem = 1.0 if args.kv_dtype.startswith("fp8") else 4.0 if args.dtype == "float32" else 2.0
+    from vllm_ext.kernels import cpu_native
+
+    slow_reads = 1.0 if cpu_native.library() is not None else 1.5
     rows = []
     try:
         for length in lengths:
@@ -262,7 +266,7 @@ def run_config(args, name: str, lengths: list[int], batches: list[int], weights:
                 raw = run_point(eng, ids[:batch], args.decode_steps, args.threads, profile,
                                 f"{name}-{length}-{batch}")
                 row = dict(config=name, **summarise(raw, batch, length, weights, per_token, kv_elem,
-                                                         quest=name.startswith("quest")))
+                                                         quest=name.startswith("quest"), slow_reads=slow_reads))
                 if 0 < args.steady_after < args.decode_steps:
                     row["steady"] = steady(raw, args.steady_after, batch)
                 print(f"[bench] {name:13s} L={length:5d} B={batch:2d}  cpu mean {row['cpu_ms_mean']:7.1f} ms "
