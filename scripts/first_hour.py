@@ -106,6 +106,8 @@ def parse_demo(text: str) -> dict:
 def skip_reason(reason: str) -> str:
     """A skip's reason in a few words (the figure's 'skipped for want of ...')."""
     r = reason.lower()
+    if "serves fp8" in r:
+        return "this CPU serving fp8 (no refusal to check)"
     if "avx-512" in r:
         return "AVX-512 or AMX"
     if "amx" in r:

@@ -107,7 +107,8 @@ def first_hour() -> str:
     counts = f"{tests['passed']} passed, {tests['skipped']} skipped for want of a GPU, {tests['failed']} failed"
     if tests.get("skipped_for"):                # the skips grouped by their reasons, where the file has them
         counts = f"{tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped: " + "; ".join(
-            f"{n} for want of {what}" if what != "other" else f"{n} for other reasons"
+            f"{n} for other reasons" if what == "other" else f"{n} for {what}" if what.startswith("this CPU")
+            else f"{n} for want of {what}"
             for what, n in tests["skipped_for"].items())
     return (
         f"- `scripts/demo.sh` took **{_minutes(demo['wall_s'])}** with set-up. It serves "
@@ -890,9 +891,7 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
     return stray, exempt
 
 
-def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_float32_1thread.json",
-                                              "cpu_decode_batch_float32_1thread_sfi.json",
-                                              "cpu_decode_batch_float32_1thread_regwidth.json")) -> str:
+def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_float32_1thread.json", "cpu_decode_batch_float32_1thread_sfi.json", "cpu_decode_batch_float32_1thread_regwidth.json")) -> str:
     """B requests of L prompt tokens decoding together on the CPU build: mean step, SFI's speed-up and
     how close each config's step comes to the bytes it reads. A later file's rows replace an earlier
     one's for the same config (a config measured again after a change)."""
@@ -936,12 +935,14 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_float32_1thread
                      f"{_source(n)}" for n, f in files)
     return ("\n".join(lines) + "\n\n"
             f"{env['cpu']} ({env['cores']} cores, {env['isa']}), vLLM 0.32.0 CPU build, torch {env['torch']}; "
-            f"SmolLM2-135M-Instruct, {d['dtype']}; whole engine steps in which every row decodes, {timing}, mean "
+            f"SmolLM2-135M-Instruct, {d['dtype']}, KV cache {d.get('kv_cache_dtype', 'auto')}; whole engine steps "
+            f"in which every row decodes, {timing}, mean "
             f"(slow steps included); the machine read {reads.get(1, float('nan')):.1f} GB/s on one thread (a 256 "
             f"MiB copy, at the first run's start). Runs: {runs}.\n")
 
 
-FIGURES = {"cpu_decode_batch": cpu_decode_batch, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
+FIGURES = {"cpu_decode_batch": cpu_decode_batch,
+           "cpu_decode_batch_fp8": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_fp8kv_avx512.json",)), "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,
