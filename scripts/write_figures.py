@@ -942,7 +942,6 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_float32_1thread
 
 
 FIGURES = {"cpu_decode_batch": cpu_decode_batch,
-           "cpu_decode_batch_fp8": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_fp8kv_avx512.json",)), "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,
