@@ -941,7 +941,7 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_float32_1thread
             f"MiB copy, at the first run's start). Runs: {runs}.\n")
 
 
-FIGURES = {"cpu_decode_batch": cpu_decode_batch,
+FIGURES = {"cpu_decode_batch": cpu_decode_batch, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,
