@@ -891,7 +891,7 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
     return stray, exempt
 
 
-def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_float32_1thread.json", "cpu_decode_batch_float32_1thread_sfi.json", "cpu_decode_batch_float32_1thread_regwidth.json")) -> str:
+def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.json",)) -> str:
     """B requests of L prompt tokens decoding together on the CPU build: mean step, SFI's speed-up and
     how close each config's step comes to the bytes it reads. A later file's rows replace an earlier
     one's for the same config (a config measured again after a change)."""

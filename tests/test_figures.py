@@ -85,8 +85,8 @@ EXEMPTIONS = {
     ("docs/gpu_vllm_e2e.md", "historical",
      "sizes of the carried payloads as built on 2026-11-23; no result file holds them"),
     ("docs/performance.md", "historical",
-     "the per-step times and the cProfile tables of the _regwidth run's log, "
-     "bench/results/cpu_decode_batch_float32_1thread_regwidth.log"),
+     "the per-step times and the cProfile tables of the avx512 run's log, "
+     "bench/results/cpu_decode_batch_bf16_avx512.log"),
     ("docs/critiprefill.md", "historical",
      "per-layer times of bench/bench_cpu_prefill.py --layer on the shared 2-core AMD EPYC, 2026-11-28 "
      "(bench/results/cpu_prefill_smollm2_fp32_layer.json; no figure block writes them yet)"),
