@@ -61,13 +61,25 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _machine() -> str:
     name = platform.processor() or platform.machine()
     try:
         name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{name}, {os.cpu_count()} cores"
+    import torch
+
+    return f"{name}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _model_shape(model: str) -> dict:
@@ -164,7 +176,8 @@ def _run(args, save) -> list[dict]:
                            attention_pairs=pairs,
                            attention_skipped=1 - pairs / attention_pairs(n, None, shape["layers"]),
                            gflops=round(flops / 1e9, 1), achieved_gflop_s_cpu=round(flops / cpu / 1e9, 2),
-                           counters=counters, note=args.note)
+                           counters=counters, note=args.note, date=time.strftime("%Y-%m-%d", time.gmtime()),
+                           commit=_commit())
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 save(rows)                                       # each row kept as soon as measured

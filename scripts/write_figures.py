@@ -372,12 +372,20 @@ def concurrency_critiprefill_cpu() -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-CPU_PREFILL = "cpu_prefill_smollm2_fp32.json"
+CPU_PREFILL = "cpu_prefill_smollm2_fp32_avx512.json"
 
 
-def _cpu_prefill_rows() -> list[tuple[int, dict, list[dict]]]:
-    """(prompt length, CPU_ATTN's row, CritiPrefill's rows) per length, one thread."""
-    rows = [r for r in _load(CPU_PREFILL)["rows"] if r["threads"] == 1]
+def _cpu_prefill_when() -> str:
+    """Date and commit of the prefill rows (recorded per row)."""
+    rows = _load(CPU_PREFILL)["rows"]
+    dates = sorted({r["date"] for r in rows})
+    commits = sorted({r["commit"] for r in rows})
+    return f"{' to '.join(dict.fromkeys([dates[0], dates[-1]]))}; commit {', '.join(commits)}"
+
+
+def _cpu_prefill_rows(threads: int = 1) -> list[tuple[int, dict, list[dict]]]:
+    """(prompt length, CPU_ATTN's row, CritiPrefill's rows) per length, at ``threads``."""
+    rows = [r for r in _load(CPU_PREFILL)["rows"] if r["threads"] == threads]
     out = []
     for n in sorted({r["length"] for r in rows}):
         dense = next(r for r in rows if r["length"] == n and r["config"] == "cpu_attn")
@@ -391,8 +399,10 @@ def cpu_prefill() -> str:
     critiprefill preset (bench/bench_cpu_prefill.py): thread CPU time, the ratio, the attention
     pairs the plan skipped and the achieved GFLOP/s."""
     d = _load(CPU_PREFILL)
+    wall = {n: (dense, crit) for n, dense, crit in _cpu_prefill_rows(threads=2)}
     lines = ["| prompt | `CPU_ATTN` | `critiprefill` | ratio | attention pairs skipped | "
-             "achieved GFLOP/s (`CPU_ATTN` / `critiprefill`) |", "|---|---|---|---|---|---|"]
+             "achieved GFLOP/s (`CPU_ATTN` / `critiprefill`) | wall, 2 threads: `CPU_ATTN` / `critiprefill` |",
+             "|---|---|---|---|---|---|---|"]
     for n, dense, crit in _cpu_prefill_rows():
         times = ", ".join(f"{r['prefill_cpu_s']:.1f} s" for r in crit)
         ratios = ", ".join(f"{r['prefill_cpu_s'] / dense['prefill_cpu_s']:.2f}x" for r in crit)
@@ -400,10 +410,15 @@ def cpu_prefill() -> str:
         what = f"{100 * skipped:.0f} %" if skipped else "0 % (no sparse segment: the same `CPU_ATTN` rows)"
         crit_gflops = sum(r["achieved_gflop_s_cpu"] for r in crit) / len(crit)
         gflops = f"{dense['achieved_gflop_s_cpu']:.1f} / {crit_gflops:.1f}"
-        lines.append(f"| {n // 1024}K | {dense['prefill_cpu_s']:.1f} s | {times} | {ratios} | {what} | {gflops} |")
-    note = (f"{d['model']}, {d['dtype']}, one thread, thread CPU time of every engine step of one prompt's "
-            f"prefill (chunks of {d['chunk']:,} tokens); {d['machine']}; {UNRECORDED_DATE[CPU_PREFILL]}; "
-            f"{UNRECORDED_COMMIT[CPU_PREFILL]}; {d['note']} 16K is past the model's 8,192 positions "
+        w = wall.get(n)
+        w = (f"{w[0]['prefill_wall_s']:.1f} s / {sum(r['prefill_wall_s'] for r in w[1]) / len(w[1]):.1f} s "
+             f"({sum(r['prefill_wall_s'] for r in w[1]) / len(w[1]) / w[0]['prefill_wall_s']:.2f}x)" if w else "-")
+        lines.append(f"| {n // 1024}K | {dense['prefill_cpu_s']:.1f} s | {times} | {ratios} | {what} | {gflops} | {w} |")
+    notes = sorted({r["note"] for r in d["rows"] if r.get("note")})
+    note = (f"{d['model']}, {d['dtype']}, thread CPU time of every engine step of one prompt's prefill with one "
+            f"thread, and its wall time with two (chunks of {d['chunk']:,} tokens); {d['machine']}; "
+            f"{_cpu_prefill_when()}; {'; '.join(notes)}; commands: "
+            + "; ".join(f"`{c}`" for c in d["commands"]) + ". 16K is past the model's 8,192 positions "
             f"(`VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`: a timing, not an answer); {_source(CPU_PREFILL)}.")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
@@ -416,15 +431,15 @@ def cpu_prefill_headline() -> str:
     def ratio(n, dense, crit):
         return sum(r["prefill_cpu_s"] for r in crit) / len(crit) / dense["prefill_cpu_s"]
 
-    longest, middle = rows[-1], rows[len(rows) // 2]
+    longest, middle = rows[-1], rows[(len(rows) - 1) // 2]
     n, dense, crit = longest
     mean_s = sum(r["prefill_cpu_s"] for r in crit) / len(crit)
     return ("- **CritiPrefill**: block-sparse prefill ([docs/critiprefill.md](docs/critiprefill.md)). On the CPU "
             f"build its preset's prefill of a {n // 1024}K-token prompt (a timing: past the model's 8K positions) took {ratio(*longest):.2f}x "
             f"`CPU_ATTN`'s thread CPU time ({mean_s:.0f} s against {dense['prefill_cpu_s']:.0f} s), at "
             f"{middle[0] // 1024}K {ratio(*middle):.2f}x (SmolLM2-135M, fp32, "
-            f"one thread, {_load(CPU_PREFILL)['machine']}, shared with other jobs; {UNRECORDED_DATE[CPU_PREFILL]}; "
-            f"{UNRECORDED_COMMIT[CPU_PREFILL]}; `bench/bench_cpu_prefill.py`; {_source(CPU_PREFILL)}).\n")
+            f"one thread, {_load(CPU_PREFILL)['machine']}; {_cpu_prefill_when()}; `bench/bench_cpu_prefill.py`; "
+            f"{_source(CPU_PREFILL)}).\n")
 
 
 _QUALITY_HEAD = re.compile(r"^\| config \|.*$", re.M)
@@ -681,6 +696,78 @@ def quality_critiprefill_needles() -> str:
             f"{', '.join(str(n) for n in meta['lengths'])} tokens; depths {', '.join(str(x) for x in meta['depths'])}); "
             f"{meta['device_desc']}, vLLM {meta['vllm']}, torch {meta['torch']}; {meta['date'][:10]}; "
             f"commit {meta['commit']}; `{meta['command']}`; {_source(CRITIPREFILL_NEEDLES)}.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def cpu_decode_headline(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.json",
+                                                 "cpu_decode_batch_bf16_fp8kv_avx512.json")) -> str:
+    """The README's line on the CPU build's batch decode: the preset's mean step against CPU_ATTN's,
+    per KV cache dtype."""
+    parts, srcs = [], []
+    for n in names:
+        d = _load(n)
+        by = {r["config"]: r for r in d["rows"]}
+        base, sfi = by["cpu_attn"], by["sfi"]
+        unit = d["unit"]
+        kv = "bf16" if d.get("kv_cache_dtype", "auto") == "auto" else f"an {d['kv_cache_dtype']} KV cache"
+        parts.append(f"{sfi[unit + '_ms_mean']:.0f} ms against {base[unit + '_ms_mean']:.0f} "
+                     f"({base[unit + '_ms_mean'] / sfi[unit + '_ms_mean']:.2f}x) on {kv}")
+        srcs.append((n, d))
+    d = srcs[0][1]
+    r = next(iter(d["rows"]))
+    env = d["env"]
+    return (f"On the CPU build, {r['batch']} requests of {r['length']:,} prompt tokens decoding together, the "
+            f"`sfi` preset's mean step took " + "; ".join(parts) + " (`CPU_ATTN`'s), every step counted: "
+            f"SmolLM2-135M-Instruct, {d['dtype']}, thread CPU time on one thread, {env['cpu']} ({env['cores']} "
+            f"cores, {env['isa']}); {env['time_utc'][:10]}; commits "
+            + ", ".join(f"{x['commit']}" for _, x in srcs) + "; `bench/bench_cpu_decode_batch.py`; source: "
+            + ", ".join(_source(n).replace("source: ", "") for n, _ in srcs) + ".\n")
+
+
+QUALITY_FP8 = ("quality_cpu_smollm2_fp8_heldout_bf16kv.json", "quality_cpu_smollm2_fp8_heldout_fp8kv.json")
+
+
+def quality_fp8() -> str:
+    """The real model on an fp8 KV cache: dense and the sfi preset, each on a bf16 and an fp8 cache,
+    the same held-out prompts; each sparse run paired with the dense run on its own cache, dense fp8
+    paired with dense bf16 (what fp8 itself costs)."""
+    runs = {}
+    for name, kv in zip(QUALITY_FP8, ("bf16", "fp8")):
+        d = _load(name)
+        for c in d["configs"]:
+            runs[(c["name"], kv)] = c
+    metas = [_load(n)["meta"] for n in QUALITY_FP8]
+    lines = ["| config | KV cache | right | paired with | of its right (95 % interval) | same answer | "
+             "fast-step read |", "|---" * 7 + "|"]
+    pairs = [(("dense", "bf16"), None), (("dense", "fp8"), ("dense", "bf16")),
+             (("sfi_preset", "bf16"), ("dense", "bf16")), (("sfi_preset", "fp8"), ("dense", "fp8"))]
+    for key, ref in pairs:
+        rows = runs[key]["samples"]
+        by_len = {}
+        for r in rows:
+            by_len.setdefault(r["length"], [0, 0])
+            by_len[r["length"]][0] += round(r["correct"])
+            by_len[r["length"]][1] += 1
+        right = " + ".join(f"{a} / {n}" for _, (a, n) in sorted(by_len.items()))
+        read = runs[key].get("fast_retained_fraction")
+        read = f"{read:.3f}" if key[0] != "dense" and read is not None else "-"
+        if ref is None:
+            lines.append(f"| {key[0]} | {key[1]} | {right} | - | - | - | {read} |")
+            continue
+        base = runs[ref]["samples"]
+        n_ref = round(sum(q["correct"] for q in base))
+        _, kept, lo, hi = _paired_with_dense(rows, base, n_ref)
+        same = sum(r["output_ids"] == q["output_ids"] for r, q in zip(rows, base))
+        lines.append(f"| {key[0]} | {key[1]} | {right} | {ref[0]} {ref[1]} | {kept} / {n_ref} "
+                     f"({100 * lo:.0f}-{100 * hi:.0f} %) | {same} / {len(rows)} | {read} |")
+    m = metas[1]
+    note = (f"{m['model']} ({m['n_samples']} prompts a run, right counted at "
+            f"{' + '.join(str(n) for n in m['lengths'])} tokens; forms "
+            f"{', '.join(sorted({r['wording'] for r in runs[('dense', 'fp8')]['samples']}))}; depths "
+            f"{', '.join(str(x) for x in m['depths'])}; seed {m['seed']}, a set no setting was chosen on); "
+            f"{m['device_desc']}, vLLM {m['vllm']}, torch {m['torch']}; {m['date'][:10]}; commit {m['commit']}; "
+            + "; ".join(f"`{x['command']}`" for x in metas) + "; source: "
+            + ", ".join(f"`bench/results/{n}`" for n in QUALITY_FP8) + ".")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -941,7 +1028,9 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
             f"MiB copy, at the first run's start). Runs: {runs}.\n")
 
 
-FIGURES = {"cpu_decode_batch": cpu_decode_batch, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
+FIGURES = {"cpu_decode_batch": cpu_decode_batch,
+           "cpu_decode_batch_fp8": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_fp8kv_avx512.json",)),
+           "quality_fp8": quality_fp8, "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from tests.e2e.engine import engine
 
@@ -53,7 +54,7 @@ def samples(real_model):
     return {"equivalence": [make(s) for s in EQUIVALENCE], "niah": [make(s) for s in NIAH]}
 
 
-def _run(model: str, backend: str, section: dict | None, groups: dict[str, tuple[list, dict]]):
+def _run(model: str, backend: str, section: dict | None, groups: dict[str, tuple[list, dict]], **overrides):
     """One engine; per group (samples, SamplingParams kwargs): the outputs' (token ids, text); and
     the engine's counters (vllm_ext.metrics) over all of it."""
     from vllm import SamplingParams
@@ -63,7 +64,7 @@ def _run(model: str, backend: str, section: dict | None, groups: dict[str, tuple
     metrics.reset()
     t0 = time.time()
     results, times = {}, []
-    kwargs = dict(SETTINGS, additional_config={"speedsfi": section} if section else {})
+    kwargs = dict(SETTINGS, **overrides, additional_config={"speedsfi": section} if section else {})
     with engine(model, backend, **kwargs) as llm:
         times.append(f"start-up {time.time() - t0:.1f} s")
         for name, (group, params) in groups.items():
@@ -152,3 +153,25 @@ def test_sfi_preset_answers_what_dense_answers_on_fast_steps(samples, all_off, s
     assert sfi.n_sink + sfi.k + sfi.n_recent < min(s.length for s in group) and sfi.min_len == 0
     assert counts.get("sfi.fast_steps", 0) > 0, counts
     assert not [k for k in counts if k.startswith("fallback.")], counts
+
+
+SERVES_FP8 = bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.skipif(not SERVES_FP8, reason="FP8 KV cache on CPU requires x86 with AVX-512 or AMX (vLLM's condition)")
+def test_fp8_cache_all_off_and_a_covering_budget_match_cpu_attn(real_model, samples):
+    """The real model on an fp8 KV cache (bf16 weights): every method off, and SFI with a budget that
+    covers the whole context, answer as ``CPU_ATTN`` on the same fp8 cache, token for token; every
+    compiled pass reads the pages (nothing falls back)."""
+    fp8 = dict(dtype="bfloat16", kv_cache_dtype="fp8")
+    group = {"equivalence": (samples["equivalence"], GREEDY_32)}
+    runs = {}
+    for name, backend, section in (("cpu_attn", "CPU_ATTN", None), ("all_off", "SPEEDSFI", None),
+                                   ("covering", "SPEEDSFI", {"sfi": {"enabled": True, "k": 2048}})):
+        runs[name] = _run(real_model, backend, section, group, **fp8)
+    reference = [a for a, _ in runs["cpu_attn"][0]["equivalence"]]
+    for name in ("all_off", "covering"):
+        tokens, counts = runs[name]
+        assert [a for a, _ in tokens["equivalence"]] == reference, name
+        assert not [k for k in counts if k.startswith("fallback.")], (name, counts)
+    assert runs["covering"][1].get("sfi.dense_rows", 0) > 0
