@@ -78,7 +78,10 @@ SOURCES = (SOURCE, CSRC / "two_segment_cpu.cpp", CSRC / "gather_compact_cpu.cpp"
            CSRC / "block_sparse_prefill_cpu.cpp")
 HEADERS = (CSRC / "cpu_vec.h", CSRC / "page_views.h")
 # -O3 -march=native and the math flags the kernels' results are checked with; torch's headers need C++20
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-fPIC")
+# -fopenmp: ATen's at::parallel_for is inlined from its headers as an OpenMP region (torch's CPU builds
+# use the OpenMP backend); without it every pass runs on the calling thread alone. The process's
+# OpenMP runtime is torch's (libgomp.so.1, already loaded).
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-fPIC", "-fopenmp")
 NAMESPACE = "speedsfi"
 OPS = ("sfi_evidence", "sfi_select_rows", "two_segment_decode", "gather_compact", "block_sparse_prefill")
 
@@ -133,7 +136,7 @@ def _link_args(objs: list[str], target: str) -> list[str]:
 
     lib_dirs = cpp_extension.library_paths()
     return ["-shared", *objs, "-o", target, *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
-            "-lc10", "-ltorch_cpu"]
+            "-lc10", "-ltorch_cpu", "-fopenmp"]
 
 
 def _compile(cxx: str, tmp: str) -> None:
