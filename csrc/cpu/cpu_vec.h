@@ -234,24 +234,6 @@ inline V widen_fp8_bits(I b, bool e5m2) {
 // NaN included); e4m3 moved into fp16's fields is the value / 256, its subnormals included. The bit
 // path above multiplies fp32 subnormals (e4m3's smallest values), which x86 does in microcode: with
 // it the fp8 passes ran 3-5x slower than over bf16 pages.
-inline v16f half16_to_float(v16h h) {
-  v16f r;
-#if defined(__AVX512F__)
-  __m256i x;
-  std::memcpy(&x, &h, sizeof(x));
-  const __m512 f = _mm512_cvtph_ps(x);
-  std::memcpy(&r, &f, sizeof(r));
-#else
-  __m128i lo, hi;
-  std::memcpy(&lo, &h, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&h) + sizeof(lo), sizeof(hi));
-  const __m256 a = _mm256_cvtph_ps(lo), b = _mm256_cvtph_ps(hi);
-  std::memcpy(&r, &a, sizeof(a));
-  std::memcpy(reinterpret_cast<char*>(&r) + sizeof(a), &b, sizeof(b));
-#endif
-  return r;
-}
-
 inline vrf half_r_to_float(vrh h) {
   vrf r;
 #if defined(__AVX512F__)
@@ -264,6 +246,18 @@ inline vrf half_r_to_float(vrh h) {
   const __m256 f = _mm256_cvtph_ps(x);
 #endif
   std::memcpy(&r, &f, sizeof(r));
+  return r;
+}
+
+// 16 lanes as 16 / kRegLanes conversions at the register width
+inline v16f half16_to_float(v16h h) {
+  v16f r;
+  for (int c = 0; c < 16 / kRegLanes; ++c) {
+    vrh part;
+    std::memcpy(&part, reinterpret_cast<const char*>(&h) + c * sizeof(vrh), sizeof(vrh));
+    const vrf f = half_r_to_float(part);
+    std::memcpy(reinterpret_cast<char*>(&r) + c * sizeof(vrf), &f, sizeof(vrf));
+  }
   return r;
 }
 
