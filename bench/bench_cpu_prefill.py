@@ -263,6 +263,7 @@ def _layer(args) -> dict:
     from vllm_ext.config import SpeedSfiConfig
     from vllm_ext.kernels import cpu_native
     from vllm_ext.kernels.packed_pages import PackedPages
+    from vllm_ext.methods.critiprefill.cpu_attn_prefill import attend_segments
     from vllm_ext.methods.critiprefill.criticality import LayerFusion
     from vllm_ext.methods.critiprefill.plan import build_plan, dense_plan
 
@@ -314,15 +315,20 @@ def _layer(args) -> dict:
         t_plan = best(lambda: build_plan(q, pages, bt, qsl, seq, cfg, layer_idx=1, fusion=LayerFusion(),
                                          max_seq_len=n, max_query_len=n))
         t_sparse = best(lambda: cpu_native.block_sparse_prefill(q, pages, bt, qsl, seq, plan, scale, out))
+        compiled = out.clone()
+        t_route = best(lambda: attend_segments(q, pages, bt, qsl, seq, plan, scale, output=out))
+        route_err = (out - compiled).abs().max().item()
         pairs_dense = attention_pairs(n, None, 1)
         pairs = attention_pairs(n, {**cp, "dense_layers": ()}, 1)
         flop = 4 * d * hq
         row = dict(length=n, threads=args.threads, cpu_attn_s=round(t_cpu_attn, 4), ours_dense_s=round(t_dense, 4),
                    ours_dense_max_abs_diff=err, plan_s=round(t_plan, 4), ours_preset_s=round(t_sparse, 4),
+                   cpu_attn_route_s=round(t_route, 4), cpu_attn_route_max_abs_diff=route_err,
                    attention_skipped=round(1 - pairs / pairs_dense, 3),
                    cpu_attn_gflop_s=round(flop * pairs_dense / t_cpu_attn / 1e9, 1),
                    ours_dense_gflop_s=round(flop * pairs_dense / t_dense / 1e9, 1),
-                   ours_preset_gflop_s=round(flop * pairs / t_sparse / 1e9, 1))
+                   ours_preset_gflop_s=round(flop * pairs / t_sparse / 1e9, 1),
+                   cpu_attn_route_gflop_s=round(flop * pairs / t_route / 1e9, 1))
         print(json.dumps(row), flush=True)
         rows.append(row)
     return dict(benchmark="cpu_prefill_layer", model=Path(args.model).name, dtype="float32",

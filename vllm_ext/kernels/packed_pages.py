@@ -191,6 +191,28 @@ class PackedPages:
                 f"device={self.device})")
 
 
+def copy_slabs(src: "PackedPages", dst: "PackedPages", pages: torch.Tensor, slabs: torch.Tensor) -> None:
+    """Runs of tokens from ``src``'s pages into whole pages of ``dst`` (the same packing and dtype,
+    ``dst``'s block size a divisor of ``src``'s): for each destination page ``p`` and KV head ``h``,
+    the ``slabs[p, h]``-th run of ``dst`` block size tokens of source page ``pages[p, h]``, head
+    ``h``. ``pages``/``slabs``: int64 ``[P, Hkv]``; pages ``P ..`` of ``dst`` are left as they are.
+    Each head may take a different source page: the destination's page list is shared by the heads,
+    its content is not."""
+    nb, hkv, bs, _ = src.shape
+    sb = dst.shape[2]
+    if src.isa != dst.isa or src.dtype != dst.dtype or bs % sb or dst.shape[1] != hkv:
+        raise ValueError(f"copy_slabs needs the same packing and dtype and a destination block size that "
+                         f"divides the source's: {src} -> {dst}")
+    p = pages.shape[0]
+    heads = torch.arange(hkv, device=pages.device)[None, :]
+    for s_view, d_view in ((src.k, dst.k), (src.v, dst.v)):
+        if isinstance(s_view, PageView):
+            got = s_view.t6.unflatten(2, (bs // sb, -1))[pages, heads, slabs]
+            d_view.t6[:p].copy_(got)
+        else:
+            d_view[:p].copy_(s_view.unflatten(2, (bs // sb, sb))[pages, heads, slabs])
+
+
 def layout_matches(write_fn, block_size: int, head_size: int, dtype: torch.dtype, isa: str = "vec",
                    cache_dtype: torch.dtype | None = None) -> bool:
     """Whether ``write_fn(key, value, key_cache, value_cache, slot_mapping)`` (vLLM's

@@ -85,6 +85,24 @@ def _entries_to_carry(x: torch.Tensor, g: int, query_dtype: torch.dtype, d: int)
     return vals.view(r, g, hkv, 2, d).permute(0, 3, 2, 1, 4).reshape(r, 2, hkv * g, d).float()
 
 
+def _through_cpu_attn(q, pages, bt, qsl, seq, plan, scale, out, scales) -> bool:
+    """The CPU build's route: every segment in ``CPU_ATTN``'s own kernel
+    (:mod:`vllm_ext.methods.critiprefill.cpu_attn_prefill`). Where it does not apply to ``CPU_ATTN``'s
+    packed pages the compiled pass attends instead (logged once, counted
+    ``fallback.critiprefill_cpu_attn``); other page formats are already counted where they are chosen."""
+    from vllm_ext.kernels.packed_pages import PackedPages
+    from vllm_ext.methods.critiprefill.cpu_attn_prefill import attend_segments
+
+    if attend_segments(q, pages, bt, qsl, seq, plan, scale, output=out, **scales):
+        return True
+    if isinstance(pages, PackedPages):
+        metrics.fallback("critiprefill_cpu_attn", "CritiPrefill's segments do not fit CPU_ATTN's kernel here "
+                         "(page size %d, criticality block %d, ISA %s, or KV heads selecting different numbers "
+                         "of blocks): the compiled block-sparse pass attends them (slower, same outputs)",
+                         pages.shape[2], plan.block_size, pages.isa)
+    return False
+
+
 def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                          step: CritiPrefillStep, cfg: CritiPrefillConfig, state_cache: torch.Tensor,
                          state_table: torch.Tensor, layer_index: int, scale: float, output: torch.Tensor,
@@ -139,7 +157,9 @@ def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     # 4. attention
     on_cpu = q.device.type == "cpu" and not use_triton(q)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    if not (on_cpu and block_sparse_prefill_cpu(q, kv_cache, bt, qsl, seq, plan, scale, output=out, **scales)):
+    if on_cpu and _through_cpu_attn(q, kv_cache, bt, qsl, seq, plan, scale, out, scales):
+        pass
+    elif not (on_cpu and block_sparse_prefill_cpu(q, kv_cache, bt, qsl, seq, plan, scale, output=out, **scales)):
         if on_cpu:
             from vllm_ext.kernels import cpu_native
 
