@@ -146,17 +146,29 @@ def test_all_dense_plan_is_cpu_attn_itself():
     assert torch.equal(got[:n], want[:n])
 
 
-def test_copy_slabs_moves_runs_of_tokens_per_head():
-    src = PackedPages(torch.randn(5, 2, 64, 2 * 32), "vec")
-    dst = PackedPages(torch.zeros(4, 2, 32, 2 * 32), "vec")
+@pytest.mark.parametrize("isa,dtype,compiled", [("vec", torch.float32, True), ("vec", torch.float32, False),
+                                                ("vec16", torch.bfloat16, True), ("vec", torch.float8_e5m2, True),
+                                                ("amx", torch.bfloat16, False)])
+def test_copy_slabs_moves_runs_of_tokens_per_head(monkeypatch, isa, dtype, compiled):
+    """Each head's run of tokens lands in its scratch page, whichever copy runs (the compiled row
+    copy, its index_select twin, the strided views of the amx packing), fp8 bytes included."""
+    from vllm_ext.kernels import cpu_native, packed_pages
+
+    if compiled and cpu_native.library() is None:
+        pytest.skip("no C++ compiler here")
+    if not compiled:
+        monkeypatch.setattr(packed_pages, "compiled_copy_rows", lambda *a: False)
+    raw = torch.randn(5, 2, 64, 2 * 32).to(dtype)
+    src = PackedPages(raw, isa)
+    dst = PackedPages(torch.zeros(4, 2, 32, 2 * 32, dtype=dtype), isa)
     pages = torch.tensor([[4, 0], [1, 1], [3, 2]])
     slabs = torch.tensor([[1, 0], [0, 1], [1, 1]])
     copy_slabs(src, dst, pages, slabs)
     for p in range(3):
         for h in range(2):
             s = int(slabs[p, h]) * 32
-            assert torch.equal(dst[p, h], src[int(pages[p, h]), h][s:s + 32])
-    assert (dst.raw[3] == 0).all()
+            assert torch.equal(dst[p, h].view(torch.uint8), src[int(pages[p, h]), h][s:s + 32].view(torch.uint8))
+    assert (dst.raw[3].view(torch.uint8) == 0).all()
     with pytest.raises(ValueError, match="divides"):
         copy_slabs(dst, src, pages, slabs)
 

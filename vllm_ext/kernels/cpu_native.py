@@ -28,6 +28,8 @@ The operators (``torch.ops.speedsfi``; each has a fake implementation registered
   Tensor query_start_loc, Tensor seq_lens, Tensor sel_blocks, Tensor num_sel, Tensor dense, int segment_size,
   int block_size, float scale, bool amx, float k_scale=1., float v_scale=1.) -> ()`` (CritiPrefill's prefill,
   ``block_sparse_prefill_cpu.cpp``)
+- ``copy_rows(Tensor(a!) dst, Tensor dst_rows, Tensor src, Tensor src_rows, int row_bytes) -> ()`` (rows of
+  bytes at given indices: the page-list copies into scratch pages, ``copy_rows_cpu.cpp``)
 
 Built once per machine, at the first :func:`library` call of a process (the CPU impl makes it at
 engine start): ``g++ -O3 -march=native`` against torch's headers (one compiler per source, side by
@@ -75,7 +77,7 @@ CACHE_ENV = "SPEEDSFI_CPU_KERNEL_CACHE"
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 SOURCE = CSRC / "sfi_cpu.cpp"
 SOURCES = (SOURCE, CSRC / "two_segment_cpu.cpp", CSRC / "gather_compact_cpu.cpp",
-           CSRC / "block_sparse_prefill_cpu.cpp")
+           CSRC / "block_sparse_prefill_cpu.cpp", CSRC / "copy_rows_cpu.cpp")
 HEADERS = (CSRC / "cpu_vec.h", CSRC / "page_views.h")
 # -O3 -march=native and the math flags the kernels' results are checked with; torch's headers need C++20
 # -fopenmp: ATen's at::parallel_for is inlined from its headers as an OpenMP region (torch's CPU builds
@@ -243,6 +245,7 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"{NAMESPACE}::two_segment_decode", _two_segment_fake)
         torch.library.register_fake(f"{NAMESPACE}::gather_compact", _gather_compact_fake)
         torch.library.register_fake(f"{NAMESPACE}::block_sparse_prefill", _block_sparse_prefill_fake)
+        torch.library.register_fake(f"{NAMESPACE}::copy_rows", _copy_rows_fake)
         _fakes_registered = True
 
 
@@ -493,6 +496,21 @@ def gather_compact(pages, block_table: torch.Tensor, slot_idx: torch.Tensor, sel
 
 
 # ------------------------------------------------------------ CritiPrefill's block-sparse prefill
+def _copy_rows_fake(dst, dst_rows, src, src_rows, row_bytes):
+    return None
+
+
+def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor,
+              row_bytes: int) -> bool:
+    """``dst`` row ``dst_rows[i]`` = ``src`` row ``src_rows[i]`` (contiguous CPU tensors seen as rows of
+    ``row_bytes`` bytes; int64 indices). False (nothing written) without the library."""
+    ops = library()
+    if ops is None or not (dst.is_contiguous() and src.is_contiguous()) or dst.device.type != "cpu":
+        return False
+    ops.copy_rows(dst, dst_rows.contiguous(), src, src_rows.contiguous(), int(row_bytes))
+    return True
+
+
 def _block_sparse_prefill_fake(out, query, k_pages, v_pages, block_table, query_start_loc, seq_lens, sel_blocks,
                                num_sel, dense, segment_size, block_size, scale, amx, k_scale=1.0,
                                v_scale=1.0) -> None:

@@ -101,22 +101,24 @@ def _scratch(pages: PackedPages, unit: int, num_pages: int) -> PackedPages:
     return PackedPages(have, pages.isa)
 
 
-def _requests(runs: list, tokens_of) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token indices and ``query_start_loc`` (int32) of requests whose token ranges are ``tokens_of(r)``."""
+def _requests(runs: list, tokens_of) -> tuple[torch.Tensor | slice, torch.Tensor]:
+    """The query rows (a slice when they are one run, else token indices) and ``query_start_loc``
+    (int32) of requests whose token ranges are ``tokens_of(r)``."""
     spans = [tokens_of(r) for r in runs]
-    tok = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
     qsl = torch.zeros(len(spans) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor([hi - lo for lo, hi in spans], dtype=torch.int32), 0, out=qsl[1:])
-    return tok, qsl
+    if all(spans[i][0] == spans[i - 1][1] for i in range(1, len(spans))):
+        return slice(spans[0][0], spans[-1][1]), qsl
+    return torch.cat([torch.arange(lo, hi) for lo, hi in spans]), qsl
 
 
-def _call(query, output, tok, qsl, seq, table, pages, scale, kv_dtype, ks, vs, whole: bool) -> None:
+def _call(query, output, tok, qsl, seq, table, pages, scale, kv_dtype, ks, vs) -> None:
     hq, d = query.shape[1], query.shape[2]
     sched = cpu_attn_ops.scheduler_metadata(num_heads=hq, num_kv_heads=pages.shape[1], head_size=d,
                                             seq_lens=seq, query_start_loc=qsl, dtype=query.dtype,
                                             isa=pages.isa, kv_cache_dtype=kv_dtype)
-    if whole:
-        cpu_attn_ops.attend(query, pages, output, qsl, seq, table, scale, scheduler=sched,
+    if isinstance(tok, slice):
+        cpu_attn_ops.attend(query[tok], pages, output[tok], qsl, seq, table, scale, scheduler=sched,
                             kv_cache_dtype=kv_dtype, k_scale=ks, v_scale=vs)
         return
     q = query.index_select(0, tok)
@@ -148,10 +150,7 @@ def attend_segments(query: torch.Tensor, pages, block_table: torch.Tensor, query
         tok, qsl = _requests(calls.dense, lambda r: (r[1], r[2]))
         rows = torch.tensor([r[0] for r in calls.dense], dtype=torch.long)
         seq = torch.tensor([r[3] for r in calls.dense], dtype=torch.int32)
-        whole = len(calls.dense) == len(seq_h) and qsl_h[0] == 0 and torch.equal(
-            qsl, query_start_loc.to(torch.int32)) and not calls.sparse
-        _call(query, output, tok, qsl, seq, block_table.index_select(0, rows), pages, scale, kv_dtype, ks, vs,
-              whole)
+        _call(query, output, tok, qsl, seq, block_table.index_select(0, rows), pages, scale, kv_dtype, ks, vs)
     if calls.sparse:
         _attend_sparse(query, pages, block_table, plan, calls.sparse, unit, scale, output, kv_dtype, ks, vs)
     return True
@@ -186,4 +185,4 @@ def _attend_sparse(query, pages: PackedPages, block_table, plan, segs: list, uni
     table = (base[:, None] + torch.arange(width)).clamp_max(units_t.shape[0] - 1).to(torch.int32)
     seq = torch.tensor([n * bk + (p_hi - s0) for (_, _, _, _, s0, p_hi, n) in segs], dtype=torch.int32)
     tok, qsl = _requests(segs, lambda s: (s[2], s[3]))
-    _call(query, output, tok, qsl, seq, table, scratch, scale, kv_dtype, ks, vs, whole=False)
+    _call(query, output, tok, qsl, seq, table, scratch, scale, kv_dtype, ks, vs)
