@@ -332,7 +332,7 @@ def _layer(args) -> dict:
         print(json.dumps(row), flush=True)
         rows.append(row)
     return dict(benchmark="cpu_prefill_layer", model=Path(args.model).name, dtype="float32",
-                machine=_machine(),
+                machine=_machine(), date=time.strftime("%Y-%m-%d", time.gmtime()), commit=_commit(),
                 shape=dict(heads=hq, kv_heads=hkv, head_size=d, page=bs), config=cp, note=args.note,
                 command="bench/bench_cpu_prefill.py " + " ".join(sys.argv[1:]), rows=rows)
 

@@ -423,6 +423,30 @@ def cpu_prefill() -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+CPU_PREFILL_LAYER = "cpu_prefill_smollm2_fp32_layer_avx512.json"
+
+
+def cpu_prefill_layer() -> str:
+    """One attention layer, kernels only (bench/bench_cpu_prefill.py --layer): CPU_ATTN's prefill op
+    on the whole prompt, the compiled block-sparse pass (all-dense plan and the preset's plan), and the
+    preset's plan through CPU_ATTN's kernel (the engine's route)."""
+    d = _load(CPU_PREFILL_LAYER)
+    lines = ["| prompt | `CPU_ATTN`, dense | compiled pass, dense plan | compiled pass, preset's plan | "
+             "`CPU_ATTN` route, preset's plan | plan | attention pairs skipped | GFLOP/s (`CPU_ATTN` / route) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['length'] // 1024}K | {r['cpu_attn_s']:.3f} s | {r['ours_dense_s']:.3f} s | "
+                     f"{r['ours_preset_s']:.3f} s | {r['cpu_attn_route_s']:.3f} s | {r['plan_s']:.3f} s | "
+                     f"{100 * r['attention_skipped']:.0f} % | {r['cpu_attn_gflop_s']:.0f} / "
+                     f"{r['cpu_attn_route_gflop_s']:.0f} |")
+    note = (f"Kernel-only, one attention layer of {d['model']}'s shape ({d['shape']['heads']} query heads, "
+            f"{d['shape']['kv_heads']} KV heads, head size {d['shape']['head_size']}), random q/k/v in "
+            f"`CPU_ATTN`'s vec pages of {d['shape']['page']} tokens, one request, {d['dtype']}, thread CPU time "
+            f"with {d['rows'][0]['threads']} thread, best of 3; {d['machine']}; {d.get('date', '')}; "
+            f"commit {d.get('commit', '')[:7]}; {d['note']}; `{d['command']}`; {_source(CPU_PREFILL_LAYER)}.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def cpu_prefill_headline() -> str:
     """The README's CritiPrefill line: its prefill against CPU_ATTN's at the longest and the
     middle length measured (the mean of CritiPrefill's runs)."""
@@ -1035,6 +1059,7 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,
            "cpu_prefill": cpu_prefill, "cpu_prefill_headline": cpu_prefill_headline,
+           "cpu_prefill_layer": cpu_prefill_layer,
            "quality_critiprefill_needles": quality_critiprefill_needles,
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,

@@ -90,9 +90,6 @@ EXEMPTIONS = {
     ("docs/performance.md", "historical",
      "the per-step times and the cProfile tables of the fp8 run's log, "
      "bench/results/cpu_decode_batch_bf16_fp8kv_avx512.log"),
-    ("docs/critiprefill.md", "historical",
-     "per-layer times of bench/bench_cpu_prefill.py --layer on the shared 2-core AMD EPYC, 2026-11-28 "
-     "(bench/results/cpu_prefill_smollm2_fp32_layer.json; no figure block writes them yet)"),
 }
 
 PAGES = write_figures.documents()

@@ -40,6 +40,8 @@ def _assert_counters_consistent(counts):
     the authors' default)."""
     segs = counts["critiprefill.sparse_segments"]
     assert segs > 0 and counts["critiprefill.prefill_tokens"] > 0
+    # every segment in CPU_ATTN's kernel (the compiled pass and the twin are fallbacks here)
+    assert not {k for k in counts if k.startswith("fallback.critiprefill")}, counts
     assert counts["critiprefill.sparse_segment_heads"] == segs * HKV * LAYERS
     assert counts["critiprefill.key_blocks_read"] == SMALL["budget"] // SMALL["block_size"] * segs * HKV * LAYERS
     assert counts["critiprefill.key_blocks_skipped"] == \
@@ -59,6 +61,28 @@ def test_covering_budget_is_dense_and_small_budget_is_sparse(tiny_models, arch):
     _assert_counters_consistent(counts)
     assert sparse[0] != reference[0] and sparse[2] != reference[2]   # the long prompts change
     assert sparse[1] == reference[1]            # 40 tokens: one segment, nothing to prune
+
+
+def test_every_sparse_layer_runs_in_cpu_attn_kernel(tiny_models, monkeypatch):
+    """The engine hands each sparse layer's segments to CPU_ATTN's kernel (the route applies to its
+    packed pages), and its tokens are the compiled pass's (the same plan; float order only)."""
+    from vllm_ext.methods.critiprefill import cpu_attn_prefill
+
+    taken = []
+    route = cpu_attn_prefill.attend_segments
+
+    def spy(*args, **kwargs):
+        taken.append(route(*args, **kwargs))
+        return taken[-1]
+
+    monkeypatch.setattr(cpu_attn_prefill, "attend_segments", spy)
+    tokens, counts = _run(tiny_models["llama"], cp=SMALL)
+    assert taken and all(taken), taken
+    assert len(taken) == counts["critiprefill.steps"] * LAYERS
+    monkeypatch.setattr(cpu_attn_prefill, "attend_segments", lambda *a, **k: False)
+    compiled, counts = _run(tiny_models["llama"], cp=SMALL)
+    assert counts["fallback.critiprefill_cpu_attn"] > 0
+    assert compiled == tokens
 
 
 def test_chunk_size_does_not_change_the_answer(tiny_models):

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "cri
 from helpers import cfg, fp8_batch, make_batch, reference_output  # noqa: E402
 from vllm_ext.kernels import cpu_attn_ops  # noqa: E402
 from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill_torch  # noqa: E402
-from vllm_ext.kernels.packed_pages import PackedPages, copy_slabs  # noqa: E402
-from vllm_ext.methods.critiprefill.cpu_attn_prefill import (attend_segments, scratch_unit,  # noqa: E402
+from vllm_ext.kernels.packed_pages import PackedPages, copy_runs  # noqa: E402
+from vllm_ext.methods.critiprefill.cpu_attn_prefill import (attend_segments, scratch_layout,  # noqa: E402
                                                             split_segments)
 from vllm_ext.methods.critiprefill.plan import build_plan, dense_plan  # noqa: E402
 
@@ -71,6 +71,8 @@ CASES = [
     ("single", 1, 128, 64, torch.bfloat16, 32, 64, 32, 0),          # pages of two blocks
     ("chunked", 4, 64, 128, torch.bfloat16, 32, 128, 64, 0),        # pages of four blocks
     ("chunked", 2, 64, 32, torch.float32, 64, 128, 64, 0),          # blocks of two pages
+    ("chunked", 3, 64, 32, torch.float32, 16, 64, 32, 0),           # blocks of 16: two to a scratch page
+    ("single", 2, 64, 64, torch.bfloat16, 16, 64, 48, 0),           # three selected blocks of 16
     ("single", 2, 80, 32, torch.float32, 32, 64, 96, 0),            # vec16 (head size not a multiple of 32)
     ("chunked", 5, 32, 32, torch.bfloat16, 32, 64, 512, 0),         # budget above every candidate: all dense
     ("single", 6, 256, 64, torch.bfloat16, 64, 128, 64, 128),
@@ -146,40 +148,51 @@ def test_all_dense_plan_is_cpu_attn_itself():
     assert torch.equal(got[:n], want[:n])
 
 
-@pytest.mark.parametrize("isa,dtype,compiled", [("vec", torch.float32, True), ("vec", torch.float32, False),
-                                                ("vec16", torch.bfloat16, True), ("vec", torch.float8_e5m2, True),
-                                                ("amx", torch.bfloat16, False)])
-def test_copy_slabs_moves_runs_of_tokens_per_head(monkeypatch, isa, dtype, compiled):
-    """Each head's run of tokens lands in its scratch page, whichever copy runs (the compiled row
-    copy, its index_select twin, the strided views of the amx packing), fp8 bytes included."""
+@pytest.mark.parametrize("isa,dtype,compiled,run", [("vec", torch.float32, True, 32), ("vec", torch.float32, False, 32),
+                                                    ("vec", torch.float32, True, 16), ("vec", torch.float32, False, 16),
+                                                    ("vec16", torch.bfloat16, True, 16),
+                                                    ("vec", torch.float8_e5m2, True, 32),
+                                                    ("vec", torch.float8_e4m3fn, False, 16),
+                                                    ("amx", torch.bfloat16, False, 16)])
+def test_copy_runs_moves_runs_of_tokens_per_head(monkeypatch, isa, dtype, compiled, run):
+    """Each head's run of tokens lands in its slot of the scratch pages, whichever copy runs (the
+    compiled row copy, its index_select twin, the strided views of the amx packing), fp8 bytes
+    included; slots not named are left alone."""
     from vllm_ext.kernels import cpu_native, packed_pages
 
     if compiled and cpu_native.library() is None:
         pytest.skip("no C++ compiler here")
     if not compiled:
         monkeypatch.setattr(packed_pages, "compiled_copy_rows", lambda *a: False)
-    raw = torch.randn(5, 2, 64, 2 * 32).to(dtype)
-    src = PackedPages(raw, isa)
-    dst = PackedPages(torch.zeros(4, 2, 32, 2 * 32, dtype=dtype), isa)
-    pages = torch.tensor([[4, 0], [1, 1], [3, 2]])
-    slabs = torch.tensor([[1, 0], [0, 1], [1, 1]])
-    copy_slabs(src, dst, pages, slabs)
-    for p in range(3):
+    src = PackedPages(torch.randn(5, 2, 64, 2 * 32).to(dtype), isa)
+    dst = PackedPages(torch.zeros(8, 2, 32, 2 * 32, dtype=dtype), isa)
+    per_src, per_dst = 64 // run, 32 // run
+    gen = torch.Generator().manual_seed(run)
+    n = 5
+    pages = torch.randint(0, 5, (n, 2), generator=gen)
+    runs = torch.randint(0, per_src, (n, 2), generator=gen)
+    slots = torch.randperm(8 * per_dst - 1, generator=gen)[:n]           # the last slot stays empty
+    copy_runs(src, dst, pages, runs, slots, run)
+    b = lambda t: t.view(torch.uint8)                                    # noqa: E731  (fp8 has no ==)
+    for i in range(n):
+        dp, dr = int(slots[i]) // per_dst, int(slots[i]) % per_dst
         for h in range(2):
-            s = int(slabs[p, h]) * 32
-            assert torch.equal(dst[p, h].view(torch.uint8), src[int(pages[p, h]), h][s:s + 32].view(torch.uint8))
-    assert (dst.raw[3].view(torch.uint8) == 0).all()
+            r = int(runs[i, h]) * run
+            assert torch.equal(b(dst[dp, h][dr * run:(dr + 1) * run]), b(src[int(pages[i, h]), h][r:r + run]))
+    last = 8 * per_dst - 1
+    assert (b(dst[last // per_dst, :][:, (last % per_dst) * run:]) == 0).all()
     with pytest.raises(ValueError, match="divides"):
-        copy_slabs(dst, src, pages, slabs)
+        copy_runs(src, dst, pages, runs, slots, 24)
 
 
 def test_where_it_does_not_apply_nothing_is_written():
-    b, plan = _problem("single", 3, 64, 16, torch.float32, 16, 64, 64, 0)
-    assert scratch_unit(16, 16, "vec") is None and scratch_unit(16, 16, "vec16") == 16
-    assert scratch_unit(128, 32, "vec") == 32 and scratch_unit(32, 64, "vec") == 32
-    assert scratch_unit(96, 64, "vec") is None
+    b, plan = _problem("single", 3, 64, 96, torch.float32, 64, 64, 64, 0)
+    assert scratch_layout(32, 16, "vec") == (16, 32) and scratch_layout(16, 16, "vec16") == (16, 16)
+    assert scratch_layout(128, 32, "vec") == (32, 32) and scratch_layout(32, 64, "vec") == (32, 32)
+    assert scratch_layout(96, 64, "vec") is None and scratch_layout(32, 24, "vec") is None
+    assert scratch_layout(32, 8, "amx") is None and scratch_layout(32, 8, "vec") == (8, 32)
     out = torch.full_like(b.query, SENTINEL)
-    # page and block sizes of 16 in the vec packing; the logical cache
+    # a page size and a block size of which neither divides the other; the logical cache
     assert not attend_segments(b.query, _packed(b, "vec"), b.block_table, b.query_start_loc, b.seq_lens, plan,
                                0.125, output=out)
     assert not attend_segments(b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, plan, 0.125,

@@ -191,54 +191,55 @@ class PackedPages:
                 f"device={self.device})")
 
 
-def copy_slabs(src: "PackedPages", dst: "PackedPages", pages: torch.Tensor, slabs: torch.Tensor) -> None:
-    """Runs of tokens from ``src``'s pages into whole pages of ``dst`` (the same packing and dtype,
-    ``dst``'s block size a divisor of ``src``'s): for each destination page ``p`` and KV head ``h``,
-    the ``slabs[p, h]``-th run of ``dst`` block size tokens of source page ``pages[p, h]``, head
-    ``h``. ``pages``/``slabs``: int64 ``[P, Hkv]``; pages ``P ..`` of ``dst`` are left as they are.
-    Each head may take a different source page: the destination's page list is shared by the heads,
-    its content is not."""
+def copy_runs(src: "PackedPages", dst: "PackedPages", pages: torch.Tensor, runs: torch.Tensor,
+              slots: torch.Tensor, run: int) -> None:
+    """Runs of ``run`` consecutive tokens from ``src``'s pages into ``dst``'s (the same packing and
+    dtype; ``run`` divides both block sizes): for each ``i`` and KV head ``h``, run ``runs[i, h]`` of
+    source page ``pages[i, h]`` (its tokens ``runs * run ..``), head ``h``, into run slot
+    ``slots[i]`` of ``dst`` (page ``slots // (dst block size / run)``, the slot's place in it).
+    ``pages``/``runs``: int64 ``[N, Hkv]``, ``slots`` int64 ``[N]``; other slots are left as they are.
+    Each head may take a different source run: the destination's slots are shared by the heads, their
+    content is not."""
     nb, hkv, bs, _ = src.shape
-    sb = dst.shape[2]
-    if src.isa != dst.isa or src.dtype != dst.dtype or bs % sb or dst.shape[1] != hkv:
-        raise ValueError(f"copy_slabs needs the same packing and dtype and a destination block size that "
-                         f"divides the source's: {src} -> {dst}")
-    p = pages.shape[0]
+    db = dst.shape[2]
+    if src.isa != dst.isa or src.dtype != dst.dtype or bs % run or db % run or dst.shape[1] != hkv:
+        raise ValueError(f"copy_runs needs the same packing and dtype and a run length ({run}) that divides "
+                         f"both block sizes: {src} -> {dst}")
+    if not pages.shape[0]:
+        return
+    if src.isa != "amx":
+        _copy_runs_vec(src, dst, pages, runs, slots, run)
+        return
     heads = torch.arange(hkv, device=pages.device)[None, :]
-    if src.isa != "amx" and p:
-        _copy_slabs_vec(src, dst, pages, slabs)
-        return
+    d_page, d_run = (slots // (db // run))[:, None], (slots % (db // run))[:, None]
     for s_view, d_view in ((src.k, dst.k), (src.v, dst.v)):
-        if isinstance(s_view, PageView):
-            got = s_view.t6.unflatten(2, (bs // sb, -1))[pages, heads, slabs]
-            d_view.t6[:p].copy_(got)
-        else:
-            d_view[:p].copy_(s_view.unflatten(2, (bs // sb, sb))[pages, heads, slabs])
+        got = s_view.t6.unflatten(2, (bs // run, -1))[pages, heads, runs]
+        d_view.t6.unflatten(2, (db // run, -1))[d_page, heads, d_run] = got
 
 
-def _copy_slabs_vec(src: "PackedPages", dst: "PackedPages", pages: torch.Tensor, slabs: torch.Tensor) -> None:
-    """:func:`copy_slabs` for the vec packings as row gathers (``index_select`` of contiguous rows,
-    several times faster than indexing the strided views): a page's K ``[D, page]`` is ``D * ns`` rows
-    of ``sb`` tokens, its V ``[page, D]`` ``ns`` rows of ``sb * D`` elements."""
-    nb, hkv, bs, d2 = src.raw.shape
-    d, sb = d2 // 2, dst.shape[2]
-    ns = bs // sb
-    p = pages.shape[0]
+def _copy_runs_vec(src: "PackedPages", dst: "PackedPages", pages: torch.Tensor, runs: torch.Tensor,
+                   slots: torch.Tensor, run: int) -> None:
+    """:func:`copy_runs` for the vec packings as copies of contiguous rows (the compiled row copy, or
+    ``index_select`` and ``index_copy_``: several times faster than indexing the strided views): a
+    page's K ``[D, block]`` is ``D * block / run`` rows of ``run`` tokens, its V ``[block, D]``
+    ``block / run`` rows of ``run * D`` elements."""
+    hkv, d = src.shape[1], src.shape[3] // 2
     heads = torch.arange(hkv, device=pages.device)
-    head_page = (pages * hkv + heads) * 2                                   # [P, Hkv]: the K part's index
-    rows_v = ((head_page + 1) * ns + slabs).reshape(-1)
     dims = torch.arange(d, device=pages.device)
-    rows_k = ((head_page[..., None] * d + dims) * ns + slabs[..., None]).reshape(-1)
-    dst_page = (torch.arange(p, device=pages.device)[:, None] * hkv + heads) * 2   # one run per part
-    dst_v = (dst_page + 1).reshape(-1)
-    dst_k = (dst_page[..., None] * d + dims).reshape(-1)
+
+    def rows(page, r, per_page):
+        part = (page * hkv + heads) * 2                                # [N, Hkv]: the page part's K half
+        return ((part + 1) * per_page + r).reshape(-1), ((part[..., None] * d + dims) * per_page
+                                                          + r[..., None]).reshape(-1)
+
+    src_v, src_k = rows(pages, runs, src.shape[2] // run)
+    per_dst = dst.shape[2] // run
+    dst_v, dst_k = rows((slots // per_dst)[:, None], (slots % per_dst)[:, None].expand(-1, hkv), per_dst)
     item = src.raw.element_size()
-    if compiled_copy_rows(dst.raw, dst_v, src.raw, rows_v, sb * d * item) and \
-            compiled_copy_rows(dst.raw, dst_k, src.raw, rows_k, sb * item):
-        return
-    out = dst.raw[:p].view(p, hkv, 2, d * sb)
-    out[:, :, 1].copy_(src.raw.view(-1, sb * d).index_select(0, rows_v).view(p, hkv, sb * d))
-    out[:, :, 0].copy_(src.raw.view(-1, sb).index_select(0, rows_k).view(p, hkv, d * sb))
+    dst_bytes, src_bytes = dst.raw.view(torch.uint8), src.raw.view(torch.uint8)     # fp8 has no index_copy_
+    for (dst_rows, src_rows, width) in ((dst_v, src_v, run * d * item), (dst_k, src_k, run * item)):
+        if not compiled_copy_rows(dst_bytes, dst_rows, src_bytes, src_rows, width):
+            dst_bytes.view(-1, width).index_copy_(0, dst_rows, src_bytes.view(-1, width).index_select(0, src_rows))
 
 
 def compiled_copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor,

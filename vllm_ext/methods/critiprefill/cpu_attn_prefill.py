@@ -7,9 +7,8 @@ Each segment of one layer's sub-batch becomes a request of one of two calls of t
   last segment, a row without state pages) is a cut of that row: its queries over the row's own
   pages, up to the run's last position;
 - **sparse**: each sparse segment is a request over a page list of its own, in a scratch copy (same
-  packing and dtype) whose pages hold ``u`` tokens (``u`` the criticality block size or the page
-  size, the smaller): the selected blocks of each KV head, then the segment's own keys from its
-  start. With the segment's queries at the end of that list the kernel's causal rule is the
+  packing and dtype; :func:`scratch_layout`): the selected blocks of each KV head, then the segment's
+  own keys from its start, copied in runs of the criticality block or the cache page, the smaller. With the segment's queries at the end of that list the kernel's causal rule is the
   segment's exact mask (every selected key, its own keys up to each query). The heads share the page
   list, not its content: head ``h``'s copy holds head ``h``'s selection.
 
@@ -20,8 +19,8 @@ their own keys: about ``2 * (budget + segment) * Hkv * D`` elements, against ``s
 segment) * Hq * D`` multiply-adds).
 
 :func:`attend_segments` returns ``False`` where it does not apply (pages not in ``CPU_ATTN``'s
-packing, block sizes the scratch pages cannot take, heads of one segment selecting different
-numbers of blocks); the caller then runs the compiled pass. Host reads of the plan are free on the
+packing, a page size and block size of which neither divides the other, heads of one segment
+selecting different numbers of blocks); the caller then runs the compiled pass. Host reads of the plan are free on the
 CPU build.
 """
 
@@ -32,20 +31,23 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.kernels import cpu_attn_ops, kv_quant
-from vllm_ext.kernels.packed_pages import PACKED_ISAS, PackedPages, copy_slabs
+from vllm_ext.kernels.packed_pages import PACKED_ISAS, PackedPages, copy_runs
 
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
-def scratch_unit(page_size: int, block_size: int, isa: str) -> int | None:
-    """Tokens a scratch page holds: the smaller of the criticality block and the cache page when one
-    divides the other and ``CPU_ATTN`` takes pages of that many tokens (``None``: it does not)."""
-    u = min(page_size, block_size)
-    if max(page_size, block_size) % u:
+def scratch_layout(page_size: int, block_size: int, isa: str) -> tuple[int, int] | None:
+    """``(run, scratch page)``: the copy's unit, the smaller of the criticality block and the cache
+    page when one divides the other, and the scratch pages' size, the smallest multiple of it that
+    ``CPU_ATTN`` takes (32 tokens, or 16 in the vec16 packing; the amx packing moves tokens in groups
+    of 16). ``None``: no such layout."""
+    run = min(page_size, block_size)
+    if max(page_size, block_size) % run or (isa == "amx" and run % 16):
         return None
-    if u % 32 and not (isa == "vec16" and u % 16 == 0):
-        return None
-    return u
+    least = 16 if isa == "vec16" else 32
+    if run % least == 0:
+        return run, run
+    return (run, least) if least % run == 0 else None
 
 
 @dataclass
@@ -136,9 +138,8 @@ def attend_segments(query: torch.Tensor, pages, block_table: torch.Tensor, query
     (nothing written) where it does not apply."""
     if not isinstance(pages, PackedPages) or pages.isa not in PACKED_ISAS or not cpu_attn_ops.available():
         return False
-    page, bk = pages.shape[2], plan.block_size
-    unit = scratch_unit(page, bk, pages.isa)
-    if unit is None:
+    layout = scratch_layout(pages.shape[2], plan.block_size, pages.isa)
+    if layout is None:
         return False
     qsl_h, seq_h = query_start_loc.tolist(), seq_lens.tolist()
     calls = split_segments(plan, qsl_h, seq_h)
@@ -152,37 +153,44 @@ def attend_segments(query: torch.Tensor, pages, block_table: torch.Tensor, query
         seq = torch.tensor([r[3] for r in calls.dense], dtype=torch.int32)
         _call(query, output, tok, qsl, seq, block_table.index_select(0, rows), pages, scale, kv_dtype, ks, vs)
     if calls.sparse:
-        _attend_sparse(query, pages, block_table, plan, calls.sparse, unit, scale, output, kv_dtype, ks, vs)
+        _attend_sparse(query, pages, block_table, plan, calls.sparse, layout, scale, output, kv_dtype, ks, vs)
     return True
 
 
-def _attend_sparse(query, pages: PackedPages, block_table, plan, segs: list, unit: int, scale: float,
-                   output, kv_dtype: str, ks: float, vs: float) -> None:
-    """The sparse segments: each one's page list copied into scratch pages, then one call."""
+def _attend_sparse(query, pages: PackedPages, block_table, plan, segs: list, layout: tuple[int, int],
+                   scale: float, output, kv_dtype: str, ks: float, vs: float) -> None:
+    """The sparse segments: each one's keys copied, run by run, into scratch pages of its own, then
+    one call."""
+    run, scratch_page = layout
     bk, page = plan.block_size, pages.shape[2]
-    per_block = bk // unit
+    per_block, per_page = bk // run, scratch_page // run
     hkv = pages.shape[1]
     rows_t = torch.tensor([s[0] for s in segs], dtype=torch.long)
     seg_t = torch.tensor([s[1] for s in segs], dtype=torch.long)
     n_max = max(s[6] for s in segs)
     sel = plan.sel_blocks[rows_t, seg_t, :, :n_max].long()                       # [M, Hkv, n]
     sub = torch.arange(per_block)
-    units, owners, counts = [], [], []
+    runs, owners, slots, tables = [], [], [], []
+    base = 0
     for m, (row, _, _, _, s0, p_hi, n) in enumerate(segs):
-        chosen = (sel[m, :, :n, None] * per_block + sub).reshape(hkv, n * per_block).T       # [n*r, Hkv]
-        own = torch.arange(s0 // unit, -(-p_hi // unit))[:, None].expand(-1, hkv)
-        units.append(torch.cat([chosen, own]))
-        counts.append(units[-1].shape[0])
-        owners.append(torch.full((counts[-1],), row, dtype=torch.long))
-    units_t, owner_t = torch.cat(units), torch.cat(owners)                       # [P, Hkv], [P]
-    start_tok = units_t * unit
+        chosen = (sel[m, :, :n, None] * per_block + sub).reshape(hkv, n * per_block).T     # [n*r, Hkv]
+        own = torch.arange(s0 // run, -(-p_hi // run))[:, None].expand(-1, hkv)
+        runs.append(torch.cat([chosen, own]))
+        count = runs[-1].shape[0]
+        owners.append(torch.full((count,), row, dtype=torch.long))
+        slots.append(torch.arange(base, base + count))
+        n_pages = -(-count // per_page)
+        tables.append(torch.arange(base // per_page, base // per_page + n_pages))
+        base += n_pages * per_page
+    runs_t, owner_t = torch.cat(runs), torch.cat(owners)                         # [N, Hkv], [N]
+    start_tok = runs_t * run
     src_pages = block_table.long()[owner_t[:, None], start_tok // page]
-    scratch = _scratch(pages, unit, units_t.shape[0])
-    copy_slabs(pages, scratch, src_pages, (start_tok % page) // unit)
-    width = max(counts)
-    base = torch.zeros(len(counts), dtype=torch.long)
-    torch.cumsum(torch.tensor(counts[:-1], dtype=torch.long), 0, out=base[1:])
-    table = (base[:, None] + torch.arange(width)).clamp_max(units_t.shape[0] - 1).to(torch.int32)
+    scratch = _scratch(pages, scratch_page, base // per_page)
+    copy_runs(pages, scratch, src_pages, (start_tok % page) // run, torch.cat(slots), run)
+    width = max(t.shape[0] for t in tables)
+    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for m, t in enumerate(tables):
+        table[m, :t.shape[0]] = t
     seq = torch.tensor([n * bk + (p_hi - s0) for (_, _, _, _, s0, p_hi, n) in segs], dtype=torch.int32)
     tok, qsl = _requests(segs, lambda s: (s[2], s[3]))
     _call(query, output, tok, qsl, seq, table, scratch, scale, kv_dtype, ks, vs)
