@@ -694,10 +694,11 @@ def quality_user_needles() -> str:
 CRITIPREFILL_NEEDLES = "quality_cpu_smollm2_critiprefill_needles_8k.json"
 
 
-def quality_critiprefill_needles() -> str:
+def quality_critiprefill_needles(name: str = "") -> str:
     """User-written single needles (vllm_ext.quality.user_needles) at a length where the preset's
     prefill is sparse: dense against the critiprefill preset on the same prompts."""
-    d = _load(CRITIPREFILL_NEEDLES)
+    name = name or CRITIPREFILL_NEEDLES
+    d = _load(name)
     dense = d["configs"][0]["samples"]
     n_dense = round(sum(r["correct"] for r in dense))
     lines = ["| config | right | of dense's right (95 % interval) | same answer as dense | sparse segments "
@@ -719,7 +720,7 @@ def quality_critiprefill_needles() -> str:
     note = (f"{meta['model']} ({meta['n_samples']} prompts: forms {', '.join(sorted({r['wording'] for r in dense}))}; "
             f"{', '.join(str(n) for n in meta['lengths'])} tokens; depths {', '.join(str(x) for x in meta['depths'])}); "
             f"{meta['device_desc']}, vLLM {meta['vllm']}, torch {meta['torch']}; {meta['date'][:10]}; "
-            f"commit {meta['commit']}; `{meta['command']}`; {_source(CRITIPREFILL_NEEDLES)}.")
+            f"commit {meta['commit']}; `{meta['command']}`; {_source(name)}.")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -1061,6 +1062,8 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_prefill": cpu_prefill, "cpu_prefill_headline": cpu_prefill_headline,
            "cpu_prefill_layer": cpu_prefill_layer,
            "quality_critiprefill_needles": quality_critiprefill_needles,
+           "quality_critiprefill_heldout": lambda: quality_critiprefill_needles(
+               "quality_cpu_smollm2_critiprefill_needles_heldout.json"),
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill,

@@ -34,6 +34,7 @@ from vllm_ext.kernels import cpu_attn_ops, kv_quant
 from vllm_ext.kernels.packed_pages import PACKED_ISAS, PackedPages, copy_runs
 
 _SCRATCH: dict[tuple, torch.Tensor] = {}
+SCRATCH_BYTES = 64 << 20          # one call's scratch pages at most (unless one segment needs more)
 
 
 def scratch_layout(page_size: int, block_size: int, isa: str) -> tuple[int, int] | None:
@@ -152,9 +153,27 @@ def attend_segments(query: torch.Tensor, pages, block_table: torch.Tensor, query
         rows = torch.tensor([r[0] for r in calls.dense], dtype=torch.long)
         seq = torch.tensor([r[3] for r in calls.dense], dtype=torch.int32)
         _call(query, output, tok, qsl, seq, block_table.index_select(0, rows), pages, scale, kv_dtype, ks, vs)
-    if calls.sparse:
-        _attend_sparse(query, pages, block_table, plan, calls.sparse, layout, scale, output, kv_dtype, ks, vs)
+    for group in _groups(calls.sparse, pages, plan, layout):
+        _attend_sparse(query, pages, block_table, plan, group, layout, scale, output, kv_dtype, ks, vs)
     return True
+
+
+def _groups(segs: list, pages: PackedPages, plan, layout: tuple[int, int]):
+    """The sparse segments in calls whose scratch stays under :data:`SCRATCH_BYTES` (a long prompt's
+    chunk holds dozens of segments; the bound keeps the copy out of the cache sizes vLLM planned)."""
+    run, scratch_page = layout
+    page_bytes = pages.raw[:1].numel() * pages.raw.element_size() * scratch_page // pages.shape[2]
+    group, used = [], 0
+    for seg in segs:
+        s0, p_hi, n = seg[4], seg[5], seg[6]
+        need = -(-(n * plan.block_size + p_hi - s0 + run) // scratch_page) * page_bytes
+        if group and used + need > SCRATCH_BYTES:
+            yield group
+            group, used = [], 0
+        group.append(seg)
+        used += need
+    if group:
+        yield group
 
 
 def _attend_sparse(query, pages: PackedPages, block_table, plan, segs: list, layout: tuple[int, int],
