@@ -415,10 +415,12 @@ def cpu_prefill() -> str:
              f"({sum(r['prefill_wall_s'] for r in w[1]) / len(w[1]) / w[0]['prefill_wall_s']:.2f}x)" if w else "-")
         lines.append(f"| {n // 1024}K | {dense['prefill_cpu_s']:.1f} s | {times} | {ratios} | {what} | {gflops} | {w} |")
     notes = sorted({r["note"] for r in d["rows"] if r.get("note")})
+    long = [f"{n // 1024}K" for n in sorted({r["length"] for r in d["rows"]}) if n > 8192]
+    long_ones = (" and ".join(long) + (" are" if len(long) > 1 else " is")) if long else "No prompt is"
     note = (f"{d['model']}, {d['dtype']}, thread CPU time of every engine step of one prompt's prefill with one "
             f"thread, and its wall time with two (chunks of {d['chunk']:,} tokens); {d['machine']}; "
             f"{_cpu_prefill_when()}; {'; '.join(notes)}; commands: "
-            + "; ".join(f"`{c}`" for c in d["commands"]) + ". 16K is past the model's 8,192 positions "
+            + "; ".join(f"`{c}`" for c in d["commands"]) + f". {long_ones} past the model's 8,192 positions "
             f"(`VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`: a timing, not an answer); {_source(CPU_PREFILL)}.")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
@@ -448,22 +450,22 @@ def cpu_prefill_layer() -> str:
 
 
 def cpu_prefill_headline() -> str:
-    """The README's CritiPrefill line: its prefill against CPU_ATTN's at the longest and the
-    middle length measured (the mean of CritiPrefill's runs)."""
+    """The README's CritiPrefill line: its prefill against CPU_ATTN's at every length measured (the
+    mean of CritiPrefill's runs), the longest's times spelled out."""
     rows = _cpu_prefill_rows()
 
     def ratio(n, dense, crit):
         return sum(r["prefill_cpu_s"] for r in crit) / len(crit) / dense["prefill_cpu_s"]
 
-    longest, middle = rows[-1], rows[(len(rows) - 1) // 2]
-    n, dense, crit = longest
+    n, dense, crit = rows[-1]
     mean_s = sum(r["prefill_cpu_s"] for r in crit) / len(crit)
+    others = ", ".join(f"{m // 1024}K {ratio(m, d_, c_):.2f}x" for m, d_, c_ in rows[:-1])
+    past = " (past 8K: timings, beyond the model's positions)" if n > 8192 else ""
     return ("- **CritiPrefill**: block-sparse prefill ([docs/critiprefill.md](docs/critiprefill.md)). On the CPU "
-            f"build its preset's prefill of a {n // 1024}K-token prompt (a timing: past the model's 8K positions) took {ratio(*longest):.2f}x "
-            f"`CPU_ATTN`'s thread CPU time ({mean_s:.0f} s against {dense['prefill_cpu_s']:.0f} s), at "
-            f"{middle[0] // 1024}K {ratio(*middle):.2f}x (SmolLM2-135M, fp32, "
-            f"one thread, {_load(CPU_PREFILL)['machine']}; {_cpu_prefill_when()}; `bench/bench_cpu_prefill.py`; "
-            f"{_source(CPU_PREFILL)}).\n")
+            f"build its preset's prefill of a {n // 1024}K-token prompt took {ratio(*rows[-1]):.2f}x "
+            f"`CPU_ATTN`'s thread CPU time ({mean_s:.0f} s against {dense['prefill_cpu_s']:.0f} s); {others}{past} "
+            f"(SmolLM2-135M, fp32, one thread, {_load(CPU_PREFILL)['machine']}; {_cpu_prefill_when()}; "
+            f"`bench/bench_cpu_prefill.py`; {_source(CPU_PREFILL)}).\n")
 
 
 _QUALITY_HEAD = re.compile(r"^\| config \|.*$", re.M)
