@@ -63,6 +63,9 @@ def parse(argv=None):
                         "AVX2 only, its prefill is ~6x slower than fp32's)")
     p.add_argument("--kv-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, ...)")
     p.add_argument("--kv-gib", type=float, default=6.0, help="kv_cache_memory_bytes, GiB")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="vLLM's --max-num-seqs (0: the largest batch; a server keeps vLLM's default, "
+                        "and SFI sizes its per-request tables and slow-step scratch by it)")
     p.add_argument("--profile", default=None, metavar="CONFIG",
                    help="cProfile (thread time) a slow and a fast step of this configuration at the "
                         "largest point and print the top functions")
@@ -244,7 +247,7 @@ def run_config(args, name: str, lengths: list[int], batches: list[int], weights:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     backend, section = B.CONFIGS[name]
-    settings = dict(enforce_eager=True, dtype=args.dtype, max_num_seqs=max(batches),
+    settings = dict(enforce_eager=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs or max(batches),
                     max_model_len=max(lengths) + args.decode_steps + 64, max_num_batched_tokens=4096,
                     block_size=32, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
                     enable_prefix_caching=True, attention_backend=backend, seed=0,

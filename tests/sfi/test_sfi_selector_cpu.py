@@ -155,6 +155,25 @@ def test_dispatch_on_the_cpu_uses_it_for_pooled_evidence(monkeypatch):
     assert got[0].data_ptr() == ws.selected.data_ptr()
 
 
+def test_workspace_rows_past_count_read_empty_after_a_larger_call(monkeypatch):
+    """The CPU writes a workspace's live rows only: a call with fewer live rows than the previous one
+    still returns every row past its count as nothing selected, and rows a call never wrote are
+    never trusted (the first call resets them)."""
+    monkeypatch.setenv("SPEEDSFI_FORCE_TORCH_KERNELS", "1")
+    ev, norms = make(6, 3, 90, seed=5)
+    lo = torch.tensor([4, 0, 10, 2, 0, 5], dtype=torch.int32)
+    hi = torch.tensor([80, 90, 70, 88, 90, 60], dtype=torch.int32)
+    ws = K.selector_workspace(6, 3, 90, 24, "cpu", CFG, triton_buffers=False)
+    ws.selected.fill_(123)                                            # what an earlier use left there
+    ws.n_sel.fill_(9)
+    for n in (5, 2, 0, 3, 6, 1):
+        count = torch.tensor([n], dtype=torch.int32)
+        got = K.select(ev, norms, lo, hi, CFG, 24, workspace=ws, count=count)
+        ref = K.select(ev, norms, lo, hi, CFG, 24, count=count)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), n
+        assert (got[0][n:] == -1).all() and (got[1][n:] == 0).all()
+
+
 @pytest.mark.parametrize("left, right", [(0, 0), (1, 0), (0, 1), (16, 16), (12, 2), (2, 12), (5, 0), (40, 40)])
 def test_window_max_is_max_pool(left, right):
     x = torch.randn(3, 97, generator=torch.Generator().manual_seed(left * 100 + right))

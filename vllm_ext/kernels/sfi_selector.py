@@ -115,6 +115,9 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
                              count=count, exclude=exclude, exclude_slot=exclude_slot,
                              exclude_count=exclude_count)
     if key_norms.device.type == "cpu" and evidence.dim() == 3:
+        if workspace is not None:
+            return _select_rows_into(workspace, evidence, key_norms, lo, hi, params, k, k_cap, count, exclude,
+                                     exclude_slot, exclude_count)
         sel, n_sel = select_rows_cpu(evidence, key_norms, lo, hi, params, k, k_cap, count, exclude,
                                      exclude_slot, exclude_count, native=True)
     else:
@@ -130,6 +133,30 @@ def select(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi
     if workspace.n_prev is not None:           # keep the Triton path's padding bookkeeping right
         workspace.n_prev[:rows].copy_(n_sel[:, None].expand(rows, heads))
     return out_sel, out_n
+
+
+def _select_rows_into(ws: SelectorWorkspace, evidence, key_norms, lo, hi, params, k, k_cap, count, exclude,
+                      exclude_slot, exclude_count) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU's selection into the workspace, its live rows only: the rows past ``count`` must read
+    as nothing selected, and only those an earlier call wrote are reset (the scratch has rows for
+    every slow row a step may hold, about 1,800 at 8K on the real model, where a step's slow rows are
+    a few: writing all of them cost more than selecting)."""
+    rows, heads = key_norms.shape[:2]
+    sel, n_sel = select_rows_cpu(evidence, key_norms, lo, hi, params, k, k_cap, count, exclude,
+                                 exclude_slot, exclude_count, native=True, live_only=True)
+    check_workspace(ws, rows, heads, key_norms.shape[-1], sel.shape[-1], sel.device, False)
+    live = sel.shape[0]
+    written = ws.rows if ws.cpu_rows_written < 0 else ws.cpu_rows_written
+    dirty = min(rows, written)
+    ws.selected[:live].copy_(sel)
+    ws.n_sel[:live].copy_(n_sel)
+    if dirty > live:
+        ws.selected[live:dirty].fill_(-1)
+        ws.n_sel[live:dirty].zero_()
+    if ws.n_prev is not None:
+        ws.n_prev[:max(live, dirty)].copy_(ws.n_sel[:max(live, dirty), None].expand(-1, heads))
+    ws.cpu_rows_written = live if written <= rows else written
+    return ws.selected[:rows], ws.n_sel[:rows]
 
 
 def _select_twin(evidence, key_norms, lo, hi, params, k, k_cap, count, exclude, exclude_slot, exclude_count):

@@ -116,16 +116,17 @@ def _dilate(score: torch.Tensor, span: int, back: int) -> torch.Tensor:
 
 def select_rows(evidence: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                 params: SelectorParams, k, k_cap, count, exclude=None, exclude_slot=None, exclude_count=None,
-                *, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                *, native: bool = False, live_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`vllm_ext.kernels.sfi_selector_torch.select` for pooled evidence ``[rows, Hkv, L]`` on the
     CPU, per live row (``count``; every row without it) over its allowed set. ``native`` (the CPU
     build's dispatch): every row through the compiled kernel in one call
-    (:func:`vllm_ext.kernels.cpu_native.select_rows`) when it applies."""
+    (:func:`vllm_ext.kernels.cpu_native.select_rows`) when it applies. ``live_only``: the results
+    hold the live rows only (``[live, Hkv, W]``, ``[live]``)."""
     rows, heads, length = evidence.shape
     width, k_eff = _ref.resolve_k(k, params, rows, evidence.device, k_cap)
     live = rows if count is None else max(0, min(rows, int(count.reshape(-1)[0])))
-    sel = torch.full((rows, heads, width), -1, dtype=torch.int32)
-    n_sel = torch.zeros(rows, dtype=torch.int32)
+    sel = torch.full((live if live_only else rows, heads, width), -1, dtype=torch.int32)
+    n_sel = torch.zeros(live if live_only else rows, dtype=torch.int32)
     if live == 0:
         return sel, n_sel
     a_t = lo.reshape(-1)[:live].long().clamp(0, length)

@@ -111,6 +111,7 @@ class SelectorWorkspace:
     n_prev: torch.Tensor | None = None      # [rows, heads] i32: n_sel of the previous call
     pooled: torch.Tensor | None = None      # [rows, heads, length] f32, 4-D evidence only (lazy)
     scratch: torch.Tensor | None = None     # step 3's shift scratch when Tiles.gather is off
+    cpu_rows_written: int = -1              # the CPU path: rows of ``selected`` written so far (-1: any)
 
     @property
     def nbytes(self) -> int:
