@@ -144,6 +144,9 @@ def steady(raw: dict, after: int, batch: int) -> dict:
     return out
 
 
+PROFILE_STEPS = 24      # untimed steps after the timed ones, to profile one slow and one fast step
+
+
 def run_point(eng, ids: list[list[int]], steps: int, threads: int, profile: bool, tag: str) -> dict:
     """Prefill the batch with every core, then time ``steps`` steps in which every row decodes."""
     from vllm import SamplingParams
@@ -151,7 +154,8 @@ def run_point(eng, ids: list[list[int]], steps: int, threads: int, profile: bool
     all_cores = os.cpu_count() or 1
     # rows that finish their prefill first decode while the others prefill: room for those tokens too
     budget = eng.vllm_config.scheduler_config.max_num_batched_tokens
-    sp = SamplingParams(temperature=0, max_tokens=steps + 8 + sum(len(p) for p in ids) // budget + len(ids),
+    extra = PROFILE_STEPS if profile else 0
+    sp = SamplingParams(temperature=0, max_tokens=steps + extra + 8 + sum(len(p) for p in ids) // budget + len(ids),
                         ignore_eos=True)
     names = [f"{tag}-{i}" for i in range(len(ids))]
     for name, p in zip(names, ids):
@@ -165,44 +169,43 @@ def run_point(eng, ids: list[list[int]], steps: int, threads: int, profile: bool
                 started.add(o.request_id)
     prefill_wall = time.perf_counter() - t0
     set_threads(threads or all_cores)
-    cpu, wall, slow_rows, kinds = [], [], [], []
+    cpu, wall, slow_rows = [], [], []
     before = counters()
-    prof = None
-    if profile:
-        import cProfile
-
-        prof = {"slow": cProfile.Profile(time.thread_time), "fast": cProfile.Profile(time.thread_time)}
     for _ in range(steps):
         c0 = counters()
-        p = None
-        if prof is not None:
-            p = cProfile.Profile(time.thread_time)
-            p.enable()
         w0, t0 = time.perf_counter(), time.thread_time()
         outs = eng.step()
         cpu.append(time.thread_time() - t0)
         wall.append(time.perf_counter() - w0)
-        if p is not None:
-            p.disable()
-        c1 = counters()
-        n_slow = delta(c0, c1, "sfi.slow_steps")
-        slow_rows.append(n_slow)
-        kinds.append("slow" if n_slow else "fast")
-        if p is not None and not prof.get(kinds[-1] + "_done"):
-            prof[kinds[-1]] = p
-            prof[kinds[-1] + "_done"] = True
+        slow_rows.append(delta(c0, counters(), "sfi.slow_steps"))
         if any(o.finished for o in outs):
             raise RuntimeError("a request finished inside the timed steps")
     after = counters()
+    # the profiles come from further steps, after the timed ones: cProfile slows every step it
+    # watches (by a fifth to a third here), so no timed step runs under it
+    prof = {}
+    if profile:
+        import cProfile
+
+        for _ in range(PROFILE_STEPS):
+            c0 = counters()
+            p = cProfile.Profile(time.thread_time)
+            p.enable()
+            eng.step()
+            p.disable()
+            kind = "slow" if delta(c0, counters(), "sfi.slow_steps") else "fast"
+            prof.setdefault(kind, p)
+            if len(prof) == 2:
+                break
     eng.abort_request(names)
     while eng.has_unfinished_requests():
         eng.step()
     set_threads(all_cores)
-    if prof is not None:
+    if prof:
         import pstats
 
         for kind in ("fast", "slow"):
-            if prof.get(kind + "_done"):
+            if kind in prof:
                 print(f"--- profile of one {kind} step ({tag}) ---", flush=True)
                 pstats.Stats(prof[kind]).sort_stats("tottime").print_stats(25)
                 pstats.Stats(prof[kind]).sort_stats("cumulative").print_stats(45)
