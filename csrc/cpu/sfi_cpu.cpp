@@ -555,9 +555,13 @@ void evidence_op(const at::Tensor& evidence, const std::optional<at::Tensor>& ke
   const int64_t width = block_table.size(1), t_rs = block_table.stride(0);
   const int32_t* table = block_table.data_ptr<int32_t>();
   int64_t longest = 0;
+  // the (entry, KV head) items with work: the entries are a step's slow list padded to the plan's
+  // chunk (-1), so splitting every entry's range among the threads would leave all live ones to one
+  std::vector<int64_t> items;
   for (int64_t e = 0; e < n_ent; ++e) {                 // what the C++ reads, checked before any thread starts
     const int64_t r = rows[e];
     if (r < 0 || r >= n_rows || seqs[r] <= 0) continue;
+    for (int64_t h = 0; h < hkv; ++h) items.push_back(e * hkv + h);
     const int64_t seq = seqs[r], nb = (seq + bs - 1) / bs;
     TORCH_CHECK(nb <= width, "sfi_evidence: row ", r, " of length ", seq, " needs ", nb, " blocks, the table has ",
                 width);
@@ -576,9 +580,10 @@ void evidence_op(const at::Tensor& evidence, const std::optional<at::Tensor>& ke
   const int64_t kn_hs = key_norms.has_value() ? key_norms->stride(1) : 0;
   float* attn = out.has_value() ? out->data_ptr<float>() : nullptr;
   const float* q_base = query.data_ptr<float>();
-  at::parallel_for(0, n_ent * hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     float* scratch = op_scratch(scratch_n);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t item = items[i];
       const int64_t e = item / hkv;
       const int h = static_cast<int>(item % hkv);
       const int64_t r = rows[e];
