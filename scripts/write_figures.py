@@ -746,8 +746,8 @@ def cpu_decode_headline(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.
     return (f"On the CPU build, {r['batch']} requests of {r['length']:,} prompt tokens decoding together, the "
             f"`sfi` preset's mean step took " + "; ".join(parts) + " (`CPU_ATTN`'s), every step counted: "
             f"SmolLM2-135M-Instruct, {d['dtype']}, thread CPU time on one thread, {env['cpu']} ({env['cores']} "
-            f"cores, {env['isa']}); {env['time_utc'][:10]}; commits "
-            + ", ".join(f"{x['commit']}" for _, x in srcs) + "; `bench/bench_cpu_decode_batch.py`; source: "
+            f"cores, {env['isa']}); {env['time_utc'][:10]}; commit "
+            + ", ".join(dict.fromkeys(x["commit"] for _, x in srcs)) + "; `bench/bench_cpu_decode_batch.py`; source: "
             + ", ".join(_source(n).replace("source: ", "") for n, _ in srcs) + ".\n")
 
 
@@ -1057,6 +1057,7 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
 
 FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_decode_batch_fp8": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_fp8kv_avx512.json",)),
+           "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
            "quality_fp8": quality_fp8, "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
