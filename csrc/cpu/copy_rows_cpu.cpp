@@ -2,7 +2,7 @@
 // src_rows[i] (both tensors contiguous, seen as rows of row_bytes bytes). The page-list copies of the
 // CPU build (whole runs of a page's tokens into scratch pages that CPU_ATTN's kernel reads) are row
 // gathers of a few hundred bytes to a few KiB per row; one memcpy per row, the rows shared among
-// torch's threads. Twin: vllm_ext.kernels.packed_pages.copy_slabs (index_select of the same rows);
+// torch's threads. Twin: vllm_ext.kernels.page_copy.copy_runs (index_select of the same rows);
 // tests/kernels/test_cpu_attn_critiprefill.py compares them.
 //
 // Registered as torch.ops.speedsfi.copy_rows (the library is defined in sfi_cpu.cpp).

@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "cri
 from helpers import cfg, fp8_batch, make_batch, reference_output  # noqa: E402
 from vllm_ext.kernels import cpu_attn_ops  # noqa: E402
 from vllm_ext.kernels.block_sparse_prefill import block_sparse_prefill_torch  # noqa: E402
-from vllm_ext.kernels.packed_pages import PackedPages, copy_runs  # noqa: E402
+from vllm_ext.kernels.packed_pages import PackedPages  # noqa: E402
+from vllm_ext.kernels.page_copy import copy_runs  # noqa: E402
 from vllm_ext.methods.critiprefill.cpu_attn_prefill import (attend_segments, scratch_layout,  # noqa: E402
                                                             split_segments)
 from vllm_ext.methods.critiprefill.plan import build_plan, dense_plan  # noqa: E402
@@ -100,6 +101,28 @@ def test_matches_reference_and_twin(case):
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stale_scratch_never_reaches_the_output(dtype):
+    """Scratch pages a segment fills only partly (blocks of 16 in 32-token pages) are read whole by
+    the kernel, which masks the scores past the request's length: whatever an earlier call left in
+    the empty slots (NaN here) must not reach the output."""
+    from vllm_ext.methods.critiprefill import cpu_attn_prefill as route
+
+    b, plan = _problem("single", 2, 64, 64, dtype, 16, 64, 48, 0, seed=130)
+    pages = _packed(b, "vec")
+    route._SCRATCH.clear()
+    route._scratch(pages, 32, 4096).raw.fill_(float("nan"))
+    try:
+        got = _run(b, pages, plan, 0.125)
+    finally:
+        route._SCRATCH.clear()
+    n = int(b.query_start_loc[-1])
+    assert torch.isfinite(got[:n]).all()
+    torch.testing.assert_close(got[:n].float(), reference_output(plan, b, 0.125)[:n], atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
+@needs_ops
 @pytest.mark.skipif(not HAS_AMX, reason="CPU_ATTN's amx kernel needs AMX tiles")
 def test_amx_pages():
     b, plan = _problem("chunked", 3, 64, 32, torch.bfloat16, 32, 64, 64, 0, seed=3)
@@ -158,12 +181,12 @@ def test_copy_runs_moves_runs_of_tokens_per_head(monkeypatch, isa, dtype, compil
     """Each head's run of tokens lands in its slot of the scratch pages, whichever copy runs (the
     compiled row copy, its index_select twin, the strided views of the amx packing), fp8 bytes
     included; slots not named are left alone."""
-    from vllm_ext.kernels import cpu_native, packed_pages
+    from vllm_ext.kernels import cpu_native, page_copy
 
     if compiled and cpu_native.library() is None:
         pytest.skip("no C++ compiler here")
     if not compiled:
-        monkeypatch.setattr(packed_pages, "compiled_copy_rows", lambda *a: False)
+        monkeypatch.setattr(page_copy, "compiled_copy_rows", lambda *a: False)
     src = PackedPages(torch.randn(5, 2, 64, 2 * 32).to(dtype), isa)
     dst = PackedPages(torch.zeros(8, 2, 32, 2 * 32, dtype=dtype), isa)
     per_src, per_dst = 64 // run, 32 // run

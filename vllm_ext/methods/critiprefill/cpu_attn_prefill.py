@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ext.kernels import cpu_attn_ops, kv_quant
-from vllm_ext.kernels.packed_pages import PACKED_ISAS, PackedPages, copy_runs
+from vllm_ext.kernels.packed_pages import PACKED_ISAS, PackedPages
+from vllm_ext.kernels.page_copy import copy_runs
 
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 SCRATCH_BYTES = 64 << 20          # one call's scratch pages at most (unless one segment needs more)
@@ -189,7 +190,7 @@ def _attend_sparse(query, pages: PackedPages, block_table, plan, segs: list, lay
     n_max = max(s[6] for s in segs)
     sel = plan.sel_blocks[rows_t, seg_t, :, :n_max].long()                       # [M, Hkv, n]
     sub = torch.arange(per_block)
-    runs, owners, slots, tables = [], [], [], []
+    runs, owners, slots, tables, tails = [], [], [], [], []
     base = 0
     for m, (row, _, _, _, s0, p_hi, n) in enumerate(segs):
         chosen = (sel[m, :, :n, None] * per_block + sub).reshape(hkv, n * per_block).T     # [n*r, Hkv]
@@ -200,11 +201,17 @@ def _attend_sparse(query, pages: PackedPages, block_table, plan, segs: list, lay
         slots.append(torch.arange(base, base + count))
         n_pages = -(-count // per_page)
         tables.append(torch.arange(base // per_page, base // per_page + n_pages))
+        if count % per_page:
+            tails.append(base // per_page + n_pages - 1)
         base += n_pages * per_page
     runs_t, owner_t = torch.cat(runs), torch.cat(owners)                         # [N, Hkv], [N]
     start_tok = runs_t * run
     src_pages = block_table.long()[owner_t[:, None], start_tok // page]
     scratch = _scratch(pages, scratch_page, base // per_page)
+    if tails:
+        # the kernel reads a request's last page whole (it masks the scores past its length): the slots
+        # this call leaves empty must hold finite values, whatever an earlier call left there
+        scratch.raw.view(torch.uint8)[torch.tensor(tails)] = 0
     copy_runs(pages, scratch, src_pages, (start_tok % page) // run, torch.cat(slots), run)
     width = max(t.shape[0] for t in tables)
     table = torch.zeros(len(tables), width, dtype=torch.int32)
