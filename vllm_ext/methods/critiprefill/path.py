@@ -12,11 +12,12 @@ Per sparse layer, after the chunk's K/V are in the paged cache:
 3. scores, layer fusion with the previous sparse layer of the same step (the step keeps that
    layer's fused scores: fusion never spans steps, so it is no per-request state), selection
    (:func:`vllm_ext.methods.critiprefill.plan.build_plan`);
-4. block-sparse attention of the sub-batch, dense segments included: on the CPU build the compiled
-   pass over the pages in place (:func:`block_sparse_prefill_cpu`; it also beats ``CPU_ATTN``'s own
-   prefill on dense segments, docs/critiprefill.md), else :func:`block_sparse_prefill` (Triton, or
-   the PyTorch twin where the compiled pass does not apply: logged once, counted
-   ``fallback.critiprefill_cpu_native``);
+4. block-sparse attention of the sub-batch, dense segments included: on the CPU build
+   ``CPU_ATTN``'s own kernel over the pages in place and a scratch copy of the sparse segments' keys
+   (:mod:`vllm_ext.methods.critiprefill.cpu_attn_prefill`), where that does not apply the compiled
+   pass (:func:`block_sparse_prefill_cpu`; logged once, counted ``fallback.critiprefill_cpu_attn``),
+   else :func:`block_sparse_prefill` (Triton, or the PyTorch twin where the compiled pass does not
+   apply either: logged once, counted ``fallback.critiprefill_cpu_native``);
 5. device counters: sparse segments, candidate and selected key blocks.
 
 Memory: none of its own. A request's state lives in pages of CritiPrefill's KV-cache group, which
