@@ -165,8 +165,8 @@ def test_all_dense_plan_is_cpu_attn_itself():
                                             query_start_loc=qsl, dtype=torch.float32, isa="vec",
                                             kv_cache_dtype="auto")
     want = torch.full_like(b.query, SENTINEL)
-    cpu_attn_ops.attend(b.query, pages, want, qsl, seq, b.block_table, 0.125, scheduler=sched,
-                        kv_cache_dtype="auto")
+    cpu_attn_ops.attend(b.query, *cpu_attn_ops.vllm_caches(pages), want, qsl, seq, b.block_table, 0.125,
+                        scheduler=sched, kv_cache_dtype="auto")
     n = int(qsl[-1])
     assert torch.equal(got[:n], want[:n])
 

@@ -34,7 +34,7 @@ import torch
 
 from vllm_ext import metrics
 from vllm_ext import row_counters
-from vllm_ext.kernels import kv_quant, paged_reference
+from vllm_ext.kernels import cpu_attn_ops, kv_quant, paged_reference
 from vllm_ext.kernels.packed_pages import PACKED_ISAS, PackedPages, layout_matches
 from vllm_ext.methods.protocol import DenseRows
 
@@ -247,7 +247,7 @@ class CpuAttnDense(DensePath):
 
         n = slot_mapping.shape[0]
         ks, vs = _scale_floats(layer)
-        key_cache, value_cache = _vllm_caches(pages)
+        key_cache, value_cache = cpu_attn_ops.vllm_caches(pages)
         ops.cpu_attn_reshape_and_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping, self._isa,
                                        k_scale=ks, v_scale=vs, kv_cache_dtype=self.kv_cache_dtype)
 
@@ -268,15 +268,10 @@ class CpuAttnDense(DensePath):
 
     def _attend(self, layer, query, key_cache, value_cache, out, query_start_loc, seq_lens,
                 block_table, sched) -> None:
-        from vllm import _custom_ops as ops
-
         ks, vs = _scale_floats(layer)
-        ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=key_cache, value_cache=value_cache, output=out,
-            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0,
-            scheduler_metadata=sched, s_aux=None, dynamic_causal=None,
-            k_scale=ks, v_scale=vs, kv_cache_dtype=self.kv_cache_dtype)
+        cpu_attn_ops.attend(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
+                            self.scale, scheduler=sched, kv_cache_dtype=self.kv_cache_dtype, k_scale=ks,
+                            v_scale=vs)
 
     @staticmethod
     def _step(md) -> _CpuAttnStep:
@@ -290,15 +285,10 @@ class CpuAttnDense(DensePath):
         """``CPU_ATTN``'s scheduler metadata for ``rows`` of the step (None: all), once per step."""
         cache = self._step(md).schedules
         if rows not in cache:
-            from vllm import _custom_ops as ops
-            from vllm import envs
-
-            cache[rows] = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=num_reqs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_size, seq_lens=seq_lens, dtype=dtype,
-                query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=self._isa,
-                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
-                kv_cache_dtype=self.kv_cache_dtype)
+            cache[rows] = cpu_attn_ops.scheduler_metadata(
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                seq_lens=seq_lens, query_start_loc=query_start_loc, dtype=dtype, isa=self._isa,
+                kv_cache_dtype=self.kv_cache_dtype, num_reqs=num_reqs)
         return cache[rows]
 
     def _sub_batch(self, md, picked: tuple):
@@ -330,7 +320,7 @@ class CpuAttnDense(DensePath):
             tok, q_start, seq, table = self._sub_batch(md, tuple(picked))
             q, out = query.index_select(0, tok), torch.empty_like(query[:tok.shape[0]])
         sched = self._schedule(md, tuple(picked), n, seq, q_start, query.dtype)
-        key_cache, value_cache = _vllm_caches(pages)
+        key_cache, value_cache = cpu_attn_ops.vllm_caches(pages)
         self._attend(layer, q, key_cache, value_cache, out, q_start, seq, table, sched)
         if not prefix:
             output.index_copy_(0, tok, out)
@@ -339,12 +329,6 @@ class CpuAttnDense(DensePath):
 def _scale_floats(layer) -> tuple[float, float]:
     """The layer's scales as host floats, as vLLM's ``CPU_ATTN`` passes them to its C++ ops."""
     return float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0))
-
-
-def _vllm_caches(pages: PackedPages) -> tuple[torch.Tensor, torch.Tensor]:
-    """``CPU_ATTN``'s key and value caches as vLLM hands them to its C++ ops (an fp8 cache as its
-    ``uint8`` allocation)."""
-    return kv_quant.as_bytes(pages.key_cache), kv_quant.as_bytes(pages.value_cache)
 
 
 class DelegateDense(DensePath):

@@ -32,38 +32,43 @@ def kv_cache_dtype_of(pages_dtype: torch.dtype) -> str:
 
 def scheduler_metadata(*, num_heads: int, num_kv_heads: int, head_size: int, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, dtype: torch.dtype, isa: str,
-                       kv_cache_dtype: str) -> torch.Tensor:
-    """``CPU_ATTN``'s work split for one call (it depends on the lengths only, not on the pages)."""
+                       kv_cache_dtype: str, num_reqs: int | None = None) -> torch.Tensor:
+    """``CPU_ATTN``'s work split for one call (it depends on the lengths only, not on the pages) over
+    the first ``num_reqs`` requests (default: every entry of ``seq_lens``)."""
     from vllm import _custom_ops as ops
     from vllm import envs
 
     return ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.shape[0], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
+        num_reqs=seq_lens.shape[0] if num_reqs is None else num_reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
         seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=True,
         sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
         kv_cache_dtype=kv_cache_dtype)
 
 
-def attend(query: torch.Tensor, pages: PackedPages, output: torch.Tensor, query_start_loc: torch.Tensor,
-           seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, *, scheduler: torch.Tensor,
-           kv_cache_dtype: str, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def vllm_caches(pages: PackedPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """``CPU_ATTN``'s key and value caches as vLLM hands them to its C++ ops (an fp8 cache as its
+    ``uint8`` allocation)."""
+    return kv_quant.as_bytes(pages.key_cache), kv_quant.as_bytes(pages.value_cache)
+
+
+def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor,
+           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, *,
+           scheduler: torch.Tensor, kv_cache_dtype: str, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """``output[:T] = attention(query[:T])`` of the requests (``T = query_start_loc[-1]``), causal,
-    in ``CPU_ATTN``'s kernel over ``pages``."""
+    in ``CPU_ATTN``'s kernel over vLLM's caches (:func:`vllm_caches`)."""
     from vllm import _custom_ops as ops
 
     ops.cpu_attention_with_kv_cache(
-        query=query, key_cache=kv_quant.as_bytes(pages.key_cache), value_cache=kv_quant.as_bytes(pages.value_cache),
-        output=output, query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale, causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0, scheduler_metadata=scheduler,
-        s_aux=None, dynamic_causal=None, k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
+        query=query, key_cache=key_cache, value_cache=value_cache, output=output,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
+        sliding_window=-1, block_table=block_table, softcap=0, scheduler_metadata=scheduler, s_aux=None,
+        dynamic_causal=None, k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
 
 
 def available() -> bool:
     """Whether vLLM's CPU attention ops are loaded (the CPU build of vLLM)."""
     try:
-        import torch.ops  # noqa: F401
         from vllm import _custom_ops  # noqa: F401
-
-        return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
     except Exception:
         return False
+    return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")

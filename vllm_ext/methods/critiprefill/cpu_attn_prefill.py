@@ -121,15 +121,14 @@ def _call(query, output, tok, qsl, seq, table, pages, scale, kv_dtype, ks, vs) -
     sched = cpu_attn_ops.scheduler_metadata(num_heads=hq, num_kv_heads=pages.shape[1], head_size=d,
                                             seq_lens=seq, query_start_loc=qsl, dtype=query.dtype,
                                             isa=pages.isa, kv_cache_dtype=kv_dtype)
-    if isinstance(tok, slice):
-        cpu_attn_ops.attend(query[tok], pages, output[tok], qsl, seq, table, scale, scheduler=sched,
-                            kv_cache_dtype=kv_dtype, k_scale=ks, v_scale=vs)
-        return
-    q = query.index_select(0, tok)
-    out = torch.empty_like(q)
-    cpu_attn_ops.attend(q, pages, out, qsl, seq, table, scale, scheduler=sched, kv_cache_dtype=kv_dtype,
-                        k_scale=ks, v_scale=vs)
-    output.index_copy_(0, tok, out)
+    k_cache, v_cache = cpu_attn_ops.vllm_caches(pages)
+    whole = isinstance(tok, slice)
+    q = query[tok] if whole else query.index_select(0, tok)
+    out = output[tok] if whole else torch.empty_like(q)
+    cpu_attn_ops.attend(q, k_cache, v_cache, out, qsl, seq, table, scale, scheduler=sched,
+                        kv_cache_dtype=kv_dtype, k_scale=ks, v_scale=vs)
+    if not whole:
+        output.index_copy_(0, tok, out)
 
 
 def attend_segments(query: torch.Tensor, pages, block_table: torch.Tensor, query_start_loc: torch.Tensor,

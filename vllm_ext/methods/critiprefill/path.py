@@ -158,9 +158,9 @@ def critiprefill_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     # 4. attention
     on_cpu = q.device.type == "cpu" and not use_triton(q)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    if on_cpu and _through_cpu_attn(q, kv_cache, bt, qsl, seq, plan, scale, out, scales):
-        pass
-    elif not (on_cpu and block_sparse_prefill_cpu(q, kv_cache, bt, qsl, seq, plan, scale, output=out, **scales)):
+    done = on_cpu and (_through_cpu_attn(q, kv_cache, bt, qsl, seq, plan, scale, out, scales)
+                       or block_sparse_prefill_cpu(q, kv_cache, bt, qsl, seq, plan, scale, output=out, **scales))
+    if not done:
         if on_cpu:
             from vllm_ext.kernels import cpu_native
 
