@@ -425,7 +425,7 @@ def cpu_prefill() -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-CPU_PREFILL_LAYER = "cpu_prefill_smollm2_fp32_layer_avx512.json"
+CPU_PREFILL_LAYER = "cpu_prefill_smollm2_fp32_avx512_layer.json"
 
 
 def cpu_prefill_layer() -> str:
