@@ -386,8 +386,8 @@ def test_sfi_decode_on_fp8_pages_equals_sfi_on_the_dequantised_pages(fmt):
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_sfi_decode_on_fp8_packed_pages_compiled_equals_the_twins(fmt, isa, monkeypatch):
     """The CPU build's path over CPU_ATTN's fp8 packings with the layer's scales: the compiled passes
-    (evidence with the slow rows' output, gather, fast step) give the twins' selections, compact
-    bytes and outputs."""
+    (the fused slow step: evidence with the slow rows' output, selection, gather; the fast step) give
+    the twins' selections, compact bytes and outputs."""
     from tests.test_sfi_path import CFG, GRIDS
     from vllm_ext.kernels import cpu_native
     from vllm_ext.kernels.packed_pages import PackedPages
@@ -399,15 +399,15 @@ def test_sfi_decode_on_fp8_packed_pages_compiled_equals_the_twins(fmt, isa, monk
     pages = PackedPages((p.kv / K_SCALE).clamp(-fmax, fmax).to(fmt).contiguous(), isa)
     scales = dict(k_scale=torch.tensor([K_SCALE]), v_scale=torch.tensor(V_SCALE))
     calls = []
-    evidence = cpu_native.evidence
-    monkeypatch.setattr(cpu_native, "evidence", lambda *a, **k: calls.append(evidence(*a, **k)) or calls[-1])
+    slow_rows = cpu_native.slow_rows
+    monkeypatch.setattr(cpu_native, "slow_rows", lambda *a, **k: calls.append(slow_rows(*a, **k)) or calls[-1])
     for grid in (GRIDS[0], GRIDS[1]):
         monkeypatch.setenv(cpu_native.ENV, "0")
         ref = _run_sfi(p, pages, scales, fmt, grid, CFG)
         monkeypatch.delenv(cpu_native.ENV)
         calls.clear()
         got = _run_sfi(p, pages, scales, fmt, grid, CFG)
-        assert calls and all(calls), "the compiled evidence pass did not take the fp8 pages"
+        assert calls and all(calls), "the compiled slow step did not take the fp8 pages"
         assert torch.equal(got[2], ref[2]) and int(ref[2].max()) > 0
         assert torch.equal(got[1].view(torch.uint8), ref[1].view(torch.uint8))
         for o, r in zip(got[0], ref[0]):

@@ -273,13 +273,6 @@ struct Plan {
   int64_t seg, bk;
 };
 
-inline uint16_t to_bf16(float f) {              // round to nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 inline void store_out(uint16_t* p, float f) { *p = to_bf16(f); }
 inline void store_out(float* p, float f) { *p = f; }
 

@@ -115,6 +115,14 @@ float max_v(const float* x, int64_t n) {                     // NaN entries are 
   return r;
 }
 
+inline uint16_t to_bf16(float f) {                    // round to nearest even, as torch's .to(bfloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);   // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
 float* scratch_floats(int64_t n) {                            // per thread, grown as needed
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);

@@ -25,6 +25,8 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "gather_rows.h"
+#include "page_views.h"
 
 namespace {
 
@@ -661,6 +663,255 @@ void select_rows_op(const at::Tensor& sel, const at::Tensor& evidence, const at:
   });
 }
 
+
+// One evidence pass (sfi_evidence's evidence_pass) of entry e's KV head h in the pages' dtype.
+void evidence_item(at::ScalarType dt, const at::Tensor& k_pages, const at::Tensor& v_pages, int64_t s_block,
+                   int64_t s_head, int bs, int d, int h, int g, const int32_t* blocks, int64_t seq, int64_t lo,
+                   int64_t hi, int64_t lim, const float* q, float scale, float alpha, float* ev, int64_t ev_hs,
+                   float* kn, int64_t kn_hs, float* scratch, float* attn_out, bool amx, float k_scale,
+                   float v_scale) {
+#define SFI_EVIDENCE_ITEM(T)                                                                                      \
+  evidence_pass<T>(static_cast<const T*>(k_pages.data_ptr()), s_block, s_head, bs, d, h, h + 1, g, blocks, seq, lo, \
+                   hi, lim, q, scale, alpha, ev, ev_hs, kn, kn_hs, scratch,                                        \
+                   attn_out != nullptr ? static_cast<const T*>(v_pages.data_ptr()) : nullptr, attn_out, amx ? 1 : 0, \
+                   k_scale, v_scale)
+  if (dt == at::kBFloat16) SFI_EVIDENCE_ITEM(uint16_t);
+  else if (dt == at::kFloat) SFI_EVIDENCE_ITEM(float);
+  else if (dt == at::kFloat8_e4m3fn) SFI_EVIDENCE_ITEM(fp8e4m3);
+  else SFI_EVIDENCE_ITEM(fp8e5m2);
+#undef SFI_EVIDENCE_ITEM
+}
+
+// A calling thread's buffers of a fused slow step (grown as needed, kept between calls).
+template <typename T>
+T* call_buffer(std::vector<T>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// torch.ops.speedsfi.sfi_slow_rows: a layer's whole slow step on the CPU build in one call, what
+// sfi_evidence, sfi_select_rows and gather_compact do one after the other over the step's slow list
+// (vllm_ext.methods.sfi.path: the dense pass with evidence, then the selector and the gather of each
+// entry), the same functions on the same arguments, so the results are theirs bit for bit.
+//
+// Entries e < live of the slow list: row r = slow_rows[e] of query [R, Hq, D] (bf16 or fp32), its
+// pages through block_table [R, W] int32, its evidence over [0, min(seq_lens[r], max_len)) with the
+// allowed set [allowed_lo[r], allowed_hi[r]) (phase 1, the (entry, KV head) pairs over the threads;
+// out [R, Hq, D] bf16 / fp32 gets row r's dense attention unless None); then its selection over
+// [slow_lo[e], slow_hi[e]) of min(clamp(slow_k[e], k_min, width), hi - lo) positions per KV head (phase
+// 2, the entries over the threads), leaving out the first slow_kept[e] positions of its compact slot's
+// kept row (kept_pages [NB, H', bs', C'] int32 read through kept_table [slots, n] int32 from column
+// kept_first: element h * kept_width + j of a slot, as vllm_ext.kernels.paged_rows.PagedRows lays it
+// out); then its gather (phase 3, in entry order): sink and selection copied into compact slot
+// slow_slot[e] (compact_kv through compact_table, capacity cap) after its slow_kept[e] kept entries,
+// its length set. cfg: sfi_select_row's 12 constants. Entries with a row outside [0, R), a length <= 0
+// or a negative slot are skipped.
+void slow_rows_op(const std::optional<at::Tensor>& out, const at::Tensor& compact_kv, const at::Tensor& compact_len,
+                  const at::Tensor& query, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& allowed_lo,
+                  const at::Tensor& allowed_hi, const at::Tensor& slow_rows_t, const at::Tensor& slow_seq_t,
+                  const at::Tensor& slow_lo_t, const at::Tensor& slow_hi_t, const at::Tensor& slow_k_t,
+                  const at::Tensor& slow_slot_t, const std::optional<at::Tensor>& slow_kept_t,
+                  const std::optional<at::Tensor>& kept_pages, const std::optional<at::Tensor>& kept_table,
+                  int64_t kept_first, int64_t kept_width, const at::Tensor& compact_table, int64_t cap, int64_t live,
+                  int64_t max_len, int64_t k_min, int64_t width, double scale, double alpha, at::ArrayRef<double> cfg,
+                  int64_t nms_radius, int64_t span, int64_t span_back, int64_t n_sink, bool amx, double k_scale,
+                  double v_scale) {
+  const at::ScalarType dt = k_pages.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2,
+              "sfi_slow_rows: bf16, fp32, float8_e4m3fn or float8_e5m2 pages expected, got ", dt);
+  TORCH_CHECK(k_scale > 0.0 && v_scale > 0.0, "sfi_slow_rows: positive k_scale and v_scale expected");
+  TORCH_CHECK(cfg.size() == 12, "sfi_slow_rows: 12 selector constants expected, got ", cfg.size());
+  const PageViews src = page_views(k_pages, v_pages, amx, "sfi_slow_rows");
+  TORCH_CHECK(src.layout != LAYOUT_ROWS, "sfi_slow_rows: pages in CPU_ATTN's vec or amx packing expected");
+  const int64_t nb_all = src.blocks, hkv = src.heads, bs = src.bs, d = src.d;
+  TORCH_CHECK(query.device().is_cpu() && (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16) &&
+                  query.is_contiguous() && query.dim() == 3 && query.size(2) == d && query.size(1) > 0 &&
+                  query.size(1) % hkv == 0,
+              "sfi_slow_rows: query [R, Hq, ", d, "] bf16 / fp32 contiguous with Hq a multiple of ", hkv,
+              " expected, got ", query.sizes(), " ", query.scalar_type());
+  const int64_t n_rows = query.size(0), hq = query.size(1), g = hq / hkv;
+  TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.size(0) >= n_rows && block_table.stride(1) == 1,
+              "sfi_slow_rows: block_table [>= ", n_rows, ", W] int32 rows of unit stride expected, got ",
+              block_table.sizes(), " ", block_table.scalar_type());
+  if (out.has_value())
+    TORCH_CHECK(out->device().is_cpu() && (out->scalar_type() == at::kFloat || out->scalar_type() == at::kBFloat16) &&
+                    out->is_contiguous() && out->dim() == 3 && out->size(0) == n_rows && out->size(1) == hq &&
+                    out->size(2) == d,
+                "sfi_slow_rows: out [", n_rows, ", ", hq, ", ", d, "] bf16 / fp32 contiguous expected, got ",
+                out->sizes());
+  TORCH_CHECK(compact_kv.scalar_type() == dt && compact_kv.dim() == 4 && compact_kv.size(1) == hkv &&
+                  compact_kv.size(3) == 2 * d && compact_kv.stride(3) == 1,
+              "sfi_slow_rows: compact_kv [blocks, ", hkv, ", cbs, ", 2 * d, "] of the pages' dtype expected, got ",
+              compact_kv.sizes(), " ", compact_kv.scalar_type());
+  TORCH_CHECK(compact_table.scalar_type() == at::kInt && compact_table.dim() == 2 && compact_table.stride(1) == 1 &&
+                  compact_len.scalar_type() == at::kInt && compact_len.dim() == 1 && compact_len.is_contiguous() &&
+                  compact_table.size(1) * compact_kv.size(2) >= cap,
+              "sfi_slow_rows: compact_table [slots, >= cap / cbs] int32 and compact_len [slots] int32 expected");
+  TORCH_CHECK(max_len > 0 && width > 0 && cap > 0 && k_min >= 0, "sfi_slow_rows: positive lengths expected");
+  const IntVec seqs = int_vec(seq_lens, "sfi_slow_rows: seq_lens", n_rows);
+  const IntVec alo = int_vec(allowed_lo, "sfi_slow_rows: allowed_lo", n_rows);
+  const IntVec ahi = int_vec(allowed_hi, "sfi_slow_rows: allowed_hi", n_rows);
+  const IntVec rows = int_vec(slow_rows_t, "sfi_slow_rows: slow_rows", live);
+  const IntVec sseq = int_vec(slow_seq_t, "sfi_slow_rows: slow_seq", live);
+  const IntVec slo = int_vec(slow_lo_t, "sfi_slow_rows: slow_lo", live);
+  const IntVec shi = int_vec(slow_hi_t, "sfi_slow_rows: slow_hi", live);
+  const IntVec sk = int_vec(slow_k_t, "sfi_slow_rows: slow_k", live);
+  TORCH_CHECK(slow_slot_t.scalar_type() == at::kInt && slow_slot_t.is_contiguous() && slow_slot_t.size(0) >= live,
+              "sfi_slow_rows: slow_slot [>= live] int32 expected");
+  const int32_t* sslot = slow_slot_t.data_ptr<int32_t>();
+  std::vector<int32_t> kept_n(live, 0);
+  if (slow_kept_t.has_value()) {
+    const IntVec sk2 = int_vec(*slow_kept_t, "sfi_slow_rows: slow_kept", live);
+    for (int64_t e = 0; e < live; ++e) kept_n[e] = static_cast<int32_t>(sk2[e]);
+  }
+  const bool excluding = kept_pages.has_value() && kept_table.has_value() && kept_width > 0;
+  int64_t kp_s[3] = {0, 0, 0}, kp_bs = 0, kp_c = 0, kp_page = 0, kp_blocks = 0, kt_rs = 0, kt_w = 0;
+  const int32_t* kp = nullptr;
+  const int32_t* kt = nullptr;
+  if (excluding) {
+    TORCH_CHECK(kept_pages->scalar_type() == at::kInt && kept_pages->dim() == 4 && kept_pages->stride(3) == 1 &&
+                    kept_table->scalar_type() == at::kInt && kept_table->dim() == 2 && kept_table->stride(1) == 1,
+                "sfi_slow_rows: kept_pages [NB, H, bs, C] int32 (unit stride in C) and kept_table [slots, n] int32 "
+                "expected");
+    kp = kept_pages->data_ptr<int32_t>();
+    kp_s[0] = kept_pages->stride(0), kp_s[1] = kept_pages->stride(1), kp_s[2] = kept_pages->stride(2);
+    kp_bs = kept_pages->size(2), kp_c = kept_pages->size(3), kp_blocks = kept_pages->size(0);
+    kp_page = kept_pages->size(1) * kp_bs * kp_c;
+    kt = kept_table->data_ptr<int32_t>();
+    kt_rs = kept_table->stride(0), kt_w = kept_table->size(1);
+    TORCH_CHECK(kept_first >= 0 && kept_first + (hkv * kept_width + kp_page - 1) / kp_page <= kt_w,
+                "sfi_slow_rows: the kept rows run past kept_table's columns");
+  }
+  const int64_t slots = std::min(compact_table.size(0), compact_len.size(0));
+  const int64_t cbs = compact_kv.size(2), t_rs = block_table.stride(0), width_bt = block_table.size(1);
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* ct = compact_table.data_ptr<int32_t>();
+  // the live entries, and everything the passes read or write checked before any is written
+  std::vector<int64_t> ents, items;
+  int64_t longest = 0;
+  for (int64_t e = 0; e < live; ++e) {
+    const int64_t r = rows[e];
+    if (r < 0 || r >= n_rows || seqs[r] <= 0) continue;
+    const int64_t seq = seqs[r], nb = (seq + bs - 1) / bs;
+    TORCH_CHECK(nb <= width_bt, "sfi_slow_rows: row ", r, " of length ", seq, " needs ", nb, " blocks, the table has ",
+                width_bt);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int32_t b = table[r * t_rs + j];
+      TORCH_CHECK(b >= 0 && b < nb_all, "sfi_slow_rows: block id ", b, " outside [0, ", nb_all, ")");
+    }
+    TORCH_CHECK(sseq[e] <= seq, "sfi_slow_rows: entry ", e, "'s length ", sseq[e], " past its row's ", seq);
+    const int64_t slot = sslot[e];
+    if (slot >= 0 && slot < slots) {
+      for (int64_t j = 0; j * cbs < cap; ++j) {
+        const int32_t b = ct[slot * compact_table.stride(0) + j];
+        TORCH_CHECK(b >= 0 && b < compact_kv.size(0), "sfi_slow_rows: compact block id ", b, " out of range");
+      }
+      if (excluding && kept_n[e] > 0) {
+        for (int64_t j = 0; j < (hkv * kept_width + kp_page - 1) / kp_page; ++j) {
+          const int32_t b = kt[slot * kt_rs + kept_first + j];
+          TORCH_CHECK(b >= 0 && b < kp_blocks, "sfi_slow_rows: kept block id ", b, " out of range");
+        }
+      }
+    }
+    ents.push_back(e);
+    for (int64_t h = 0; h < hkv; ++h) items.push_back(e * hkv + h);
+    longest = std::max(longest, seq);
+  }
+  if (ents.empty()) return;
+  const int64_t L = max_len;
+  static thread_local std::vector<float> ev_buf, kn_buf, attn_buf;
+  static thread_local std::vector<int32_t> sel_buf, nsel_buf;
+  float* ev_all = call_buffer(ev_buf, live * hkv * L);
+  float* kn_all = call_buffer(kn_buf, live * hkv * L);
+  float* attn_all = out.has_value() ? call_buffer(attn_buf, live * hq * d) : nullptr;
+  int32_t* sel_all = call_buffer(sel_buf, live * hkv * width);
+  int32_t* nsel_all = call_buffer(nsel_buf, live);
+  const float* qf = query.scalar_type() == at::kFloat ? query.data_ptr<float>() : nullptr;
+  const uint16_t* qb = qf == nullptr ? static_cast<const uint16_t*>(query.data_ptr()) : nullptr;
+  // phase 1: evidence, key norms and the dense attention of every (entry, KV head)
+  const int64_t scratch_n = g * longest + (g + 2) * bs + (out.has_value() ? g * longest + g * d : 0) + g * d;
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    float* scratch = op_scratch(scratch_n);
+    float* q = scratch + scratch_n - g * d;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = items[i] / hkv;
+      const int h = static_cast<int>(items[i] % hkv);
+      const int64_t r = rows[e], seq = seqs[r], lim = std::min(seq, L);
+      const int64_t lo = std::max<int64_t>(alo[r], 0), hi = std::min<int64_t>(ahi[r], lim);
+      const int64_t q0 = (r * hq + static_cast<int64_t>(h) * g) * d;
+      for (int64_t j = 0; j < g * d; ++j) q[j] = qf != nullptr ? qf[q0 + j] : load(qb + q0 + j);
+      // evidence_pass reads the query of KV head h at q + h * g * d and writes its output there too
+      evidence_item(dt, k_pages, v_pages, src.s_block, src.s_head, static_cast<int>(bs), static_cast<int>(d), h,
+                    static_cast<int>(g), table + r * t_rs, seq, lo, hi, lim, q - static_cast<int64_t>(h) * g * d,
+                    static_cast<float>(scale), static_cast<float>(alpha), ev_all + e * hkv * L, L,
+                    kn_all + e * hkv * L, L, scratch,
+                    attn_all == nullptr ? nullptr : attn_all + e * hq * d, amx, static_cast<float>(k_scale),
+                    static_cast<float>(v_scale));
+    }
+  });
+  if (out.has_value()) {
+    for (const int64_t e : ents) {
+      const int64_t r = rows[e];
+      const float* a = attn_all + e * hq * d;
+      if (out->scalar_type() == at::kFloat) std::memcpy(out->data_ptr<float>() + r * hq * d, a, hq * d * sizeof(float));
+      else {
+        uint16_t* o = static_cast<uint16_t*>(out->data_ptr()) + r * hq * d;
+        for (int64_t j = 0; j < hq * d; ++j) o[j] = to_bf16(a[j]);
+      }
+    }
+  }
+  // phase 2: each entry's selection over its allowed set, its kept positions left out
+  float consts[12];
+  for (int i = 0; i < 12; ++i) consts[i] = static_cast<float>(cfg[i]);
+  at::parallel_for(0, static_cast<int64_t>(ents.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> ex;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = ents[i], r = rows[e];
+      const int64_t lim = std::min<int64_t>(seqs[r], L);
+      const int64_t a = std::clamp<int64_t>(slo[e], 0, L);
+      const int64_t b = std::max<int64_t>(std::min<int64_t>(std::min<int64_t>(shi[e], L), lim), a);
+      const int64_t n = std::min<int64_t>(std::clamp<int64_t>(sk[e], k_min, width), b - a);
+      nsel_all[e] = static_cast<int32_t>(std::max<int64_t>(n, 0));
+      if (n <= 0) continue;
+      const int64_t slot = sslot[e];
+      const int64_t n_ex = excluding && slot >= 0 && slot < slots ? kept_width : 0;
+      ex.assign(hkv * n_ex, -1);
+      const int64_t count = std::min<int64_t>(kept_n[e], n_ex);
+      for (int64_t h = 0; h < hkv && n_ex > 0; ++h)
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t f = h * kept_width + j, rr = f % kp_page;
+          const int64_t blk = kt[slot * kt_rs + kept_first + f / kp_page];
+          ex[h * n_ex + j] = kp[blk * kp_s[0] + (rr / (kp_bs * kp_c)) * kp_s[1] + ((rr / kp_c) % kp_bs) * kp_s[2] +
+                                rr % kp_c];
+        }
+      sfi_select_row(ev_all + e * hkv * L, L, kn_all + e * hkv * L, L, static_cast<int>(hkv), a, b, consts,
+                     static_cast<int>(nms_radius), static_cast<int>(span), static_cast<int>(span_back), n,
+                     n_ex > 0 ? ex.data() : nullptr, n_ex, sel_all + e * hkv * width, width,
+                     op_scratch((2 * hkv + 2) * (b - a)));
+    }
+  });
+  // phase 3: the gathers, in entry order
+  int32_t* clen = compact_len.data_ptr<int32_t>();
+  for (const int64_t e : ents) {
+    const int32_t slot = sslot[e], seq_e = static_cast<int32_t>(sseq[e]);
+    if (slot < 0 || slot >= slots) continue;
+    const int32_t nsel = nsel_all[e], off = kept_n[e];
+    const int64_t r = rows[e];
+#define SFI_SLOW_GATHER(T)                                                                                       \
+  gather_rows<T>(static_cast<const T*>(k_pages.data_ptr()), static_cast<const T*>(v_pages.data_ptr()), src,         \
+                 table + r * t_rs, t_rs, static_cast<T*>(compact_kv.data_ptr()), compact_kv.stride(0),              \
+                 compact_kv.stride(1), compact_kv.stride(2), cbs, ct, compact_table.stride(0), clen, slots, cap,    \
+                 &slot, sel_all + e * hkv * width, hkv * width, width, width, &nsel, &seq_e,                        \
+                 slow_kept_t.has_value() ? &off : nullptr, nullptr, 1, hkv, n_sink)
+    if (dt == at::kFloat) SFI_SLOW_GATHER(float);
+    else if (k_pages.element_size() == 2) SFI_SLOW_GATHER(uint16_t);
+    else SFI_SLOW_GATHER(uint8_t);
+#undef SFI_SLOW_GATHER
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(speedsfi, m) {
@@ -670,9 +921,17 @@ TORCH_LIBRARY(speedsfi, m) {
         "float alpha, bool amx, float k_scale=1., float v_scale=1.) -> ()");
   m.def("sfi_select_rows(Tensor(a!) sel, Tensor evidence, Tensor key_norms, Tensor lo, Tensor hi, Tensor n_sel, "
         "float[] cfg, int nms_radius, int span, int span_back, Tensor? exclude) -> ()");
+  m.def("sfi_slow_rows(Tensor(a!)? out, Tensor(b!) compact_kv, Tensor(c!) compact_len, Tensor query, "
+        "Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, Tensor allowed_lo, Tensor allowed_hi, "
+        "Tensor slow_rows, Tensor slow_seq, Tensor slow_lo, Tensor slow_hi, Tensor slow_k, Tensor slow_slot, "
+        "Tensor? slow_kept, Tensor? kept_pages, Tensor? kept_table, int kept_first, int kept_width, "
+        "Tensor compact_table, int cap, int live, int max_len, int k_min, int width, float scale, float alpha, "
+        "float[] cfg, int nms_radius, int span, int span_back, int n_sink, bool amx, float k_scale=1., "
+        "float v_scale=1.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(speedsfi, CPU, m) {
   m.impl("sfi_evidence", &evidence_op);
   m.impl("sfi_select_rows", &select_rows_op);
+  m.impl("sfi_slow_rows", &slow_rows_op);
 }

@@ -148,13 +148,6 @@ Kernels<T> kernels_for(int g, int d) {
   return k;
 }
 
-inline uint16_t to_bf16(float f) {                    // round to nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);   // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 inline void store(uint16_t* p, float f) { *p = to_bf16(f); }
 inline void store(float* p, float f) { *p = f; }
 inline float load_q(const uint16_t* p) { return load(p); }

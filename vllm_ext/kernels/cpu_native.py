@@ -78,14 +78,15 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 SOURCE = CSRC / "sfi_cpu.cpp"
 SOURCES = (SOURCE, CSRC / "two_segment_cpu.cpp", CSRC / "gather_compact_cpu.cpp",
            CSRC / "block_sparse_prefill_cpu.cpp", CSRC / "copy_rows_cpu.cpp")
-HEADERS = (CSRC / "cpu_vec.h", CSRC / "page_views.h")
+HEADERS = (CSRC / "cpu_vec.h", CSRC / "page_views.h", CSRC / "gather_rows.h")
 # -O3 -march=native and the math flags the kernels' results are checked with; torch's headers need C++20
 # -fopenmp: ATen's at::parallel_for is inlined from its headers as an OpenMP region (torch's CPU builds
 # use the OpenMP backend); without it every pass runs on the calling thread alone. The process's
 # OpenMP runtime is torch's (libgomp.so.1, already loaded).
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++20", "-fPIC", "-fopenmp")
 NAMESPACE = "speedsfi"
-OPS = ("sfi_evidence", "sfi_select_rows", "two_segment_decode", "gather_compact", "block_sparse_prefill")
+OPS = ("sfi_evidence", "sfi_select_rows", "sfi_slow_rows", "two_segment_decode", "gather_compact",
+       "block_sparse_prefill")
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -237,11 +238,17 @@ def _gather_compact_fake(compact_kv, compact_table, cap, compact_len, k_pages, v
     return None
 
 
+def _slow_rows_fake(out, compact_kv, compact_len, *args, **kwargs) -> None:
+    """Writes ``out``, ``compact_kv`` and ``compact_len`` in place; returns nothing."""
+    return None
+
+
 def _register_fakes() -> None:
     global _fakes_registered
     if not _fakes_registered:
         torch.library.register_fake(f"{NAMESPACE}::sfi_evidence", _evidence_fake)
         torch.library.register_fake(f"{NAMESPACE}::sfi_select_rows", _select_rows_fake)
+        torch.library.register_fake(f"{NAMESPACE}::sfi_slow_rows", _slow_rows_fake)
         torch.library.register_fake(f"{NAMESPACE}::two_segment_decode", _two_segment_fake)
         torch.library.register_fake(f"{NAMESPACE}::gather_compact", _gather_compact_fake)
         torch.library.register_fake(f"{NAMESPACE}::block_sparse_prefill", _block_sparse_prefill_fake)
@@ -394,8 +401,80 @@ def select_rows(ev: torch.Tensor, kn: torch.Tensor, lo: torch.Tensor, hi: torch.
         if exclude.dim() != 3 or exclude.shape[:2] != (n, heads) or exclude.device.type != "cpu":
             return False
     ops.sfi_select_rows(sel, ev, kn, lo.contiguous(), hi.contiguous(), n_sel.contiguous(),
-                        [float(getattr(cfg, f)) for f in _CFG_FIELDS], int(cfg.nms_radius), int(cfg.select_span),
+                        selector_constants(cfg), int(cfg.nms_radius), int(cfg.select_span),
                         int(cfg.select_span_back), exclude)
+    return True
+
+
+_SELECTOR_CONSTANTS: dict = {}
+
+
+def selector_constants(cfg) -> list[float]:
+    """The selector's 12 constants in the kernels' order (:data:`_CFG_FIELDS`), built once per
+    parameter set (the parameters are frozen)."""
+    consts = _SELECTOR_CONSTANTS.get(cfg)
+    if consts is None:
+        consts = _SELECTOR_CONSTANTS[cfg] = [float(getattr(cfg, f)) for f in _CFG_FIELDS]
+    return consts
+
+
+def slow_rows(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens: torch.Tensor,
+              allowed_lo: torch.Tensor, allowed_hi: torch.Tensor, entries, live: int, *, out: torch.Tensor | None,
+              max_len: int, cfg, k_min: int, width: int, scale: float, alpha: float, n_sink: int,
+              compact_kv: torch.Tensor, compact_table: torch.Tensor, compact_len: torch.Tensor,
+              kept=None, k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
+    """A layer's slow step in one call (``torch.ops.speedsfi.sfi_slow_rows``): for each of the first
+    ``live`` entries of the slow list ``entries`` (the step plan: ``slow_rows``, ``slow_seq``,
+    ``slow_lo``, ``slow_hi``, ``slow_k``, ``slow_sfi_slot``, ``slow_kept``), what :func:`evidence`
+    (its row's evidence over ``[0, min(seq, max_len))`` and, with ``out``, its dense attention),
+    :func:`select_rows` (``min(clamp(k, k_min, width), hi - lo)`` positions per KV head, the kept
+    positions left out) and :func:`gather_compact` (sink and selection into its compact slot, after
+    its kept entries) write one after the other, bit for bit. ``kept``: the layer's kept positions
+    (:class:`vllm_ext.kernels.paged_rows.PagedRows` of int32 ``[Hkv, E]``, or a tensor ``[slots, Hkv,
+    E]``) when ``sfi.keep_prefill`` is on, else None. False (nothing written) where the kernel does
+    not apply: no library, pages not in ``CPU_ATTN``'s packings or of another dtype, a query or
+    output other than bf16 / fp32 contiguous rows, kept positions in another form."""
+    from vllm_ext.kernels.paged_rows import PagedRows
+
+    from vllm_ext.kernels.packed_pages import PackedPages
+
+    ops = library()
+    if ops is None or not isinstance(pages, PackedPages):
+        return False
+    if live <= 0:
+        return True
+    layout = _page_layout(pages)
+    if layout is None:
+        return False
+    k_pages, v_pages, amx = layout
+    if (not reads_pages(k_pages.dtype) or k_pages.device.type != "cpu" or query.dim() != 3
+            or query.dtype not in (torch.bfloat16, torch.float32) or compact_kv.dtype != k_pages.dtype
+            or (out is not None and (out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous()
+                                     or out.shape != query.shape))):
+        return False
+    kept_pages = kept_table = None
+    kept_first = kept_width = 0
+    if kept is not None:
+        if isinstance(kept, PagedRows):
+            if kept.dtype != torch.int32 or len(kept.row_shape) != 2:
+                return False
+            kept_pages, kept_table, kept_first, kept_width = kept.pages, kept.table, kept.first, kept.row_shape[1]
+        else:
+            if kept.dtype != torch.int32 or kept.dim() != 3:
+                return False
+            slots, heads, kept_width = kept.shape
+            kept_pages = kept.contiguous().view(slots, 1, 1, heads * kept_width)
+            kept_table = torch.arange(slots, dtype=torch.int32).view(slots, 1)
+    if compact_table is None:                       # the contiguous layout: slot s is block s
+        compact_table = torch.arange(compact_kv.shape[0], dtype=torch.int32).view(-1, 1)
+    ops.sfi_slow_rows(out, compact_kv, compact_len, query.contiguous(), k_pages, v_pages, _rows_i32(block_table),
+                      seq_lens, allowed_lo, allowed_hi, entries.slow_rows, entries.slow_seq, entries.slow_lo,
+                      entries.slow_hi, entries.slow_k, entries.slow_sfi_slot,
+                      entries.slow_kept if kept is not None else None, kept_pages, _rows_i32(kept_table),
+                      int(kept_first), int(kept_width), _rows_i32(compact_table),
+                      int(compact_kv.shape[2] * compact_table.shape[1]), int(live), int(max_len), int(k_min), int(width), float(scale), float(alpha),
+                      selector_constants(cfg), int(cfg.nms_radius), int(cfg.select_span), int(cfg.select_span_back),
+                      int(n_sink), amx, float(k_scale), float(v_scale))
     return True
 
 
@@ -457,6 +536,13 @@ def two_segment(query: torch.Tensor, pages, block_table: torch.Tensor, seq_lens:
                            slot_idx.contiguous(), None if row_mask is None else row_mask.contiguous(), int(window),
                            float(scale), amx, float(k_scale), float(v_scale))
     return True
+
+
+def _rows_i32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A table as int32 rows of unit stride (a column slice of a wider table as it is)."""
+    if t is None or (t.dtype == torch.int32 and t.stride(-1) == 1):
+        return t
+    return t.to(torch.int32).contiguous()
 
 
 def _int32(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ext import metrics
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.dense_decode_evidence import (dense_decode_with_evidence, paged_decode,
@@ -41,8 +42,9 @@ from vllm_ext.kernels.paged_state import (update_block_representatives_paged,
 from vllm_ext.kernels.gather_compact import gather_compact
 from vllm_ext.kernels.quest_pages import quest_page_evidence
 from vllm_ext.kernels.quest_rerank import quest_candidate_evidence
-from vllm_ext.kernels.selector_params import SelectorParams
+from vllm_ext.kernels.selector_params import SelectorParams, output_width
 from vllm_ext.kernels.sfi_selector import select
+from vllm_ext.kernels.triton_utils import use_triton
 from vllm_ext.kernels.two_segment_decode import two_segment_decode
 from vllm_ext.methods.sfi.step_plan import SfiPrefillEnd, SfiStep
 
@@ -181,6 +183,9 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                            compact_table=layer.compact_table, k_scale=k_scale, v_scale=v_scale)
     if on_cpu and not bool(step.row_slow[:rows].any()):
         return out
+    if on_cpu and _slow_rows_compiled(query, kv_cache, block_table, seq_lens, step, cfg, layer, rt, scale,
+                                      None if slow_done else out, k_scale, v_scale):
+        return out
     # slow rows, chunk by chunk: a dense pass over the chunk's entries, writing their output (unless
     # the dense path did), evidence and ||k|| into the chunk's ring slot; then its maintenance
     b = rt.maintenance_rows
@@ -200,6 +205,37 @@ def sfi_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
             step.slow_hi[e], step.slow_k[e], count,
             kept=step.slow_kept[e] if cfg.keep_prefill else None))
     return out
+
+
+def _slow_rows_compiled(query, kv_cache, block_table, seq_lens, step: SfiStep, cfg: SfiConfig,
+                        layer: SfiLayerBuffers, rt: SfiRuntime, scale: float, out, k_scale, v_scale) -> bool:
+    """The CPU build's slow step of this layer in one compiled call over every live slow entry
+    (:func:`vllm_ext.kernels.cpu_native.slow_rows`: the dense pass with evidence, the selector and the
+    gather of the chunk loop below, the same values, no Python between them). False where it does not
+    apply (not ``CPU_ATTN``'s packed pages, no compiled kernels: the loop runs the twins, as chosen and
+    counted at start-up); a refusal on packed pages with the kernels there is logged once and counted
+    (``fallback.sfi_slow_rows_cpu``) and the loop runs the separate kernels."""
+    from vllm_ext.kernels import cpu_native, kv_quant
+    from vllm_ext.kernels.packed_pages import PackedPages
+
+    if not isinstance(kv_cache, PackedPages) or use_triton(query) or cpu_native.library() is None:
+        return False
+    rows = query.shape[0]
+    params = rt.rest_select_cfg if cfg.keep_prefill else rt.select_cfg
+    if cpu_native.slow_rows(query, kv_cache, block_table, seq_lens, step.allowed_lo[:rows], step.allowed_hi[:rows],
+                            step, int(step.slow_count.reshape(-1)[0]), out=out,
+                            max_len=rt.ring.entries[0].log_evidence.shape[-1], cfg=params,
+                            k_min=int(params.k_min), width=output_width(step.slow_k, params, cfg.k), scale=scale,
+                            alpha=cfg.alpha, n_sink=cfg.n_sink, compact_kv=layer.compact_kv,
+                            compact_table=layer.compact_table, compact_len=layer.compact_len,
+                            kept=layer.kept_pos if cfg.keep_prefill else None,
+                            k_scale=kv_quant.host_scale(kv_cache.dtype, k_scale),
+                            v_scale=kv_quant.host_scale(kv_cache.dtype, v_scale)):
+        return True
+    metrics.fallback("sfi_slow_rows_cpu", "SFI's fused slow step does not take this layer's tensors "
+                     "(query %s, output %s, pages %s): its slow rows run the separate compiled kernels",
+                     query.dtype, None if out is None else out.dtype, kv_cache.dtype)
+    return False
 
 
 def sfi_prefill_end(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
