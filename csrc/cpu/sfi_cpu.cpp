@@ -343,6 +343,44 @@ void evidence_pass(const T* k_base, int64_t s_block, int64_t s_head, int bs, int
   }
 }
 
+// The n_sel positions lo + i (i < n) of the largest scores x[i], ties to the smaller position, in
+// ascending order into out: the key of the n_sel-th largest found by a radix select over the scores'
+// order-preserving unsigned images (four passes of 8 bits), then one ascending scan that takes every
+// larger key and the first equal ones. The twin's topk over score_key32 * 2^32 + (2^31 - 1 - position)
+// orders the candidates the same way.
+void top_positions(const float* x, int64_t n, int64_t n_sel, int64_t lo, int32_t* out) {
+  if (n_sel >= n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(lo + i);
+    return;
+  }
+  thread_local std::vector<uint32_t> keys;
+  if (static_cast<int64_t>(keys.size()) < n) keys.resize(n);
+  uint32_t* u = keys.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t bits = to_bits(x[i]);
+    u[i] = static_cast<uint32_t>(bits >= 0 ? bits : (bits ^ 0x7FFFFFFF)) ^ 0x80000000u;
+  }
+  uint32_t prefix = 0, mask = 0;
+  int64_t want = n_sel;                     // the want-th largest among the keys matching prefix under mask
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    int64_t hist[256] = {0};
+    for (int64_t i = 0; i < n; ++i)
+      if ((u[i] & mask) == prefix) ++hist[(u[i] >> shift) & 255u];
+    int b = 255;
+    for (; b > 0 && hist[b] < want; --b) want -= hist[b];
+    prefix |= static_cast<uint32_t>(b) << shift;
+    mask |= 255u << shift;
+  }
+  // prefix is the n_sel-th largest key; want of the keys equal to it are taken, the first ones
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (u[i] > prefix || (u[i] == prefix && want > 0)) {
+      want -= u[i] == prefix;
+      out[m++] = static_cast<int32_t>(lo + i);
+    }
+  }
+}
+
 // The selector of one request over its allowed set [lo, hi) (the twin: sfi_selector_cpu.select_rows):
 // pooled log evidence ev and key norms kn, rows [H, >= hi] with strides ev_hs / kn_hs; cfg: alpha
 // (unused: the evidence is pooled), gamma_k, pos_power, pos_eta, pos_beta, w_k, w_pos, lambda_max,
@@ -427,7 +465,6 @@ void sfi_select_row(const float* ev, int64_t ev_hs, const float* kn, int64_t kn_
       }
     }
   }
-  std::vector<std::pair<int64_t, int64_t>> keys(n);
   for (int h = 0; h < heads; ++h) {
     float* x = ls + h * n;
     for (int64_t i = 0; i < n; ++i) x[i] = x[i] != x[i] ? kNegInf : x[i];
@@ -440,19 +477,7 @@ void sfi_select_row(const float* ev, int64_t ev_hs, const float* kn, int64_t kn_
         const int64_t p = exclude[h * n_ex + e];
         if (p >= lo && p < hi) x[p - lo] = kNegInf;
       }
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t bits = to_bits(x[i]);
-      const int64_t key32 = bits >= 0 ? bits : (bits ^ 0x7FFFFFFF);
-      keys[i] = {key32 * 4294967296LL + (2147483647LL - (lo + i)), lo + i};
-    }
-    auto desc = [](const std::pair<int64_t, int64_t>& a, const std::pair<int64_t, int64_t>& b) {
-      return a.first > b.first;
-    };
-    if (n_sel < n) std::nth_element(keys.begin(), keys.begin() + n_sel, keys.end(), desc);
-    std::vector<int64_t> pos(n_sel);
-    for (int64_t i = 0; i < n_sel; ++i) pos[i] = keys[i].second;
-    std::sort(pos.begin(), pos.end());
-    for (int64_t i = 0; i < n_sel; ++i) sel[h * sel_hs + i] = static_cast<int32_t>(pos[i]);
+    top_positions(x, n, n_sel, lo, sel + h * sel_hs);
   }
 }
 
