@@ -122,7 +122,6 @@ def _run(args, save) -> list[dict]:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("SPEEDSFI_TRACE_INTERVAL_S", "0")
     sys.path.insert(0, str(ROOT))
     import torch
 

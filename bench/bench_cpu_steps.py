@@ -16,7 +16,6 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("SPEEDSFI_TRACE_INTERVAL_S", "0")
 import bench_cpu_vllm as B
 
 configs, length, dtype = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]

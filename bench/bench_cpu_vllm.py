@@ -46,7 +46,6 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("SPEEDSFI_TRACE_INTERVAL_S", "0")
 
 # name -> (attention backend, speedsfi section)
 CONFIGS: dict[str, tuple[str, dict]] = {
