@@ -726,29 +726,54 @@ def quality_critiprefill_needles(name: str = "") -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-def cpu_decode_headline(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.json",
-                                                 "cpu_decode_batch_bf16_fp8kv_avx512.json")) -> str:
-    """The README's line on the CPU build's batch decode: the preset's mean step against CPU_ATTN's,
-    per KV cache dtype."""
-    parts, srcs = [], []
-    for n in names:
-        d = _load(n)
-        by = {r["config"]: r for r in d["rows"]}
-        base, sfi = by["cpu_attn"], by["sfi"]
-        unit = d["unit"]
-        kv = "bf16" if d.get("kv_cache_dtype", "auto") == "auto" else f"an {d['kv_cache_dtype']} KV cache"
-        parts.append(f"{sfi[unit + '_ms_mean']:.0f} ms against {base[unit + '_ms_mean']:.0f} "
-                     f"({base[unit + '_ms_mean'] / sfi[unit + '_ms_mean']:.2f}x) on {kv}")
-        srcs.append((n, d))
-    d = srcs[0][1]
-    r = next(iter(d["rows"]))
-    env = d["env"]
-    return (f"On the CPU build, {r['batch']} requests of {r['length']:,} prompt tokens decoding together, the "
-            f"`sfi` preset's mean step took " + "; ".join(parts) + " (`CPU_ATTN`'s), every step counted: "
+CPU_DECODE_GRID = ("cpu_decode_grid_bf16_avx512.json", "cpu_decode_grid_bf16_avx512_rerun.json",
+                   "cpu_decode_grid_bf16_avx512_rerun_8k.json")
+
+
+def _decode_rows(names: tuple[str, ...]) -> tuple[list, dict]:
+    """The files of ``names`` that exist and their rows by (config, length, batch): a later file's row
+    replaces an earlier one's for the same point (measured again after a change)."""
+    files = [(n, _load(n)) for n in names if (ROOT / RESULTS / n).exists()]
+    rows: dict = {}
+    for _, f in files:
+        rows.update({(r["config"], r["length"], r["batch"]): r for r in f["rows"]})
+    return files, rows
+
+
+def cpu_decode_headline(grid: tuple[str, ...] = CPU_DECODE_GRID,
+                        fp8: str = "cpu_decode_batch_bf16_fp8kv_avx512.json") -> str:
+    """The README's line on the CPU build's batch decode, from the grid (batches x prompt lengths, bf16):
+    the preset's mean step against CPU_ATTN's at the longest prompts, its range over the points where
+    the preset's fast steps read under half the context, and the fp8 point."""
+    files, by = _decode_rows(grid)
+    d = files[0][1]
+    unit, env = d["unit"], d["env"]
+    longest = max(k[1] for k in by)
+
+    def ratio(length, batch):
+        return by[("cpu_attn", length, batch)][unit + "_ms_mean"] / by[("sfi", length, batch)][unit + "_ms_mean"]
+
+    sparse = sorted((ratio(l, b), l, b) for (c, l, b), r in by.items()
+                    if c == "sfi" and r.get("retained_fraction") is not None and r["retained_fraction"] < 0.5)
+    at_longest = ", ".join(
+        f"{by[('sfi', longest, b)][unit + '_ms_mean']:.0f} ms against {by[('cpu_attn', longest, b)][unit + '_ms_mean']:.0f} "
+        f"({ratio(longest, b):.2f}x) at {b} request{'s' if b > 1 else ''}"
+        for b in sorted({b for (c, l, b) in by if c == "sfi" and l == longest}, reverse=True))
+    span = (f"; over the {len(sparse)} points of prompts and batches where its fast steps read under half the "
+            f"context, {sparse[0][0]:.2f}x ({sparse[0][1]:,} x {sparse[0][2]}) to {sparse[-1][0]:.2f}x "
+            f"({sparse[-1][1]:,} x {sparse[-1][2]})" if sparse else "")
+    f = _load(fp8)
+    fb = {r["config"]: r for r in f["rows"]}
+    fp8_part = (f"; on an fp8 KV cache, {fb['sfi']['batch']} x {fb['sfi']['length']:,}: "
+                f"{fb['sfi'][unit + '_ms_mean']:.0f} ms against {fb['cpu_attn'][unit + '_ms_mean']:.0f} "
+                f"({fb['cpu_attn'][unit + '_ms_mean'] / fb['sfi'][unit + '_ms_mean']:.2f}x)")
+    return (f"On the CPU build, requests of {longest:,} prompt tokens decoding together, the `sfi` preset's mean "
+            f"step (every step counted) took {at_longest} (`CPU_ATTN`'s){span}{fp8_part}: "
             f"SmolLM2-135M-Instruct, {d['dtype']}, thread CPU time on one thread, {env['cpu']} ({env['cores']} "
             f"cores, {env['isa']}); {env['time_utc'][:10]}; commit "
-            + ", ".join(dict.fromkeys(x["commit"] for _, x in srcs)) + "; `bench/bench_cpu_decode_batch.py`; source: "
-            + ", ".join(_source(n).replace("source: ", "") for n, _ in srcs) + ".\n")
+            + ", ".join(dict.fromkeys([x["commit"] for _, x in files] + [f["commit"]]))
+            + "; `bench/bench_cpu_decode_batch.py`; source: "
+            + ", ".join(_source(n).replace("source: ", "") for n in [x for x, _ in files] + [fp8]) + ".\n")
 
 
 QUALITY_FP8 = ("quality_cpu_smollm2_fp8_heldout_bf16kv.json", "quality_cpu_smollm2_fp8_heldout_fp8kv.json")
@@ -1007,16 +1032,11 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
 
 def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.json",)) -> str:
     """B requests of L prompt tokens decoding together on the CPU build: mean step, SFI's speed-up and
-    how close each config's step comes to the bytes it reads. A later file's rows replace an earlier
-    one's for the same config (a config measured again after a change)."""
-    files = [(n, _load(n)) for n in names if (ROOT / RESULTS / n).exists()]
+    how close each config's step comes to the bytes it reads. A later file's row replaces an earlier
+    one's at the same point (measured again after a change)."""
+    files, rows = _decode_rows(names)
     d = files[0][1]
     unit = d["unit"]
-    rows: dict = {}
-    for _, f in files:
-        configs_here = {r["config"] for r in f["rows"]}
-        rows = {k: v for k, v in rows.items() if k[0] not in configs_here}
-        rows.update({(r["config"], r["length"], r["batch"]): r for r in f["rows"]})
     points = sorted({(k[1], k[2]) for k in rows})
     names_ = {"cpu_attn": "`CPU_ATTN`", "all_off": "all off", "sfi": "`sfi` preset", "quest_rerank": "Quest"}
     configs = [c for c in names_ if any(k[0] == c for k in rows)]
@@ -1043,7 +1063,8 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
     env, reads = d["env"], {r["threads"]: r["copy_read_gbps"] for r in d["read_rate"]}
     timing = ("thread CPU time, one OpenMP thread" if unit == "cpu"
               else f"wall time, {env['cores']} threads")
-    runs = "; ".join(f"{', '.join(sorted({r['config'] for r in f['rows']}))}: {f['env']['time_utc'][:10]}, commit "
+    runs = "; ".join(f"{', '.join(sorted({r['config'] for r in f['rows']}))} at "
+                     f"{', '.join(str(x) for x in sorted({r['length'] for r in f['rows']}))}: {f['env']['time_utc'][:10]}, commit "
                      f"{f['commit']}, {f['rows'][0].get('steps') or len(f['rows'][0]['cpu_ms'])} timed steps, `{f['command']}`, "
                      f"{f['note']}, "
                      f"{_source(n)}" for n, f in files)
@@ -1056,6 +1077,7 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
 
 
 FIGURES = {"cpu_decode_batch": cpu_decode_batch,
+           "cpu_decode_grid": lambda: cpu_decode_batch(CPU_DECODE_GRID),
            "cpu_decode_batch_fp8": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_fp8kv_avx512.json",)),
            "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
            "quality_fp8": quality_fp8, "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
