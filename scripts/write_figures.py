@@ -1091,6 +1091,8 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
                "quality_cpu_smollm2_critiprefill_needles_heldout.json"),
            "quality_critiprefill_heldout2": lambda: quality_critiprefill_needles(
                "quality_cpu_smollm2_critiprefill_needles_heldout2.json"),
+           "quality_critiprefill_budget_tuning": lambda: quality_critiprefill_needles(
+               "quality_cpu_smollm2_critiprefill_budget_tuning.json"),
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
            "quality_qwen3": quality_qwen3, "quality_keep_prefill": quality_keep_prefill, "quality_quest_keep": quality_quest_keep,
            "quality_quest_rerank": quality_quest_rerank, "quality_critiprefill": quality_critiprefill,
