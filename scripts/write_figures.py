@@ -755,9 +755,13 @@ def cpu_decode_headline(grid: tuple[str, ...] = CPU_DECODE_GRID,
 
     sparse = sorted((ratio(l, b), l, b) for (c, l, b), r in by.items()
                     if c == "sfi" and r.get("retained_fraction") is not None and r["retained_fraction"] < 0.5)
+    def off(length, batch):
+        r = by.get(("all_off", length, batch))
+        return f"; every method off {r[unit + '_ms_mean']:.0f}" if r else ""
+
     at_longest = ", ".join(
         f"{by[('sfi', longest, b)][unit + '_ms_mean']:.0f} ms against {by[('cpu_attn', longest, b)][unit + '_ms_mean']:.0f} "
-        f"({ratio(longest, b):.2f}x) at {b} request{'s' if b > 1 else ''}"
+        f"({ratio(longest, b):.2f}x{off(longest, b)}) at {b} request{'s' if b > 1 else ''}"
         for b in sorted({b for (c, l, b) in by if c == "sfi" and l == longest}, reverse=True))
     span = (f"; over the {len(sparse)} points of prompts and batches where its fast steps read under half the "
             f"context, {sparse[0][0]:.2f}x ({sparse[0][1]:,} x {sparse[0][2]}) to {sparse[-1][0]:.2f}x "
