@@ -1082,6 +1082,7 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
 
 FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_decode_grid": lambda: cpu_decode_batch(CPU_DECODE_GRID),
+           "cpu_decode_grid_2threads": lambda: cpu_decode_batch(("cpu_decode_grid_bf16_avx512_2threads.json",)),
            "cpu_decode_batch_fp8": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_fp8kv_avx512.json",)),
            "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
            "quality_fp8": quality_fp8, "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
