@@ -515,6 +515,16 @@ void check_rows3(const at::Tensor& t, const char* what, int64_t n, int64_t heads
               t.strides());
 }
 
+// Row r's block table (blocks) covers its seq positions in blocks of bs and every id it reads lies in
+// [0, nb_all): checked before any pass reads the pages (op names the caller in errors).
+void check_row_blocks(const int32_t* blocks, int64_t r, int64_t seq, int64_t bs, int64_t width, int64_t nb_all,
+                      const char* op) {
+  const int64_t nb = (seq + bs - 1) / bs;
+  TORCH_CHECK(nb <= width, op, ": row ", r, " of length ", seq, " needs ", nb, " blocks, the table has ", width);
+  for (int64_t j = 0; j < nb; ++j)
+    TORCH_CHECK(blocks[j] >= 0 && blocks[j] < nb_all, op, ": block id ", blocks[j], " outside [0, ", nb_all, ")");
+}
+
 // torch.ops.speedsfi.sfi_evidence: evidence_pass over a step's slow rows at once, the (entry, KV head)
 // pairs shared among torch's intra-op threads (each pair's result is computed by one thread, the same
 // on any number of threads). k_pages / v_pages: the KV cache's K and V views over the same storage,
@@ -589,13 +599,8 @@ void evidence_op(const at::Tensor& evidence, const std::optional<at::Tensor>& ke
     const int64_t r = rows[e];
     if (r < 0 || r >= n_rows || seqs[r] <= 0) continue;
     for (int64_t h = 0; h < hkv; ++h) items.push_back(e * hkv + h);
-    const int64_t seq = seqs[r], nb = (seq + bs - 1) / bs;
-    TORCH_CHECK(nb <= width, "sfi_evidence: row ", r, " of length ", seq, " needs ", nb, " blocks, the table has ",
-                width);
-    for (int64_t j = 0; j < nb; ++j) {
-      const int32_t b = table[r * t_rs + j];
-      TORCH_CHECK(b >= 0 && b < nb_all, "sfi_evidence: block id ", b, " outside [0, ", nb_all, ")");
-    }
+    const int64_t seq = seqs[r];
+    check_row_blocks(table + r * t_rs, r, seq, bs, width, nb_all, "sfi_evidence");
     longest = std::max(longest, seq);
   }
   if (longest == 0 || max_len == 0) return;
@@ -819,13 +824,8 @@ void slow_rows_op(const std::optional<at::Tensor>& out, const at::Tensor& compac
   for (int64_t e = 0; e < live; ++e) {
     const int64_t r = rows[e];
     if (r < 0 || r >= n_rows || seqs[r] <= 0) continue;
-    const int64_t seq = seqs[r], nb = (seq + bs - 1) / bs;
-    TORCH_CHECK(nb <= width_bt, "sfi_slow_rows: row ", r, " of length ", seq, " needs ", nb, " blocks, the table has ",
-                width_bt);
-    for (int64_t j = 0; j < nb; ++j) {
-      const int32_t b = table[r * t_rs + j];
-      TORCH_CHECK(b >= 0 && b < nb_all, "sfi_slow_rows: block id ", b, " outside [0, ", nb_all, ")");
-    }
+    const int64_t seq = seqs[r];
+    check_row_blocks(table + r * t_rs, r, seq, bs, width_bt, nb_all, "sfi_slow_rows");
     TORCH_CHECK(sseq[e] <= seq, "sfi_slow_rows: entry ", e, "'s length ", sseq[e], " past its row's ", seq);
     const int64_t slot = sslot[e];
     if (slot >= 0 && slot < slots) {
