@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
+from tests.sfi_forced_steps import forced_step
 from vllm_ext.methods.sfi import path as sfi_path
 from vllm_ext.methods.sfi.path import sfi_decode, sfi_prefill_end
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
@@ -93,19 +94,7 @@ def _decode_run(cfg, chunk, fixed_launches, kernels):
     ctx = torch_kernels() if kernels == "twins" else contextlib.nullcontext()
     with ctx, _recorded_maintenance(log):
         for modes in STEPS:
-            t = torch.tensor(LENS, dtype=torch.int32)
-            slow = torch.tensor([m == "slow" for m in modes])
-            fast = torch.tensor([m == "fast" for m in modes])
-            sparse = slow | fast
-            step = write_plan(buffers, CAP, slow=slow, fast=fast, sparse=sparse,
-                              row_sfi_slot=torch.where(sparse, torch.arange(CAP, dtype=torch.int32), 0),
-                              k=torch.full_like(t, cfg.k), recent_start=torch.clamp(t - cfg.n_recent, min=0),
-                              lo=torch.full_like(t, cfg.n_sink),
-                              hi=torch.clamp(t - cfg.n_recent, min=cfg.n_sink), t=t, block_table=bt)
-            if cfg.keep_prefill:              # what SfiSlotTables.plan adds
-                live = step.slow_sfi_slot >= 0
-                step.slow_kept.copy_(torch.where(live, cfg.keep_prefill, 0))
-                step.slow_k.sub_(step.slow_kept)
+            step, t = forced_step(buffers, cfg, modes, LENS, bt)
             q = torch.randn(CAP, HQ, D, generator=gen)
             out = torch.full_like(q, 7.0)
             sfi_decode(q, kv, bt, t, step, cfg, layer, rt, 0, D ** -0.5, out, dense_done=False,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
+from tests.sfi_forced_steps import forced_step
 from vllm_ext import metrics
 from vllm_ext.kernels import cpu_native
 from vllm_ext.kernels.packed_pages import PackedPages
@@ -21,7 +22,7 @@ from vllm_ext.methods.sfi import path as sfi_path
 from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.methods.sfi.path import sfi_decode
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
-from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
 
 needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler here")
 
@@ -64,7 +65,7 @@ def _layer(cfg, kv_dtype, paged, gen):
     return layer
 
 
-def _run(cfg, isa, kv_dtype, act_dtype, scales, paged, fused):
+def _run(cfg, isa, kv_dtype, act_dtype, scales, paged):
     with torch_kernels():                     # the CPU build's dispatch (no Triton there)
         return _steps(cfg, isa, kv_dtype, act_dtype, scales, paged)
 
@@ -79,19 +80,7 @@ def _steps(cfg, isa, kv_dtype, act_dtype, scales, paged):
     k_scale, v_scale = (None, None) if scales is None else (torch.tensor([scales[0]]), torch.tensor([scales[1]]))
     outs = []
     for modes in STEPS:
-        t = torch.tensor(LENS, dtype=torch.int32)
-        slow = torch.tensor([m == "slow" for m in modes])
-        fast = torch.tensor([m == "fast" for m in modes])
-        sparse = slow | fast
-        step = write_plan(buffers, CAP, slow=slow, fast=fast, sparse=sparse,
-                          row_sfi_slot=torch.where(sparse, torch.arange(CAP, dtype=torch.int32), 0),
-                          k=torch.full_like(t, cfg.k), recent_start=torch.clamp(t - cfg.n_recent, min=0),
-                          lo=torch.full_like(t, cfg.n_sink),
-                          hi=torch.clamp(t - cfg.n_recent, min=cfg.n_sink), t=t, block_table=bt)
-        if cfg.keep_prefill:                  # what SfiSlotTables.plan adds
-            live = step.slow_sfi_slot >= 0
-            step.slow_kept.copy_(torch.where(live, cfg.keep_prefill, 0))
-            step.slow_k.sub_(step.slow_kept)
+        step, t = forced_step(buffers, cfg, modes, LENS, bt)
         q = torch.randn(CAP, HQ, D, generator=gen).to(act_dtype)
         out = torch.full_like(q, 7.0)
         sfi_decode(q, pages, bt, t, step, cfg, layer, rt, 0, D ** -0.5, out, dense_done=False,
@@ -109,10 +98,10 @@ def test_fused_slow_step_equals_the_separate_kernels(monkeypatch, isa, kv_dtype,
     calls = []
     took = cpu_native.slow_rows
     monkeypatch.setattr(cpu_native, "slow_rows", lambda *a, **k: calls.append(took(*a, **k)) or calls[-1])
-    fused = _run(cfg, isa, kv_dtype, act_dtype, scales, paged, True)
+    fused = _run(cfg, isa, kv_dtype, act_dtype, scales, paged)
     assert calls and all(calls), "the fused slow step did not run"
     monkeypatch.setattr(sfi_path, "_slow_rows_compiled", lambda *a, **k: False)
-    separate = _run(cfg, isa, kv_dtype, act_dtype, scales, paged, False)
+    separate = _run(cfg, isa, kv_dtype, act_dtype, scales, paged)
     for i, (a, b) in enumerate(zip(fused[0], separate[0])):
         assert torch.equal(a, b), f"step {i}'s output differs"
     assert torch.equal(fused[1].view(torch.uint8), separate[1].view(torch.uint8)), "compact segments differ"
@@ -142,5 +131,5 @@ def test_the_wrapper_refuses_what_the_kernel_does_not_read():
 def test_a_refusal_on_packed_pages_is_logged_and_counted(monkeypatch):
     monkeypatch.setattr(cpu_native, "slow_rows", lambda *a, **k: False)
     metrics.reset()
-    _run(CFG, "vec", torch.bfloat16, torch.bfloat16, None, False, False)
+    _run(CFG, "vec", torch.bfloat16, torch.bfloat16, None, False)
     assert metrics.snapshot().get("fallback.sfi_slow_rows_cpu", 0) > 0
