@@ -309,6 +309,13 @@ inline v16f load16(const F* p) {
 #endif
 }
 
+// Asks for the n bytes at p ahead of the pass that reads them: the next KV-cache block's page. Blocks
+// lie anywhere in the cache, so the hardware's stream prefetch stops at the end of each page.
+inline void prefetch_bytes(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
 constexpr int pow2_floor(int x) { int p = 1; while (p * 2 <= x) p *= 2; return p; }
 
 // acc[g * D + i] += sum_t w[g * ws + t] * v_t[i] for t < n (value t: D elements at v + t * ts), in

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_vec.h"
 #include "page_views.h"
 
 namespace {
@@ -27,6 +28,9 @@ inline T v_at(const T* v, const PageViews& s, int64_t t, int64_t i) {
   return v[t * s.v_ts + i];
 }
 
+// how many entries ahead of the copy the next block's pages are asked for (about a block of a run)
+constexpr int64_t kGatherAhead = 16;
+
 template <typename T>
 void gather_rows(const T* kb, const T* vb, const PageViews& src, const int32_t* table, int64_t t_rs, T* cb,
                  int64_t c_sblock, int64_t c_shead, int64_t c_ts, int64_t cbs, const int32_t* ctab, int64_t ct_rs,
@@ -46,15 +50,39 @@ void gather_rows(const T* kb, const T* vb, const PageViews& src, const int32_t* 
     const int32_t* dst_blocks = ctab + slot * ct_rs;
     for (int64_t h = 0; h < hkv; ++h) {
       const int32_t* hs = sel + r * sel_rs + h * sel_hs;
-      for (int64_t e = 0; e < ns + nsel; ++e) {
+      const int64_t n_e = ns + nsel;
+      int64_t fetched = -1;                      // the last block whose pages were prefetched
+      for (int64_t e = 0; e < n_e; ++e) {
+        if (e + kGatherAhead < n_e) {            // a selection is runs of neighbours: one block at a time
+          const int64_t ahead = e + kGatherAhead < ns ? e + kGatherAhead : hs[e + kGatherAhead - ns];
+          if (ahead >= 0 && ahead / bs != fetched && (seq_lens == nullptr || ahead < seq)) {
+            fetched = ahead / bs;
+            const int64_t page = static_cast<int64_t>(blocks[fetched]) * src.s_block + h * src.s_head;
+            prefetch_bytes(kb + page, sizeof(T) * bs * d);
+            prefetch_bytes(vb + page, sizeof(T) * bs * d);
+          }
+        }
         const int64_t pos = e < ns ? e : hs[e - ns];
         if (pos < 0 || (seq_lens != nullptr && pos >= seq)) continue;   // a caller error: left as it was
         const int64_t de = e < ns ? e : ns + off + (e - ns);
         T* dst = cb + static_cast<int64_t>(dst_blocks[de / cbs]) * c_sblock + h * c_shead + (de % cbs) * c_ts;
         const int64_t page = static_cast<int64_t>(blocks[pos / bs]) * src.s_block + h * src.s_head;
         const int64_t t = pos % bs;
-        for (int64_t i = 0; i < d; ++i) dst[i] = k_at(kb + page, src, t, i);
-        for (int64_t i = 0; i < d; ++i) dst[d + i] = v_at(vb + page, src, t, i);
+        const T* k = kb + page;
+        const T* v = vb + page;
+        switch (src.layout) {                    // one loop per layout: the element loops vectorise
+          case LAYOUT_ROWS:
+            for (int64_t i = 0; i < d; ++i) dst[i] = k[t * src.k_ts + i];
+            for (int64_t i = 0; i < d; ++i) dst[d + i] = v[t * src.v_ts + i];
+            break;
+          case LAYOUT_VEC:
+            for (int64_t i = 0; i < d; ++i) dst[i] = k[i * bs + t];
+            for (int64_t i = 0; i < d; ++i) dst[d + i] = v[t * src.v_ts + i];
+            break;
+          default:
+            for (int64_t i = 0; i < d; ++i) dst[i] = k_at(k, src, t, i);
+            for (int64_t i = 0; i < d; ++i) dst[d + i] = v_at(v, src, t, i);
+        }
       }
     }
     clen[slot] = static_cast<int32_t>(ns + off + nsel);

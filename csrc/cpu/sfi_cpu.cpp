@@ -151,6 +151,7 @@ void attend_rows_g(const T* v_base, int64_t s_block, int64_t h_off, int bs, cons
   constexpr int D = NV * kLanes;
   for (int64_t j = 0; j < nb; ++j) {
     const T* page = v_base + static_cast<int64_t>(blocks[j]) * s_block + h_off;
+    if (j + 1 < nb) prefetch_bytes(v_base + static_cast<int64_t>(blocks[j + 1]) * s_block + h_off, sizeof(T) * bs * D);
     const int64_t p0 = j * bs;
     accumulate_weighted<T, G, D>(page, D, std::min<int64_t>(bs, seq - p0), w + p0, seq, acc);
   }
@@ -285,6 +286,9 @@ void evidence_pass(const T* k_base, int64_t s_block, int64_t s_head, int bs, int
     const float* qh = q + static_cast<int64_t>(h) * g * d;
     for (int64_t j = 0; j < nb; ++j) {
       const T* page = k_base + static_cast<int64_t>(blocks[j]) * s_block + static_cast<int64_t>(h) * s_head;
+      if (j + 1 < nb)
+        prefetch_bytes(k_base + static_cast<int64_t>(blocks[j + 1]) * s_block + static_cast<int64_t>(h) * s_head,
+                       sizeof(T) * page_elems);
       if (amx) {
         unpack_amx_k(page, bs, d, kpage);
         page = kpage;
