@@ -13,6 +13,7 @@
 // instead of libm calls, and conditions are selects.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -730,16 +731,16 @@ T* call_buffer(std::vector<T>& buf, int64_t n) {
 //
 // Entries e < live of the slow list: row r = slow_rows[e] of query [R, Hq, D] (bf16 or fp32), its
 // pages through block_table [R, W] int32, its evidence over [0, min(seq_lens[r], max_len)) with the
-// allowed set [allowed_lo[r], allowed_hi[r]) (phase 1, the (entry, KV head) pairs over the threads;
-// out [R, Hq, D] bf16 / fp32 gets row r's dense attention unless None); then its selection over
-// [slow_lo[e], slow_hi[e]) of min(clamp(slow_k[e], k_min, width), hi - lo) positions per KV head (phase
-// 2, the entries over the threads), leaving out the first slow_kept[e] positions of its compact slot's
-// kept row (kept_pages [NB, H', bs', C'] int32 read through kept_table [slots, n] int32 from column
-// kept_first: element h * kept_width + j of a slot, as vllm_ext.kernels.paged_rows.PagedRows lays it
-// out); then its gather (phase 3, in entry order): sink and selection copied into compact slot
-// slow_slot[e] (compact_kv through compact_table, capacity cap) after its slow_kept[e] kept entries,
-// its length set. cfg: sfi_select_row's 12 constants. Entries with a row outside [0, R), a length <= 0
-// or a negative slot are skipped.
+// allowed set [allowed_lo[r], allowed_hi[r]) (phase 1; out [R, Hq, D] bf16 / fp32 gets row r's dense
+// attention unless None); then its selection over [slow_lo[e], slow_hi[e]) of min(clamp(slow_k[e],
+// k_min, width), hi - lo) positions per KV head (phase 2), leaving out the first slow_kept[e] positions
+// of its compact slot's kept row (kept_pages [NB, H', bs', C'] int32 read through kept_table [slots, n]
+// int32 from column kept_first: element h * kept_width + j of a slot, as
+// vllm_ext.kernels.paged_rows.PagedRows lays it out); then its gather (phase 3): sink and selection
+// copied into compact slot slow_slot[e] (compact_kv through compact_table, capacity cap) after its
+// slow_kept[e] kept entries, its length set. cfg: sfi_select_row's 12 constants. Entries with a row
+// outside [0, R), a length <= 0 or a negative slot are skipped. The threads take whole entries when
+// there are enough of them, else the (entry, KV head) pairs of phase 1 (see the end of the function).
 void slow_rows_op(const std::optional<at::Tensor>& out, const at::Tensor& compact_kv, const at::Tensor& compact_len,
                   const at::Tensor& query, const at::Tensor& k_pages, const at::Tensor& v_pages,
                   const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& allowed_lo,
@@ -859,73 +860,54 @@ void slow_rows_op(const std::optional<at::Tensor>& out, const at::Tensor& compac
   int32_t* nsel_all = call_buffer(nsel_buf, live);
   const float* qf = query.scalar_type() == at::kFloat ? query.data_ptr<float>() : nullptr;
   const uint16_t* qb = qf == nullptr ? static_cast<const uint16_t*>(query.data_ptr()) : nullptr;
-  // phase 1: evidence, key norms and the dense attention of every (entry, KV head)
-  const int64_t scratch_n = g * longest + (g + 2) * bs + (out.has_value() ? g * longest + g * d : 0) + g * d;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    float* scratch = op_scratch(scratch_n);
-    float* q = scratch + scratch_n - g * d;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t e = items[i] / hkv;
-      const int h = static_cast<int>(items[i] % hkv);
-      const int64_t r = rows[e], seq = seqs[r], lim = std::min(seq, L);
-      const int64_t lo = std::max<int64_t>(alo[r], 0), hi = std::min<int64_t>(ahi[r], lim);
-      const int64_t q0 = (r * hq + static_cast<int64_t>(h) * g) * d;
-      for (int64_t j = 0; j < g * d; ++j) q[j] = qf != nullptr ? qf[q0 + j] : load(qb + q0 + j);
-      // evidence_pass reads the query of KV head h at q + h * g * d and writes its output there too
-      evidence_item(dt, k_pages, v_pages, src.s_block, src.s_head, static_cast<int>(bs), static_cast<int>(d), h,
-                    static_cast<int>(g), table + r * t_rs, seq, lo, hi, lim, q - static_cast<int64_t>(h) * g * d,
-                    static_cast<float>(scale), static_cast<float>(alpha), ev_all + e * hkv * L, L,
-                    kn_all + e * hkv * L, L, scratch,
-                    attn_all == nullptr ? nullptr : attn_all + e * hq * d, amx, static_cast<float>(k_scale),
-                    static_cast<float>(v_scale));
-    }
-  });
-  if (out.has_value()) {
-    for (const int64_t e : ents) {
-      const int64_t r = rows[e];
-      const float* a = attn_all + e * hq * d;
-      if (out->scalar_type() == at::kFloat) std::memcpy(out->data_ptr<float>() + r * hq * d, a, hq * d * sizeof(float));
-      else {
-        uint16_t* o = static_cast<uint16_t*>(out->data_ptr()) + r * hq * d;
-        for (int64_t j = 0; j < hq * d; ++j) o[j] = to_bf16(a[j]);
-      }
-    }
-  }
-  // phase 2: each entry's selection over its allowed set, its kept positions left out
   float consts[12];
   for (int i = 0; i < 12; ++i) consts[i] = static_cast<float>(cfg[i]);
-  at::parallel_for(0, static_cast<int64_t>(ents.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> ex;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t e = ents[i], r = rows[e];
-      const int64_t lim = std::min<int64_t>(seqs[r], L);
-      const int64_t a = std::clamp<int64_t>(slo[e], 0, L);
-      const int64_t b = std::max<int64_t>(std::min<int64_t>(std::min<int64_t>(shi[e], L), lim), a);
-      const int64_t n = std::min<int64_t>(std::clamp<int64_t>(sk[e], k_min, width), b - a);
-      nsel_all[e] = static_cast<int32_t>(std::max<int64_t>(n, 0));
-      if (n <= 0) continue;
-      const int64_t slot = sslot[e];
-      const int64_t n_ex = excluding && slot >= 0 && slot < slots ? kept_width : 0;
-      ex.assign(hkv * n_ex, -1);
-      const int64_t count = std::min<int64_t>(kept_n[e], n_ex);
-      for (int64_t h = 0; h < hkv && n_ex > 0; ++h)
-        for (int64_t j = 0; j < count; ++j) {
-          const int64_t f = h * kept_width + j, rr = f % kp_page;
-          const int64_t blk = kt[slot * kt_rs + kept_first + f / kp_page];
-          ex[h * n_ex + j] = kp[blk * kp_s[0] + (rr / (kp_bs * kp_c)) * kp_s[1] + ((rr / kp_c) % kp_bs) * kp_s[2] +
-                                rr % kp_c];
-        }
-      sfi_select_row(ev_all + e * hkv * L, L, kn_all + e * hkv * L, L, static_cast<int>(hkv), a, b, consts,
-                     static_cast<int>(nms_radius), static_cast<int>(span), static_cast<int>(span_back), n,
-                     n_ex > 0 ? ex.data() : nullptr, n_ex, sel_all + e * hkv * width, width,
-                     op_scratch((2 * hkv + 2) * (b - a)));
-    }
-  });
-  // phase 3: the gathers, in entry order
   int32_t* clen = compact_len.data_ptr<int32_t>();
-  for (const int64_t e : ents) {
+  const int64_t scratch_n = g * longest + (g + 2) * bs + (out.has_value() ? g * longest + g * d : 0) + g * d;
+  // phase 1 of entry e, KV head h: its evidence, key norms and dense attention
+  auto evidence_of = [&](int64_t e, int h) {
+    float* scratch = op_scratch(scratch_n);
+    float* q = scratch + scratch_n - g * d;
+    const int64_t r = rows[e], seq = seqs[r], lim = std::min(seq, L);
+    const int64_t lo = std::max<int64_t>(alo[r], 0), hi = std::min<int64_t>(ahi[r], lim);
+    const int64_t q0 = (r * hq + static_cast<int64_t>(h) * g) * d;
+    for (int64_t j = 0; j < g * d; ++j) q[j] = qf != nullptr ? qf[q0 + j] : load(qb + q0 + j);
+    // evidence_pass reads the query of KV head h at q + h * g * d and writes its output there too
+    evidence_item(dt, k_pages, v_pages, src.s_block, src.s_head, static_cast<int>(bs), static_cast<int>(d), h,
+                  static_cast<int>(g), table + r * t_rs, seq, lo, hi, lim, q - static_cast<int64_t>(h) * g * d,
+                  static_cast<float>(scale), static_cast<float>(alpha), ev_all + e * hkv * L, L, kn_all + e * hkv * L,
+                  L, scratch, attn_all == nullptr ? nullptr : attn_all + e * hq * d, amx, static_cast<float>(k_scale),
+                  static_cast<float>(v_scale));
+  };
+  // phase 2 of entry e: its selection over its allowed set, its kept positions left out
+  auto select_of = [&](int64_t e, std::vector<int64_t>& ex) {
+    const int64_t r = rows[e];
+    const int64_t lim = std::min<int64_t>(seqs[r], L);
+    const int64_t a = std::clamp<int64_t>(slo[e], 0, L);
+    const int64_t b = std::max<int64_t>(std::min<int64_t>(std::min<int64_t>(shi[e], L), lim), a);
+    const int64_t n = std::min<int64_t>(std::clamp<int64_t>(sk[e], k_min, width), b - a);
+    nsel_all[e] = static_cast<int32_t>(std::max<int64_t>(n, 0));
+    if (n <= 0) return;
+    const int64_t slot = sslot[e];
+    const int64_t n_ex = excluding && slot >= 0 && slot < slots ? kept_width : 0;
+    ex.assign(hkv * n_ex, -1);
+    const int64_t count = std::min<int64_t>(kept_n[e], n_ex);
+    for (int64_t h = 0; h < hkv && n_ex > 0; ++h)
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t f = h * kept_width + j, rr = f % kp_page;
+        const int64_t blk = kt[slot * kt_rs + kept_first + f / kp_page];
+        ex[h * n_ex + j] = kp[blk * kp_s[0] + (rr / (kp_bs * kp_c)) * kp_s[1] + ((rr / kp_c) % kp_bs) * kp_s[2] +
+                              rr % kp_c];
+      }
+    sfi_select_row(ev_all + e * hkv * L, L, kn_all + e * hkv * L, L, static_cast<int>(hkv), a, b, consts,
+                   static_cast<int>(nms_radius), static_cast<int>(span), static_cast<int>(span_back), n,
+                   n_ex > 0 ? ex.data() : nullptr, n_ex, sel_all + e * hkv * width, width,
+                   op_scratch((2 * hkv + 2) * (b - a)));
+  };
+  // phase 3 of entry e: sink and selection copied into its compact slot
+  auto gather_of = [&](int64_t e) {
     const int32_t slot = sslot[e], seq_e = static_cast<int32_t>(sseq[e]);
-    if (slot < 0 || slot >= slots) continue;
+    if (slot < 0 || slot >= slots) return;
     const int32_t nsel = nsel_all[e], off = kept_n[e];
     const int64_t r = rows[e];
 #define SFI_SLOW_GATHER(T)                                                                                       \
@@ -938,6 +920,49 @@ void slow_rows_op(const std::optional<at::Tensor>& out, const at::Tensor& compac
     else if (k_pages.element_size() == 2) SFI_SLOW_GATHER(uint16_t);
     else SFI_SLOW_GATHER(uint8_t);
 #undef SFI_SLOW_GATHER
+  };
+  // Entry by entry when there are at least as many entries as threads and no two share a compact
+  // slot: a thread takes the next entry and runs its three phases, so the gather finds the entry's
+  // pages still in cache from its evidence pass. Otherwise (an entry's KV heads spread over the
+  // threads) phase by phase, the gathers last in entry order. The same functions on the same
+  // arguments either way: the results do not depend on the order.
+  std::vector<int32_t> used;
+  for (const int64_t e : ents)
+    if (sslot[e] >= 0 && sslot[e] < slots) used.push_back(sslot[e]);
+  std::sort(used.begin(), used.end());
+  const bool distinct = std::adjacent_find(used.begin(), used.end()) == used.end();
+  const int64_t n_ent = static_cast<int64_t>(ents.size()), threads = at::get_num_threads();
+  if (distinct && n_ent >= threads) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<int64_t> ex;
+      for (int64_t i = next++; i < n_ent; i = next++) {
+        const int64_t e = ents[i];
+        for (int h = 0; h < hkv; ++h) evidence_of(e, h);
+        select_of(e, ex);
+        gather_of(e);
+      }
+    });
+  } else {
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) evidence_of(items[i] / hkv, static_cast<int>(items[i] % hkv));
+    });
+    at::parallel_for(0, n_ent, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int64_t> ex;
+      for (int64_t i = begin; i < end; ++i) select_of(ents[i], ex);
+    });
+    for (const int64_t e : ents) gather_of(e);
+  }
+  if (out.has_value()) {
+    for (const int64_t e : ents) {
+      const int64_t r = rows[e];
+      const float* a = attn_all + e * hq * d;
+      if (out->scalar_type() == at::kFloat) std::memcpy(out->data_ptr<float>() + r * hq * d, a, hq * d * sizeof(float));
+      else {
+        uint16_t* o = static_cast<uint16_t*>(out->data_ptr()) + r * hq * d;
+        for (int64_t j = 0; j < hq * d; ++j) o[j] = to_bf16(a[j]);
+      }
+    }
   }
 }
 

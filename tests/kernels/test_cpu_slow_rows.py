@@ -110,6 +110,29 @@ def test_fused_slow_step_equals_the_separate_kernels(monkeypatch, isa, kv_dtype,
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 8])
+def test_either_schedule_gives_the_same_bits(monkeypatch, threads):
+    """Whole entries per thread (as many entries as threads or more: one thread here) and the entries'
+    KV heads spread over the threads (more threads than entries) write what the separate kernels do."""
+    calls = []
+    took = cpu_native.slow_rows
+    monkeypatch.setattr(cpu_native, "slow_rows", lambda *a, **k: calls.append(took(*a, **k)) or calls[-1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = _run(KEEP, "vec", torch.bfloat16, torch.bfloat16, None, True)
+        assert calls and all(calls), "the fused slow step did not run"
+        monkeypatch.setattr(sfi_path, "_slow_rows_compiled", lambda *a, **k: False)
+        separate = _run(KEEP, "vec", torch.bfloat16, torch.bfloat16, None, True)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(fused[0], separate[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(fused[1].view(torch.uint8), separate[1].view(torch.uint8))
+    assert torch.equal(fused[2], separate[2])
+
+
+@needs_native
 def test_the_wrapper_refuses_what_the_kernel_does_not_read():
     gen = torch.Generator().manual_seed(1)
     pages, bt = _pages("vec", torch.bfloat16, gen)
