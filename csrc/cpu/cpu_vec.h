@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -279,6 +279,66 @@ inline V widen_fp8(B b, bool e5m2) {
 }
 #endif
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+// By table where the CPU permutes bytes (AVX-512 VBMI): both formats widen exactly to fp32 values whose
+// low 16 bits are 0, so the value of a code is the two high bytes of its fp32, looked up by the code's
+// 7 magnitude bits in two 128-byte tables (one vpermi2b each), its sign bit or-ed in: five instructions
+// for 16 codes where the fp16 route above takes about eleven, which bounded the fp8 passes (over fp8
+// pages they read half the bytes of bf16 and ran no faster).
+#define SPEEDSFI_FP8_TABLES 1
+
+// The fp32 bits of the fp8 code with magnitude bits m (0 <= m < 128; torch's float8_e4m3fn, or e5m2)
+constexpr uint32_t fp8_magnitude_bits(uint32_t m, bool e5m2) {
+  const uint32_t mant_bits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+  const uint32_t e = m >> mant_bits, mant = m & ((1u << mant_bits) - 1);
+  if (e5m2 && e == 31) return mant == 0 ? 0x7F800000u : 0x7FC00000u;         // inf, NaN
+  if (!e5m2 && m == 0x7F) return 0x7FC00000u;                                 // NaN
+  if (e == 0) {                                                               // 0 and subnormals
+    if (mant == 0) return 0;
+    uint32_t top = 0;
+    while ((mant >> (top + 1)) != 0) ++top;
+    // mant * 2^(1 - bias - mant_bits): the leading bit at 2^(top + 1 - bias - mant_bits)
+    return ((top + 1 + 127 - bias - mant_bits) << 23) | ((mant - (1u << top)) << (23 - top));
+  }
+  return ((e + 127 - bias) << 23) | (mant << (23 - mant_bits));
+}
+
+struct Fp8Tables {
+  alignas(64) uint8_t hi[128];                                                 // byte 3 of the fp32
+  alignas(64) uint8_t lo[128];                                                 // byte 2
+};
+
+constexpr Fp8Tables make_fp8_tables(bool e5m2) {
+  Fp8Tables t{};
+  for (uint32_t m = 0; m < 128; ++m) {
+    t.hi[m] = static_cast<uint8_t>(fp8_magnitude_bits(m, e5m2) >> 24);
+    t.lo[m] = static_cast<uint8_t>(fp8_magnitude_bits(m, e5m2) >> 16);
+  }
+  return t;
+}
+
+inline constexpr Fp8Tables kE4m3Tables = make_fp8_tables(false);
+inline constexpr Fp8Tables kE5m2Tables = make_fp8_tables(true);
+
+// the 16 codes at p as 16 fp32 lanes
+template <bool E5M2>
+inline __m512 widen_fp8_16(const void* p) {
+  const Fp8Tables& t = E5M2 ? kE5m2Tables : kE4m3Tables;
+  alignas(64) static constexpr uint8_t kSpread[64] = {
+      0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7,
+      8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14,
+      15, 15, 15, 15};
+  const __m512i codes = _mm512_castsi128_si512(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  const __m512i each = _mm512_permutexvar_epi8(_mm512_load_si512(kSpread), codes);   // code i in dword i
+  const __m512i lo = _mm512_maskz_permutex2var_epi8(0x4444444444444444ull, _mm512_load_si512(t.lo), each,
+                                                    _mm512_load_si512(t.lo + 64));
+  const __m512i hi = _mm512_maskz_permutex2var_epi8(0x8888888888888888ull, _mm512_load_si512(t.hi), each,
+                                                    _mm512_load_si512(t.hi + 64));
+  const __m512i sign = _mm512_and_si512(each, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(lo, hi, sign, 0xFE));          // lo | hi | sign
+}
+#endif
+
 typedef uint8_t vrb __attribute__((vector_size(kRegLanes)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 
@@ -288,6 +348,13 @@ constexpr bool kFp8 = std::is_same_v<F, fp8e4m3> || std::is_same_v<F, fp8e5m2>;
 template <typename F>
   requires kFp8<F>
 inline vrf load_r(const F* p) {
+#if defined(SPEEDSFI_FP8_TABLES)
+  static_assert(sizeof(vrf) == sizeof(__m512));
+  const __m512 w = widen_fp8_16<std::is_same_v<F, fp8e5m2>>(p);
+  vrf f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+#else
   vrb b;
   std::memcpy(&b, p, sizeof(b));
 #if defined(__F16C__)
@@ -295,17 +362,26 @@ inline vrf load_r(const F* p) {
 #else
   return widen_fp8_bits<vrf, vri>(__builtin_convertvector(b, vri), std::is_same_v<F, fp8e5m2>);
 #endif
+#endif
 }
 
 template <typename F>
   requires kFp8<F>
 inline v16f load16(const F* p) {
+#if defined(SPEEDSFI_FP8_TABLES)
+  static_assert(sizeof(v16f) == sizeof(__m512));
+  const __m512 w = widen_fp8_16<std::is_same_v<F, fp8e5m2>>(p);
+  v16f f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+#else
   v16b b;
   std::memcpy(&b, p, sizeof(b));
 #if defined(__F16C__)
   return widen_fp8<v16f, v16h, half16_to_float>(b, std::is_same_v<F, fp8e5m2>);
 #else
   return widen_fp8_bits<v16f, v16i>(__builtin_convertvector(b, v16i), std::is_same_v<F, fp8e5m2>);
+#endif
 #endif
 }
 
