@@ -727,7 +727,12 @@ def quality_critiprefill_needles(name: str = "") -> str:
 
 
 CPU_DECODE_GRID = ("cpu_decode_grid_bf16_avx512.json", "cpu_decode_grid_bf16_avx512_rerun.json",
-                   "cpu_decode_grid_bf16_avx512_rerun_8k.json")
+                   "cpu_decode_grid_bf16_avx512_rerun_8k.json", "cpu_decode_grid_bf16_avx512_prefetch_8k.json",
+                   "cpu_decode_grid_bf16_avx512_prefetch_4k.json", "cpu_decode_grid_bf16_avx512_prefetch_8k_b1.json")
+CPU_DECODE_GRID_2THREADS = ("cpu_decode_grid_bf16_avx512_2threads.json",
+                            "cpu_decode_grid_bf16_avx512_2threads_prefetch.json",
+                            "cpu_decode_grid_bf16_avx512_2threads_rest.json")
+CPU_DECODE_FP8 = "cpu_decode_batch_bf16_fp8kv_avx512_tables.json"
 
 
 def _decode_rows(names: tuple[str, ...]) -> tuple[list, dict]:
@@ -737,11 +742,12 @@ def _decode_rows(names: tuple[str, ...]) -> tuple[list, dict]:
     rows: dict = {}
     for _, f in files:
         rows.update({(r["config"], r["length"], r["batch"]): r for r in f["rows"]})
-    return files, rows
+    kept = {id(r) for r in rows.values()}
+    return [(n, f) for n, f in files if any(id(r) in kept for r in f["rows"])], rows
 
 
 def cpu_decode_headline(grid: tuple[str, ...] = CPU_DECODE_GRID,
-                        fp8: str = "cpu_decode_batch_bf16_fp8kv_avx512.json") -> str:
+                        fp8: str = CPU_DECODE_FP8) -> str:
     """The README's line on the CPU build's batch decode, from the grid (batches x prompt lengths, bf16):
     the preset's mean step against CPU_ATTN's at the longest prompts, its range over the points where
     the preset's fast steps read under half the context, and the fp8 point."""
@@ -1082,8 +1088,8 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
 
 FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_decode_grid": lambda: cpu_decode_batch(CPU_DECODE_GRID),
-           "cpu_decode_grid_2threads": lambda: cpu_decode_batch(("cpu_decode_grid_bf16_avx512_2threads.json",)),
-           "cpu_decode_batch_fp8": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_fp8kv_avx512.json",)),
+           "cpu_decode_grid_2threads": lambda: cpu_decode_batch(CPU_DECODE_GRID_2THREADS),
+           "cpu_decode_batch_fp8": lambda: cpu_decode_batch((CPU_DECODE_FP8,)),
            "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
            "quality_fp8": quality_fp8, "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,

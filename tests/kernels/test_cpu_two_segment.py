@@ -10,6 +10,11 @@ blocked, others plain), the compact segment paged or contiguous; rows with an em
 an empty recent window, both empty (zeros), masked out (untouched) and of length 0 (untouched), and
 windows that start and end inside a page."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -205,3 +210,22 @@ def test_fp8_widening_is_exact(fp8):
                                   16, torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
                                   1.0, out, None, 16)
     assert torch.equal(out[0, 0][keep], ref[keep])
+
+
+def _has_byte_permutes() -> bool:
+    try:
+        return "avx512vbmi" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@needs_native
+@pytest.mark.skipif(not _has_byte_permutes(), reason="the default build widens fp8 through fp16 here already")
+def test_fp8_widening_through_fp16_is_exact():
+    """The route CPUs without byte permutes take (the library built again with -mno-avx512vbmi, in a
+    process of its own): every code as torch widens it."""
+    env = {**os.environ, cpu_native.FLAGS_ENV: "-mno-avx512vbmi"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "test_fp8_widening_is_exact"], env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"{len(FP8)} passed" in res.stdout, res.stdout[-2000:]

@@ -35,7 +35,8 @@ Built once per machine, at the first :func:`library` call of a process (the CPU 
 engine start): ``g++ -O3 -march=native`` against torch's headers (one compiler per source, side by
 side, then one link) into a shared object under
 ``$SPEEDSFI_CPU_KERNEL_CACHE`` (default ``~/.cache/vllm_speedsfi/cpu_kernels``), named by a hash of
-the sources, the flags, the compiler, the torch build and this CPU's feature flags; a second process
+the sources, the flags (``$SPEEDSFI_CPU_KERNEL_FLAGS`` adds some), the compiler, the torch build and
+this CPU's feature flags; a second process
 building at once waits on a lock file and then loads the first one's library (the library itself is
 written to a temporary and renamed into place, so no reader ever sees a partial one); loaded with
 ``torch.ops.load_library``. The source is found in the repository (``<repo>/csrc``): a checkout or
@@ -72,6 +73,9 @@ from vllm_ext.kernels.packed_pages import PageView
 
 ENV = "SPEEDSFI_CPU_NATIVE"
 CACHE_ENV = "SPEEDSFI_CPU_KERNEL_CACHE"
+# compiler flags after FLAGS (a later flag wins: ``-mno-avx512vbmi`` builds the fp8 widening's fp16 route
+# on a CPU that has the byte permutes, for its tests); part of the library's cache key
+FLAGS_ENV = "SPEEDSFI_CPU_KERNEL_FLAGS"
 # <repository>/csrc/cpu/ (vllm_ext/kernels/ is two levels below the repository's root): the sources
 # compiled into the one library, and the header they share
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
@@ -123,6 +127,12 @@ def _cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vllm_speedsfi" / "cpu_kernels")
 
 
+def _flags() -> list[str]:
+    import shlex
+
+    return [*FLAGS, *shlex.split(os.environ.get(FLAGS_ENV, ""))]
+
+
 def _torch_build() -> str:
     return f"{torch.__version__} {torch.version.git_version} abi{int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 
@@ -130,7 +140,7 @@ def _torch_build() -> str:
 def _compile_args(source: Path, obj: str) -> list[str]:
     from torch.utils import cpp_extension
 
-    return [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    return [*_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *(a for p in cpp_extension.include_paths() for a in ("-isystem", p)), "-c", str(source), "-o", obj]
 
 
@@ -175,7 +185,7 @@ def _build() -> Path:
         raise RuntimeError(f"the kernels' sources {', '.join(missing)} are not there (the package is not "
                            "installed from a checkout: install it with pip install -e)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in (*SOURCES, *HEADERS)), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in (*SOURCES, *HEADERS)), " ".join(_flags()), version,
                                     _torch_build(),
                                     _cpu_flags()]).encode()).hexdigest()[:20]
     cache = _cache_dir()
