@@ -54,6 +54,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "sfi": ("SPEEDSFI", {"preset": "sfi"}),
     # the preset's selection with sparse steps at any length (the preset decodes up to 2312 dense)
     "sfi_sparse": ("SPEEDSFI", {"preset": "sfi", "sfi": {"min_len": 0}}),
+    # the preset with the SFI authors' guard: a sentence boundary within 16 decode steps of the last
+    # slow step refreshes nothing (fewer slow steps on long generations; bench/QUALITY.md)
+    "sfi_gap16": ("SPEEDSFI", {"preset": "sfi", "sfi": {"min_boundary_gap": 16}}),
+    # the preset without its copy trigger, without its refresh warm-up (what each adds in slow steps)
+    "sfi_nocopy": ("SPEEDSFI", {"preset": "sfi", "sfi": {"copy_ngram": 0}}),
+    "sfi_nowarm": ("SPEEDSFI", {"preset": "sfi", "sfi": {"refresh_warmup": False}}),
     "sfi_published_k256": ("SPEEDSFI", {"sfi": {"enabled": True, "k": 256, "n_recent": 64}}),
     "quest_rerank": ("SPEEDSFI", {"sfi": {"enabled": True, "selector": "quest", "page_size": 16,
                                           "quest_rerank": 4, "k": 320, "n_recent": 64,

@@ -1048,13 +1048,16 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
     d = files[0][1]
     unit = d["unit"]
     points = sorted({(k[1], k[2]) for k in rows})
-    names_ = {"cpu_attn": "`CPU_ATTN`", "all_off": "all off", "sfi": "`sfi` preset", "quest_rerank": "Quest"}
+    names_ = {"cpu_attn": "`CPU_ATTN`", "all_off": "all off", "sfi": "`sfi` preset", "quest_rerank": "Quest",
+              "sfi_gap16": "`sfi` + gap 16"}
     configs = [c for c in names_ if any(k[0] == c for k in rows)]
     has_steady = any("steady" in r for r in rows.values())
+    gap = "sfi_gap16" in configs
     lines = ["| prompt x batch | " + " | ".join(f"{names_[c]} ms" for c in configs) + " | `sfi` speed-up | "
-             "`sfi` median ms | `sfi` slow row-steps |" + (" `sfi` from step 32: ms, speed-up, slow |" if has_steady
+             + ("`sfi` + gap 16 speed-up, slow row-steps | " if gap else "")
+             + "`sfi` median ms | `sfi` slow row-steps |" + (" `sfi` from step 32: ms, speed-up, slow |" if has_steady
                                                             else "") + " GB/s read: `CPU_ATTN` / `sfi` |",
-             "|" + " --- |" * (len(configs) + 5 + has_steady)]
+             "|" + " --- |" * (len(configs) + 5 + has_steady + gap)]
     for length, batch in points:
         got = {c: rows.get((c, length, batch)) for c in configs}
         base, sfi = got.get("cpu_attn"), got.get("sfi")
@@ -1069,7 +1072,12 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
             st = sfi.get("steady") if sfi else None
             later = (f" {st[unit + '_ms_mean']:.0f}, {base[unit + '_ms_mean'] / st[unit + '_ms_mean']:.2f}x, "
                      f"{st['slow_row_steps']:.0f} of {st['row_steps']} |" if st and base else " - |")
-        lines.append(f"| {length} x {batch} | " + " | ".join(cells) + f" | {speed} | {med} | {slow} |{later} {rate} |")
+        extra = ""
+        if gap:
+            g = got.get("sfi_gap16")
+            extra = (f" {base[unit + '_ms_mean'] / g[unit + '_ms_mean']:.2f}x, {g['slow_row_steps']:.0f} |"
+                     if base and g else " - |")
+        lines.append(f"| {length} x {batch} | " + " | ".join(cells) + f" | {speed} |{extra} {med} | {slow} |{later} {rate} |")
     env, reads = d["env"], {r["threads"]: r["copy_read_gbps"] for r in d["read_rate"]}
     timing = ("thread CPU time, one OpenMP thread" if unit == "cpu"
               else f"wall time, {env['cores']} threads")
@@ -1090,6 +1098,7 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_decode_grid": lambda: cpu_decode_batch(CPU_DECODE_GRID),
            "cpu_decode_grid_2threads": lambda: cpu_decode_batch(CPU_DECODE_GRID_2THREADS),
            "cpu_decode_batch_fp8": lambda: cpu_decode_batch((CPU_DECODE_FP8,)),
+           "cpu_decode_gap16": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_gap16.json",)),
            "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
            "quality_fp8": quality_fp8, "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
