@@ -174,17 +174,23 @@ void attend_head(const Kernels<T>& kn, const T* kb, const T* vb, const PageViews
   float* page_s = s + static_cast<int64_t>(g) * n;                // one page's scores [G, bs]
   float* iz = page_s + static_cast<int64_t>(g) * bs;              // 1 / the softmax's sum, per head
   T* unpacked = pg.layout == LAYOUT_AMX ? scratch_of<T>(2 * static_cast<int64_t>(bs) * d) : nullptr;
-  // scores of the compact segment: rows of its pages
+  // scores of the compact segment: rows of its pages (K and V of a row side by side: the next page is
+  // asked for whole, its V read by the second pass below)
+  const int64_t c_page_bytes = sizeof(T) * cp.cbs * cp.ts;
   for (int64_t c0 = 0; c0 < clen; c0 += cp.cbs) {
     const int64_t m = std::min<int64_t>(cp.cbs, clen - c0);
     const T* page = cb + static_cast<int64_t>(ctab[c0 / cp.cbs]) * cp.s_block + h * cp.s_head;
+    if (c0 + cp.cbs < clen)
+      prefetch_bytes(cb + static_cast<int64_t>(ctab[c0 / cp.cbs + 1]) * cp.s_block + h * cp.s_head, c_page_bytes);
     if (kn.rows) kn.rows(page, cp.ts, m, q, scale, s + c0, n);
     else score_rows_any(page, cp.ts, m, g, d, q, scale, s + c0, n);
   }
   // scores of the recent window, a page at a time
+  const int64_t k_page_bytes = sizeof(T) * bs * d;
   for (int64_t p = rs; p < re;) {
     const int64_t j = p / bs, p0 = j * bs, a = p - p0, b = std::min<int64_t>(re - p0, bs);
     const T* page = kb + static_cast<int64_t>(blocks[j]) * pg.s_block + h * pg.s_head;
+    if (p0 + bs < re) prefetch_bytes(kb + static_cast<int64_t>(blocks[j + 1]) * pg.s_block + h * pg.s_head, k_page_bytes);
     float* dst = s + clen + (p - rs);
     if (pg.layout == LAYOUT_ROWS) {
       if (kn.rows) kn.rows(page + a * pg.k_ts, pg.k_ts, b - a, q, scale, dst, n);
@@ -217,6 +223,7 @@ void attend_head(const Kernels<T>& kn, const T* kb, const T* vb, const PageViews
   for (int64_t p = rs; p < re;) {
     const int64_t j = p / bs, p0 = j * bs, a = p - p0, b = std::min<int64_t>(re - p0, bs);
     const T* page = vb + static_cast<int64_t>(blocks[j]) * pg.s_block + h * pg.s_head;
+    if (p0 + bs < re) prefetch_bytes(vb + static_cast<int64_t>(blocks[j + 1]) * pg.s_block + h * pg.s_head, k_page_bytes);
     int64_t ts = pg.v_ts;
     if (pg.layout == LAYOUT_AMX) {
       unpack_amx_v(page, bs, d, unpacked + static_cast<int64_t>(bs) * d);
