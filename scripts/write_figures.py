@@ -728,7 +728,8 @@ def quality_critiprefill_needles(name: str = "") -> str:
 
 CPU_DECODE_GRID = ("cpu_decode_grid_bf16_avx512.json", "cpu_decode_grid_bf16_avx512_rerun.json",
                    "cpu_decode_grid_bf16_avx512_rerun_8k.json", "cpu_decode_grid_bf16_avx512_prefetch_8k.json",
-                   "cpu_decode_grid_bf16_avx512_prefetch_4k.json", "cpu_decode_grid_bf16_avx512_prefetch_8k_b1.json")
+                   "cpu_decode_grid_bf16_avx512_prefetch_4k.json", "cpu_decode_grid_bf16_avx512_prefetch_8k_b1.json",
+                   "cpu_decode_grid_bf16_avx512_fastprefetch_8k.json")
 CPU_DECODE_GRID_2THREADS = ("cpu_decode_grid_bf16_avx512_2threads.json",
                             "cpu_decode_grid_bf16_avx512_2threads_prefetch.json",
                             "cpu_decode_grid_bf16_avx512_2threads_rest.json")
@@ -1111,6 +1112,8 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
                "quality_cpu_smollm2_critiprefill_needles_heldout.json"),
            "quality_critiprefill_heldout2": lambda: quality_critiprefill_needles(
                "quality_cpu_smollm2_critiprefill_needles_heldout2.json"),
+           "quality_critiprefill_heldout3": lambda: quality_critiprefill_needles(
+               "quality_cpu_smollm2_critiprefill_needles_heldout3.json"),
            "quality_critiprefill_budget_tuning": lambda: quality_critiprefill_needles(
                "quality_cpu_smollm2_critiprefill_budget_tuning.json"),
            "quality_real_2k": quality_real_2k, "quality_real_4k8k": quality_real_4k8k, "quality_retrieval_sfi": quality_retrieval_sfi,
