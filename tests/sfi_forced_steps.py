@@ -1,7 +1,8 @@
 """A decode step's SFI plan with the row modes forced (``"slow"``, ``"fast"``, ``"dense"``), as the
 slot tables would plan it for rows of lengths ``lens``: slot ``i`` for sparse row ``i``, the budget
 ``k``, the recent window and the allowed set after the sink; with ``sfi.keep_prefill`` each live slow
-entry keeps its prefill tokens and selects the rest of its budget (what ``SfiSlotTables.plan`` adds)."""
+entry keeps its prefill tokens and selects the rest of its budget (what ``SfiSlotTables.plan`` adds);
+with the Quest selector a selecting row also attends fast in its step."""
 
 import torch
 
@@ -13,6 +14,8 @@ def forced_step(buffers, cfg, modes, lens, block_table):
     t = torch.tensor(lens, dtype=torch.int32)
     slow = torch.tensor([m == "slow" for m in modes])
     fast = torch.tensor([m == "fast" for m in modes])
+    if cfg.selector == "quest":
+        fast = fast | slow
     sparse = slow | fast
     step = write_plan(buffers, rows, slow=slow, fast=fast, sparse=sparse,
                       row_sfi_slot=torch.where(sparse, torch.arange(rows, dtype=torch.int32), 0),

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from tests.kernel_choice import torch_kernels
+from tests.sfi_forced_steps import forced_step
 from vllm_ext.methods.sfi.path import sfi_decode
 from vllm_ext.methods.sfi.runtime import SfiLayerBuffers, SfiRuntime
 from vllm_ext.methods.sfi.config import SfiConfig
 from vllm_ext.kernels.triton_utils import use_triton
-from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers, write_plan
+from vllm_ext.methods.sfi.step_plan import SfiPlanBuffers
 
 DEV = torch.device("cpu")
 HKV, G, D, BS = 2, 2, 16, 16
@@ -56,17 +57,7 @@ def _run(cfg, plan_table, kv, bt, kernels, fixed):
     ctx = torch_kernels() if kernels == "twins" else contextlib.nullcontext()
     with ctx:
         for modes in STEPS:
-            t = torch.tensor(LENS, dtype=torch.int32)
-            slow = torch.tensor([m == "slow" for m in modes])
-            fast = torch.tensor([m == "fast" for m in modes])
-            if cfg.selector == "quest":           # a quest selection row attends fast in its step
-                fast = fast | slow
-            sparse = slow | fast
-            step = write_plan(buffers, CAP, slow=slow, fast=fast, sparse=sparse,
-                              row_sfi_slot=torch.where(sparse, torch.arange(CAP, dtype=torch.int32), 0),
-                              k=torch.full_like(t, cfg.k), recent_start=torch.clamp(t - cfg.n_recent, min=0),
-                              lo=torch.full_like(t, cfg.n_sink),
-                              hi=torch.clamp(t - cfg.n_recent, min=cfg.n_sink), t=t, block_table=plan_table)
+            step, t = forced_step(buffers, cfg, modes, LENS, plan_table)
             if cfg.selector == "quest":
                 step.row_page_slot.copy_(torch.arange(CAP, dtype=torch.int32))
                 step.row_page_first.zero_()
