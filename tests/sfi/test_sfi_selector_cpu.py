@@ -116,6 +116,23 @@ def test_budgets_count_and_ties():
     check(quant, norms, lo, hi, dataclasses.replace(flat, lambda_max=0.0), 17)    # many ties
 
 
+@pytest.mark.parametrize("span", [(0, 0), (12, 2)])
+def test_long_rows_with_runs_and_ties(span):
+    # rows of thousands of positions, a selection of hundreds: the compiled selector's threshold
+    # search (a histogram of the keys' top bits, then the bucket that holds the threshold) meets
+    # the span dilation's runs of equal scores, rounded scores (ties across the threshold) and -inf
+    g = torch.Generator().manual_seed(5)
+    length = 9001
+    ev, norms = make(3, 3, length, seed=7)
+    ev[1] = (torch.randn(3, length, generator=g) * 3).round()
+    ev[2, :, ::3] = float("-inf")
+    lo = torch.tensor([4, 4, 100], dtype=torch.int32)
+    hi = torch.tensor([length - 128, length - 128, 6000], dtype=torch.int32)
+    cfg = dataclasses.replace(CFG, k=1024, k_min=16, select_span=span[0], select_span_back=span[1])
+    check(ev, norms, lo, hi, cfg, 512)
+    check(ev, norms, lo, hi, cfg, torch.tensor([1, 700, 4000], dtype=torch.int32))
+
+
 def test_exclude_forms():
     ev, norms = make(4, 4, 300, seed=11)
     lo, hi = torch.tensor([0, 4, 150, 7], dtype=torch.int32), torch.tensor([300, 284, 151, 20], dtype=torch.int32)
