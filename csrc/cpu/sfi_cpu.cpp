@@ -349,6 +349,55 @@ void evidence_pass(const T* k_base, int64_t s_block, int64_t s_head, int bs, int
   }
 }
 
+// The keys of u[0, n) whose bits from shift up equal b, in order, into c; returns their count.
+template <int Shift>
+int64_t keys_in_bucket(const uint32_t* u, int64_t n, uint32_t b, uint32_t* c) {
+  int64_t nc = 0, j = 0;
+#if defined(__AVX512F__)
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(~0u << Shift));
+  const __m512i vb = _mm512_set1_epi32(static_cast<int>(b << Shift));
+  for (; j + 16 <= n; j += 16) {
+    const __m512i k = _mm512_loadu_si512(u + j);
+    const __mmask16 m = _mm512_cmpeq_epi32_mask(_mm512_and_si512(k, top), vb);
+    const int pc = __builtin_popcount(m);
+    _mm512_mask_storeu_epi32(c + nc, static_cast<__mmask16>((1u << pc) - 1), _mm512_maskz_compress_epi32(m, k));
+    nc += pc;
+  }
+#endif
+  for (; j < n; ++j)
+    if ((u[j] >> Shift) == b) c[nc++] = u[j];
+  return nc;
+}
+
+// lo + j, ascending, for every key u[j] above t and the first want keys equal to t, into out.
+void take_positions(const uint32_t* u, int64_t n, uint32_t t, int64_t want, int64_t lo, int32_t* out) {
+  int64_t m = 0, j = 0;
+#if defined(__AVX512F__) && defined(__BMI2__)
+  const __m512i vt = _mm512_set1_epi32(static_cast<int>(t));
+  __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo)),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i step = _mm512_set1_epi32(16);
+  for (; j + 16 <= n; j += 16, pos = _mm512_add_epi32(pos, step)) {
+    const __m512i k = _mm512_loadu_si512(u + j);
+    uint32_t eq = _mm512_cmpeq_epu32_mask(k, vt);
+    if (eq != 0) {                                  // the first want of them (lowest lanes first)
+      if (__builtin_popcount(eq) > want) eq = _pdep_u32((1u << want) - 1, eq);
+      want -= __builtin_popcount(eq);
+    }
+    const __mmask16 take = static_cast<__mmask16>(_mm512_cmpgt_epu32_mask(k, vt) | eq);
+    const int pc = __builtin_popcount(take);
+    _mm512_mask_storeu_epi32(out + m, static_cast<__mmask16>((1u << pc) - 1), _mm512_maskz_compress_epi32(take, pos));
+    m += pc;
+  }
+#endif
+  for (; j < n; ++j) {
+    if (u[j] > t || (u[j] == t && want > 0)) {
+      want -= u[j] == t;
+      out[m++] = static_cast<int32_t>(lo + j);
+    }
+  }
+}
+
 // The n_sel positions lo + i (i < n) of the largest scores x[i], ties to the smaller position, in
 // ascending order into out. The key of the n_sel-th largest (scores mapped to order-preserving
 // unsigned images) is found in two steps: a histogram of the keys' top 12 bits (sign, exponent and
@@ -388,24 +437,14 @@ void top_positions(const float* x, int64_t n, int64_t n_sel, int64_t lo, int32_t
     if (c >= want || b == 0) break;
     want -= c;
   }
-  // (branches, not selects, below: the span dilation writes runs of equal keys, which the branch
-  // predictor follows; branch-free forms measured 1.5x slower)
   if (static_cast<int64_t>(cand.size()) < n) cand.resize(n);
   uint32_t* c = cand.data();
-  int64_t nc = 0;
-  for (int64_t j = 0; j < n; ++j)
-    if ((u[j] >> kShift) == static_cast<uint32_t>(b)) c[nc++] = u[j];
+  const int64_t nc = keys_in_bucket<kShift>(u, n, static_cast<uint32_t>(b), c);
   // the want-th largest of the bucket: descending order's element want - 1
   std::nth_element(c, c + (want - 1), c + nc, std::greater<uint32_t>());
-  const uint32_t prefix = c[want - 1];
-  for (int64_t j = 0; j < nc; ++j) want -= c[j] > prefix;   // of the keys equal to prefix, want are taken
-  int64_t m = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    if (u[j] > prefix || (u[j] == prefix && want > 0)) {
-      want -= u[j] == prefix;
-      out[m++] = static_cast<int32_t>(lo + j);
-    }
-  }
+  const uint32_t t = c[want - 1];
+  for (int64_t j = 0; j < nc; ++j) want -= c[j] > t;   // of the keys equal to t, want are taken
+  take_positions(u, n, t, want, lo, out);
 }
 
 // The selector of one request over its allowed set [lo, hi) (the twin: sfi_selector_cpu.select_rows):
