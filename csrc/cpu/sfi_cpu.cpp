@@ -72,8 +72,12 @@ void fuse(float* __restrict f, const float* __restrict r, float ca, float cb, in
 // y[k] = max(y[k], y[k + span]) over a -inf padded copy, each a vectorised loop
 void window_max(const float* x, float* out, int64_t n, int left, int right) {
   const int64_t w = static_cast<int64_t>(left) + right + 1;
-  std::vector<float> y(n + w - 1, kNegInf);          // y[k] = x[k - left]
-  std::memcpy(y.data() + left, x, n * sizeof(float));
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n + w - 1) buf.resize(n + w - 1);
+  float* y = buf.data();                              // y[k] = x[k - left]
+  std::fill(y, y + left, kNegInf);
+  std::fill(y + left + n, y + n + w - 1, kNegInf);
+  std::memcpy(y + left, x, n * sizeof(float));
   int64_t len = n + w - 1, span = 1;                  // y[k] = max of y0[k .. k + span - 1]
   while (span * 2 <= w) {
     len -= span;
