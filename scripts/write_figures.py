@@ -790,20 +790,24 @@ def cpu_decode_headline(grid: tuple[str, ...] = CPU_DECODE_GRID,
 QUALITY_FP8 = ("quality_cpu_smollm2_fp8_heldout_bf16kv.json", "quality_cpu_smollm2_fp8_heldout_fp8kv.json")
 
 
-def quality_fp8() -> str:
-    """The real model on an fp8 KV cache: dense and the sfi preset, each on a bf16 and an fp8 cache,
-    the same held-out prompts; each sparse run paired with the dense run on its own cache, dense fp8
-    paired with dense bf16 (what fp8 itself costs)."""
+QUALITY_FP8_HELDOUT3 = ("quality_cpu_smollm2_user_needles_heldout3_8k.json",
+                        "quality_cpu_smollm2_user_needles_heldout3_8k_fp8kv.json")
+
+
+def quality_fp8(files: tuple[str, str] = QUALITY_FP8, preset: str = "sfi_preset") -> str:
+    """The real model on an fp8 KV cache: dense and the sfi preset (config ``preset`` in the files),
+    each on a bf16 and an fp8 cache, the same held-out prompts; each sparse run paired with the dense
+    run on its own cache, dense fp8 paired with dense bf16 (what fp8 itself costs)."""
     runs = {}
-    for name, kv in zip(QUALITY_FP8, ("bf16", "fp8")):
+    for name, kv in zip(files, ("bf16", "fp8")):
         d = _load(name)
         for c in d["configs"]:
             runs[(c["name"], kv)] = c
-    metas = [_load(n)["meta"] for n in QUALITY_FP8]
+    metas = [_load(n)["meta"] for n in files]
     lines = ["| config | KV cache | right | paired with | of its right (95 % interval) | same answer | "
              "fast-step read |", "|---" * 7 + "|"]
     pairs = [(("dense", "bf16"), None), (("dense", "fp8"), ("dense", "bf16")),
-             (("sfi_preset", "bf16"), ("dense", "bf16")), (("sfi_preset", "fp8"), ("dense", "fp8"))]
+             ((preset, "bf16"), ("dense", "bf16")), ((preset, "fp8"), ("dense", "fp8"))]
     for key, ref in pairs:
         rows = runs[key]["samples"]
         by_len = {}
@@ -828,9 +832,10 @@ def quality_fp8() -> str:
             f"{' + '.join(str(n) for n in m['lengths'])} tokens; forms "
             f"{', '.join(sorted({r['wording'] for r in runs[('dense', 'fp8')]['samples']}))}; depths "
             f"{', '.join(str(x) for x in m['depths'])}; seed {m['seed']}, a set no setting was chosen on); "
-            f"{m['device_desc']}, vLLM {m['vllm']}, torch {m['torch']}; {m['date'][:10]}; commit {m['commit']}; "
+            f"{m['device_desc']}, vLLM {m['vllm']}, torch {m['torch']}; {m['date'][:10]}; commit "
+            f"{', '.join(dict.fromkeys(x['commit'] for x in metas))}; "
             + "; ".join(f"`{x['command']}`" for x in metas) + "; source: "
-            + ", ".join(f"`bench/results/{n}`" for n in QUALITY_FP8) + ".")
+            + ", ".join(f"`bench/results/{n}`" for n in files) + ".")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -1101,7 +1106,8 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_decode_batch_fp8": lambda: cpu_decode_batch((CPU_DECODE_FP8,)),
            "cpu_decode_gap16": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_gap16_fastprefetch.json",)),
            "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
-           "quality_fp8": quality_fp8, "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
+           "quality_fp8": quality_fp8,
+           "quality_fp8_heldout3": lambda: quality_fp8(QUALITY_FP8_HELDOUT3, "sfi_default"), "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
            "concurrency_critiprefill_cpu": concurrency_critiprefill_cpu,
