@@ -26,6 +26,7 @@ import argparse
 import json
 import pathlib
 import re
+import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -729,22 +730,62 @@ def quality_critiprefill_needles(name: str = "") -> str:
 CPU_DECODE_GRID = ("cpu_decode_grid_bf16_avx512.json", "cpu_decode_grid_bf16_avx512_rerun.json",
                    "cpu_decode_grid_bf16_avx512_rerun_8k.json", "cpu_decode_grid_bf16_avx512_prefetch_8k.json",
                    "cpu_decode_grid_bf16_avx512_prefetch_4k.json", "cpu_decode_grid_bf16_avx512_prefetch_8k_b1.json",
-                   "cpu_decode_grid_bf16_avx512_fastprefetch_8k.json")
+                   "cpu_decode_grid_bf16_avx512_fastprefetch_8k.json", "cpu_decode_batch_bf16_avx512_long.json")
 CPU_DECODE_GRID_2THREADS = ("cpu_decode_grid_bf16_avx512_2threads.json",
                             "cpu_decode_grid_bf16_avx512_2threads_prefetch.json",
                             "cpu_decode_grid_bf16_avx512_2threads_rest.json")
-CPU_DECODE_FP8 = "cpu_decode_batch_bf16_fp8kv_avx512_tables.json"
+CPU_DECODE_FP8 = "cpu_decode_batch_bf16_fp8kv_avx512_long.json"
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """One point measured several times in one file (configurations interleaved, so that the
+    machine's drift falls on each alike): the runs' steps pooled, means and rates recomputed."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    steps = [len(r["cpu_ms"]) for r in runs]
+    for unit in ("cpu", "wall"):
+        xs = [x for r in runs for x in r[f"{unit}_ms"]]
+        out[f"{unit}_ms"] = xs
+        out[f"{unit}_ms_mean"] = round(statistics.mean(xs), 2)
+        out[f"{unit}_ms_median"] = round(statistics.median(xs), 2)
+    for k in ("fast_row_steps", "dense_row_steps", "slow_row_steps", "fast_retained_tokens", "fast_context_tokens"):
+        out[k] = sum(r[k] for r in runs)
+    for k in ("bytes_per_step", "kv_bytes_per_step"):
+        out[k] = int(sum(r[k] * n for r, n in zip(runs, steps)) / sum(steps))
+    for unit in ("cpu", "wall"):
+        out[f"achieved_gbps_{unit}"] = round(out["bytes_per_step"] / out[f"{unit}_ms_mean"] / 1e6, 2)
+    if out["fast_context_tokens"]:
+        out["retained_fraction"] = round(out["fast_retained_tokens"] / out["fast_context_tokens"], 4)
+    if all("steady" in r for r in runs):
+        after = runs[0]["steady"]["after"]
+        st = dict(runs[0]["steady"])
+        for unit in ("cpu", "wall"):
+            xs = [x for r in runs for x in r[f"{unit}_ms"][after:]]
+            st[f"{unit}_ms_mean"] = round(statistics.mean(xs), 2)
+            st[f"{unit}_ms_median"] = round(statistics.median(xs), 2)
+        for k in ("steps", "slow_row_steps", "row_steps"):
+            st[k] = sum(r["steady"][k] for r in runs)
+        out["steady"] = st
+    out["repeats"] = len(runs)
+    return out
 
 
 def _decode_rows(names: tuple[str, ...]) -> tuple[list, dict]:
     """The files of ``names`` that exist and their rows by (config, length, batch): a later file's row
-    replaces an earlier one's for the same point (measured again after a change)."""
+    replaces an earlier one's for the same point (measured again after a change); a point measured
+    more than once in one file is pooled (``_pooled``)."""
     files = [(n, _load(n)) for n in names if (ROOT / RESULTS / n).exists()]
     rows: dict = {}
-    for _, f in files:
-        rows.update({(r["config"], r["length"], r["batch"]): r for r in f["rows"]})
-    kept = {id(r) for r in rows.values()}
-    return [(n, f) for n, f in files if any(id(r) in kept for r in f["rows"])], rows
+    kept_files = set()
+    for n, f in files:
+        by: dict = {}
+        for r in f["rows"]:
+            by.setdefault((r["config"], r["length"], r["batch"]), []).append(r)
+        for key, runs in by.items():
+            rows[key] = (n, _pooled(runs))
+    kept_files = {n for n, _ in rows.values()}
+    return [(n, f) for n, f in files if n in kept_files], {k: r for k, (_, r) in rows.items()}
 
 
 def cpu_decode_headline(grid: tuple[str, ...] = CPU_DECODE_GRID,
@@ -774,7 +815,7 @@ def cpu_decode_headline(grid: tuple[str, ...] = CPU_DECODE_GRID,
             f"context, {sparse[0][0]:.2f}x ({sparse[0][1]:,} x {sparse[0][2]}) to {sparse[-1][0]:.2f}x "
             f"({sparse[-1][1]:,} x {sparse[-1][2]})" if sparse else "")
     f = _load(fp8)
-    fb = {r["config"]: r for r in f["rows"]}
+    fb = {k[0]: r for k, r in _decode_rows((fp8,))[1].items()}
     fp8_part = (f"; on an fp8 KV cache, {fb['sfi']['batch']} x {fb['sfi']['length']:,}: "
                 f"{fb['sfi'][unit + '_ms_mean']:.0f} ms against {fb['cpu_attn'][unit + '_ms_mean']:.0f} "
                 f"({fb['cpu_attn'][unit + '_ms_mean'] / fb['sfi'][unit + '_ms_mean']:.2f}x)")
@@ -1046,6 +1087,14 @@ def scan(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str, li
     return stray, exempt
 
 
+def _steady_note(f: dict) -> str:
+    after = next((r["steady"]["after"] for r in f["rows"] if "steady" in r), None)
+    repeats = max(sum(1 for x in f["rows"] if (x["config"], x["length"], x["batch"]) == (r["config"], r["length"], r["batch"]))
+                  for r in f["rows"])
+    return ((f" (steady state from step {after})" if after is not None else "")
+            + (f", each configuration {repeats} times interleaved, pooled" if repeats > 1 else ""))
+
+
 def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.json",)) -> str:
     """B requests of L prompt tokens decoding together on the CPU build: mean step, SFI's speed-up and
     how close each config's step comes to the bytes it reads. A later file's row replaces an earlier
@@ -1061,7 +1110,7 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
     gap = "sfi_gap16" in configs
     lines = ["| prompt x batch | " + " | ".join(f"{names_[c]} ms" for c in configs) + " | `sfi` speed-up | "
              + ("`sfi` + gap 16 speed-up, slow row-steps | " if gap else "")
-             + "`sfi` median ms | `sfi` slow row-steps |" + (" `sfi` from step 32: ms, speed-up, slow |" if has_steady
+             + "`sfi` median ms | `sfi` slow row-steps |" + (" `sfi` steady state: ms, speed-up, slow |" if has_steady
                                                             else "") + " GB/s read: `CPU_ATTN` / `sfi` |",
              "|" + " --- |" * (len(configs) + 5 + has_steady + gap)]
     for length, batch in points:
@@ -1089,7 +1138,8 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
               else f"wall time, {env['cores']} threads")
     runs = "; ".join(f"{', '.join(sorted({r['config'] for r in f['rows']}))} at "
                      f"{', '.join(str(x) for x in sorted({r['length'] for r in f['rows']}))}: {f['env']['time_utc'][:10]}, commit "
-                     f"{f['commit']}, {f['rows'][0].get('steps') or len(f['rows'][0]['cpu_ms'])} timed steps, `{f['command']}`, "
+                     f"{f['commit']}, {f['rows'][0].get('steps') or len(f['rows'][0]['cpu_ms'])} timed steps"
+                     f"{_steady_note(f)}, `{f['command']}`, "
                      f"{f['note']}, "
                      f"{_source(n)}" for n, f in files)
     return ("\n".join(lines) + "\n\n"
