@@ -47,8 +47,10 @@ def scheduler_metadata(*, num_heads: int, num_kv_heads: int, head_size: int, seq
 
 def vllm_caches(pages: PackedPages) -> tuple[torch.Tensor, torch.Tensor]:
     """``CPU_ATTN``'s key and value caches as vLLM hands them to its C++ ops (an fp8 cache as its
-    ``uint8`` allocation)."""
-    return kv_quant.as_bytes(pages.key_cache), kv_quant.as_bytes(pages.value_cache)
+    ``uint8`` allocation); made once per page view (every layer call asks for them)."""
+    if pages.op_caches is None:
+        pages.op_caches = (kv_quant.as_bytes(pages.key_cache), kv_quant.as_bytes(pages.value_cache))
+    return pages.op_caches
 
 
 def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor,

@@ -167,6 +167,7 @@ class PackedPages:
             self.v = raw.as_strided((nb, h, bs, d), (s0, s1, d, 1), base + bs * d)
         # CPU_ATTN's own arguments: [blocks, Hkv, block_size, D] each, K pages then V pages
         self.key_cache, self.value_cache = raw.view(nb, h, 2 * bs, d).chunk(2, dim=2)
+        self.op_caches = None               # the same as vLLM's C++ ops take them (cpu_attn_ops.vllm_caches)
 
     def dim(self) -> int:
         return 4
