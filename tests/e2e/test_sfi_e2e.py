@@ -34,6 +34,36 @@ def test_budget_covering_the_context_is_exactly_dense(tiny_models, dense_tokens)
     assert stats[STAT_FAST] == stats[STAT_SLOW] == 0 and stats[STAT_DENSE] > 0
 
 
+def test_steps_with_every_row_dense_run_as_every_method_off(tiny_models, dense_tokens, monkeypatch):
+    # a budget covering the context: every decode row dense, so no layer call of a pure-decode step
+    # binds SFI's pages or runs its hooks (the layer goes through CPU_ATTN's kernels as with every
+    # method off) where the cache is CPU_ATTN's pages; the tokens are dense's either way
+    from vllm_ext.backend.dense_path import CpuAttnDense
+    from vllm_ext.methods.sfi.layer import SfiLayer
+
+    calls = {"idle": 0, "hooks": 0}
+    forward_all, bind = CpuAttnDense.forward_all, SfiLayer.bind
+
+    def counted_forward_all(self, *a, methods_idle=False, **k):
+        out = forward_all(self, *a, methods_idle=methods_idle, **k)
+        calls["idle"] += methods_idle and out is not None
+        return out
+
+    def counted_bind(self, layer_name, md, plan):
+        calls["hooks"] += not md.num_prefills
+        return bind(self, layer_name, md, plan)
+
+    monkeypatch.setattr(CpuAttnDense, "forward_all", counted_forward_all)
+    monkeypatch.setattr(SfiLayer, "bind", counted_bind)
+    tokens, stats, _ = _run(tiny_models["qwen3"], {"enabled": True, "k": 1024})
+    assert tokens == dense_tokens
+    assert stats[STAT_FAST] == stats[STAT_SLOW] == 0
+    from vllm_ext import metrics
+
+    if metrics.snapshot().get("steps.dense_cpu_attn"):        # the cache is CPU_ATTN's pages
+        assert calls["idle"] > 0 and calls["hooks"] == 0, calls
+
+
 def test_small_budget_runs_fast_steps_with_the_configured_retention(tiny_models, dense_tokens):
     tokens, stats, records = _run_small(tiny_models["qwen3"])          # the engine's first run
     assert stats[STAT_FAST] > stats[STAT_SLOW] > 0

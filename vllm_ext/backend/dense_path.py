@@ -55,8 +55,10 @@ class DensePath:
         self.page_dtype = kv_quant.stored_dtype(kv_cache_dtype, on_cpu=self.writes_on_cpu)  # None: not fp8
         self.rows = rows
 
-    def forward_all(self, layer, query, key, value, kv_cache, md, output) -> torch.Tensor | None:
-        """The whole layer when the engine runs no method (``None``: not this path's to do)."""
+    def forward_all(self, layer, query, key, value, kv_cache, md, output, *,
+                    methods_idle: bool = False) -> torch.Tensor | None:
+        """The whole layer when the engine runs no method, or (``methods_idle``, host plans only) none
+        acts in this layer this step (``None``: not this path's to do)."""
         return None
 
     def pages(self, layer, query, kv_cache, md):
@@ -210,8 +212,11 @@ class CpuAttnDense(DensePath):
             # once per step: which kernels attended the dense rows (the name says what ran)
             metrics.bump("steps.dense_torch" if fmt == "ours" else "steps.dense_cpu_attn")
 
-    def forward_all(self, layer, query, key, value, kv_cache, md, output):
-        if not self.all_off:
+    def forward_all(self, layer, query, key, value, kv_cache, md, output, *, methods_idle: bool = False):
+        """The layer through ``CPU_ATTN``'s kernels alone (its write, then every row): every method
+        off, or (``methods_idle``) none acting in this layer this step; None where the cache is not
+        ``CPU_ATTN``'s pages."""
+        if not (self.all_off or methods_idle):
             return None
         fmt = self._format(query, kv_cache)
         self._count_step(layer, md, fmt)

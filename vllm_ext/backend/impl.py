@@ -116,8 +116,17 @@ class SpeedSfiImpl(AttentionImpl):
         whole = self.dense.forward_all(layer, query, key, value, kv_cache, md, output)
         if whole is not None:
             return whole
-        pages = self.dense.pages(layer, query, kv_cache, md)
         active = [(share, plan) for share in self.layers if (plan := share.plan(md)) is not None]
+        if (active and self.dense.host_plan and self._rows is None
+                and all(share.idle(md, plan) for share, plan in active)):
+            # no method acts in this layer this step (the CPU build reads that on the host): the
+            # layer as with every method off, without the per-method hooks' work
+            whole = self.dense.forward_all(layer, query, key, value, kv_cache, md, output, methods_idle=True)
+            if whole is not None:
+                for share, plan in active:
+                    share.end_layer(layer.layer_name, md, plan)
+                return whole
+        pages = self.dense.pages(layer, query, kv_cache, md)
         for share, plan in active:
             share.bind(layer.layer_name, md, plan)
         try:

@@ -89,6 +89,12 @@ class MethodLayer:
         """Whether the method computes the whole layer (K/V write included)."""
         return False
 
+    def idle(self, md, plan) -> bool:
+        """Whether the method has nothing to do in this layer this step, from host facts (asked only
+        where the dense path reads them for free, the CPU build): if every method with a plan is
+        idle, the layer runs as it runs with every method off."""
+        return False
+
     def forward_layer(self, dense, layer, query, key, value, kv_cache, md, plan, output) -> torch.Tensor:
         raise NotImplementedError
 

@@ -62,6 +62,17 @@ class SfiLayer(MethodLayer):
     def plan(self, md):
         return md.step.plans.get("sfi") if self.buffers is not None else None
 
+    def idle(self, md, sfi) -> bool:
+        # no sparse decode row, no prompt ending, no Quest pages and no row counting: none of SFI's
+        # kernels runs in this layer (dense rows attend as with every method off)
+        if (sfi.prefill_end is not None or sfi.quest_pages is not None or self.rows is not None
+                or self.cfg.selector == "quest"):
+            return False
+        if sfi.host_all_dense is None:
+            nd = md.num_decodes
+            sfi.host_all_dense = not nd or bool(sfi.row_dense[:nd].all())
+        return sfi.host_all_dense
+
     def bind(self, layer_name: str, md, plan) -> None:
         # the compact segments, kept positions and prompt-tail queries: this layer's pages of SFI's
         # KV-cache group, through the group's per-slot block table (bound by the runner hooks)

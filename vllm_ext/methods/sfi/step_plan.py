@@ -93,6 +93,7 @@ class SfiStep:
     host_sfi_rows: "list[bool] | None" = None
     host_slow_dense: bool = False
     host_any_sparse: bool = False
+    host_all_dense: "bool | None" = None      # every decode row dense (read by SfiLayer.idle)
 
 
 class SfiPlanBuffers:
