@@ -734,6 +734,8 @@ CPU_DECODE_GRID = ("cpu_decode_grid_bf16_avx512.json", "cpu_decode_grid_bf16_avx
 CPU_DECODE_GRID_2THREADS = ("cpu_decode_grid_bf16_avx512_2threads.json",
                             "cpu_decode_grid_bf16_avx512_2threads_prefetch.json",
                             "cpu_decode_grid_bf16_avx512_2threads_rest.json")
+CPU_DECODE_GRID_2THREADS_LONG = ("cpu_decode_grid_bf16_avx512_2threads_long.json",
+                                 "cpu_decode_grid_bf16_avx512_2threads_idle.json")
 CPU_DECODE_FP8 = "cpu_decode_batch_bf16_fp8kv_avx512_long.json"
 
 
@@ -1153,6 +1155,7 @@ def cpu_decode_batch(names: tuple[str, ...] = ("cpu_decode_batch_bf16_avx512.jso
 FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_decode_grid": lambda: cpu_decode_batch(CPU_DECODE_GRID),
            "cpu_decode_grid_2threads": lambda: cpu_decode_batch(CPU_DECODE_GRID_2THREADS),
+           "cpu_decode_grid_2threads_long": lambda: cpu_decode_batch(CPU_DECODE_GRID_2THREADS_LONG),
            "cpu_decode_batch_fp8": lambda: cpu_decode_batch((CPU_DECODE_FP8,)),
            "cpu_decode_gap16": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_gap16_fastprefetch.json",)),
            "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
