@@ -1045,6 +1045,40 @@ def speed_adapt_cpu_dense_kept() -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+SPEED_ADAPT_8K = (("`niah_single` (5)", "speed_adapt_eval_cpu_smollm2_8k_dense_kept.json"),
+                  ("needles as a user writes them (6)", "speed_adapt_eval_cpu_smollm2_needles_8k_dense_kept.json"),
+                  ("RULER multi-key / multi-value (6)", "speed_adapt_eval_cpu_smollm2_tasks_8k_dense_kept.json"))
+
+
+def speed_adapt_cpu_8k() -> str:
+    """The checkpoint that keeps its dense run (the second adaptation, rebuilt by its command) at 8K,
+    beside the original model, on the three held-out sets' designs (bench/speed_adapt_report.py of each)."""
+    def right(d: dict, model: str, config: str) -> str:
+        r = next((x for x in d["rows"] if x["label"].startswith(model + ",") and x["config"] == config), None)
+        return "-" if r is None else f"{r['correct']:g}"
+
+    lines = ["| held-out set, 8K | original: dense | original: SPEED | adapted: SPEED | adapted: dense | "
+             "adapted: SPEED + `sfi` preset |", "|---|---|---|---|---|---|"]
+    for what, name in SPEED_ADAPT_8K:
+        d = _load(name)
+        lines.append(f"| {what} | {right(d, 'original', 'dense')} | {right(d, 'original', 'speed')} | "
+                     f"**{right(d, 'adapted', 'speed')}** | {right(d, 'adapted', 'dense')} | "
+                     f"{right(d, 'adapted', 'speed_sfi')} |")
+    d = _load(SPEED_ADAPT_8K[0][1])
+    t, m = d["training"], d["meta"]
+    hb, ha, dr = t["heldout_before"], t["heldout_after"], t["dense_drift_heldout"]
+    note = (f"The adaptation: `{t['command']}`: {t['training_prompts']} prompts, {t['training_records']} records, "
+            f"{t['steps']} steps, {_minutes(t['wall_s']['total'])} of wall time; held-out KL(dense || SPEED) "
+            f"{hb['kl']:.3f} before, {ha['kl']:.3f} after; its dense run against the original's: KL "
+            f"{dr['kl']:.4f}, top-1 {dr['top1_agreement']:.3f}. The prompts: the designs of the tables above at "
+            f"8,000 tokens (the model's context is 8,192); {m['device_desc']} (shared), vLLM {m['vllm']}, fp32, "
+            f"greedy; {m['date'][:10]}; commit {m['commit']}; "
+            + "; ".join(f"`{_load(n)['meta']['commands']['original']}`; `{_load(n)['meta']['commands']['adapted']}`"
+                        for _, n in SPEED_ADAPT_8K)
+            + "; source: " + ", ".join(f"`{RESULTS}/{n}`" for _, n in SPEED_ADAPT_8K) + ".")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def speed_adapt_cpu_needles() -> str:
     """Needles as a user writes them (vllm_ext.quality.user_needles)."""
     return _speed_adapt_by_task("speed_adapt_eval_cpu_smollm2_needles.json",
@@ -1156,6 +1190,7 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_decode_grid": lambda: cpu_decode_batch(CPU_DECODE_GRID),
            "cpu_decode_grid_2threads": lambda: cpu_decode_batch(CPU_DECODE_GRID_2THREADS),
            "cpu_decode_grid_2threads_long": lambda: cpu_decode_batch(CPU_DECODE_GRID_2THREADS_LONG),
+           "speed_adapt_cpu_8k": speed_adapt_cpu_8k,
            "cpu_decode_batch_fp8": lambda: cpu_decode_batch((CPU_DECODE_FP8,)),
            "cpu_decode_gap16": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_gap16_fastprefetch.json",)),
            "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
