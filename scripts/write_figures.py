@@ -779,7 +779,6 @@ def _decode_rows(names: tuple[str, ...]) -> tuple[list, dict]:
     more than once in one file is pooled (``_pooled``)."""
     files = [(n, _load(n)) for n in names if (ROOT / RESULTS / n).exists()]
     rows: dict = {}
-    kept_files = set()
     for n, f in files:
         by: dict = {}
         for r in f["rows"]:
@@ -1009,6 +1008,22 @@ def speed_adapt_cpu_tasks() -> str:
                                 "adaptation's prompts come from the same generators at seeds from 1,000,000")
 
 
+def _speed_right(d: dict, model: str, config: str) -> str:
+    """Right answers of ``model`` ("original" / "adapted") under ``config`` in a
+    bench/speed_adapt_report.py JSON ("-": not run)."""
+    r = next((x for x in d["rows"] if x["label"].startswith(model + ",") and x["config"] == config), None)
+    return "-" if r is None else f"{r['correct']:g}"
+
+
+def _adaptation_summary(t: dict) -> str:
+    """An adaptation run (its report's ``training``): command, size, time, held-out KL, dense drift."""
+    hb, ha, dr = t["heldout_before"], t["heldout_after"], t["dense_drift_heldout"]
+    return (f"`{t['command']}`: {t['training_prompts']} prompts, {t['training_records']} records, {t['steps']} "
+            f"steps, {_minutes(t['wall_s']['total'])} of wall time; held-out KL(dense || SPEED) {hb['kl']:.3f} "
+            f"before, {ha['kl']:.3f} after; its dense run against the original's: KL {dr['kl']:.4f}, top-1 "
+            f"{dr['top1_agreement']:.3f}")
+
+
 def speed_adapt_cpu_dense_kept() -> str:
     """The second adaptation (KL plus the term that keeps the adapted model's own dense run) beside the
     first, on the three held-out sets (bench/speed_adapt_report.py of each)."""
@@ -1018,10 +1033,7 @@ def speed_adapt_cpu_dense_kept() -> str:
             ("RULER multi-key / multi-value (12)", "speed_adapt_eval_cpu_smollm2_tasks.json",
              "speed_adapt_eval_cpu_smollm2_tasks_dense_kept.json"))
 
-    def right(d: dict, model: str, config: str) -> str:
-        r = next(x for x in d["rows"] if x["label"].startswith(model + ",") and x["config"] == config)
-        return f"{r['correct']:g}"
-
+    right = _speed_right
     lines = ["| held-out set | original: dense | original: SPEED | adapted, KL only: SPEED / dense | "
              "adapted, KL + dense kept: SPEED / dense |", "|---|---|---|---|---|"]
     for what, first, second in sets:
@@ -1031,11 +1043,7 @@ def speed_adapt_cpu_dense_kept() -> str:
                      f"**{right(b, 'adapted', 'speed')} / {right(b, 'adapted', 'dense')}** |")
     d = _load(sets[0][2])
     t, m, t1 = d["training"], d["meta"], _load(sets[0][1])["training"]
-    hb, ha, dr = t["heldout_before"], t["heldout_after"], t["dense_drift_heldout"]
-    note = (f"The second adaptation: `{t['command']}`: {t['training_prompts']} prompts, "
-            f"{t['training_records']} records, {t['steps']} steps, {_minutes(t['wall_s']['total'])} of wall time; "
-            f"held-out KL(dense || SPEED) {hb['kl']:.3f} before, {ha['kl']:.3f} after; its dense run against "
-            f"the original's: KL {dr['kl']:.4f}, top-1 {dr['top1_agreement']:.3f} (the first adaptation, "
+    note = (f"The second adaptation: {_adaptation_summary(t)} (the first adaptation, "
             f"{t1['training_prompts']} prompts and the KL term alone: {t1['heldout_after']['kl']:.3f} after; "
             f"its dense run KL {t1['dense_drift_heldout']['kl']:.4f}, top-1 "
             f"{t1['dense_drift_heldout']['top1_agreement']:.3f}). The held-out prompts and "
@@ -1053,10 +1061,7 @@ SPEED_ADAPT_8K = (("`niah_single` (5)", "speed_adapt_eval_cpu_smollm2_8k_dense_k
 def speed_adapt_cpu_8k() -> str:
     """The checkpoint that keeps its dense run (the second adaptation, rebuilt by its command) at 8K,
     beside the original model, on the three held-out sets' designs (bench/speed_adapt_report.py of each)."""
-    def right(d: dict, model: str, config: str) -> str:
-        r = next((x for x in d["rows"] if x["label"].startswith(model + ",") and x["config"] == config), None)
-        return "-" if r is None else f"{r['correct']:g}"
-
+    right = _speed_right
     lines = ["| held-out set, 8K | original: dense | original: SPEED | adapted: SPEED | adapted: dense | "
              "adapted: SPEED + `sfi` preset |", "|---|---|---|---|---|---|"]
     for what, name in SPEED_ADAPT_8K:
@@ -1066,11 +1071,7 @@ def speed_adapt_cpu_8k() -> str:
                      f"{right(d, 'adapted', 'speed_sfi')} |")
     d = _load(SPEED_ADAPT_8K[0][1])
     t, m = d["training"], d["meta"]
-    hb, ha, dr = t["heldout_before"], t["heldout_after"], t["dense_drift_heldout"]
-    note = (f"The adaptation: `{t['command']}`: {t['training_prompts']} prompts, {t['training_records']} records, "
-            f"{t['steps']} steps, {_minutes(t['wall_s']['total'])} of wall time; held-out KL(dense || SPEED) "
-            f"{hb['kl']:.3f} before, {ha['kl']:.3f} after; its dense run against the original's: KL "
-            f"{dr['kl']:.4f}, top-1 {dr['top1_agreement']:.3f}. The prompts: the designs of the tables above at "
+    note = (f"The adaptation: {_adaptation_summary(t)}. The prompts: the designs of the tables above at "
             f"8,000 tokens (the model's context is 8,192); {m['device_desc']} (shared), vLLM {m['vllm']}, fp32, "
             f"greedy; {m['date'][:10]}; commit {m['commit']}; "
             + "; ".join(f"`{_load(n)['meta']['commands']['original']}`; `{_load(n)['meta']['commands']['adapted']}`"
