@@ -63,15 +63,19 @@ class SfiLayer(MethodLayer):
         return md.step.plans.get("sfi") if self.buffers is not None else None
 
     def idle(self, md, sfi) -> bool:
-        # no sparse decode row, no prompt ending, no Quest pages and no row counting: none of SFI's
-        # kernels runs in this layer (dense rows attend as with every method off)
-        if (sfi.prefill_end is not None or sfi.quest_pages is not None or self.rows is not None
-                or self.cfg.selector == "quest"):
+        # no sparse decode row, no prompt ending, no Quest pages: none of SFI's kernels runs in this
+        # layer (dense rows attend as with every method off)
+        if sfi.prefill_end is not None or sfi.quest_pages is not None or self.cfg.selector == "quest":
             return False
-        if sfi.host_all_dense is None:
+        return not self._any_sparse(md, sfi)
+
+    @staticmethod
+    def _any_sparse(md, sfi) -> bool:
+        """Whether a decode row of the step is slow or fast (host, read once per step)."""
+        if sfi.host_any_sparse is None:
             nd = md.num_decodes
-            sfi.host_all_dense = not nd or bool(sfi.row_dense[:nd].all())
-        return sfi.host_all_dense
+            sfi.host_any_sparse = bool(nd) and not bool(sfi.row_dense[:nd].all())
+        return sfi.host_any_sparse
 
     def bind(self, layer_name: str, md, plan) -> None:
         # the compact segments, kept positions and prompt-tail queries: this layer's pages of SFI's
@@ -118,14 +122,13 @@ class SfiLayer(MethodLayer):
                 and cpu_native.reads_pages(kv_cache.dtype))
             mine = sfi.row_fast[:nd] if sfi.host_slow_dense else ~sfi.row_dense[:nd]
             sfi.host_sfi_rows = mine.tolist()
-            sfi.host_any_sparse = not bool(sfi.row_dense[:nd].all())
         rows.host_skip = sfi.host_sfi_rows
 
     def attend_claimed(self, query, kv_cache, md, sfi, output, rows: DenseRows) -> None:
         nd = md.num_decodes
         if rows.host_plan:
             self._prefill_end(query, kv_cache, md, sfi)
-            if nd and (sfi.host_any_sparse or self.rows is not None or self.cfg.selector == "quest"):
+            if nd and (self._any_sparse(md, sfi) or self.rows is not None or self.cfg.selector == "quest"):
                 # Rows the dense pass attended have their output from it (bit-identical to all-off);
                 # every other decode row is computed once, here. (With every row dense there is
                 # nothing to do, except Quest's page bounds, which every decode row keeps current.)

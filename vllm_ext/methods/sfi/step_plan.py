@@ -92,8 +92,7 @@ class SfiStep:
     # others) and whether any row is sparse (slow or fast)
     host_sfi_rows: "list[bool] | None" = None
     host_slow_dense: bool = False
-    host_any_sparse: bool = False
-    host_all_dense: "bool | None" = None      # every decode row dense (read by SfiLayer.idle)
+    host_any_sparse: "bool | None" = None    # None: not read yet this step
 
 
 class SfiPlanBuffers:
