@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -15,10 +16,24 @@ import time
 from contextlib import contextmanager
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports for test servers come from below Linux's ephemeral range (32768 and up), one slice per pytest-xdist
+# worker: a port the OS hands out for port 0 (vLLM's own engine and distributed ports, another worker's
+# clients) can then never be the one a server is about to bind, and two workers never pick the same one.
+_PORTS_BASE, _PORTS_PER_WORKER = 20000, 1500
+
+
+def free_port() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = _PORTS_BASE + (index % 8) * _PORTS_PER_WORKER
+    for port in random.sample(range(low, low + _PORTS_PER_WORKER), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{low + _PORTS_PER_WORKER - 1}")
 
 
 class Server:
@@ -101,7 +116,7 @@ def serve_until_exit(model: str, log_path: str, *, backend: str = "speedsfi",
                      env: dict[str, str] | None = None, timeout_s: float = 300) -> tuple[float, int]:
     """Run ``vllm serve`` expecting it to stop by itself (a refused start-up): (seconds from launch
     to exit, exit code). A server still running after ``timeout_s`` is stopped and the test fails."""
-    cmd, full_env = _serve_command(model, _free_port(), backend=backend, additional_config=additional_config,
+    cmd, full_env = _serve_command(model, free_port(), backend=backend, additional_config=additional_config,
                                    args=args, env=env)
     start = time.monotonic()
     with open(log_path, "w") as log:
@@ -119,7 +134,7 @@ def serve_until_exit(model: str, log_path: str, *, backend: str = "speedsfi",
 def vllm_serve(model: str, log_path: str, *, backend: str = "speedsfi", additional_config: dict | None = None,
                args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                startup_timeout_s: float = 300):
-    port = _free_port()
+    port = free_port()
     name = SERVED_NAME
     cmd, full_env = _serve_command(model, port, backend=backend, additional_config=additional_config,
                                    args=args, env=env)

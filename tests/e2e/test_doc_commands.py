@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 
 import pytest
 
 from tests import doc_blocks
-from tests.e2e.served import stop_process_group
+from tests.e2e.served import free_port, stop_process_group
 
 REAL_MODEL = doc_blocks.ROOT / doc_blocks.REAL_MODEL
 RUNNABLE = [b for b in doc_blocks.all_blocks()
@@ -39,12 +38,6 @@ def _script(code: str) -> str:
 def _run(code: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", _script(code)], env=_reader_env(), capture_output=True,
                           text=True, timeout=timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _healthy(port: int) -> bool:
@@ -90,7 +83,7 @@ def test_runnable_block_runs_as_written(block, real_model, tiny_models, tmp_path
         r = _run(code, timeout=600)
         assert r.returncode == 0, f"{block.id} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
         return
-    port = _free_port()
+    port = free_port()
     doc = doc_blocks.ROOT / block.path
     clients = doc_blocks.clients_of(doc_blocks.blocks(doc), block) or None
     client_code = ("\n".join(c.code for c in clients) if clients

@@ -15,7 +15,8 @@ import pytest
 
 from tests import doc_blocks
 from tests.e2e.served import stop_process_group
-from tests.e2e.test_doc_commands import _free_port, _healthy, _run, _serve
+from tests.e2e.test_doc_commands import _healthy, _run, _serve
+from tests.e2e.served import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -69,7 +70,7 @@ def test_server_example(question, tmp_path):
 
     server, client = EXAMPLES["example: server"], EXAMPLES["example: client"]
     assert doc_blocks.clients_of(doc_blocks.blocks(README), server) == [client]
-    port = _free_port()
+    port = free_port()
     with open(tmp_path / "serve.log", "w") as log:
         proc = _serve(server, port, log)
     try:
