@@ -195,35 +195,46 @@ def _reason(log_text: str) -> str | None:
 def _served(model: str, additional_config: str | None, extra: list[str], *, timeout: float,
             max_model_len: int = 2048, log_path: str | None = None, quiet: bool = False):
     work = tempfile.mkdtemp(prefix="speedsfi-demo-")
-    port = _free_port()
     trace_dir = os.path.join(work, "trace")
     env = dict(os.environ, SPEEDSFI_TRACE_DIR=trace_dir, SPEEDSFI_TRACE_INTERVAL_S="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    cmd = _vllm_cli() + ["serve", model, "--attention-backend", "speedsfi", "--host", "127.0.0.1",
-                         "--port", str(port), "--max-model-len", str(max_model_len), "--enforce-eager",
-                         "--served-model-name", "speedsfi-demo"]
     if additional_config:
         json.loads(additional_config)            # fail here on malformed JSON
-        cmd += ["--additional-config", additional_config]
-    cmd += [a for a in extra if a != "--"]
     log_path = log_path or os.path.join(work, "server.log")
-    print("[demo] $ " + " ".join(shlex.quote(a) for a in cmd))
     if not quiet:
         print(f"[demo] server log: {log_path}")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    server = _Server(f"http://127.0.0.1:{port}", proc, trace_dir, log_path)
-    try:
-        t0 = time.monotonic()
+    t0 = time.monotonic()
+    # the port is free when picked and bound by the server seconds later; another process may take it
+    # in between, and then the server is started again on another port
+    for attempt in range(3):
+        port = _free_port()
+        cmd = _vllm_cli() + ["serve", model, "--attention-backend", "speedsfi", "--host", "127.0.0.1",
+                             "--port", str(port), "--max-model-len", str(max_model_len), "--enforce-eager",
+                             "--served-model-name", "speedsfi-demo"]
+        if additional_config:
+            cmd += ["--additional-config", additional_config]
+        cmd += [a for a in extra if a != "--"]
+        print("[demo] $ " + " ".join(shlex.quote(a) for a in cmd))
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        server = _Server(f"http://127.0.0.1:{port}", proc, trace_dir, log_path)
         try:
             _wait_healthy(server.base, proc, timeout)
+            break
         except (RuntimeError, TimeoutError) as e:
             _stop(proc)
             with open(log_path, errors="replace") as f:
                 text = f.read()
+            if "Address already in use" in text and attempt < 2:
+                print(f"[demo] port {port} was taken before the server bound it: starting it on another")
+                continue
             raise ServeFailed(str(e), _reason(text), text[-6000:]) from None
+        except BaseException:
+            _stop(proc)
+            raise
+    try:
         server.start_s = time.monotonic() - t0
         print(f"[demo] server healthy after {server.start_s:.1f} s (server start)")
         yield server
