@@ -881,6 +881,99 @@ def quality_fp8(files: tuple[str, str] = QUALITY_FP8, preset: str = "sfi_preset"
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+# The answer-level precision noise beside each method's paired loss: dense in fp32 asked the same
+# prompts as dense in bf16 changes no algorithm, only rounding, so the share of dense bf16's right
+# answers it keeps is what greedy answers on these sets lose to any perturbation of that size.
+# Each set: (label, {alias: (file, config)}); each row: (label, config alias, reference alias).
+NOISE_CONTROL_CRITIPREFILL = (
+    ("seed 9100 (48)", {"dense": ("quality_cpu_smollm2_critiprefill_needles_heldout_fp32.json", "dense"),
+                        "method": ("quality_cpu_smollm2_critiprefill_needles_heldout_fp32.json", "critiprefill_preset"),
+                        "fp32": ("quality_cpu_smollm2_critiprefill_needles_heldout_fp32.json", "dense_fp32")}),
+    ("seed 9300 (144)", {"dense": ("quality_cpu_smollm2_critiprefill_needles_heldout2_fp32.json", "dense"),
+                         "method": ("quality_cpu_smollm2_critiprefill_needles_heldout2_fp32.json", "critiprefill_preset"),
+                         "fp32": ("quality_cpu_smollm2_critiprefill_needles_heldout2_fp32.json", "dense_fp32")}),
+    ("seed 9700 (144)", {"dense": ("quality_cpu_smollm2_critiprefill_needles_heldout3_fp32.json", "dense"),
+                         "method": ("quality_cpu_smollm2_critiprefill_needles_heldout3_fp32.json", "critiprefill_preset"),
+                         "fp32": ("quality_cpu_smollm2_critiprefill_needles_heldout3_fp32.json", "dense_fp32")}),
+)
+NOISE_CONTROL_CRITIPREFILL_ROWS = (("`critiprefill` preset (bf16)", "method", "dense"),
+                                   ("dense fp32: the precision noise", "fp32", "dense"))
+NOISE_CONTROL_FP8 = (
+    ("seed 5800 (48, 4K + 8K)", {
+        "dense": ("quality_cpu_smollm2_fp8_heldout_fp32.json", "dense"),
+        "sfi": ("quality_cpu_smollm2_fp8_heldout_fp32.json", "sfi_preset"),
+        "fp32": ("quality_cpu_smollm2_fp8_heldout_fp32.json", "dense_fp32"),
+        "fp32_fp8": ("quality_cpu_smollm2_fp8_heldout_fp32.json", "dense_fp32_fp8kv"),
+        "dense_fp8": ("quality_cpu_smollm2_fp8_heldout_fp8kv.json", "dense"),
+        "sfi_fp8": ("quality_cpu_smollm2_fp8_heldout_fp8kv.json", "sfi_preset")}),
+    ("seed 6700 (63, 8K)", {
+        "dense": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp32.json", "dense"),
+        "sfi": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp32.json", "sfi_default"),
+        "fp32": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp32.json", "dense_fp32"),
+        "fp32_fp8": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp32.json", "dense_fp32_fp8kv"),
+        "dense_fp8": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp8kv.json", "dense"),
+        "sfi_fp8": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp8kv.json", "sfi_default")}),
+)
+NOISE_CONTROL_FP8_ROWS = (("`sfi` preset, bf16 cache", "sfi", "dense"),
+                          ("dense fp32: the precision noise on bf16", "fp32", "dense"),
+                          ("`sfi` preset, fp8 cache", "sfi_fp8", "dense_fp8"),
+                          ("dense fp32 on an fp8 cache: the precision noise on fp8", "fp32_fp8", "dense_fp8"),
+                          ("dense, fp8 cache: what fp8 costs", "dense_fp8", "dense"))
+
+
+_NOISE_REFERENCE = {"dense": "dense, bf16", "dense_fp8": "dense, fp8 cache"}
+
+
+def _prompt_key(r: dict) -> tuple:
+    return r["task"], r["length"], r["depth"], r["seed"], r["wording"], r["expected"]
+
+
+def quality_noise_control(sets=NOISE_CONTROL_CRITIPREFILL, rows=NOISE_CONTROL_CRITIPREFILL_ROWS) -> str:
+    """Each configuration's share of its reference's right answers kept (paired: the same prompts),
+    per held-out set and pooled, beside dense fp32's share of dense bf16's (the same prompts with
+    only the rounding changed)."""
+    present = [(label, refs) for label, refs in sets
+               if all((ROOT / RESULTS / f).exists() for f, _ in refs.values())]
+    if not present:
+        return "(no runs yet)\n"
+    header = " | ".join(label for label, _ in present)
+    lines = [f"| config | reference | {header} | pooled (95 % interval) | same answer, pooled |",
+             "|---" * (len(present) + 4) + "|"]
+    files = set()
+    for row_label, alias, ref_alias in rows:
+        cells, kept_all, n_all, same_all, total = [], 0, 0, 0, 0
+        for _, refs in present:
+            def samples(a):
+                f, name = refs[a]
+                files.add(f)
+                return {c["name"]: c["samples"] for c in _load(f)["configs"]}[name]
+            got, ref = samples(alias), samples(ref_alias)
+            assert [_prompt_key(r) for r in got] == [_prompt_key(r) for r in ref], (alias, ref_alias)
+            n_ref = round(sum(q["correct"] for q in ref))
+            _, kept, _, _ = _paired_with_dense(got, ref, n_ref)
+            cells.append(f"{kept} / {n_ref}")
+            kept_all, n_all = kept_all + kept, n_all + n_ref
+            same_all += sum(r["output_ids"] == q["output_ids"] for r, q in zip(got, ref))
+            total += len(got)
+        lo, hi = clopper_pearson(kept_all, n_all)
+        lines.append(f"| {row_label} | {_NOISE_REFERENCE[ref_alias]} | {' | '.join(cells)} | "
+                     f"{kept_all} / {n_all}: {100 * kept_all / n_all:.1f} % ({100 * lo:.1f}-{100 * hi:.1f} %) | "
+                     f"{same_all} / {total} |")
+    metas = [_load(f)["meta"] for f in sorted(files)]
+    resumed = []
+    for m in metas:
+        if (found := re.search(r"--resume (\S+)", m["command"])):
+            for path in found.group(1).split(","):
+                resumed.append(f"`{path}` (commit {_load(pathlib.Path(path).name)['meta']['commit']})")
+    note = (f"{metas[0]['model']}, greedy; {metas[0]['device_desc']}, vLLM {metas[0]['vllm']}, torch {metas[0]['torch']}; "
+            f"{', '.join(sorted({m['date'][:10] for m in metas}))}; commit "
+            f"{', '.join(sorted({m['commit'] for m in metas if m.get('commit')}))}"
+            + (f"; the runs a command takes by `--resume` come from {', '.join(resumed)}" if resumed else "") + "; "
+            + "; ".join(f"`{m['command']}`" for m in metas) + "; source: "
+            + ", ".join(f"`bench/results/{f}`" for f in sorted(files)) + ".")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def _user_needles_pooled() -> str:
     """The default's rows of the held-out sets pooled per length: dense's right values it kept."""
     per: dict[str, list[int]] = {}
@@ -1196,6 +1289,8 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_decode_gap16": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_gap16_fastprefetch.json",)),
            "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
            "quality_fp8": quality_fp8,
+           "quality_noise_critiprefill": quality_noise_control,
+           "quality_noise_fp8": lambda: quality_noise_control(NOISE_CONTROL_FP8, NOISE_CONTROL_FP8_ROWS),
            "quality_fp8_heldout3": lambda: quality_fp8(QUALITY_FP8_HELDOUT3, "sfi_default"), "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
            "soak_tight_kv": soak_tight_kv, "concurrency_cpu": concurrency_cpu,
