@@ -1173,6 +1173,39 @@ def speed_adapt_cpu_8k() -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+SPEED_ADAPT_USER = (("`niah_single`, 2K + 4K (10)", "speed_adapt_eval_cpu_smollm2_dense_kept.json",
+                      "speed_adapt_eval_cpu_smollm2_dense_kept_user.json"),
+                     ("needles as a user writes them, 2K + 4K (12)", "speed_adapt_eval_cpu_smollm2_needles_dense_kept.json",
+                      "speed_adapt_eval_cpu_smollm2_needles_dense_kept_user.json"),
+                     ("needles as a user writes them, 8K (6)", "speed_adapt_eval_cpu_smollm2_needles_8k_dense_kept.json",
+                      "speed_adapt_eval_cpu_smollm2_needles_8k_dense_kept_user.json"))
+
+
+def speed_adapt_cpu_user() -> str:
+    """The checkpoint that keeps its dense run, adapted once more on prompts of the user-written forms
+    and the logbook question only (the recipe run again from it), beside it on the held-out sets."""
+    right = _speed_right
+    lines = ["| held-out set | original: dense | original: SPEED | adapted, dense kept: SPEED / dense | "
+             "then user-form prompts: SPEED / dense |", "|---|---|---|---|---|"]
+    present = [x for x in SPEED_ADAPT_USER if (ROOT / RESULTS / x[2]).exists()]
+    if not present:
+        return "(no runs yet)\n"
+    for what, before, after in present:
+        a, b = _load(before), _load(after)
+        lines.append(f"| {what} | {right(a, 'original', 'dense')} | {right(a, 'original', 'speed')} | "
+                     f"{right(a, 'adapted', 'speed')} / {right(a, 'adapted', 'dense')} | "
+                     f"**{right(b, 'adapted', 'speed')} / {right(b, 'adapted', 'dense')}** |")
+    d = _load(present[0][2])
+    t, m = d["training"], d["meta"]
+    note = (f"The second pass, from the checkpoint that keeps its dense run (its own dense run the teacher; "
+            f"\"its dense run\" below is against that checkpoint's): {_adaptation_summary(t)}. The held-out "
+            f"prompts and commands of each set as in the tables above, the adapted model `{t['out']}`; "
+            f"{m['device_desc']} (shared), vLLM {m['vllm']}, fp32, greedy; {m['date'][:10]}; commit {m['commit']}; "
+            + "; ".join(f"`{_load(x[2])['meta']['commands']['adapted']}`" for x in present)
+            + "; source: " + ", ".join(f"`{RESULTS}/{x[2]}`" for x in present) + ".")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def speed_adapt_cpu_needles() -> str:
     """Needles as a user writes them (vllm_ext.quality.user_needles)."""
     return _speed_adapt_by_task("speed_adapt_eval_cpu_smollm2_needles.json",
@@ -1312,7 +1345,7 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "quality_user_needles": quality_user_needles, "long_answers": long_answers,
            "long_answers_summary": long_answers_summary, "speed_adapt_cpu": speed_adapt_cpu,
            "speed_adapt_cpu_tasks": speed_adapt_cpu_tasks, "speed_adapt_cpu_needles": speed_adapt_cpu_needles,
-           "speed_adapt_cpu_dense_kept": speed_adapt_cpu_dense_kept}
+           "speed_adapt_cpu_dense_kept": speed_adapt_cpu_dense_kept, "speed_adapt_cpu_user": speed_adapt_cpu_user}
 
 
 def documents() -> list[pathlib.Path]:
