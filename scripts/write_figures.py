@@ -898,6 +898,15 @@ NOISE_CONTROL_CRITIPREFILL = (
 )
 NOISE_CONTROL_CRITIPREFILL_ROWS = (("`critiprefill` preset (bf16)", "method", "dense"),
                                    ("dense fp32: the precision noise", "fp32", "dense"))
+NOISE_CONTROL_CRITIPREFILL_BUDGET = tuple(
+    (label, {"dense": (f"quality_cpu_smollm2_critiprefill_needles_heldout{n}_budget3072.json", "dense"),
+             "method": (f"quality_cpu_smollm2_critiprefill_needles_heldout{n}_budget3072.json", "critiprefill_preset"),
+             "budget": (f"quality_cpu_smollm2_critiprefill_needles_heldout{n}_budget3072.json", "budget3072"),
+             "fp32": (f"quality_cpu_smollm2_critiprefill_needles_heldout{n}_budget3072.json", "dense_fp32")})
+    for label, n in (("seed 9300 (144)", 2), ("seed 9700 (144)", 3)))
+NOISE_CONTROL_CRITIPREFILL_BUDGET_ROWS = (("`critiprefill` preset: budget 2,048 (the authors')", "method", "dense"),
+                                          ("budget 3,072", "budget", "dense"),
+                                          ("dense fp32: the precision noise", "fp32", "dense"))
 NOISE_CONTROL_FP8 = (
     ("seed 5800 (48, 4K + 8K)", {
         "dense": ("quality_cpu_smollm2_fp8_heldout_fp32.json", "dense"),
@@ -937,11 +946,11 @@ def quality_noise_control(sets=NOISE_CONTROL_CRITIPREFILL, rows=NOISE_CONTROL_CR
     if not present:
         return "(no runs yet)\n"
     header = " | ".join(label for label, _ in present)
-    lines = [f"| config | reference | {header} | pooled (95 % interval) | same answer, pooled |",
-             "|---" * (len(present) + 4) + "|"]
+    lines = [f"| config | reference | {header} | pooled (95 % interval) | same answer, pooled | right, pooled |",
+             "|---" * (len(present) + 5) + "|"]
     files = set()
     for row_label, alias, ref_alias in rows:
-        cells, kept_all, n_all, same_all, total = [], 0, 0, 0, 0
+        cells, kept_all, n_all, same_all, total, right_all = [], 0, 0, 0, 0, 0
         for _, refs in present:
             def samples(a):
                 f, name = refs[a]
@@ -955,16 +964,20 @@ def quality_noise_control(sets=NOISE_CONTROL_CRITIPREFILL, rows=NOISE_CONTROL_CR
             kept_all, n_all = kept_all + kept, n_all + n_ref
             same_all += sum(r["output_ids"] == q["output_ids"] for r, q in zip(got, ref))
             total += len(got)
+            right_all += round(sum(r["correct"] for r in got))
         lo, hi = clopper_pearson(kept_all, n_all)
         lines.append(f"| {row_label} | {_NOISE_REFERENCE[ref_alias]} | {' | '.join(cells)} | "
                      f"{kept_all} / {n_all}: {100 * kept_all / n_all:.1f} % ({100 * lo:.1f}-{100 * hi:.1f} %) | "
-                     f"{same_all} / {total} |")
+                     f"{same_all} / {total} | {right_all} / {total} |")
     metas = [_load(f)["meta"] for f in sorted(files)]
-    resumed = []
-    for m in metas:
-        if (found := re.search(r"--resume (\S+)", m["command"])):
+    resumed, todo = [], list(metas)
+    while todo:                                   # a resumed file may itself have resumed runs
+        if (found := re.search(r"--resume (\S+)", todo.pop(0)["command"])):
             for path in found.group(1).split(","):
-                resumed.append(f"`{path}` (commit {_load(pathlib.Path(path).name)['meta']['commit']})")
+                meta = _load(pathlib.Path(path).name)["meta"]
+                if (entry := f"`{path}` (commit {meta['commit']})") not in resumed:
+                    resumed.append(entry)
+                    todo.append(meta)
     note = (f"{metas[0]['model']}, greedy; {metas[0]['device_desc']}, vLLM {metas[0]['vllm']}, torch {metas[0]['torch']}; "
             f"{', '.join(sorted({m['date'][:10] for m in metas}))}; commit "
             f"{', '.join(sorted({m['commit'] for m in metas if m.get('commit')}))}"
@@ -1074,8 +1087,7 @@ def speed_adapt_cpu() -> str:
             f"({cap['ratio']:.2f}x as many requests)." if cap else "")
     note = (f"{m['n_samples']} held-out prompts per row ({', '.join(m['tasks'])} through the chat template, "
             f"depths {', '.join(str(x) for x in m['depths'])}, seed {m['seed']}; training seeds start at "
-            f"1,000,000); {m['device_desc']} (shared), vLLM {m['vllm']}, fp32, greedy; {m['date'][:10]}; "
-            f"commit {m['commit']}; `{m['commands']['original']}`; `{m['commands']['adapted']}`; "
+            f"1,000,000); {_speed_eval_run(m)}; `{m['commands']['original']}`; `{m['commands']['adapted']}`; "
             f"`{m['commands']['report']}`; {_source(name)}.")
     return "\n".join(lines) + "\n\n" + train + conc + "\n\n" + note + "\n"
 
@@ -1087,8 +1099,7 @@ def _speed_adapt_by_task(name: str, prompts: str) -> str:
     m = d["meta"]
     lines = _speed_adapt_table(d, by_task=True)
     note = (f"{m['n_samples']} held-out prompts per row ({prompts}; depths {', '.join(str(x) for x in m['depths'])}, "
-            f"seed {m['seed']}; an answer is right when it gives every expected value); {m['device_desc']} "
-            f"(shared), vLLM {m['vllm']}, fp32, greedy; {m['date'][:10]}; commit {m['commit']}; "
+            f"seed {m['seed']}; an answer is right when it gives every expected value); {_speed_eval_run(m)}; "
             f"`{m['commands']['original']}`; `{m['commands']['adapted']}`; `{m['commands']['report']}`; "
             f"{_source(name)}.")
     return "\n".join(lines) + "\n\n" + note + "\n"
@@ -1106,6 +1117,11 @@ def _speed_right(d: dict, model: str, config: str) -> str:
     bench/speed_adapt_report.py JSON ("-": not run)."""
     r = next((x for x in d["rows"] if x["label"].startswith(model + ",") and x["config"] == config), None)
     return "-" if r is None else f"{r['correct']:g}"
+
+
+def _speed_eval_run(m: dict) -> str:
+    """Where and how a bench/speed_adapt_report.py JSON's evaluations ran (its ``meta``)."""
+    return f"{m['device_desc']} (shared), vLLM {m['vllm']}, fp32, greedy; {m['date'][:10]}; commit {m['commit']}"
 
 
 def _adaptation_summary(t: dict) -> str:
@@ -1141,8 +1157,7 @@ def speed_adapt_cpu_dense_kept() -> str:
             f"its dense run KL {t1['dense_drift_heldout']['kl']:.4f}, top-1 "
             f"{t1['dense_drift_heldout']['top1_agreement']:.3f}). The held-out prompts and "
             f"commands of each set as in the tables above, the adapted model "
-            f"`{t['out']}`; {m['device_desc']} (shared), vLLM {m['vllm']}, fp32, greedy; {m['date'][:10]}; "
-            f"commit {m['commit']}; {_source(sets[0][2])}, " + ", ".join(f"`{RESULTS}/{x[2]}`" for x in sets[1:]) + ".")
+            f"`{t['out']}`; {_speed_eval_run(m)}; {_source(sets[0][2])}, " + ", ".join(f"`{RESULTS}/{x[2]}`" for x in sets[1:]) + ".")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -1165,8 +1180,7 @@ def speed_adapt_cpu_8k() -> str:
     d = _load(SPEED_ADAPT_8K[0][1])
     t, m = d["training"], d["meta"]
     note = (f"The adaptation: {_adaptation_summary(t)}. The prompts: the designs of the tables above at "
-            f"8,000 tokens (the model's context is 8,192); {m['device_desc']} (shared), vLLM {m['vllm']}, fp32, "
-            f"greedy; {m['date'][:10]}; commit {m['commit']}; "
+            f"8,000 tokens (the model's context is 8,192); {_speed_eval_run(m)}; "
             + "; ".join(f"`{_load(n)['meta']['commands']['original']}`; `{_load(n)['meta']['commands']['adapted']}`"
                         for _, n in SPEED_ADAPT_8K)
             + "; source: " + ", ".join(f"`{RESULTS}/{n}`" for _, n in SPEED_ADAPT_8K) + ".")
@@ -1200,7 +1214,7 @@ def speed_adapt_cpu_user() -> str:
     note = (f"The second pass, from the checkpoint that keeps its dense run (its own dense run the teacher; "
             f"\"its dense run\" below is against that checkpoint's): {_adaptation_summary(t)}. The held-out "
             f"prompts and commands of each set as in the tables above, the adapted model `{t['out']}`; "
-            f"{m['device_desc']} (shared), vLLM {m['vllm']}, fp32, greedy; {m['date'][:10]}; commit {m['commit']}; "
+            f"{_speed_eval_run(m)}; "
             + "; ".join(f"`{_load(x[2])['meta']['commands']['adapted']}`" for x in present)
             + "; source: " + ", ".join(f"`{RESULTS}/{x[2]}`" for x in present) + ".")
     return "\n".join(lines) + "\n\n" + note + "\n"
@@ -1323,6 +1337,8 @@ FIGURES = {"cpu_decode_batch": cpu_decode_batch,
            "cpu_decode_batch_2threads": lambda: cpu_decode_batch(("cpu_decode_batch_bf16_avx512_2threads.json",)),
            "quality_fp8": quality_fp8,
            "quality_noise_critiprefill": quality_noise_control,
+           "quality_noise_critiprefill_budget": lambda: quality_noise_control(
+               NOISE_CONTROL_CRITIPREFILL_BUDGET, NOISE_CONTROL_CRITIPREFILL_BUDGET_ROWS),
            "quality_noise_fp8": lambda: quality_noise_control(NOISE_CONTROL_FP8, NOISE_CONTROL_FP8_ROWS),
            "quality_fp8_heldout3": lambda: quality_fp8(QUALITY_FP8_HELDOUT3, "sfi_default"), "cpu_decode_headline": cpu_decode_headline, "first_hour": first_hour, "gpu_h200": gpu_h200, "h200_decode_kernels": h200_decode_kernels, "document_question": document_question,
            "cpu_steps": cpu_steps, "sfi_path": sfi_path, "gpu_kernels": gpu_kernels, "load_cpu": load_cpu, "load_passes": load_passes, "soak": soak,
