@@ -885,44 +885,36 @@ def quality_fp8(files: tuple[str, str] = QUALITY_FP8, preset: str = "sfi_preset"
 # prompts as dense in bf16 changes no algorithm, only rounding, so the share of dense bf16's right
 # answers it keeps is what greedy answers on these sets lose to any perturbation of that size.
 # Each set: (label, {alias: (file, config)}); each row: (label, config alias, reference alias).
+def _runs_in(file: str, **configs: str) -> dict[str, tuple[str, str]]:
+    """{alias: (file, config name)} for configurations of one result file."""
+    return {alias: (file, name) for alias, name in configs.items()}
+
+
+def _critiprefill_set(file: str, **more: str) -> dict[str, tuple[str, str]]:
+    return _runs_in(file, dense="dense", method="critiprefill_preset", fp32="dense_fp32", **more)
+
+
 NOISE_CONTROL_CRITIPREFILL = (
-    ("seed 9100 (48)", {"dense": ("quality_cpu_smollm2_critiprefill_needles_heldout_fp32.json", "dense"),
-                        "method": ("quality_cpu_smollm2_critiprefill_needles_heldout_fp32.json", "critiprefill_preset"),
-                        "fp32": ("quality_cpu_smollm2_critiprefill_needles_heldout_fp32.json", "dense_fp32")}),
-    ("seed 9300 (144)", {"dense": ("quality_cpu_smollm2_critiprefill_needles_heldout2_fp32.json", "dense"),
-                         "method": ("quality_cpu_smollm2_critiprefill_needles_heldout2_fp32.json", "critiprefill_preset"),
-                         "fp32": ("quality_cpu_smollm2_critiprefill_needles_heldout2_fp32.json", "dense_fp32")}),
-    ("seed 9700 (144)", {"dense": ("quality_cpu_smollm2_critiprefill_needles_heldout3_fp32.json", "dense"),
-                         "method": ("quality_cpu_smollm2_critiprefill_needles_heldout3_fp32.json", "critiprefill_preset"),
-                         "fp32": ("quality_cpu_smollm2_critiprefill_needles_heldout3_fp32.json", "dense_fp32")}),
+    ("seed 9100 (48)", _critiprefill_set("quality_cpu_smollm2_critiprefill_needles_heldout_fp32.json")),
+    ("seed 9300 (144)", _critiprefill_set("quality_cpu_smollm2_critiprefill_needles_heldout2_fp32.json")),
+    ("seed 9700 (144)", _critiprefill_set("quality_cpu_smollm2_critiprefill_needles_heldout3_fp32.json")),
 )
 NOISE_CONTROL_CRITIPREFILL_ROWS = (("`critiprefill` preset (bf16)", "method", "dense"),
                                    ("dense fp32: the precision noise", "fp32", "dense"))
 NOISE_CONTROL_CRITIPREFILL_BUDGET = tuple(
-    (label, {"dense": (f"quality_cpu_smollm2_critiprefill_needles_heldout{n}_budget3072.json", "dense"),
-             "method": (f"quality_cpu_smollm2_critiprefill_needles_heldout{n}_budget3072.json", "critiprefill_preset"),
-             "budget": (f"quality_cpu_smollm2_critiprefill_needles_heldout{n}_budget3072.json", "budget3072"),
-             "fp32": (f"quality_cpu_smollm2_critiprefill_needles_heldout{n}_budget3072.json", "dense_fp32")})
+    (label, _critiprefill_set(f"quality_cpu_smollm2_critiprefill_needles_heldout{n}_budget3072.json", budget="budget3072"))
     for label, n in (("seed 9300 (144)", 2), ("seed 9700 (144)", 3)))
 NOISE_CONTROL_CRITIPREFILL_BUDGET_ROWS = (("`critiprefill` preset: budget 2,048 (the authors')", "method", "dense"),
                                           ("budget 3,072", "budget", "dense"),
                                           ("dense fp32: the precision noise", "fp32", "dense"))
-NOISE_CONTROL_FP8 = (
-    ("seed 5800 (48, 4K + 8K)", {
-        "dense": ("quality_cpu_smollm2_fp8_heldout_fp32.json", "dense"),
-        "sfi": ("quality_cpu_smollm2_fp8_heldout_fp32.json", "sfi_preset"),
-        "fp32": ("quality_cpu_smollm2_fp8_heldout_fp32.json", "dense_fp32"),
-        "fp32_fp8": ("quality_cpu_smollm2_fp8_heldout_fp32.json", "dense_fp32_fp8kv"),
-        "dense_fp8": ("quality_cpu_smollm2_fp8_heldout_fp8kv.json", "dense"),
-        "sfi_fp8": ("quality_cpu_smollm2_fp8_heldout_fp8kv.json", "sfi_preset")}),
-    ("seed 6700 (63, 8K)", {
-        "dense": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp32.json", "dense"),
-        "sfi": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp32.json", "sfi_default"),
-        "fp32": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp32.json", "dense_fp32"),
-        "fp32_fp8": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp32.json", "dense_fp32_fp8kv"),
-        "dense_fp8": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp8kv.json", "dense"),
-        "sfi_fp8": ("quality_cpu_smollm2_user_needles_heldout3_8k_fp8kv.json", "sfi_default")}),
-)
+NOISE_CONTROL_FP8 = tuple(
+    (label, {**_runs_in(controls, dense="dense", sfi=preset, fp32="dense_fp32", fp32_fp8="dense_fp32_fp8kv"),
+             **_runs_in(fp8, dense_fp8="dense", sfi_fp8=preset)})
+    for label, controls, fp8, preset in (
+        ("seed 5800 (48, 4K + 8K)", "quality_cpu_smollm2_fp8_heldout_fp32.json",
+         "quality_cpu_smollm2_fp8_heldout_fp8kv.json", "sfi_preset"),
+        ("seed 6700 (63, 8K)", "quality_cpu_smollm2_user_needles_heldout3_8k_fp32.json",
+         "quality_cpu_smollm2_user_needles_heldout3_8k_fp8kv.json", "sfi_default")))
 NOISE_CONTROL_FP8_ROWS = (("`sfi` preset, bf16 cache", "sfi", "dense"),
                           ("dense fp32: the precision noise on bf16", "fp32", "dense"),
                           ("`sfi` preset, fp8 cache", "sfi_fp8", "dense_fp8"),
